@@ -1,0 +1,30 @@
+# The two commands of the README: `make run` (the main job) and `make test` (the test suite).
+# Both create the virtual environment themselves on a fresh machine.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+PYTEST_ARGS ?= -n 2
+
+.PHONY: venv run test bench clean
+
+$(STAMP):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,torchrec]'
+	# torchrec and recbole (the MovieLens-100k data carrier) without their dependency pins:
+	# torchrec's would replace fbgemm-gpu-cpu with the CUDA build.
+	$(PY) -m pip install -q --no-deps torchrec==1.8.0 recbole==1.2.1
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+venv: $(STAMP)
+
+run: venv
+	$(PY) -m models.quickstart
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

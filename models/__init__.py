@@ -1,0 +1,1 @@
+"""The model zoo, data loaders, and the train / evaluate / benchmark scripts."""

@@ -1,0 +1,55 @@
+"""The ``rec_ascend`` torch.compile backend: rec passes on the Dynamo graph, then Inductor."""
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.decomposition import select_decomp_table
+
+import recompile.passes  # noqa: F401  (registers the passes)
+import runtime  # noqa: F401  (defines torch.ops.recompile.*)
+from recompile.lowering import Target, detect_target
+from recompile.options import RecompileOptions
+from recompile.pipeline import PassContext, run_pipeline
+
+_graph_ids = itertools.count()
+
+# Inductor decompositions that guard on sizes (a matmul on few elements becomes pointwise): on
+# batch-sized dims they make a stream of batches recompile once the batch crosses the threshold.
+SIZE_GUARDING_DECOMPOSITIONS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
+@functools.cache
+def inductor_decompositions() -> dict:
+    table = select_decomp_table()
+    return {op: fn for op, fn in table.items() if op not in SIZE_GUARDING_DECOMPOSITIONS}
+
+
+def resolve_target(options: RecompileOptions) -> Target:
+    """The target to compile for; it must be present on this machine to run."""
+    target = detect_target(options.target)
+    if not target.available:
+        raise RuntimeError(
+            f"recompile: target {target.name!r} is not present on this machine, so a graph for it cannot run; "
+            f"recompile.explain(model, *inputs, options={{'target': {target.name!r}}}) or "
+            f"`recompile inspect --target {target.name}` shows the plan it would run"
+        )
+    return target
+
+
+def rec_ascend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: RecompileOptions | Mapping[str, Any] | None = None,
+    mode: str | None = None,
+):
+    """Run the rec pass pipeline on ``gm`` (torch-level, before autograd) and compile the result with Inductor."""
+    opts = RecompileOptions.coerce(options)
+    ctx = PassContext(opts, resolve_target(opts), example_inputs, graph_id=next(_graph_ids))
+    gm = run_pipeline(gm, ctx)
+    config_patches = torch._inductor.list_mode_options(mode) if mode else None
+    return compile_fx(gm, example_inputs, config_patches=config_patches, decompositions=inductor_decompositions())

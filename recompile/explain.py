@@ -1,0 +1,37 @@
+"""``recompile.explain``: capture a model with Dynamo and run the pipeline, without compiling it."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from recompile.backend import detect_target
+from recompile.options import RecompileOptions
+from recompile.pipeline import PassContext, run_pipeline
+from recompile.report import GraphReport, Report
+
+
+def _break_reason(gm: torch.fx.GraphModule) -> str | None:
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    return str(reason.reason)
+
+
+def explain(model, *example_inputs, options: RecompileOptions | Mapping[str, Any] | None = None) -> Report:
+    """Report what rec_ascend would do to ``model``: stages, regions, chosen kernels and fallbacks.
+
+    The model runs once eagerly on ``example_inputs`` (Dynamo captures its graphs that way); nothing
+    is compiled, and a target that is not present here (``target="npu"`` on a CPU machine) is planned for.
+    """
+    opts = RecompileOptions.coerce(options)
+    report = Report(detect_target(opts.target))
+
+    def capture(gm: torch.fx.GraphModule, inputs):
+        ctx = PassContext(opts, report.target, None, graph_id=len(report.graphs))
+        run_pipeline(gm, ctx)
+        report.graphs.append(GraphReport(ctx, _break_reason(gm)))
+        return gm.forward
+
+    torch.compile(model, backend=capture)(*example_inputs)
+    return report

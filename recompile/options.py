@@ -1,0 +1,71 @@
+"""RecompileOptions: what ``torch.compile(..., backend="rec_ascend", options={...})`` accepts."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from recompile.lowering.targets import TARGETS
+
+OFFLOAD = ("partial", "full")
+BOUNDS_CHECK = ("fatal", "warning", "ignore")
+
+
+@dataclass
+class RecompileOptions:
+    # "auto" picks the best device present; naming an absent one is allowed only for explain/plans.
+    target: str = "auto"
+    # Rec SDK modes: "partial" hashes/dedups/bucketizes ids on the host, "full" does it all on device.
+    offload: str = "partial"
+    # Enable or disable passes by name: {"embedding": False}.
+    passes: dict[str, bool] = field(default_factory=dict)
+    # Write every stage's graph as Python and JSON here (env RECOMPILE_DUMP sets it too).
+    dump_dir: str | None = None
+    # Run each pass's result against its input graph on the example inputs; raise on mismatch.
+    verify: bool = False
+    # Out-of-range ids: "fatal" raises naming the table, "warning" and "ignore" as FBGEMM's BoundsCheckMode.
+    bounds_check: str = "fatal"
+    # Time candidate kernels on the example inputs and keep the fastest correct one.
+    autotune: bool = True
+
+    def __post_init__(self):
+        _check_choice("target", self.target, TARGETS)
+        _check_choice("offload", self.offload, OFFLOAD)
+        _check_choice("bounds_check", self.bounds_check, BOUNDS_CHECK)
+        for name in ("verify", "autotune"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"recompile option {name!r} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.passes, Mapping):
+            raise ValueError(f"recompile option 'passes' must be a dict of pass name -> bool, got {self.passes!r}")
+        from recompile.pipeline import PASS_ORDER
+
+        for name, on in self.passes.items():
+            _check_choice("passes", name, tuple(PASS_ORDER))
+            if not isinstance(on, bool):
+                raise ValueError(f"recompile option passes[{name!r}] must be True or False, got {on!r}")
+        if self.dump_dir is None:
+            self.dump_dir = os.environ.get("RECOMPILE_DUMP") or None
+
+    def enabled(self, pass_name: str) -> bool:
+        return self.passes.get(pass_name, True)
+
+    @classmethod
+    def coerce(cls, options: "RecompileOptions | Mapping[str, Any] | None") -> "RecompileOptions":
+        """Accept None, a RecompileOptions or a dict; reject unknown keys, listing the valid ones."""
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        if not isinstance(options, Mapping):
+            raise ValueError(f"recompile options must be a dict or RecompileOptions, got {type(options).__name__}")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown recompile option(s) {unknown}; valid options: {', '.join(valid)}")
+        return cls(**options)
+
+
+def _check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"recompile option {name!r} got {value!r}; valid values: {', '.join(valid)}")

@@ -1,0 +1,2 @@
+"""The rec passes, one module each; importing a module registers its pass (see ``PASS_ORDER``)."""
+from recompile.passes import jagged, normalize  # noqa: F401

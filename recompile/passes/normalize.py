@@ -1,0 +1,54 @@
+"""normalize: one spelling per operation, so that later passes match a single form.
+
+Pattern and replacement:
+- ``call_method`` ``x.name(*args)`` for a method in ``METHOD_FUNCTIONS`` -> ``torch.name(x, *args)``.
+- ``operator.add/sub/mul/truediv/matmul(x, y)`` with a tensor ``x`` -> ``torch.add/sub/mul/div/matmul``.
+Nothing else changes; the computation is the same call under another name.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from recompile.passes.utils import tensor_meta
+from recompile.pipeline import PassContext, register_pass
+
+# Tensor methods whose torch function takes the tensor first and the same arguments after it.
+METHOD_FUNCTIONS = {
+    name: getattr(torch, name)
+    for name in (
+        "sum", "mean", "amax", "amin", "max", "min", "prod", "cumsum", "softmax", "log_softmax",
+        "bmm", "matmul", "mm", "transpose", "permute", "reshape", "unsqueeze", "squeeze", "flatten",
+        "index_select", "gather", "masked_fill", "sigmoid", "relu", "tanh", "exp", "log", "sqrt",
+        "rsqrt", "clamp", "split", "chunk", "triu", "tril", "mul", "add", "sub", "div", "pow", "neg",
+        "abs", "square", "repeat_interleave", "narrow", "select", "unbind", "masked_select",
+        "logical_not", "eq", "ne", "lt", "le", "gt", "ge", "t",
+    )
+}
+
+OPERATOR_FUNCTIONS = {
+    operator.add: torch.add,
+    operator.sub: torch.sub,
+    operator.mul: torch.mul,
+    operator.truediv: torch.div,
+    operator.matmul: torch.matmul,
+}
+
+
+def _function_for(node: fx.Node):
+    if node.op == "call_method":
+        return METHOD_FUNCTIONS.get(node.target)
+    if node.op == "call_function" and node.target in OPERATOR_FUNCTIONS and tensor_meta(node.args[0]) is not None:
+        return OPERATOR_FUNCTIONS[node.target]
+    return None
+
+
+@register_pass("normalize")
+def normalize(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    for node in gm.graph.nodes:
+        fn = _function_for(node)
+        if fn is not None:
+            node.op, node.target = "call_function", fn
+    return gm

@@ -1,0 +1,43 @@
+"""Helpers the passes share for reading and rewriting FX graphs."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+
+def meta_value(node: Any) -> Any:
+    """The example value Dynamo (``example_value``) or AOT (``val``) recorded for a node, else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def tensor_meta(node: Any) -> torch.Tensor | None:
+    value = meta_value(node)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def is_call(node: Any, *targets: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of a call, passed by position ``index`` or by keyword."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def replace_node(old: fx.Node, new: fx.Node) -> None:
+    """Point every user of ``old`` at ``new``, keep ``old``'s example value, and erase it."""
+    new.meta.setdefault("example_value", meta_value(old))
+    old.replace_all_uses_with(new)
+    old.graph.erase_node(old)
+
+
+def erase_if_unused(*nodes: fx.Node) -> None:
+    for node in nodes:
+        if isinstance(node, fx.Node) and not node.users and node.op != "placeholder":
+            node.graph.erase_node(node)

@@ -1,0 +1,164 @@
+"""The rec pass pipeline: ordered, named FX -> FX passes over the graph Dynamo captured.
+
+Each pass is ``(gm, ctx) -> gm``, lives in its own module under ``recompile/passes/`` and registers
+itself with ``register_pass``. The pipeline runs every enabled pass on a copy of the graph; if a pass
+raises, its input graph is kept, the failure is recorded as a fallback and a warning says so. The
+context records every region a pass replaced and the kernel the lowering registry chose for it.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from recompile import dump
+from recompile.lowering import Impl, Target, choose
+from recompile.options import RecompileOptions
+
+PassFn = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
+
+# The order passes run in. A pass module adds its name here and registers its function.
+PASS_ORDER: list[str] = ["normalize", "jagged"]
+PASSES: dict[str, PassFn] = {}
+REGION_KINDS = ("embedding", "dynamic_embedding", "jagged", "attention", "interaction")
+
+
+def register_pass(name: str) -> Callable[[PassFn], PassFn]:
+    if name not in PASS_ORDER:
+        raise ValueError(f"pass {name!r} is not in PASS_ORDER {PASS_ORDER}")
+
+    def wrap(fn: PassFn) -> PassFn:
+        PASSES[name] = fn
+        return fn
+
+    return wrap
+
+
+@dataclass
+class Region:
+    kind: str
+    pass_name: str
+    replaced: list[str]
+    op: str
+    target: str
+    impl: Impl
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "pass": self.pass_name,
+            "replaced": list(self.replaced),
+            "op": self.op,
+            "target": self.target,
+            "kernel": self.impl.describe,
+            "impl": self.impl.impl,
+            "kernel_kind": self.impl.kind,
+        }
+
+
+@dataclass
+class Fallback:
+    pass_name: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"pass": self.pass_name, "reason": self.reason}
+
+
+@dataclass
+class Stage:
+    name: str
+    code: str
+    num_nodes: int
+    graph: int
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "code": self.code, "num_nodes": self.num_nodes, "graph": self.graph}
+
+
+@dataclass
+class PassContext:
+    options: RecompileOptions
+    target: Target
+    # Real inputs of the graph (the backend has them); None when only planning (explain).
+    example_inputs: Sequence | None = None
+    graph_id: int = 0
+    regions: list[Region] = field(default_factory=list)
+    fallbacks: list[Fallback] = field(default_factory=list)
+    stages: list[Stage] = field(default_factory=list)
+    current_pass: str = ""
+
+    def lower(self, op: str) -> Impl:
+        """The implementation of ``op`` the target runs (first in the lowering table it can run)."""
+        return choose(op, self.target)
+
+    def record_region(self, kind: str, replaced: Sequence[fx.Node | str], op: str, impl: Impl) -> None:
+        if kind not in REGION_KINDS:
+            raise ValueError(f"region kind {kind!r} is not one of {REGION_KINDS}")
+        names = [n.name if isinstance(n, fx.Node) else n for n in replaced]
+        self.regions.append(Region(kind, self.current_pass, names, op, self.target.name, impl))
+
+    def record_stage(self, name: str, gm: fx.GraphModule) -> None:
+        stage = Stage(name, gm.code, len(gm.graph.nodes), self.graph_id)
+        self.stages.append(stage)
+        if self.options.dump_dir:
+            dump.write_stage(self.options.dump_dir, self.graph_id, len(self.stages) - 1, name, gm)
+
+
+class VerificationError(RuntimeError):
+    """A pass's rewritten graph disagreed with its input graph on the example inputs."""
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule with a copy of the graph; parameters and submodules are shared, not copied."""
+    graph = fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    return fx.GraphModule(gm, graph)
+
+
+def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    ctx.record_stage("captured", gm)
+    for name in PASS_ORDER:
+        if name not in PASSES or not ctx.options.enabled(name):
+            continue
+        gm = _run_pass(name, PASSES[name], gm, ctx)
+    return gm
+
+
+def _run_pass(name: str, fn: PassFn, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    ctx.current_pass = name
+    num_regions = len(ctx.regions)
+    try:
+        result = fn(copy_graph_module(gm), ctx)
+        result.graph.lint()
+        result.recompile()
+    except Exception as exc:  # a failing pass must never cost correctness: keep its input graph
+        del ctx.regions[num_regions:]
+        reason = f"{type(exc).__name__}: {exc}"
+        ctx.fallbacks.append(Fallback(name, reason))
+        warnings.warn(f"recompile: pass {name!r} failed and was skipped ({reason})", stacklevel=2)
+        return gm
+    if ctx.options.verify and len(ctx.regions) > num_regions:
+        _verify(name, gm, result, ctx)
+    ctx.record_stage(name, result)
+    return result
+
+
+def _verify(name: str, before: fx.GraphModule, after: fx.GraphModule, ctx: PassContext) -> None:
+    inputs = ctx.example_inputs
+    if inputs is None:
+        return
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(0)
+        expected = before(*inputs)
+        torch.manual_seed(0)
+        got = after(*inputs)
+    try:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, equal_nan=True)
+    except AssertionError as exc:
+        regions = [r.to_dict() for r in ctx.regions if r.pass_name == name]
+        raise VerificationError(f"recompile: pass {name!r} changed the results of regions {regions}: {exc}") from None

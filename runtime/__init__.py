@@ -1,0 +1,8 @@
+"""recompile's custom ops (``torch.ops.recompile.*``), their reference implementations and kernels.
+
+Importing this package defines the ops. It never imports ``recompile``.
+"""
+from runtime import offsets  # noqa: F401  (defines torch.ops.recompile.complete_cumsum)
+from runtime.kernels import KERNELS, get_kernel, register_kernel
+
+__all__ = ["KERNELS", "get_kernel", "register_kernel"]

@@ -1,0 +1,193 @@
+"""The rec_ascend backend, options, pipeline, fallbacks, explain and dynamic shapes."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import recompile
+from models.dlrm import DLRM, DLRMConfig, synthetic_batch
+from recompile import pipeline
+from recompile.lowering import LOWERINGS, detect_target
+from recompile.lowering.targets import ASCEND_FBGEMM_OPS
+
+SMALL = DLRMConfig(table_rows=[50, 80, 120], dim=8, bottom=[16, 8], top=[16, 1])
+
+
+def small_mlp():
+    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _grads(model):
+    return {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _train_step(model, args):
+    model.zero_grad()
+    out = model(*args)
+    out.float().pow(2).mean().backward()
+    return out.detach(), _grads(model)
+
+
+@pytest.mark.parametrize("make", ["mlp", "dlrm"])
+def test_compiled_forward_and_grads_equal_eager(make):
+    if make == "mlp":
+        model, args = small_mlp(), (torch.randn(16, 12),)
+    else:
+        model, args = DLRM(SMALL), synthetic_batch(SMALL, 16)
+    compiled = torch.compile(model, backend="rec_ascend")
+    out_c, grads_c = _train_step(compiled, args)
+    out_e, grads_e = _train_step(model, args)
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+    assert grads_c.keys() == grads_e.keys() and grads_e
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_entry_point_resolves_in_fresh_process():
+    code = textwrap.dedent(
+        """
+        import torch
+        assert "rec_ascend" in torch._dynamo.list_backends()
+        f = torch.compile(lambda x: torch.relu(x) * 2, backend="rec_ascend")
+        x = torch.randn(8)
+        torch.testing.assert_close(f(x), torch.relu(x) * 2)
+        import sys; assert "recompile" in sys.modules  # loaded through the entry point
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"tagret": "cpu"}, "unknown recompile option.*valid options: target, offload"),
+        ({"target": "tpu"}, "'target' got 'tpu'; valid values: auto, cpu, cuda, npu"),
+        ({"offload": "half"}, "valid values: partial, full"),
+        ({"bounds_check": "strict"}, "valid values: fatal, warning, ignore"),
+        ({"passes": {"nosuch": False}}, "'passes' got 'nosuch'; valid values: normalize"),
+        ({"passes": {"jagged": "no"}}, "must be True or False"),
+        ({"verify": 1}, "must be True or False"),
+        (["target"], "must be a dict or RecompileOptions"),
+    ],
+)
+def test_bad_options_raise_listing_valid_ones(options, message):
+    with pytest.raises(ValueError, match=message):
+        recompile.RecompileOptions.coerce(options)
+
+
+def test_bad_options_through_torch_compile():
+    compiled = torch.compile(small_mlp(), backend="rec_ascend", options={"target": "tpu"})
+    with pytest.raises(Exception, match="valid values: auto, cpu, cuda, npu"):
+        compiled(torch.randn(2, 12))
+
+
+def test_absent_target_refuses_to_run_but_plans():
+    compiled = torch.compile(small_mlp(), backend="rec_ascend", options={"target": "npu"})
+    with pytest.raises(Exception, match="not present on this machine"):
+        compiled(torch.randn(2, 12))
+    report = recompile.explain(small_mlp(), torch.randn(2, 12), options={"target": "npu"}).to_dict()
+    assert report["executed"] is False and report["target"]["name"] == "npu"
+
+
+def test_failing_pass_falls_back_and_is_reported(monkeypatch):
+    def broken(gm, ctx):
+        for node in gm.graph.nodes:  # half-rewrites the graph, then fails
+            if node.op == "call_function":
+                node.target = torch.sub
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(pipeline, "PASS_ORDER", [*pipeline.PASS_ORDER, "broken"])
+    monkeypatch.setitem(pipeline.PASSES, "broken", broken)
+    model, x = small_mlp(), torch.randn(4, 12)
+    with pytest.warns(UserWarning, match="pass 'broken' failed"):
+        out = torch.compile(model, backend="rec_ascend")(x)
+    torch.testing.assert_close(out, model(x))
+    with pytest.warns(UserWarning):
+        report = recompile.explain(model, x).to_dict()
+    assert report["fallbacks"] == [{"pass": "broken", "reason": "RuntimeError: boom"}]
+
+
+def test_verify_raises_on_wrong_rewrite(monkeypatch):
+    def wrong(gm, ctx):
+        for node in gm.graph.nodes:
+            if node.target is torch.relu:
+                node.target = torch.tanh
+                ctx.record_region("interaction", [node], "recompile::complete_cumsum", ctx.lower("recompile::complete_cumsum"))
+        return gm
+
+    monkeypatch.setattr(pipeline, "PASS_ORDER", [*pipeline.PASS_ORDER, "wrong"])
+    monkeypatch.setitem(pipeline.PASSES, "wrong", wrong)
+    f = torch.compile(lambda x: torch.relu(x) + 1, backend="rec_ascend", options={"verify": True})
+    with pytest.raises(Exception, match="pass 'wrong' changed the results"):
+        f(torch.randn(8))
+
+
+def test_disabled_pass_does_not_run():
+    import torch.nn.functional as F
+
+    def offsets(lengths):
+        return F.pad(torch.cumsum(lengths, 0), (1, 0))
+
+    lengths = torch.randint(0, 5, (7,))
+    assert recompile.explain(offsets, lengths).to_dict()["regions"]
+    assert not recompile.explain(offsets, lengths, options={"passes": {"jagged": False}}).to_dict()["regions"]
+
+
+def test_explain_documented_keys_and_graph_breaks():
+    def with_break(x):
+        y = torch.relu(x)
+        torch._dynamo.graph_break()
+        return y * 2
+
+    report = recompile.explain(with_break, torch.randn(3))
+    d = report.to_dict()
+    assert {"stages", "regions", "fallbacks"} <= d.keys()
+    assert len(d["graphs"]) == 2 and d["graphs"][0]["break_reason"]
+    for stage in d["stages"]:
+        assert {"name", "code", "num_nodes"} <= stage.keys()
+    assert [s["name"] for s in d["stages"] if s["graph"] == 0][0] == "captured"
+    json.dumps(d)
+    assert "graphs captured: 2" in report.to_text()
+
+    model = DLRM(SMALL)
+    d = recompile.explain(model, *synthetic_batch(SMALL, 4)).to_dict()
+    for region in d["regions"]:
+        assert {"kind", "pass", "replaced", "op", "target", "kernel"} <= region.keys()
+        assert region["kind"] in pipeline.REGION_KINDS
+
+
+def test_dump_dir_writes_every_stage(tmp_path):
+    model, x = small_mlp(), torch.randn(4, 12)
+    torch.compile(model, backend="rec_ascend", options={"dump_dir": str(tmp_path)})(x)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert any(n.endswith("_captured.py") for n in names) and any(n.endswith("_normalize.json") for n in names)
+    graph = json.loads(next(tmp_path.glob("*_captured.json")).read_text())
+    assert any(node["op"] == "placeholder" for node in graph["nodes"])
+
+
+def test_batch_size_changes_compile_at_most_twice():
+    model = DLRM(SMALL)
+    counter = CompileCounterWithBackend("rec_ascend")
+    compiled = torch.compile(model, backend=counter)
+    for batch in (8, 13, 21, 34, 55, 89):
+        args = synthetic_batch(SMALL, batch)
+        torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-5, atol=1e-6)
+    assert counter.frame_count <= 2
+
+
+def test_targets_and_lowering_tables():
+    cpu = detect_target("cpu")
+    assert cpu.available and cpu.has_fbgemm("asynchronous_complete_cumsum")
+    npu = detect_target("npu")
+    assert not npu.available and npu.fbgemm_ops == ASCEND_FBGEMM_OPS["A3"] and len(npu.fbgemm_ops) == 9
+    assert npu.triton == "triton-ascend"
+    for op, impls in LOWERINGS.items():
+        assert impls[-1].kind == "reference", op
