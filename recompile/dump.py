@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import tempfile
 
 import torch
 import torch.fx as fx
+
+_FRAME = re.compile(r'\s*File "([^"]+)", line (\d+)')
 
 
 def _describe(arg) -> object:
@@ -20,7 +24,7 @@ def _describe(arg) -> object:
     return repr(arg)
 
 
-def _target_name(node: fx.Node) -> str:
+def target_name(node: fx.Node) -> str:
     if isinstance(node.target, str):
         return node.target
     return fx.node._get_qualified_name(node.target) if callable(node.target) else repr(node.target)
@@ -33,6 +37,17 @@ def _value_meta(node: fx.Node) -> dict | None:
     return None
 
 
+def source_line(node: fx.Node) -> str | None:
+    """Where the user's code made this node: "file.py:12: code", from the innermost frame of its stack trace."""
+    trace = (node.meta.get("stack_trace") or "").rstrip().splitlines()
+    frames = [i for i, line in enumerate(trace) if line.lstrip().startswith("File ")]
+    if not frames:
+        return None
+    match = _FRAME.match(trace[frames[-1]])
+    code = trace[frames[-1] + 1].strip() if frames[-1] + 1 < len(trace) else ""
+    return f"{os.path.basename(match.group(1))}:{match.group(2)}: {code}" if match else None
+
+
 def graph_to_json(gm: fx.GraphModule) -> dict:
     nodes = []
     for node in gm.graph.nodes:
@@ -40,20 +55,39 @@ def graph_to_json(gm: fx.GraphModule) -> dict:
             {
                 "name": node.name,
                 "op": node.op,
-                "target": _target_name(node),
+                "target": target_name(node),
                 "args": _describe(node.args),
                 "kwargs": _describe(node.kwargs),
                 "users": [u.name for u in node.users],
                 "value": _value_meta(node),
+                "source": source_line(node),
             }
         )
     return {"nodes": nodes}
 
 
+def readable_code(gm: fx.GraphModule) -> str:
+    """The graph as Python with the shape and dtype of every value and the user source line of each node."""
+    return gm.print_readable(print_output=False)
+
+
+def write_file(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a temporary file renamed into place)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def write_stage(dump_dir: str, graph_id: int, index: int, name: str, gm: fx.GraphModule) -> None:
-    os.makedirs(dump_dir, exist_ok=True)
+    """``graph<id>_<index>_<stage>.py`` (the graph as Python, with shapes and source lines) and ``.json``."""
     stem = os.path.join(dump_dir, f"graph{graph_id}_{index:02d}_{name}")
-    with open(stem + ".py", "w") as f:
-        f.write(gm.code)
-    with open(stem + ".json", "w") as f:
-        json.dump(graph_to_json(gm), f, indent=1)
+    header = f"# recompile: graph {graph_id}, stage {index} ({name}), {len(gm.graph.nodes)} nodes\n"
+    write_file(stem + ".py", header + readable_code(gm))
+    write_file(stem + ".json", json.dumps(graph_to_json(gm), indent=1))

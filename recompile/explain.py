@@ -1,9 +1,11 @@
 """``recompile.explain``: capture a model with Dynamo and run the pipeline, without compiling it."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
+import torch.fx as fx
 
 from recompile.backend import detect_target
 from recompile.options import RecompileOptions
@@ -18,6 +20,17 @@ def _break_reason(gm: torch.fx.GraphModule) -> str | None:
     return str(reason.reason)
 
 
+@dataclass
+class _RecordingContext(PassContext):
+    """A PassContext that also keeps each stage's graph module, for drawing, diffing and profiling."""
+
+    modules: list[fx.GraphModule] = field(default_factory=list)
+
+    def record_stage(self, name: str, gm: fx.GraphModule) -> None:
+        super().record_stage(name, gm)
+        self.modules.append(gm)
+
+
 def explain(model, *example_inputs, options: RecompileOptions | Mapping[str, Any] | None = None) -> Report:
     """Report what rec_ascend would do to ``model``: stages, regions, chosen kernels and fallbacks.
 
@@ -28,9 +41,9 @@ def explain(model, *example_inputs, options: RecompileOptions | Mapping[str, Any
     report = Report(detect_target(opts.target))
 
     def capture(gm: torch.fx.GraphModule, inputs):
-        ctx = PassContext(opts, report.target, None, graph_id=len(report.graphs))
+        ctx = _RecordingContext(opts, report.target, None, graph_id=len(report.graphs))
         run_pipeline(gm, ctx)
-        report.graphs.append(GraphReport(ctx, _break_reason(gm)))
+        report.graphs.append(GraphReport(ctx, _break_reason(gm), ctx.modules, list(inputs)))
         return gm.forward
 
     torch.compile(model, backend=capture)(*example_inputs)

@@ -1,16 +1,84 @@
-"""What the pipeline did to a model: ``recompile.explain`` returns a Report."""
+"""What the pipeline did to a model: ``recompile.explain`` returns a Report.
+
+``Report.to_dict()`` is the JSON form (keys: target, executed, graphs, passes, stages, regions, fallbacks,
+plan, profile_note); ``to_text()`` the summary the CLI prints; ``recompile.html_report`` draws the dict.
+"""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from typing import Iterator
 
+import torch.fx as fx
+
+from recompile import dump
 from recompile.lowering import Target
-from recompile.pipeline import PassContext
+from recompile.pipeline import PassContext, Region
+
+# What a chosen kernel runs as, by lowering kind. Library ops are named by the library each target has.
+LIBRARIES = {
+    "fbgemm": {"cpu": "fbgemm-gpu-cpu op", "cuda": "fbgemm-gpu op", "npu": "fbgemm-ascend op"},
+    "hkv": {"cpu": "HKV call", "cuda": "HKV call", "npu": "HKV call"},
+}
+RUNS_AS = {
+    "triton": "Triton kernel ({triton})",
+    "cpu_kernel": "CPU kernel",
+    "aten": "ATen ops, fused by Inductor",
+    "reference": "reference (plain torch), fused by Inductor",
+}
+INDUCTOR = "Inductor (compile_fx)"
+# Namespaces of the ops the rec passes insert; every other call of the final graph goes to Inductor.
+REC_OP_NAMESPACES = ("recompile.", "hkv.")
+_NODE_LINE = re.compile(r"^\s+(\w+)(?:: \"[^\"]*\")? = ")
+
+
+def runs_as(region: Region, target: Target) -> str:
+    namespace = region.op.split("::")[0]
+    if region.impl.kind == "library" or namespace == "hkv":
+        library = "hkv" if namespace == "hkv" else region.impl.describe.removeprefix("torch.ops.").split(".")[0]
+        return LIBRARIES.get(library, {}).get(target.name, f"{library} op")
+    return RUNS_AS[region.impl.kind].format(triton=target.triton)
+
+
+def node_lines(code: str) -> dict[str, int]:
+    """Line number (0-based) of each node's assignment in ``code``; the output node is the ``return``."""
+    lines = {}
+    for i, line in enumerate(code.splitlines()):
+        match = _NODE_LINE.match(line)
+        if match:
+            lines.setdefault(match.group(1), i)
+        elif line.strip().startswith("return"):
+            lines["output"] = i
+    return lines
+
+
+def fused_nodes(before: fx.GraphModule, after: fx.GraphModule, replaced: list[str]) -> list[str]:
+    """The nodes a pass put in place of ``replaced``: new nodes that read the region's inputs and feed its users."""
+    old = {n.name: n for n in before.graph.nodes}
+    region = set(replaced) & old.keys()
+    entries = {a.name for r in region for a in old[r].all_input_nodes if a.name not in region}
+    exits = {u.name for r in region for u in old[r].users if u.name not in region}
+    new = [n for n in after.graph.nodes if n.name not in old]
+    reads, feeds = set(), set()
+    for n in new:
+        if any(a.name in entries or a.name in reads for a in n.all_input_nodes):
+            reads.add(n.name)
+    for n in reversed(new):
+        if any(u.name in exits or u.name in feeds for u in n.users):
+            feeds.add(n.name)
+    return [n.name for n in new if n.name in reads and n.name in feeds]
+
+
+def _is_rec_op(node: fx.Node) -> bool:
+    return node.op == "call_function" and str(node.target).startswith(REC_OP_NAMESPACES)
 
 
 @dataclass
 class GraphReport:
     ctx: PassContext
     break_reason: str | None  # why Dynamo ended this graph (a graph break), None at the frame's end
+    modules: list[fx.GraphModule] = field(default_factory=list)  # the graph at each stage, as ctx.stages
+    inputs: list | None = None  # the inputs Dynamo passed to this graph; profiling runs the stages on them
 
     def to_dict(self) -> dict:
         stages = self.ctx.stages
@@ -19,6 +87,55 @@ class GraphReport:
             "break_reason": self.break_reason,
             "num_nodes_before": stages[0].num_nodes,
             "num_nodes_after": stages[-1].num_nodes,
+            "inductor_nodes": sum(1 for n in self.modules[-1].graph.nodes if n.op.startswith("call") and not _is_rec_op(n)),
+        }
+
+    def stage_index(self, name: str) -> int:
+        """Index of stage ``name``; the stage before it holds the graph its pass started from."""
+        return [s.name for s in self.ctx.stages].index(name)
+
+    def stage_dicts(self) -> list[dict]:
+        out = []
+        for stage, gm in zip(self.ctx.stages, self.modules):
+            code = dump.readable_code(gm)
+            out.append({**stage.to_dict(), "readable": code, "lines": node_lines(code), **dump.graph_to_json(gm)})
+        return out
+
+    def pass_dicts(self) -> list[dict]:
+        """Per pass: node counts, regions, and the nodes it removed, added or retargeted."""
+        out = []
+        for i in range(1, len(self.modules)):
+            before = {n.name: dump.target_name(n) for n in self.modules[i - 1].graph.nodes}
+            after = {n.name: dump.target_name(n) for n in self.modules[i].graph.nodes}
+            name = self.ctx.stages[i].name
+            out.append(
+                {
+                    "graph": self.ctx.graph_id,
+                    "pass": name,
+                    "num_nodes_before": len(before),
+                    "num_nodes_after": len(after),
+                    "regions": sum(1 for r in self.ctx.regions if r.pass_name == name),
+                    "removed": [n for n in before if n not in after],
+                    "added": [n for n in after if n not in before],
+                    "retargeted": [n for n in after if n in before and before[n] != after[n]],
+                }
+            )
+        return out
+
+    def region_details(self, region: Region) -> dict:
+        index = self.stage_index(region.pass_name)
+        before, after = self.modules[index - 1], self.modules[index]
+        code = dump.readable_code(before)
+        lines, code_lines = node_lines(code), code.splitlines()
+        nodes = [n for n in before.graph.nodes if n.name in region.replaced]
+        return {
+            "graph": self.ctx.graph_id,
+            "stage_before": self.ctx.stages[index - 1].name,
+            "stage_after": region.pass_name,
+            "fused": fused_nodes(before, after, region.replaced),
+            # The replaced nodes' lines, less the `;  x = None` that frees dead values.
+            "replaced_code": [code_lines[lines[n.name]].strip().split(";  ")[0] for n in nodes],
+            "source": list(dict.fromkeys(s for s in map(dump.source_line, nodes) if s)),
         }
 
 
@@ -26,17 +143,46 @@ class GraphReport:
 class Report:
     target: Target
     graphs: list[GraphReport] = field(default_factory=list)
+    # Region id -> measured times (recompile.profile); why nothing was measured, when it was asked for.
+    profile: dict[int, dict] = field(default_factory=dict)
+    profile_note: str | None = None
+
+    def regions(self) -> Iterator[tuple[GraphReport, Region]]:
+        for g in self.graphs:
+            for r in g.ctx.regions:
+                yield g, r
 
     def to_dict(self) -> dict:
         contexts = [g.ctx for g in self.graphs]
+        regions = [
+            {
+                "id": i,
+                **r.to_dict(),
+                **g.region_details(r),
+                "runs_as": runs_as(r, self.target),
+                "profile": self.profile.get(i),
+            }
+            for i, (g, r) in enumerate(self.regions())
+        ]
         return {
             "target": self.target.to_dict(),
             "executed": self.target.available,
             "graphs": [g.to_dict() for g in self.graphs],
-            "stages": [s.to_dict() for c in contexts for s in c.stages],
-            "regions": [r.to_dict() for c in contexts for r in c.regions],
+            "passes": [p for g in self.graphs for p in g.pass_dicts()],
+            "stages": [s for g in self.graphs for s in g.stage_dicts()],
+            "regions": regions,
             "fallbacks": [f.to_dict() for c in contexts for f in c.fallbacks],
+            "plan": self._plan(regions),
+            "profile_note": self.profile_note,
         }
+
+    def _plan(self, regions: list[dict]) -> dict[str, list[str]]:
+        """Where each region runs on the target, and how much of each graph is left to Inductor."""
+        plan: dict[str, list[str]] = {}
+        for r in regions:
+            plan.setdefault(r["runs_as"], []).append(f"#{r['id']} {r['op']} via {r['kernel']}")
+        plan[INDUCTOR] = [f"rest of graph {g['id']}: {g['inductor_nodes']} calls" for g in (x.to_dict() for x in self.graphs)]
+        return plan
 
     def to_text(self) -> str:
         d = self.to_dict()
@@ -47,12 +193,36 @@ class Report:
         for g in d["graphs"]:
             brk = f"; graph break: {g['break_reason']}" if g["break_reason"] else ""
             lines.append(f"  graph {g['id']}: {g['num_nodes_before']} -> {g['num_nodes_after']} nodes{brk}")
+        lines.append("passes:")
+        lines.extend(_pass_line(p) for p in d["passes"])
         lines.append(f"regions: {len(d['regions'])}")
         for r in d["regions"]:
             lines.append(
-                f"  [{r['kind']}] {r['pass']}: {', '.join(r['replaced'])} -> {r['op']} "
-                f"on {r['target']} via {r['kernel']} ({r['kernel_kind']})"
+                f"  #{r['id']} [{r['kind']}] graph {r['graph']}, pass {r['pass']}: {', '.join(r['replaced'])} -> {r['op']}"
             )
+            lines.append(f"      fused as: {', '.join(r['fused'])}")
+            lines.append(f"      kernel on {r['target']}: {r['kernel']} ({r['kernel_kind']}), runs as {r['runs_as']}")
+            lines.extend(f"      replaced: {code}" for code in r["replaced_code"])
+            lines.extend(f"      from: {source}" for source in r["source"])
+            if r["profile"]:
+                p = r["profile"]
+                lines.append(f"      measured: eager {p['eager_ms']:.4f} ms, fused {p['fused_ms']:.4f} ms ({p['speedup']:.2f}x)")
+        if d["profile_note"]:
+            lines.append(f"  profile: {d['profile_note']}")
+        executed = "executed here" if self.target.available else "NOT executed: planned from the target tables"
+        lines.append(f"plan for {self.target.name} ({executed}):")
+        for runs, items in d["plan"].items():
+            lines.append(f"  {runs}: {len(items)}")
+            lines.extend(f"    {item}" for item in items)
         lines.append(f"fallbacks: {len(d['fallbacks'])}")
-        lines.extend(f"  {f['pass']}: {f['reason']}" for f in d["fallbacks"])
+        lines.extend(f"  graph {g.ctx.graph_id} {f.pass_name}: {f.reason}" for g in self.graphs for f in g.ctx.fallbacks)
         return "\n".join(lines)
+
+
+def _pass_line(p: dict) -> str:
+    changes = [f"{len(p[k])} {k}" for k in ("removed", "added", "retargeted") if p[k]]
+    what = ", ".join(changes) if changes else "no change"
+    return (
+        f"  graph {p['graph']} {p['pass']}: {p['num_nodes_before']} -> {p['num_nodes_after']} nodes, "
+        f"{p['regions']} region(s); {what}"
+    )
