@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?= -n 2
 
-.PHONY: venv run test bench clean
+.PHONY: venv browser run test bench clean
 
 $(STAMP):
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,11 @@ venv: $(STAMP)
 run: venv
 	$(PY) -m models.quickstart
 
-test: venv
+# The HTML report's test loads it in a real browser: Debian's chromium, installed when missing.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+test: venv browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:

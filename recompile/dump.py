@@ -9,6 +9,7 @@ import tempfile
 import torch
 import torch.fx as fx
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _FRAME = re.compile(r'\s*File "([^"]+)", line (\d+)')
 
 
@@ -38,14 +39,15 @@ def _value_meta(node: fx.Node) -> dict | None:
 
 
 def source_line(node: fx.Node) -> str | None:
-    """Where the user's code made this node: "file.py:12: code", from the innermost frame of its stack trace."""
+    """Where the user's code made this node, "file.py:12: code": the innermost frame outside torch itself."""
     trace = (node.meta.get("stack_trace") or "").rstrip().splitlines()
-    frames = [i for i, line in enumerate(trace) if line.lstrip().startswith("File ")]
+    frames = [(i, m) for i, m in ((i, _FRAME.match(line)) for i, line in enumerate(trace)) if m]
     if not frames:
         return None
-    match = _FRAME.match(trace[frames[-1]])
-    code = trace[frames[-1] + 1].strip() if frames[-1] + 1 < len(trace) else ""
-    return f"{os.path.basename(match.group(1))}:{match.group(2)}: {code}" if match else None
+    user = [(i, m) for i, m in frames if not m.group(1).startswith(_TORCH_DIR)]
+    i, match = (user or frames)[-1]
+    code = trace[i + 1].strip() if i + 1 < len(trace) else ""
+    return f"{os.path.basename(match.group(1))}:{match.group(2)}: {code}"
 
 
 def graph_to_json(gm: fx.GraphModule) -> dict:

@@ -14,7 +14,7 @@ from recompile.graph_svg import KIND_COLORS, graph_svg
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 16px; color: #1d2733; }
 h1 { font-size: 20px; } h2 { font-size: 17px; margin-top: 28px; } h3 { font-size: 14px; margin: 4px 0; }
-table { border-collapse: collapse; font-size: 13px; } td, th { border: 1px solid #c8d0d9; padding: 3px 7px; vertical-align: top; }
+table { border-collapse: collapse; font-size: 13px; max-width: 100%; } td, th { border: 1px solid #c8d0d9; padding: 3px 7px; vertical-align: top; overflow-wrap: anywhere; }
 th { background: #eef1f5; text-align: left; }
 .plan-only { background: #fff4d6; border: 1px solid #e0b84c; padding: 6px 10px; display: inline-block; }
 .stages { display: flex; gap: 14px; overflow-x: auto; align-items: flex-start; padding-bottom: 8px; }
