@@ -14,7 +14,8 @@ from recompile.graph_svg import KIND_COLORS, graph_svg
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 16px; color: #1d2733; }
 h1 { font-size: 20px; } h2 { font-size: 17px; margin-top: 28px; } h3 { font-size: 14px; margin: 4px 0; }
-table { border-collapse: collapse; font-size: 13px; max-width: 100%; } td, th { border: 1px solid #c8d0d9; padding: 3px 7px; vertical-align: top; overflow-wrap: anywhere; }
+table { border-collapse: collapse; font-size: 13px; max-width: 100%; } td, th { border: 1px solid #c8d0d9; padding: 3px 7px; vertical-align: top; }
+td.wrap { overflow-wrap: anywhere; min-width: 9em; }
 th { background: #eef1f5; text-align: left; }
 .plan-only { background: #fff4d6; border: 1px solid #e0b84c; padding: 6px 10px; display: inline-block; }
 .stages { display: flex; gap: 14px; overflow-x: auto; align-items: flex-start; padding-bottom: 8px; }
@@ -92,10 +93,9 @@ def _regions(data: dict) -> str:
         code = "".join(f'<pre class="replaced">{_e(c)}</pre>' for c in r["replaced_code"])
         code += "".join(f'<pre class="replaced source">from {_e(s)}</pre>' for s in r["source"])
         fused = ", ".join(_node_link(r["graph"], after, n, "node") for n in r["fused"])
-        cells = _cells(
-            r["id"], f'<span class="kind-{_e(r["kind"])}">{_e(r["kind"])}</span>', r["graph"], _e(r["pass"]),
-            replaced + code, fused, _e(r["op"]), _e(r["kernel"]), _e(r["kernel_kind"]), _e(r["runs_as"]),
-        )
+        cells = _cells(r["id"], f'<span class="kind-{_e(r["kind"])}">{_e(r["kind"])}</span>', r["graph"], _e(r["pass"]))
+        cells += _cells(replaced + code, fused, _e(r["op"]), _e(r["kernel"]), cls="wrap")
+        cells += _cells(_e(r["kernel_kind"]), _e(r["runs_as"]))
         if profiled:
             p = r["profile"] or {}
             cells += _cells(*(f"{p[k]:.4f}" if k in p else "" for k in ("eager_ms", "fused_ms")), cls="num")

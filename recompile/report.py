@@ -177,8 +177,13 @@ class Report:
         }
 
     def _plan(self, regions: list[dict]) -> dict[str, list[str]]:
-        """Where each region runs on the target, and how much of each graph is left to Inductor."""
-        plan: dict[str, list[str]] = {}
+        """Where each region runs on the target (every library and kernel kind the target has, even if
+        empty), and how much of each graph is left to Inductor."""
+        target = self.target
+        plan: dict[str, list[str]] = {LIBRARIES["fbgemm"][target.name]: []}
+        if target.triton:
+            plan[RUNS_AS["triton"].format(triton=target.triton)] = []
+        plan[LIBRARIES["hkv"][target.name]] = []
         for r in regions:
             plan.setdefault(r["runs_as"], []).append(f"#{r['id']} {r['op']} via {r['kernel']}")
         plan[INDUCTOR] = [f"rest of graph {g['id']}: {g['inductor_nodes']} calls" for g in (x.to_dict() for x in self.graphs)]
@@ -191,8 +196,9 @@ class Report:
             lines.append("  plan only: this target is not present here; nothing was executed on it")
         lines.append(f"graphs captured: {len(self.graphs)}")
         for g in d["graphs"]:
-            brk = f"; graph break: {g['break_reason']}" if g["break_reason"] else ""
+            brk = "; ended by a graph break:" if g["break_reason"] else ""
             lines.append(f"  graph {g['id']}: {g['num_nodes_before']} -> {g['num_nodes_after']} nodes{brk}")
+            lines.extend(f"      {line.strip()}" for line in (g["break_reason"] or "").splitlines() if line.strip())
         lines.append("passes:")
         lines.extend(_pass_line(p) for p in d["passes"])
         lines.append(f"regions: {len(d['regions'])}")

@@ -68,6 +68,15 @@ def ebc_model():
     return EBCModel(), (kjt,)
 
 
+def with_graph_break():
+    def f(x):
+        y = torch.relu(x)
+        torch._dynamo.graph_break()
+        return y * 2
+
+    return f, (torch.randn(3),)
+
+
 def raising_factory():
     raise RuntimeError("no weights here\nsecond line")
 
@@ -111,6 +120,7 @@ def test_inspect_hstu_npu_plan(tmp_path, capsys):
     jagged = data["passes"][1]
     assert jagged["num_nodes_after"] == jagged["num_nodes_before"] - 1 and jagged["regions"] == 1
     assert data["plan"]["fbgemm-ascend op"] == [f"#0 recompile::complete_cumsum via {impl.describe}"]
+    assert data["plan"]["Triton kernel (triton-ascend)"] == [] and data["plan"]["HKV call"] == []
     for line in ("plan only", "NOT executed", "graphs captured: 1", "regions: 1", "fbgemm-ascend op: 1",
                  "Inductor (compile_fx)", "fallbacks: 0", "replaced: cumsum", "graph 0 jagged:"):
         assert line in text
@@ -124,6 +134,15 @@ def test_inspect_profile_measures_regions(tmp_path, capsys):
     assert "measured: eager" in capsys.readouterr().out
     planned = inspect_json(tmp_path, f"{HERE}:hstu_model", "--target", "npu", "--profile")
     assert planned["regions"][0]["profile"] is None and "not present" in planned["profile_note"]
+
+
+def test_graph_breaks_are_reported(tmp_path, capsys):
+    data = inspect_json(tmp_path, f"{HERE}:with_graph_break")
+    assert len(data["graphs"]) == 2 and data["graphs"][0]["break_reason"]
+    assert {s["graph"] for s in data["stages"]} == {0, 1}
+    text = capsys.readouterr().out
+    reason = data["graphs"][0]["break_reason"].splitlines()[0]
+    assert "graphs captured: 2" in text and f"nodes; ended by a graph break:\n      {reason}" in text
 
 
 def test_zoo_name_resolves_through_registry(tmp_path, monkeypatch, capsys):
