@@ -14,8 +14,10 @@ from recompile.lowering.targets import TARGETS
 from recompile.profile import profile_regions
 from recompile.report import Report
 
-TARGET_HELP = "path/to/file.py:factory, package.module:factory (factory() returns (model, example_inputs)), " \
+TARGET_HELP = (
+    "path/to/file.py:factory, package.module:factory (factory() returns (model, example_inputs)), "
     "a model name of the zoo, or a TensorFlow .pb"
+)
 
 
 def _explain(args: argparse.Namespace, dump_dir: str | None) -> tuple[str, Report]:

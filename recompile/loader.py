@@ -92,15 +92,26 @@ def _load_factory(target: str) -> LoadedModel:
     return _call_factory(target, getattr(module, attr))
 
 
+def _optional_module(name: str):
+    """The module ``name``, or None when it (or a package above it) does not exist."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        parts = name.split(".")
+        if exc.name not in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
+            raise  # the module exists but one of its own imports is missing
+        return None
+
+
 def _load_zoo(name: str) -> LoadedModel:
-    if importlib.util.find_spec(ZOO_MODULE.split(".")[0]) is None or importlib.util.find_spec(ZOO_MODULE) is None:
+    zoo = _optional_module(ZOO_MODULE)
+    if zoo is None:
         raise TargetError(
             f"{name!r} is not a file, a module:factory or a .pb, and there is no model zoo ({ZOO_MODULE}) to look it up in"
         )
-    zoo = importlib.import_module(ZOO_MODULE).MODELS
-    if name not in zoo:
-        raise TargetError(f"unknown model {name!r}; the zoo has: {', '.join(sorted(zoo))}")
-    return _call_factory(f"{ZOO_MODULE}.MODELS[{name!r}]", zoo[name])
+    if name not in zoo.MODELS:
+        raise TargetError(f"unknown model {name!r}; the zoo has: {', '.join(sorted(zoo.MODELS))}")
+    return _call_factory(f"{ZOO_MODULE}.MODELS[{name!r}]", zoo.MODELS[name])
 
 
 def _example_tensor(value: Any, placeholder: str) -> torch.Tensor:
@@ -115,9 +126,9 @@ def _example_tensor(value: Any, placeholder: str) -> torch.Tensor:
 def _load_graphdef(path: str) -> LoadedModel:
     if not os.path.isfile(path):
         raise TargetError(f"{path}: no such file")
-    if importlib.util.find_spec(TF_FRONTEND) is None:
+    frontend = _optional_module(TF_FRONTEND)
+    if frontend is None:
         raise TargetError(f"{path}: TensorFlow graphs need the front end {TF_FRONTEND}, which is not installed here")
-    frontend = importlib.import_module(TF_FRONTEND)
     try:
         gm = frontend.import_graph(path)
     except Exception as exc:

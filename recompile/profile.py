@@ -36,6 +36,10 @@ def profile_regions(report: Report) -> None:
     if not report.target.available:
         report.profile_note = f"not measured: target {report.target.name} is not present here"
         return
+    devices = {x.device.type for g in report.graphs for x in g.inputs or () if isinstance(x, torch.Tensor)}
+    if devices - {report.target.name}:
+        report.profile_note = f"not measured: the example inputs are on {', '.join(sorted(devices))}, the target is {report.target.name}"
+        return
     values: dict[tuple[int, int], dict] = {}  # (graph, stage) -> node values
     with torch.no_grad():
         for region_id, (graph, region) in enumerate(report.regions()):

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
-from recompile import cli
+from recompile import cli, loader
 from recompile.lowering import choose, detect_target
 
 HERE = os.path.abspath(__file__)
@@ -187,6 +187,14 @@ def test_tf_graph_target_uses_frontend(tmp_path, monkeypatch):
     pb.write_bytes(b"\x0a\x00")
     data = inspect_json(tmp_path, str(pb))
     assert [r["op"] for r in data["regions"]] == ["recompile::complete_cumsum"]
+
+
+def test_tf_graph_without_frontend_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(loader, "TF_FRONTEND", "recompile.no_such_frontends.tensorflow")
+    pb = tmp_path / "model.pb"
+    pb.write_bytes(b"\x0a\x00")
+    assert cli.main(["inspect", str(pb)]) == 2
+    assert "need the front end recompile.no_such_frontends.tensorflow" in capsys.readouterr().err
 
 
 def test_dump_writes_every_stage(tmp_path, capsys):
