@@ -66,7 +66,11 @@ def fused_nodes(before: fx.GraphModule, after: fx.GraphModule, replaced: list[st
     for n in reversed(new):
         if any(u.name in exits or u.name in feeds for u in n.users):
             feeds.add(n.name)
-    return [n.name for n in new if n.name in reads and n.name in feeds]
+    fused = [n.name for n in new if n.name in reads and n.name in feeds]
+    # A pass that rewrote the region's nodes in place (same names, new targets) made no new node.
+    return fused or [
+        n.name for n in after.graph.nodes if n.name in region and dump.target_name(n) != dump.target_name(old[n.name])
+    ]
 
 
 def _is_rec_op(node: fx.Node) -> bool:
