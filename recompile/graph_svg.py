@@ -27,7 +27,10 @@ def short_target(node: dict) -> str:
         return "input"
     if node["op"] == "output":
         return "return"
-    return node["target"].removeprefix("torch.").removeprefix("_C._nn.").removeprefix("ops.")
+    target = node["target"]
+    if target.startswith("torch.ops."):  # custom and ATen ops keep their namespace: recompile.complete_cumsum
+        return target.removeprefix("torch.ops.").removesuffix(".default")
+    return target.rsplit(".", 1)[-1]
 
 
 def _label(node: dict) -> str:

@@ -1,7 +1,7 @@
 """The HTML report of ``recompile inspect --html``: one self-contained file, drawn from ``Report.to_dict()``.
 
 Per graph, the stages side by side (the graph drawn, and its code), fused regions coloured in the
-stage before their pass (the code they replaced) and in every stage after it (the op that replaced
+stages up to their pass (the code they replaced) and in every stage from it on (the op that replaced
 it), each linked to its row in the region table: op, kernel chosen for the target, where it runs,
 and the measured times when the report was profiled. No script and nothing fetched at view time.
 """
@@ -121,11 +121,13 @@ def _plan(data: dict) -> str:
 
 
 def _highlights(data: dict, graph: int, stage_names: list[str]) -> list[dict[str, tuple[int, str]]]:
-    """For each stage of ``graph``: node name -> (region id, kind) of the regions visible in it."""
+    """For each stage of ``graph``: node name -> (region id, kind) of the regions visible in it: the
+    replaced nodes up to the stage their pass started from, the fused ones from the pass's stage on."""
     marks: list[dict[str, tuple[int, str]]] = [{} for _ in stage_names]
     for r in (r for r in data["regions"] if r["graph"] == graph):
         mark = (r["id"], r["kind"])
-        marks[stage_names.index(r["stage_before"])].update((n, mark) for n in r["replaced"])
+        for earlier in marks[: stage_names.index(r["stage_before"]) + 1]:
+            earlier.update((n, mark) for n in r["replaced"])
         for later in marks[stage_names.index(r["stage_after"]):]:
             later.update((n, mark) for n in r["fused"])
     return marks
