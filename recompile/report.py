@@ -16,10 +16,8 @@ from recompile.lowering import Target
 from recompile.pipeline import PassContext, Region
 
 # What a chosen kernel runs as, by lowering kind. Library ops are named by the library each target has.
-LIBRARIES = {
-    "fbgemm": {"cpu": "fbgemm-gpu-cpu op", "cuda": "fbgemm-gpu op", "npu": "fbgemm-ascend op"},
-    "hkv": {"cpu": "HKV call", "cuda": "HKV call", "npu": "HKV call"},
-}
+LIBRARIES = {"fbgemm": {"cpu": "fbgemm-gpu-cpu op", "cuda": "fbgemm-gpu op", "npu": "fbgemm-ascend op"}}
+HKV = "HKV call"  # torch.ops.hkv.* and hkv:: ops: the hash-table runtime, on every target
 RUNS_AS = {
     "triton": "Triton kernel ({triton})",
     "cpu_kernel": "CPU kernel",
@@ -33,11 +31,12 @@ _NODE_LINE = re.compile(r"^\s+(\w+)(?:: \"[^\"]*\")? = ")
 
 
 def runs_as(region: Region, target: Target) -> str:
-    namespace = region.op.split("::")[0]
-    if region.impl.kind == "library" or namespace == "hkv":
-        library = "hkv" if namespace == "hkv" else region.impl.describe.removeprefix("torch.ops.").split(".")[0]
-        return LIBRARIES.get(library, {}).get(target.name, f"{library} op")
-    return RUNS_AS[region.impl.kind].format(triton=target.triton)
+    if region.impl.kind != "library" and not region.op.startswith("hkv::"):
+        return RUNS_AS[region.impl.kind].format(triton=target.triton)
+    library = region.impl.describe.removeprefix("torch.ops.").split(".")[0]
+    if library == "hkv" or region.op.startswith("hkv::"):
+        return HKV
+    return LIBRARIES.get(library, {}).get(target.name, f"{library} op")
 
 
 def node_lines(code: str) -> dict[str, int]:
@@ -187,7 +186,7 @@ class Report:
         plan: dict[str, list[str]] = {LIBRARIES["fbgemm"][target.name]: []}
         if target.triton:
             plan[RUNS_AS["triton"].format(triton=target.triton)] = []
-        plan[LIBRARIES["hkv"][target.name]] = []
+        plan[HKV] = []
         for r in regions:
             plan.setdefault(r["runs_as"], []).append(f"#{r['id']} {r['op']} via {r['kernel']}")
         plan[INDUCTOR] = [f"rest of graph {g['id']}: {g['inductor_nodes']} calls" for g in (x.to_dict() for x in self.graphs)]

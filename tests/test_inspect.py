@@ -15,7 +15,9 @@ import torch.nn.functional as F
 import recompile
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 from recompile import cli, loader
-from recompile.lowering import choose, detect_target
+from recompile.lowering import Impl, choose, detect_target
+from recompile.pipeline import Region
+from recompile.report import runs_as
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -147,6 +149,22 @@ def test_regions_sharing_a_user_get_their_own_fused_node():
     after = next(s for s in data["stages"] if s["name"] == "jagged")
     inputs = {n["name"]: n["args"][0]["node"] for n in after["nodes"] if n["name"] in fused[0] + fused[1]}
     assert [inputs[f[0]] for f in fused] == ["l_a_", "l_b_"]  # each op reads its own region's lengths
+
+
+@pytest.mark.parametrize(
+    "op, kind, describe, target, expected",
+    [
+        ("recompile::x", "library", "torch.ops.fbgemm.jagged_to_padded_dense", "npu", "fbgemm-ascend op"),
+        ("recompile::x", "library", "torch.ops.fbgemm.jagged_to_padded_dense", "cpu", "fbgemm-gpu-cpu op"),
+        ("recompile::x", "triton", "runtime.triton_kernels.x", "npu", "Triton kernel (triton-ascend)"),
+        ("hkv::find_or_insert", "reference", "hkv.table.find_or_insert", "npu", "HKV call"),
+        ("recompile::x", "library", "torch.ops.hkv.gather", "cuda", "HKV call"),
+        ("recompile::x", "reference", "runtime.x_reference", "npu", "reference (plain torch), fused by Inductor"),
+    ],
+)
+def test_runs_as_names_where_a_region_runs(op, kind, describe, target, expected):
+    region = Region("jagged", "jagged", ["a"], op, target, Impl("k", kind, lambda t: True, describe))
+    assert runs_as(region, detect_target(target)) == expected
 
 
 def test_graph_breaks_are_reported(tmp_path, capsys):
