@@ -36,6 +36,8 @@ def explain(model, *example_inputs, options: RecompileOptions | Mapping[str, Any
 
     The model runs once eagerly on ``example_inputs`` (Dynamo captures its graphs that way); nothing
     is compiled, and a target that is not present here (``target="npu"`` on a CPU machine) is planned for.
+    The report keeps each stage's graph module and each graph's inputs: ``recompile.profile`` times the
+    regions on them, and the JSON and HTML forms draw every stage.
     """
     opts = RecompileOptions.coerce(options)
     report = Report(detect_target(opts.target))
