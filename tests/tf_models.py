@@ -33,6 +33,16 @@ def sparse_batch(rows, batch, max_len):
     return [indices, values, np.array([batch, max_len], dtype=np.int64)]
 
 
+def dense_and_ids(batch, width, rows, dtype):
+    """Inputs of a model fed dense features [batch, width] and one id per table [batch, len(rows)]."""
+    ids = np.stack([rng.integers(0, r, size=batch) for r in rows], axis=1)
+    return [rng.normal(size=(batch, width)).astype(np.float32), ids.astype(dtype)]
+
+
+def dense_and_ids_signature(width, tables, dtype):
+    return [tf.TensorSpec([None, width], tf.float32, name="dense"), tf.TensorSpec([None, tables], dtype, name="ids")]
+
+
 class WideDeep(tf.Module):
     """Wide & Deep: a linear model over one-hot ids and dense features, plus an MLP over embeddings."""
 
@@ -45,11 +55,10 @@ class WideDeep(tf.Module):
         self.mlp = [dense_layer(16, "relu"), dense_layer(8, "relu"), dense_layer(1)]
 
     def inputs(self, batch):
-        ids = np.stack([rng.integers(0, r, size=batch) for r in self.rows], axis=1)
-        return [rng.normal(size=(batch, 5)).astype(np.float32), ids.astype(np.int32)]
+        return dense_and_ids(batch, 5, self.rows, np.int32)
 
     def signature(self):
-        return [tf.TensorSpec([None, 5], tf.float32, name="dense"), tf.TensorSpec([None, 3], tf.int32, name="ids")]
+        return dense_and_ids_signature(5, len(self.rows), tf.int32)
 
     def __call__(self, dense, ids):
         columns = tf.unstack(ids, axis=1)
@@ -117,11 +126,10 @@ class DCN(tf.Module):
         self.logit = dense_layer(1)
 
     def inputs(self, batch):
-        ids = np.stack([rng.integers(0, r, size=batch) for r in self.rows], axis=1)
-        return [rng.normal(size=(batch, 3)).astype(np.float32), ids.astype(np.int64)]
+        return dense_and_ids(batch, 3, self.rows, np.int64)
 
     def signature(self):
-        return [tf.TensorSpec([None, 3], tf.float32, name="dense"), tf.TensorSpec([None, 2], tf.int64, name="ids")]
+        return dense_and_ids_signature(3, len(self.rows), tf.int64)
 
     def __call__(self, dense, ids):
         embs = [tf.reshape(t(ids[:, i]), [-1, self.dim]) for i, t in enumerate(self.tables)]

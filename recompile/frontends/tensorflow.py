@@ -226,6 +226,7 @@ class GraphImporter:
         self.values: dict[tuple[str, int], Value] = {}
         self.const_nodes: dict[int, fx.Node] = {}
         self.const_owner: dict[int, str] = {}
+        self.device_node: fx.Node | None = None
         self.current = ""
 
     def _sinks(self, graph_def) -> list[str]:
@@ -306,8 +307,14 @@ class GraphImporter:
     def tensor(self, value: Value) -> fx.Node | torch.Tensor:
         """A tensor: a Host becomes an int tensor; a constant stays a tensor (folded) until a node uses it."""
         if isinstance(value, Host):
-            return self.call(torch.tensor, value.node, dtype=value.dtype)
+            return self.call(torch.tensor, value.node, dtype=value.dtype, device=self.device())
         return value
+
+    def device(self) -> fx.Node | None:
+        """The device tensors the graph creates go to: its first input's (None: the default device)."""
+        if self.device_node is None and self.inputs:
+            self.device_node = self.graph.call_function(getattr, (self.values[(self.inputs[0], 0)], "device"))
+        return self.device_node
 
     def static(self, value: Value, what: str = "this input") -> Any:
         """A Python value known at import time (an axis, a mask, an equation)."""
@@ -413,7 +420,11 @@ def compile_tf(source, inputs: Sequence[str] | None = None, outputs: Sequence[st
                options: Any = None, **compile_kwargs):
     """``import_graph(source, inputs, outputs)`` compiled with ``torch.compile(backend="rec_ascend")``."""
     gm = import_graph(source, inputs, outputs)
-    return torch.compile(gm, backend="rec_ascend", options=options, **compile_kwargs)
+    compiled = torch.compile(gm, backend="rec_ascend", options=options, **compile_kwargs)
+    # TF sizes can depend on data (a bag count is the last segment id + 1): trace them as symbolic ints
+    # rather than breaking the graph at each, so all lookups of a model stay in one graph.
+    compiled.forward = torch._dynamo.config.patch(capture_scalar_outputs=True)(compiled.forward)
+    return compiled
 
 
 # --- run-time helpers the imported graphs call ---------------------------------------------------
@@ -537,7 +548,8 @@ def unique(x: torch.Tensor, out_idx: torch.dtype) -> tuple[torch.Tensor, torch.T
 def segment_offsets(segment_ids: torch.Tensor, like: torch.Tensor, num_segments=None) -> torch.Tensor:
     """Bag offsets of sorted segment ids (TF: without ``num_segments`` there are last id + 1 segments)."""
     if num_segments is None:
-        num_segments = segment_ids[-1] + 1
+        num_segments = segment_ids[-1].item() + 1
+        torch._check(num_segments >= 0)
     starts = torch.arange(num_segments, device=segment_ids.device, dtype=segment_ids.dtype)
     return torch.searchsorted(segment_ids.contiguous(), starts).to(like.dtype)
 
@@ -551,7 +563,8 @@ def sqrtn_weights(offsets: torch.Tensor, indices: torch.Tensor, weight: torch.Te
 
 def segment_sum(data: torch.Tensor, segment_ids: torch.Tensor, num_segments=None) -> torch.Tensor:
     if num_segments is None:
-        num_segments = segment_ids.max() + 1 if segment_ids.numel() else 0
+        num_segments = segment_ids.max().item() + 1 if segment_ids.numel() else 0
+        torch._check(num_segments >= 0)
     rows = data.reshape((-1,) + tuple(data.shape[segment_ids.dim():]))
     out = torch.zeros((num_segments,) + tuple(rows.shape[1:]), dtype=data.dtype, device=data.device)
     return torch.index_add(out, 0, segment_ids.reshape(-1), rows)
@@ -699,14 +712,13 @@ def _unpack(ctx, node, x):
     return [ctx.call(operator.getitem, parts, i) for i in range(attr(node, "num"))]
 
 
-@converter("Reshape")
-def _reshape(ctx, node, x, shape):
-    return ctx.call(torch.reshape, ctx.tensor(x), ctx.ints(shape))
+# TF op (x, sizes) -> torch function taking the sizes as ints (a shape, a permutation, repeats).
+SIZED = {"Reshape": torch.reshape, "Transpose": torch.permute, "Tile": torch.tile, "BroadcastTo": torch.broadcast_to}
 
 
-@converter("Transpose")
-def _transpose(ctx, node, x, perm):
-    return ctx.call(torch.permute, ctx.tensor(x), ctx.ints(perm))
+@converter(*SIZED)
+def _sized(ctx, node, x, sizes):
+    return ctx.call(SIZED[node.op], ctx.tensor(x), ctx.ints(sizes))
 
 
 @converter("ExpandDims")
@@ -753,18 +765,8 @@ def _size(ctx, node, x):
 @converter("Fill")
 def _fill(ctx, node, dims, value):
     if isinstance(value, torch.Tensor):
-        return ctx.call(torch.full, ctx.ints(dims), value.item(), dtype=value.dtype)
+        return ctx.call(torch.full, ctx.ints(dims), value.item(), dtype=value.dtype, device=ctx.device())
     return ctx.method("clone", ctx.method("expand", ctx.tensor(value), ctx.ints(dims)))
-
-
-@converter("Tile")
-def _tile(ctx, node, x, multiples):
-    return ctx.call(torch.tile, ctx.tensor(x), ctx.ints(multiples))
-
-
-@converter("BroadcastTo")
-def _broadcast_to(ctx, node, x, shape):
-    return ctx.call(torch.broadcast_to, ctx.tensor(x), ctx.ints(shape))
 
 
 @converter("Cast")
@@ -842,7 +844,8 @@ def _through_unique(ctx: GraphImporter, node, data, indices):
     if gathered.op not in ("GatherV2", "ResourceGather") or index_node.op != "Unique" or index_output != 1:
         return data, indices
     unique_node, unique_output = ctx.producer(gathered.input[1])
-    axis_is_zero = gathered.op == "ResourceGather" or ctx.value(gathered.input[2]).tolist() == 0
+    axis = 0 if gathered.op == "ResourceGather" else ctx.value(gathered.input[2])
+    axis_is_zero = not isinstance(axis, (fx.Node, Host)) and int(axis) == 0
     if unique_node.name != index_node.name or unique_output != 0 or not axis_is_zero or attr(gathered, "batch_dims", 0):
         return data, indices
     return ctx.value(gathered.input[0]), ctx.value(unique_node.input[0])
@@ -877,4 +880,5 @@ def _matrix_band_part(ctx, node, x, num_lower, num_upper):
 
 @converter("Range")
 def _range(ctx, node, start, limit, delta):
-    return ctx.call(torch.arange, ctx.ints(start), ctx.ints(limit), ctx.ints(delta), dtype=attr(node, "Tidx"))
+    return ctx.call(torch.arange, ctx.ints(start), ctx.ints(limit), ctx.ints(delta), dtype=attr(node, "Tidx"),
+                    device=ctx.device())
