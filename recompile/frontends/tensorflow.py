@@ -56,7 +56,7 @@ VALUE_FIELDS = {
     torch.uint32: "uint32_val", torch.uint64: "uint64_val",
 }
 NUMPY_DTYPES = {torch.bfloat16: np.int16, torch.float16: np.float16}
-# Ops that keep variables or functions outside the graph: what to do about them.
+# Ops of a graph that was not frozen (variables or functions outside the graph).
 NOT_FROZEN = ("VarHandleOp", "VariableV2", "ReadVariableOp", "PartitionedCall", "StatefulPartitionedCall")
 
 
@@ -287,8 +287,10 @@ class GraphImporter:
         inputs = [self.value(ref) for ref in node.input if not ref.startswith("^")]
         try:
             result = fn(self, node, *inputs)
-        except TFImportError:
-            raise
+        except TFImportError as exc:
+            if repr(node.name) in str(exc):
+                raise
+            raise TFImportError(f"node {node.name!r} ({node.op}): {exc}") from None
         except Exception as exc:
             raise TFImportError(f"cannot convert node {node.name!r} ({node.op}): {type(exc).__name__}: {exc}") from exc
         outputs = result if isinstance(result, list) else [result]
