@@ -203,6 +203,15 @@ class Ops(tf.Module):
             unique_ids,
             unique_idx,
             tf.sparse.segment_sum(rows, unique_idx, segments, num_segments=5),
+            tf.reshape(x, tf.stack([tf.shape(x)[0] * 2, -1])),
+            tf.range(tf.shape(x)[0]) + tf.size(x),
+            tf.broadcast_to(x[:, :1, :], tf.shape(x)) + tf.fill(tf.shape(x), tf.reduce_max(x)),
+            tf.math.divide_no_nan(x, tf.round(x)) + tf.pow(pos, 1.5) + tf.nn.leaky_relu(x) + tf.nn.softplus(x)
+            + tf.nn.elu(x) + tf.math.erf(x) + tf.zeros_like(x) + tf.ones_like(x),
+            tf.math.floordiv(ids, 2) + tf.math.floormod(ids, 3),
+            tf.nn.bias_add(tf.reshape(x, [-1, 4, 3, 1]), [1.0, 2.0, 3.0, 4.0], data_format="NCHW"),
+            tf.matmul(x, x, adjoint_a=True) * tf.cast(tf.shape(x)[0], tf.float32),
+            tf.raw_ops.Select(condition=x > 0, x=x, y=2 * x),
         )
 
 

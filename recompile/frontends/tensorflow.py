@@ -423,9 +423,10 @@ def compile_tf(source, inputs: Sequence[str] | None = None, outputs: Sequence[st
     """``import_graph(source, inputs, outputs)`` compiled with ``torch.compile(backend="rec_ascend")``."""
     gm = import_graph(source, inputs, outputs)
     compiled = torch.compile(gm, backend="rec_ascend", options=options, **compile_kwargs)
-    # TF sizes can depend on data (a bag count is the last segment id + 1): trace them as symbolic ints
-    # rather than breaking the graph at each, so all lookups of a model stay in one graph.
-    compiled.forward = torch._dynamo.config.patch(capture_scalar_outputs=True)(compiled.forward)
+    # TF sizes can depend on data (a bag count is the last segment id + 1, Unique's length): trace them
+    # as symbolic ints rather than breaking the graph at each, so all lookups of a model stay in one graph.
+    data_dependent = torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
+    compiled.forward = data_dependent(compiled.forward)
     return compiled
 
 
@@ -569,7 +570,7 @@ def segment_sum(data: torch.Tensor, segment_ids: torch.Tensor, num_segments=None
         torch._check(num_segments >= 0)
     rows = data.reshape((-1,) + tuple(data.shape[segment_ids.dim():]))
     out = torch.zeros((num_segments,) + tuple(rows.shape[1:]), dtype=data.dtype, device=data.device)
-    return torch.index_add(out, 0, segment_ids.reshape(-1), rows)
+    return torch.index_add(out, 0, segment_ids.reshape((-1,)), rows)
 
 
 # --- converters ----------------------------------------------------------------------------------
