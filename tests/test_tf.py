@@ -114,6 +114,9 @@ def test_sources_path_bytes_message_and_saved_model(tf_dir):
         assert_matches(import_graph(source, entry["inputs"], entry["outputs"])(*inputs), expected)
     default = import_graph(data)  # every Placeholder in graph order, and the sinks
     assert default.tf_outputs == entry["outputs"] and sorted(default.tf_inputs) == sorted(entry["inputs"])
+    saved = import_graph(tf_dir / "wide_deep_saved_model")  # the serving signature
+    assert saved.tf_inputs == entry["inputs"] and saved.tf_outputs == [f"{name}:0" for name in entry["outputs"]]
+    assert_matches(saved(*inputs), expected)
 
 
 def test_cli_import_tf(tf_dir, capsys):

@@ -218,13 +218,19 @@ class Ops(tf.Module):
 MODELS = {"wide_deep": WideDeep, "dlrm": DLRM, "dcn": DCN, "transformer": Transformer, "ops": Ops}
 
 
-def save_frozen_saved_model(graph_def, path):
-    """A SavedModel whose graph is the frozen one (its variables folded into constants)."""
+def save_frozen_saved_model(graph_def, inputs, outputs, path):
+    """A SavedModel whose graph is the frozen one (its variables folded into constants), with a
+    serving signature whose keys sort in the input and output order."""
     with tf.Graph().as_default() as graph:
         tf.graph_util.import_graph_def(graph_def, name="")
+        tensors = {name: graph.get_tensor_by_name(f"{name}:0") for name in inputs + outputs}
+        signature = tf.compat.v1.saved_model.signature_def_utils.predict_signature_def(
+            inputs={f"in{i}": tensors[name] for i, name in enumerate(inputs)},
+            outputs={f"out{i}": tensors[name] for i, name in enumerate(outputs)},
+        )
         with tf.compat.v1.Session(graph=graph) as session:
             builder = tf.compat.v1.saved_model.Builder(path)
-            builder.add_meta_graph_and_variables(session, ["serve"])
+            builder.add_meta_graph_and_variables(session, ["serve"], signature_def_map={"serving_default": signature})
             builder.save()
 
 
@@ -252,7 +258,7 @@ def main(out_dir):
         np.savez(os.path.join(out_dir, f"{name}.npz"), **arrays)
         index[name] = {"inputs": inputs, "outputs": outputs, "ops": sorted({n.op for n in graph_def.node})}
         if name == "wide_deep":
-            save_frozen_saved_model(graph_def, os.path.join(out_dir, f"{name}_saved_model"))
+            save_frozen_saved_model(graph_def, inputs, outputs, os.path.join(out_dir, f"{name}_saved_model"))
     with open(os.path.join(out_dir, "models.json"), "w") as f:
         json.dump(index, f, indent=1)
 

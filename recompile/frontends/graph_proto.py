@@ -50,8 +50,13 @@ MESSAGES: dict[str, list[tuple]] = {
     ],
     "VersionDef": [("producer", 1, "int32"), ("min_consumer", 2, "int32"), ("bad_consumers", 3, "int32", True)],
     "GraphDef": [("node", 1, "NodeDef", True), ("versions", 4, "VersionDef")],
-    "MetaGraphDef": [("meta_info_def", 1, "MetaGraphDef.MetaInfoDef"), ("graph_def", 2, "GraphDef")],
+    "MetaGraphDef": [
+        ("meta_info_def", 1, "MetaGraphDef.MetaInfoDef"), ("graph_def", 2, "GraphDef"),
+        ("signature_def", 5, "map:SignatureDef"),
+    ],
     "MetaGraphDef.MetaInfoDef": [("meta_graph_version", 1, "string"), ("tags", 4, "string", True)],
+    "SignatureDef": [("inputs", 1, "map:TensorInfo"), ("outputs", 2, "map:TensorInfo"), ("method_name", 3, "string")],
+    "TensorInfo": [("name", 1, "string", False, "encoding")],
     "SavedModel": [("saved_model_schema_version", 1, "int64"), ("meta_graphs", 2, "MetaGraphDef", True)],
 }
 

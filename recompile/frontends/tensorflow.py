@@ -90,8 +90,17 @@ def supported_ops() -> list[str]:
 
 # --- reading the protobuf ---------------------------------------------------------------------
 
-def load_graph_def(source) -> Any:
-    """A GraphDef from a ``.pb`` path, a SavedModel directory, serialized bytes or a GraphDef message."""
+@dataclass
+class Signature:
+    """A SavedModel signature's inputs (node names) and outputs (tensor refs), ordered by their keys."""
+
+    inputs: list[str]
+    outputs: list[str]
+
+
+def load_graph_def(source) -> tuple[Any, Signature | None]:
+    """The GraphDef of a ``.pb`` path, a SavedModel directory, serialized bytes or a GraphDef message,
+    and the SavedModel's serving signature (None for a bare GraphDef)."""
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         if os.path.isdir(path):
@@ -99,11 +108,11 @@ def load_graph_def(source) -> Any:
         if not os.path.isfile(path):
             raise TFImportError(f"{path}: no such GraphDef file or SavedModel directory")
         with open(path, "rb") as f:
-            return _parse(graph_proto.GraphDef, f.read(), path)
+            return _parse(graph_proto.GraphDef, f.read(), path), None
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return _parse(graph_proto.GraphDef, bytes(source), "bytes")
+        return _parse(graph_proto.GraphDef, bytes(source), "bytes"), None
     if hasattr(source, "SerializeToString") and hasattr(source, "node"):
-        return _parse(graph_proto.GraphDef, source.SerializeToString(), type(source).__name__)
+        return _parse(graph_proto.GraphDef, source.SerializeToString(), type(source).__name__), None
     raise TFImportError(
         f"cannot import a {type(source).__name__}: pass a frozen GraphDef (.pb path, bytes or message) "
         "or a SavedModel directory"
@@ -128,8 +137,8 @@ def _saved_model_graph(path: str):
         raise TFImportError(f"{path}: a SavedModel directory must contain saved_model.pb")
     with open(pb, "rb") as f:
         saved = _parse(graph_proto.SavedModel, f.read(), pb)
-    serving = [m for m in saved.meta_graphs if "serve" in m.meta_info_def.tags] or list(saved.meta_graphs)
-    graph = serving[0].graph_def
+    meta = ([m for m in saved.meta_graphs if "serve" in m.meta_info_def.tags] or list(saved.meta_graphs))[0]
+    graph = meta.graph_def
     kept = sorted({n.op for n in graph.node if n.op in NOT_FROZEN})
     if kept:
         raise TFImportError(
@@ -137,7 +146,17 @@ def _saved_model_graph(path: str):
             "fold them in first (tf.python.framework.convert_to_constants.convert_variables_to_constants_v2) "
             "and save the frozen graph"
         )
-    return graph
+    return graph, _serving_signature(meta)
+
+
+def _serving_signature(meta) -> Signature | None:
+    signatures = meta.signature_def
+    key = "serving_default" if "serving_default" in signatures else next(iter(signatures), None)
+    if key is None or len(signatures) > 1 and key != "serving_default":
+        return None
+    signature = signatures[key]
+    return Signature([split_ref(signature.inputs[k].name)[0] for k in sorted(signature.inputs)],
+                     [signature.outputs[k].name for k in sorted(signature.outputs)])
 
 
 def tensor_from_proto(proto) -> torch.Tensor:
@@ -412,9 +431,13 @@ def import_graph(source, inputs: Sequence[str] | None = None, outputs: Sequence[
     ``source``: a frozen GraphDef (``.pb`` path, bytes or message) or a SavedModel directory whose
     variables were folded into constants. ``inputs``: node names fed by ``forward``'s arguments, in
     that order (default: every Placeholder, in graph order). ``outputs``: node names or ``name:index``
-    refs returned (default: the nodes nothing reads). Constants become buffers, variables parameters.
+    refs returned (default: the nodes nothing reads). A SavedModel's serving signature, ordered by
+    its keys, gives the defaults instead. Constants become buffers, variables parameters.
     """
-    graph_def = load_graph_def(source)
+    graph_def, signature = load_graph_def(source)
+    if signature is not None:
+        inputs = signature.inputs if inputs is None else inputs
+        outputs = signature.outputs if outputs is None else outputs
     return GraphImporter(graph_def, inputs, outputs).run()
 
 
