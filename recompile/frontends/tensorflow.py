@@ -243,7 +243,7 @@ class GraphImporter:
         self.root = torch.nn.Module()
         self.graph = fx.Graph()
         self.values: dict[tuple[str, int], Value] = {}
-        self.const_nodes: dict[int, fx.Node] = {}
+        self.const_nodes: dict[int, tuple[torch.Tensor, fx.Node]] = {}
         self.const_owner: dict[int, str] = {}
         self.device_node: fx.Node | None = None
         self.current = ""
@@ -353,8 +353,7 @@ class GraphImporter:
 
     def constant(self, tensor: torch.Tensor, trainable: bool = False) -> fx.Node:
         """The get_attr node of a constant (registered once, named after its TF node)."""
-        node = self.const_nodes.get(id(tensor))
-        if node is None:
+        if id(tensor) not in self.const_nodes:
             name = attr_name(self.const_owner.get(id(tensor), self.current))
             while hasattr(self.root, name):
                 name += "_"
@@ -362,8 +361,9 @@ class GraphImporter:
                 self.root.register_parameter(name, torch.nn.Parameter(tensor.clone()))
             else:
                 self.root.register_buffer(name, tensor.clone())
-            node = self.const_nodes[id(tensor)] = self.graph.get_attr(name)
-        return node
+            # Keyed by id: the tensor is kept alive with its node so that no other tensor takes its id.
+            self.const_nodes[id(tensor)] = (tensor, self.graph.get_attr(name))
+        return self.const_nodes[id(tensor)][1]
 
     def call(self, fn: Callable, *args, **kwargs) -> Any:
         """``fn(*args)`` now when every argument is known, else a graph node calling it (constants as buffers)."""
@@ -416,13 +416,10 @@ def _has_runtime(args, kwargs) -> bool:
     return bool(found)
 
 
-def _is_runtime_tensor(value: Value) -> bool:
-    return isinstance(value, fx.Node)
-
-
 def _any_host(values: Iterable[Value]) -> bool:
+    """Some value is a Host and none a run-time tensor: the op computes on Python ints."""
     values = list(values)
-    return any(isinstance(v, Host) for v in values) and not any(_is_runtime_tensor(v) for v in values)
+    return any(isinstance(v, Host) for v in values) and not any(isinstance(v, fx.Node) for v in values)
 
 
 def import_graph(source, inputs: Sequence[str] | None = None, outputs: Sequence[str] | None = None) -> fx.GraphModule:
