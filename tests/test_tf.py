@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import recompile
 from recompile import cli
 from recompile.frontends import graph_proto
-from recompile.frontends.tensorflow import TFImportError, UnsupportedOpError, import_graph
+from recompile.frontends.tensorflow import import_graph
 from torch._dynamo.testing import CompileCounterWithBackend
 
 MODELS = ["wide_deep", "dlrm", "dcn", "transformer", "ops"]
@@ -127,54 +127,3 @@ def test_cli_import_tf(tf_dir, capsys):
     assert "embedding_bag x3" in out and "def forward(self, dense, indices0, values0" in out
     assert cli.main(["import-tf", str(tf_dir / "dlrm.pb"), "--inputs", "dense"]) == 1
     assert "placeholder 'values0' is needed by the outputs but is not among the inputs" in capsys.readouterr().err
-
-
-# --- errors, on graphs written here without TensorFlow ---------------------------------------------
-
-def graph(*nodes):
-    g = graph_proto.GraphDef()
-    for name, op, inputs in nodes:
-        node = g.node.add(name=name, op=op, input=inputs)
-        if op == "Placeholder":
-            node.attr["dtype"].type = 1
-    return g
-
-
-def test_unsupported_op_names_op_node_and_supported_set():
-    g = graph(("x", "Placeholder", []), ("scan", "Cumprod", ["x"]))
-    with pytest.raises(UnsupportedOpError, match=r"op 'Cumprod' \(node 'scan'\) is not supported; "
-                                                 r"supported ops: .*MatMul.*SparseSegmentSqrtN"):
-        import_graph(g)
-    with pytest.raises(UnsupportedOpError, match="VarHandleOp.*not frozen"):
-        import_graph(graph(("v", "VarHandleOp", [])), outputs=["v"])
-
-
-@pytest.mark.parametrize(
-    "source, kwargs, message",
-    [
-        (b"\x0a\xff\xff\xff", {}, "not a valid GraphDef protobuf"),
-        (b"", {}, "not a GraphDef"),
-        ("/nonexistent/model.pb", {}, "no such GraphDef file"),
-        (42, {}, "cannot import a int"),
-        (graph(("x", "Placeholder", []), ("y", "Relu", ["x"])), {"inputs": ["z"]},
-         r"input 'z' is not a node of the graph; its placeholders are \['x'\]"),
-        (graph(("x", "Placeholder", []), ("y", "Relu", ["x"])), {"outputs": ["w"]}, "output 'w' is not a node"),
-        (graph(("x", "Placeholder", []), ("y", "Relu", ["missing"])), {}, "node 'y' reads 'missing'"),
-        (graph(("x", "Placeholder", []), ("y", "Relu", ["x:3"])), {}, "reads output 3 of 'x'"),
-    ],
-)
-def test_bad_sources_get_clear_errors(source, kwargs, message):
-    with pytest.raises(TFImportError, match=message):
-        import_graph(source, **kwargs)
-
-
-def test_saved_model_directory_errors(tmp_path):
-    with pytest.raises(TFImportError, match="must contain saved_model.pb"):
-        import_graph(tmp_path)
-    saved = graph_proto.SavedModel()
-    meta = saved.meta_graphs.add()
-    meta.meta_info_def.tags.append("serve")
-    meta.graph_def.CopyFrom(graph(("x", "Placeholder", []), ("call", "StatefulPartitionedCall", ["x"])))
-    (tmp_path / "saved_model.pb").write_bytes(saved.SerializeToString())
-    with pytest.raises(TFImportError, match="keeps its variables or functions outside the graph"):
-        import_graph(tmp_path)

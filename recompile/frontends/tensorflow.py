@@ -297,7 +297,8 @@ class GraphImporter:
     def _convert(self, node) -> None:
         fn = CONVERTERS.get(node.op)
         if fn is None:
-            hint = " (the graph is not frozen: fold its variables into constants first)" if node.op in NOT_FROZEN else ""
+            frozen = node.op not in NOT_FROZEN
+            hint = "" if frozen else " (the graph is not frozen: fold its variables into constants first)"
             raise UnsupportedOpError(
                 f"TensorFlow op {node.op!r} (node {node.name!r}) is not supported{hint}; "
                 f"supported ops: {', '.join(supported_ops())}"
