@@ -1,7 +1,7 @@
 """TensorFlow front end: real TF models frozen in a subprocess, imported, compared with TensorFlow, compiled.
 
 TensorFlow and triton load conflicting LLVM builds, so TensorFlow only ever runs in the subprocess
-(``tests/tf_models.py``); this process reads the GraphDefs it wrote without TensorFlow.
+(``models/tf_models.py``); this process reads the GraphDefs it wrote without TensorFlow.
 """
 import importlib.util
 import json
@@ -28,7 +28,7 @@ def tf_dir(tmp_path_factory):
     if importlib.util.find_spec("tensorflow") is None:
         pytest.fail("TensorFlow is not installed: install the `tf` extra (`pip install -e .[tf]`; `make test` does)")
     out = tmp_path_factory.mktemp("tf_models")
-    script = Path(__file__).with_name("tf_models.py")
+    script = Path(__file__).parents[1] / "models" / "tf_models.py"
     proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out

@@ -1,13 +1,15 @@
-"""Builds rec models in TensorFlow, freezes them and writes GraphDefs, inputs and TF's outputs.
+"""Rec models written in TensorFlow: built, frozen, and written as GraphDefs with inputs and TF's outputs.
 
-Run as a script in its own process (``python tests/tf_models.py OUT_DIR``): TensorFlow and triton
-load conflicting LLVM builds, so the tests never import TensorFlow themselves. For each model it
-writes ``<name>.pb`` (frozen GraphDef), ``<name>.npz`` (inputs ``in:<i>`` and TF's outputs
-``out:<i>``) and an entry in ``models.json`` with the input and output node names.
+Run in its own process, by path (``python models/tf_models.py OUT_DIR [--batch N] [--time-iters K]``,
+so that no package ``__init__`` loads torch next to it): TensorFlow and triton load conflicting LLVM
+builds, so the tests and the benchmark never import TensorFlow themselves. For each model it writes ``<name>.pb`` (frozen GraphDef), ``<name>.npz``
+(inputs ``in:<i>`` and TF's outputs ``out:<i>``) and an entry in ``models.json`` with the input
+and output node names (and, with ``--time-iters``, TensorFlow's forward time in ms).
 """
+import argparse
 import json
 import os
-import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
@@ -16,7 +18,6 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2  # noqa: E402
 
-BATCH = 6
 rng = np.random.default_rng(0)
 
 
@@ -242,13 +243,22 @@ def freeze(model):
     return frozen, frozen.graph.as_graph_def(), inputs, outputs
 
 
-def main(out_dir):
+def time_ms(fn, args, iters):
+    for _ in range(3):
+        fn(*args)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn(*args)
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def main(out_dir, batch, time_iters):
     tf.random.set_seed(0)
     index = {}
     for name, cls in MODELS.items():
         model = cls()
         frozen, graph_def, inputs, outputs = freeze(model)
-        values = model.inputs(BATCH)
+        values = model.inputs(batch)
         results = frozen(*[tf.constant(v) for v in values])
         results = results if isinstance(results, (list, tuple)) else [results]
         with open(os.path.join(out_dir, f"{name}.pb"), "wb") as f:
@@ -257,6 +267,8 @@ def main(out_dir):
         arrays.update({f"out:{i}": r.numpy() for i, r in enumerate(results)})
         np.savez(os.path.join(out_dir, f"{name}.npz"), **arrays)
         index[name] = {"inputs": inputs, "outputs": outputs, "ops": sorted({n.op for n in graph_def.node})}
+        if time_iters:
+            index[name]["tf_ms"] = time_ms(tf.function(frozen), [tf.constant(v) for v in values], time_iters)
         if name == "wide_deep":
             save_frozen_saved_model(graph_def, inputs, outputs, os.path.join(out_dir, f"{name}_saved_model"))
     with open(os.path.join(out_dir, "models.json"), "w") as f:
@@ -264,4 +276,9 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--batch", type=int, default=6)
+    parser.add_argument("--time-iters", type=int, default=0, help="also time TensorFlow's forward")
+    args = parser.parse_args()
+    main(args.out_dir, args.batch, args.time_iters)
