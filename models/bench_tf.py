@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
+import timeit
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +25,8 @@ MODELS = ("wide_deep", "dlrm", "dcn", "transformer")
 
 
 def time_ms(fn, args, iters: int) -> float:
-    for _ in range(3):
-        fn(*args)
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn(*args)
-    return (time.perf_counter() - start) / iters * 1e3
+    fn(*args), fn(*args)  # warm up
+    return timeit.timeit(lambda: fn(*args), number=iters) / iters * 1e3
 
 
 def build(out_dir: str, batch: int, iters: int, threads: int) -> dict:

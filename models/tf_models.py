@@ -9,7 +9,7 @@ and output node names (and, with ``--time-iters``, TensorFlow's forward time in 
 import argparse
 import json
 import os
-import time
+import timeit
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
@@ -244,12 +244,8 @@ def freeze(model):
 
 
 def time_ms(fn, args, iters):
-    for _ in range(3):
-        fn(*args)
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn(*args)
-    return (time.perf_counter() - start) / iters * 1e3
+    fn(*args), fn(*args)  # warm up
+    return timeit.timeit(lambda: fn(*args), number=iters) / iters * 1e3
 
 
 def main(out_dir, batch, time_iters):
