@@ -417,10 +417,16 @@ def _has_runtime(args, kwargs) -> bool:
     return bool(found)
 
 
-def _any_host(values: Iterable[Value]) -> bool:
-    """Some value is a Host and none a run-time tensor: the op computes on Python ints."""
+def _on_host(values: Iterable[Value], scalars: bool = False) -> bool:
+    """Whether the op computes on Python ints: some value is a Host, none a run-time tensor, and the
+    constants are integers (integer scalars where ``scalars``)."""
     values = list(values)
-    return any(isinstance(v, Host) for v in values) and not any(isinstance(v, fx.Node) for v in values)
+    consts = [v for v in values if isinstance(v, torch.Tensor)]
+    return (
+        any(isinstance(v, Host) for v in values)
+        and not any(isinstance(v, fx.Node) for v in values)
+        and all(not c.is_floating_point() and (c.dim() == 0 or not scalars) for c in consts)
+    )
 
 
 def import_graph(source, inputs: Sequence[str] | None = None, outputs: Sequence[str] | None = None) -> fx.GraphModule:
@@ -670,7 +676,7 @@ BINARY = {
 @converter(*BINARY)
 def _binary(ctx, node, x, y):
     fn, host_op = BINARY[node.op]
-    if host_op is not None and _any_host([x, y]):
+    if host_op is not None and _on_host([x, y]):
         dtype = x.dtype if isinstance(x, Host) else y.dtype
         return Host(ctx.call(host_binary, host_op, ctx.ints(x), ctx.ints(y)), dtype)
     return ctx.call(fn, ctx.tensor(x), ctx.tensor(y))
@@ -718,14 +724,14 @@ def _einsum(ctx, node, *xs):
 @converter("ConcatV2")
 def _concat(ctx, node, *inputs):
     *xs, axis = inputs
-    if _any_host(xs):
+    if _on_host(xs):
         return Host(ctx.call(host_list, *[ctx.ints(x) for x in xs]), next(x.dtype for x in xs if isinstance(x, Host)))
     return ctx.call(torch.cat, [ctx.tensor(x) for x in xs], ctx.static(axis, "the concat axis"))
 
 
 @converter("Pack")
 def _pack(ctx, node, *xs):
-    if _any_host(xs) and attr(node, "axis", 0) == 0:
+    if _on_host(xs, scalars=True) and attr(node, "axis", 0) == 0:
         return Host(ctx.call(host_list, *[ctx.ints(x) for x in xs]), next(x.dtype for x in xs if isinstance(x, Host)))
     return ctx.call(torch.stack, [ctx.tensor(x) for x in xs], attr(node, "axis", 0))
 
