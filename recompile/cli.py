@@ -12,7 +12,7 @@ import importlib
 import sys
 from typing import Sequence
 
-COMMAND_MODULES: list[str] = ["recompile.commands"]
+COMMAND_MODULES: list[str] = ["recompile.commands", "recompile.frontends.cli"]
 
 
 class UsageError(Exception):
