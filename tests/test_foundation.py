@@ -191,3 +191,19 @@ def test_targets_and_lowering_tables():
     assert npu.triton == "triton-ascend"
     for op, impls in LOWERINGS.items():
         assert impls[-1].kind == "reference", op
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.reshape(-1) * 2,
+        lambda x: x.reshape(4, -1).sum(1),
+        lambda x: x.reshape((2, -1)),
+        lambda x: x.permute(1, 0).sum(0),
+        lambda x: x.permute([1, 0]),
+        lambda x: x.transpose(0, 1).softmax(-1),
+    ],
+)
+def test_normalize_keeps_method_semantics(fn):
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(torch.compile(fn, backend="rec_ascend", options={"verify": True})(x), fn(x))

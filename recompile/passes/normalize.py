@@ -1,7 +1,8 @@
 """normalize: one spelling per operation, so that later passes match a single form.
 
 Pattern and replacement:
-- ``call_method`` ``x.name(*args)`` for a method in ``METHOD_FUNCTIONS`` -> ``torch.name(x, *args)``.
+- ``call_method`` ``x.name(*args)`` for a method in ``METHOD_FUNCTIONS`` -> ``torch.name(x, *args)``;
+  sizes a method takes as varargs (``x.reshape(2, -1)``) become the one tuple its function takes.
 - ``operator.add/sub/mul/truediv/matmul(x, y)`` with a tensor ``x`` -> ``torch.add/sub/mul/div/matmul``.
 Nothing else changes; the computation is the same call under another name.
 """
@@ -28,6 +29,9 @@ METHOD_FUNCTIONS = {
     )
 }
 
+# Methods that accept sizes as separate arguments where their torch function takes one sequence.
+SIZE_VARARG_METHODS = frozenset({"reshape", "permute"})
+
 OPERATOR_FUNCTIONS = {
     operator.add: torch.add,
     operator.sub: torch.sub,
@@ -45,10 +49,19 @@ def _function_for(node: fx.Node):
     return None
 
 
+def _function_args(node: fx.Node) -> tuple:
+    self_arg, *rest = node.args
+    if node.target in SIZE_VARARG_METHODS and not (len(rest) == 1 and isinstance(rest[0], (list, tuple))):
+        return (self_arg, tuple(rest))
+    return node.args
+
+
 @register_pass("normalize")
 def normalize(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         fn = _function_for(node)
         if fn is not None:
+            if node.op == "call_method":
+                node.args = _function_args(node)
             node.op, node.target = "call_function", fn
     return gm
