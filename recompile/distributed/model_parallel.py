@@ -1,0 +1,74 @@
+"""``distribute(model, plan)``: embedding tables model-parallel, everything else data-parallel (DDP).
+
+Every ``nn.EmbeddingBag`` / ``nn.Embedding`` of the model is replaced, in place, by a ``ShardedEmbeddingBag``
+holding this rank's rows under the plan; the rest of the model is wrapped in
+``torch.nn.parallel.DistributedDataParallel`` with the shards in its ignore list, so DDP all-reduces only
+the dense gradients. ``torch.compile(distributed_model, backend="rec_ascend")`` then compiles the dense
+graphs (Dynamo's DDP optimizer splits them at DDP's bucket boundaries) and the table lookups run between
+them (see ``sharded_embedding``); ``compile_lookups`` compiles the owners' grouped lookups too.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from recompile.distributed.env import world
+from recompile.distributed.planner import ShardingPlan, plan as make_plan, table_specs
+from recompile.distributed.sharded_embedding import ShardedEmbeddingBag, lookup_rows
+
+STATIC_TABLES = (nn.EmbeddingBag, nn.Embedding)
+
+
+def embedding_tables(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(module path, module) of every embedding table of ``model``, sharded or not."""
+    for name, module in model.named_modules():
+        if isinstance(module, STATIC_TABLES + (ShardedEmbeddingBag,)):
+            yield name, module
+
+
+def sharded_tables(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for name, module in model.named_modules():
+        if isinstance(module, ShardedEmbeddingBag):
+            yield name, module
+
+
+def distribute(model: nn.Module, plan: ShardingPlan | None = None, *, batch: int = 1024, dedup: bool = True,
+               device: torch.device | str | None = None, **ddp_kwargs: Any) -> nn.Module:
+    """Shard ``model``'s tables by ``plan`` (planned here when None) and make the rest data-parallel.
+
+    Every rank must call this with the same model (same seed or weights): each keeps only its rows.
+    Returns the DDP-wrapped model, or the model itself when no process group is initialised.
+    """
+    _, world_size = world()
+    if plan is None:
+        plan = make_plan(table_specs(model), world_size, batch, dedup=dedup)
+    elif plan.world_size != world_size:
+        raise ValueError(f"the sharding plan is for {plan.world_size} ranks, this process group has {world_size}")
+    tables = [(n, m) for n, m in embedding_tables(model) if isinstance(m, STATIC_TABLES)]
+    missing = [n for n, _ in tables if n not in plan.shardings]
+    if missing:
+        raise ValueError(f"tables {missing} have no sharding in the plan (it has {sorted(plan.shardings)})")
+    for name, module in tables:
+        _replace(model, name, ShardedEmbeddingBag.from_module(name, module, plan[name], dedup=dedup))
+    if device is not None:
+        model.to(device)
+    if not torch.distributed.is_initialized():
+        return model
+    ignored = [f"{name}.{p}" for name, m in sharded_tables(model) for p, _ in m.named_parameters()]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    return DistributedDataParallel(model, **ddp_kwargs)
+
+
+def compile_lookups(model: nn.Module, backend: str = "rec_ascend", options: Mapping[str, Any] | None = None) -> None:
+    """Compile the owner side of every sharded lookup (all local tables in one grouped call) with ``backend``."""
+    compiled = torch.compile(lookup_rows, backend=backend, options=options, dynamic=True)
+    for _, table in sharded_tables(model):
+        table.lookup_fn = compiled
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, new)

@@ -1,0 +1,139 @@
+"""Rank functions for tests/test_distributed*.py, run in spawned processes (gloo on 127.0.0.1)."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from models.dlrm import DLRM, DLRMConfig, synthetic_batch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, out_dir, timeout_s):
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": result}, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException as exc:  # reported to the parent, which decides whether the test expected it
+        torch.save({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, out_dir: str, *args, timeout_s: float = 60.0, collective_timeout_s: float = 20.0):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; returns each rank's result or error
+    (a dict), or None for a rank that produced nothing. Processes still alive after ``timeout_s`` are killed."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out_dir, collective_timeout_s))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results = []
+    for r in range(world_size):
+        path = os.path.join(out_dir, f"rank{r}.pt")
+        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+    return results, hung
+
+
+CFG = DLRMConfig(num_dense=5, table_rows=[40, 64, 100, 24], dim=8, bottom=[16, 8], top=[16, 1], max_ids_per_bag=3)
+LR = 0.1
+
+
+def global_batches(steps: int, batch: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        dense, indices, offsets = synthetic_batch(CFG, batch, gen)
+        out.append((dense, indices, offsets, torch.randint(0, 2, (batch,), generator=gen).float()))
+    return out
+
+
+def local_part(batch, rank: int, world_size: int):
+    """This rank's contiguous slice of a global batch (bags and their ids)."""
+    dense, indices, offsets, labels = batch
+    n = dense.shape[0] // world_size
+    lo, hi = rank * n, (rank + 1) * n
+    local_ids, local_offsets = [], []
+    for ids, offs in zip(indices, offsets):
+        ends = torch.cat([offs[1:], torch.tensor([ids.numel()])])
+        start, end = int(offs[lo]), int(ends[hi - 1])
+        local_ids.append(ids[start:end])
+        local_offsets.append(offs[lo:hi] - start)
+    return dense[lo:hi], local_ids, local_offsets, labels[lo:hi]
+
+
+def train(model, batches, rank: int = 0, world_size: int = 1):
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for batch in batches:
+        dense, ids, offs, labels = local_part(batch, rank, world_size)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, ids, offs), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+def full_state(model) -> dict:
+    """Dense parameters, and each sharded table's rows with their global row offset."""
+    from recompile.distributed import sharded_tables
+
+    inner = getattr(model, "module", model)
+    inner = getattr(inner, "_orig_mod", inner)
+    inner = getattr(inner, "module", inner)
+    tables = {f"{name}.weight": t for name, t in sharded_tables(inner)}
+    dense = {n: p.detach().clone() for n, p in inner.named_parameters() if n not in tables}
+    return {"dense": dense, "tables": {n: (t.row_start, t.weight.detach().clone()) for n, t in tables.items()}}
+
+
+def assemble(states: list[dict]) -> dict:
+    """The single-process parameters from every rank's ``full_state``: dense from rank 0, table rows placed."""
+    out = dict(states[0]["dense"])
+    for name in states[0]["tables"]:
+        pieces = sorted(state["tables"][name] for state in states if state["tables"][name][1].numel())
+        out[name] = torch.cat([rows for _, rows in pieces])
+        assert [start for start, _ in pieces] == [sum(r.shape[0] for _, r in pieces[:i]) for i in range(len(pieces))]
+    return out
+
+
+def reference_state(steps: int, batch: int) -> dict:
+    torch.manual_seed(0)
+    model = train(DLRM(CFG), global_batches(steps, batch))
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def distributed_training(rank, world_size, kinds, steps, batch, compiled=False):
+    from recompile.distributed import compile_lookups, distribute, plan, table_specs
+
+    torch.manual_seed(0)
+    model = DLRM(CFG)
+    sharding_plan = plan(table_specs(model, pooling=2.0), world_size, batch // world_size, kinds=kinds)
+    dmp = distribute(model, sharding_plan)
+    if compiled:
+        compile_lookups(dmp.module)
+        dmp = torch.compile(dmp, backend="rec_ascend")
+    train(dmp, global_batches(steps, batch), rank, world_size)
+    return {"state": full_state(dmp), "plan": str(sharding_plan)}
