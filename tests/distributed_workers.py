@@ -86,8 +86,8 @@ def local_part(batch, rank: int, world_size: int):
     return dense[lo:hi], local_ids, local_offsets, labels[lo:hi]
 
 
-def train(model, batches, rank: int = 0, world_size: int = 1):
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+def train(model, batches, rank: int = 0, world_size: int = 1, opt=None):
+    opt = opt or torch.optim.SGD(model.parameters(), lr=LR)
     for batch in batches:
         dense, ids, offs, labels = local_part(batch, rank, world_size)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, ids, offs), labels)
@@ -137,3 +137,27 @@ def distributed_training(rank, world_size, kinds, steps, batch, compiled=False):
         dmp = torch.compile(dmp, backend="rec_ascend")
     train(dmp, global_batches(steps, batch), rank, world_size)
     return {"state": full_state(dmp), "plan": str(sharding_plan)}
+
+
+def _sharded_dlrm(world_size: int, kinds, batch: int):
+    from recompile.distributed import distribute, plan, table_specs
+
+    torch.manual_seed(0)
+    model = DLRM(CFG)
+    return distribute(model, plan(table_specs(model, pooling=2.0), world_size, batch // world_size, kinds=kinds))
+
+
+def checkpoint_continue(rank, world_size, kinds, path, save_after, steps, load):
+    """Train ``save_after`` steps and save to ``path`` (or load it), then train to ``steps``; SGD with momentum."""
+    from recompile.distributed import checkpoint
+
+    dmp = _sharded_dlrm(world_size, kinds, 16)
+    opt = torch.optim.SGD(dmp.parameters(), lr=LR, momentum=0.9)
+    batches = global_batches(steps, 16)
+    if load:
+        checkpoint.load(dmp, path, opt)
+    else:
+        train(dmp, batches[:save_after], rank, world_size, opt)
+        checkpoint.save(dmp, path, opt)
+    train(dmp, batches[save_after:], rank, world_size, opt)
+    return full_state(dmp)
