@@ -161,3 +161,45 @@ def checkpoint_continue(rank, world_size, kinds, path, save_after, steps, load):
         checkpoint.save(dmp, path, opt)
     train(dmp, batches[save_after:], rank, world_size, opt)
     return full_state(dmp)
+
+
+KEY_POOL = torch.randint(1, 1 << 40, (300,), generator=torch.Generator().manual_seed(7))
+
+
+class DynamicModel(torch.nn.Module):
+    """Two hkv tables of raw 64-bit keys and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        from recompile.distributed.dynamic_embedding import DynamicEmbeddingBag
+
+        self.tables = torch.nn.ModuleList(DynamicEmbeddingBag(f"keys{i}", 8, lr=0.5) for i in range(2))
+        self.head = torch.nn.Linear(4 + 16, 1)
+
+    def forward(self, dense, ids, offsets):
+        embs = [t(i, o) for t, i, o in zip(self.tables, ids, offsets)]
+        return self.head(torch.cat([dense, *embs], dim=1)).squeeze(1)
+
+
+def dynamic_batches(steps: int, batch: int):
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        ids, offs = [], []
+        for _ in range(2):
+            lengths = torch.randint(1, 4, (batch,), generator=gen)
+            ids.append(KEY_POOL[torch.randint(0, KEY_POOL.numel(), (int(lengths.sum()),), generator=gen)])
+            offs.append(torch.cumsum(lengths, 0) - lengths)
+        out.append((torch.randn(batch, 4, generator=gen), ids, offs, torch.randint(0, 2, (batch,), generator=gen).float()))
+    return out
+
+
+def dynamic_training(rank, world_size, steps, batch):
+    from recompile.distributed import distribute
+
+    torch.manual_seed(0)
+    model = distribute(DynamicModel())
+    train(model, dynamic_batches(steps, batch), rank, world_size)
+    inner = getattr(model, "module", model)
+    tables = [t.table.export_batch(t.table.capacity())[:2] for t in inner.tables]
+    return {"tables": tables, "dense": {n: p.detach() for n, p in inner.named_parameters()}}

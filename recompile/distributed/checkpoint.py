@@ -22,9 +22,13 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from hkv import HashTable
+from hkv.checkpoint import parse, read
 
+from recompile.distributed.dynamic_embedding import DynamicEmbeddingBag
 from recompile.distributed.env import world
 from recompile.distributed.model_parallel import sharded_tables
+from recompile.distributed.sharded_embedding import ShardedEmbeddingBag
 
 MANIFEST = "manifest.json"
 DENSE = "dense.pt"
@@ -63,14 +67,37 @@ def _scalar_state(optimizer, param: nn.Parameter) -> dict:
 
 
 def _table_info(table) -> dict:
-    return {"rows": table.num_embeddings, "dim": table.embedding_dim, "sharding": table.sharding.describe()}
+    rows = table.num_embeddings if isinstance(table, ShardedEmbeddingBag) else None
+    return {"rows": rows, "dim": table.embedding_dim, "sharding": table.sharding.describe()}
 
 
-def _static_rows(table, optimizer) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """(global row ids, rows with their optimizer state columns, state names) of this rank's shard."""
+def _static_store(table, optimizer) -> tuple[HashTable, list[str]]:
+    """This rank's rows keyed by global row id, each followed by its optimizer state columns."""
     state = _row_state(optimizer, table.weight)
     values = torch.cat([table.weight.detach(), *state.values()], dim=1).cpu()
-    return torch.arange(table.row_start, table.row_end), values, list(state)
+    keys = torch.arange(table.row_start, table.row_end)
+    store = HashTable(values.shape[1], init_capacity=max(2 * len(keys), 128), max_capacity=max(8 * len(keys), 512),
+                      dtype=values.dtype, name=f"checkpoint of table {table.name!r}")
+    refused = store.insert_or_assign(keys, values)
+    if refused.numel():
+        raise RuntimeError(f"table {table.name!r}: the checkpoint store refused {refused.numel()} rows")
+    return store, list(state)
+
+
+def _dynamic_store(table, optimizer) -> tuple[HashTable, list[str]]:
+    return table.table, []
+
+
+def _restore_dynamic(table, shards, slots: list[str], optimizer) -> None:
+    """Insert the keys this rank owns under the current world size, from every saved shard."""
+    rank, world_size = world()
+    table.table.clear()
+    for keys, values in shards:
+        mine = table.owner_of(keys, world_size) == rank
+        refused = table.table.insert_or_assign(keys[mine], values[mine].to(table.table.dtype))
+        if refused.numel():
+            raise RuntimeError(f"table {table.name!r}: {refused.numel()} checkpointed keys did not fit; "
+                               f"raise its max_capacity")
 
 
 def _restore_static(table, shards, slots: list[str], optimizer) -> None:
@@ -93,10 +120,12 @@ def _restore_static(table, shards, slots: list[str], optimizer) -> None:
         optimizer.state[table.weight].update({slot: c.clone().to(table.weight) for slot, c in zip(slots, columns[1:])})
 
 
+SAVE = {ShardedEmbeddingBag: _static_store, DynamicEmbeddingBag: _dynamic_store}
+RESTORE = {ShardedEmbeddingBag: _restore_static, DynamicEmbeddingBag: _restore_dynamic}
+
+
 def save(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Write a checkpoint of the sharded ``model`` (and ``optimizer``) from every rank; collective."""
-    import hkv
-
     rank, world_size = world()
     model = _unwrap(model)
     partial = f"{path}.partial"
@@ -106,12 +135,7 @@ def save(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = 
     _barrier()
     tables = {}
     for name, table in sharded_tables(model):
-        keys, values, slots = _static_rows(table, optimizer)
-        store = hkv.HashTable(values.shape[1], init_capacity=max(2 * len(keys), 128),
-                              max_capacity=max(8 * len(keys), 512), dtype=values.dtype)
-        store.insert_or_assign(keys, values)
-        if store.size() != len(keys):
-            raise RuntimeError(f"table {name!r}: the checkpoint store kept {store.size()} of {len(keys)} rows")
+        store, slots = SAVE[type(table)](table, optimizer)
         store.save(os.path.join(partial, f"{name}.rank{rank}.hkv"))
         tables[name] = _table_info(table) | {"slots": slots}
     if rank == 0:
@@ -136,8 +160,6 @@ def save(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = 
 
 def load(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Fill the sharded ``model`` (and ``optimizer``) from a checkpoint written by any number of ranks."""
-    from hkv.checkpoint import parse, read
-
     model = _unwrap(model)
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.exists(manifest_path):
@@ -156,7 +178,7 @@ def load(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = 
             file = os.path.join(path, f"{name}.rank{rank}.hkv")
             _, keys, values, _ = parse(read(file), source=f"checkpoint file {file!r}")
             shards.append((keys, values))
-        _restore_static(table, shards, info["slots"], optimizer)
+        RESTORE[type(table)](table, shards, info["slots"], optimizer)
         if optimizer is not None:
             optimizer.state[table.weight].update(dense["table_scalars"].get(name, {}))
     params = dict(model.named_parameters())

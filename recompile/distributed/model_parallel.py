@@ -15,23 +15,26 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from recompile.distributed.dynamic_embedding import DynamicEmbeddingBag
 from recompile.distributed.env import world
 from recompile.distributed.planner import ShardingPlan, plan as make_plan, table_specs
 from recompile.distributed.sharded_embedding import ShardedEmbeddingBag, lookup_rows
 
 STATIC_TABLES = (nn.EmbeddingBag, nn.Embedding)
+SHARDED_TABLES = (ShardedEmbeddingBag, DynamicEmbeddingBag)
 
 
 def embedding_tables(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(module path, module) of every embedding table of ``model``, sharded or not."""
     for name, module in model.named_modules():
-        if isinstance(module, STATIC_TABLES + (ShardedEmbeddingBag,)):
+        if isinstance(module, STATIC_TABLES + SHARDED_TABLES):
             yield name, module
 
 
 def sharded_tables(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(module path, module) of every sharded table: static shards and dynamic (hkv) tables."""
     for name, module in model.named_modules():
-        if isinstance(module, ShardedEmbeddingBag):
+        if isinstance(module, SHARDED_TABLES):
             yield name, module
 
 
@@ -48,7 +51,7 @@ def distribute(model: nn.Module, plan: ShardingPlan | None = None, *, batch: int
     elif plan.world_size != world_size:
         raise ValueError(f"the sharding plan is for {plan.world_size} ranks, this process group has {world_size}")
     tables = [(n, m) for n, m in embedding_tables(model) if isinstance(m, STATIC_TABLES)]
-    missing = [n for n, _ in tables if n not in plan.shardings]
+    missing = [n for n, _ in tables if n not in plan.shardings]  # dynamic tables are always hash row-wise
     if missing:
         raise ValueError(f"tables {missing} have no sharding in the plan (it has {sorted(plan.shardings)})")
     for name, module in tables:
@@ -66,7 +69,8 @@ def compile_lookups(model: nn.Module, backend: str = "rec_ascend", options: Mapp
     """Compile the owner side of every sharded lookup (all local tables in one grouped call) with ``backend``."""
     compiled = torch.compile(lookup_rows, backend=backend, options=options, dynamic=True)
     for _, table in sharded_tables(model):
-        table.lookup_fn = compiled
+        if isinstance(table, ShardedEmbeddingBag):
+            table.lookup_fn = compiled
 
 
 def _replace(model: nn.Module, path: str, new: nn.Module) -> None:

@@ -181,4 +181,4 @@ def table_specs(model: nn.Module, pooling: Mapping[str, float] | float = 1.0) ->
 
 
 def is_dynamic(module: nn.Module) -> bool:
-    return not isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+    return getattr(module, "sharding", None) is not None and module.sharding.kind == "hash_row_wise"
