@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_distributed*.py, run in spawned processes (gloo on 127.0.0.1)."""
+"""Rank functions for tests/test_distributed*.py, run in separate processes (gloo on 127.0.0.1)."""
 from __future__ import annotations
 
 import datetime
@@ -35,10 +35,12 @@ def _entry(rank, world_size, port, fn, args, out_dir, timeout_s):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, out_dir: str, *args, timeout_s: float = 60.0, collective_timeout_s: float = 20.0):
+def run_ranks(fn, world_size: int, out_dir: str, *args, timeout_s: float = 120.0, collective_timeout_s: float = 30.0):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; returns each rank's result or error
     (a dict), or None for a rank that produced nothing. Processes still alive after ``timeout_s`` are killed."""
-    ctx = mp.get_context("spawn")
+    # A fork server that has imported recompile once forks the ranks: no rank pays for the imports again.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.distributed_workers", "recompile.distributed"])
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out_dir, collective_timeout_s))
              for r in range(world_size)]
@@ -119,24 +121,21 @@ def assemble(states: list[dict]) -> dict:
     return out
 
 
-def reference_state(steps: int, batch: int) -> dict:
+def reference_state(steps: int, batch: int, momentum: float = 0.0) -> dict:
+    """Parameters after ``steps`` global batches in one process."""
     torch.manual_seed(0)
-    model = train(DLRM(CFG), global_batches(steps, batch))
+    model = DLRM(CFG)
+    train(model, global_batches(steps, batch), opt=torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum))
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def distributed_training(rank, world_size, kinds, steps, batch, compiled=False):
-    from recompile.distributed import compile_lookups, distribute, plan, table_specs
+def compiled_training(rank, world_size, kinds, steps, batch):
+    from recompile.distributed import compile_lookups
 
-    torch.manual_seed(0)
-    model = DLRM(CFG)
-    sharding_plan = plan(table_specs(model, pooling=2.0), world_size, batch // world_size, kinds=kinds)
-    dmp = distribute(model, sharding_plan)
-    if compiled:
-        compile_lookups(dmp.module)
-        dmp = torch.compile(dmp, backend="rec_ascend")
-    train(dmp, global_batches(steps, batch), rank, world_size)
-    return {"state": full_state(dmp), "plan": str(sharding_plan)}
+    dmp = _sharded_dlrm(world_size, kinds, batch)
+    compile_lookups(dmp.module)
+    train(torch.compile(dmp, backend="rec_ascend"), global_batches(steps, batch), rank, world_size)
+    return full_state(dmp)
 
 
 def _sharded_dlrm(world_size: int, kinds, batch: int):
@@ -147,13 +146,13 @@ def _sharded_dlrm(world_size: int, kinds, batch: int):
     return distribute(model, plan(table_specs(model, pooling=2.0), world_size, batch // world_size, kinds=kinds))
 
 
-def checkpoint_continue(rank, world_size, kinds, path, save_after, steps, load):
+def checkpoint_continue(rank, world_size, kinds, path, save_after, steps, load, batch=16):
     """Train ``save_after`` steps and save to ``path`` (or load it), then train to ``steps``; SGD with momentum."""
     from recompile.distributed import checkpoint
 
-    dmp = _sharded_dlrm(world_size, kinds, 16)
+    dmp = _sharded_dlrm(world_size, kinds, batch)
     opt = torch.optim.SGD(dmp.parameters(), lr=LR, momentum=0.9)
-    batches = global_batches(steps, 16)
+    batches = global_batches(steps, batch)
     if load:
         checkpoint.load(dmp, path, opt)
     else:
@@ -194,6 +193,12 @@ def dynamic_batches(steps: int, batch: int):
     return out
 
 
+def key_init_rows(keys):
+    from recompile.distributed.dynamic_embedding import key_init
+
+    return key_init(keys, 8, 0.05)
+
+
 def dynamic_training(rank, world_size, steps, batch):
     from recompile.distributed import distribute
 
@@ -203,3 +208,15 @@ def dynamic_training(rank, world_size, steps, batch):
     inner = getattr(model, "module", model)
     tables = [t.table.export_batch(t.table.capacity())[:2] for t in inner.tables]
     return {"tables": tables, "dense": {n: p.detach() for n, p in inner.named_parameters()}}
+
+
+def dead_rank(rank, world_size):
+    """Rank 1 exits inside the second step's lookup of table 1; the others must fail, not hang."""
+    dmp = _sharded_dlrm(world_size, ("row_wise",), 16)
+    if rank == 1:
+        dmp.module.embeddings[1].register_forward_pre_hook(lambda *_: os._exit(3) if dead_rank.step else None)
+    dead_rank.step = 0
+    for batch in global_batches(2, 16):
+        train(dmp, [batch], rank, world_size)
+        dead_rank.step += 1
+    return "finished"
