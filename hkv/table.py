@@ -111,6 +111,7 @@ class HashTable:
         self.admission = admission
         self.global_epoch = 0
         self._clock = 0
+        self.kernel = "reference"  # probing kernel (hkv.kernels)
         self._lock = threading.RLock()
         self._allocate(self._round_capacity(init_capacity))
 
