@@ -166,13 +166,17 @@ KEY_POOL = torch.randint(1, 1 << 40, (300,), generator=torch.Generator().manual_
 
 
 class DynamicModel(torch.nn.Module):
-    """Two hkv tables of raw 64-bit keys and a linear head."""
+    """Two hkv tables of raw 64-bit keys (constant initialiser, so every layout builds the same rows)."""
 
     def __init__(self):
         super().__init__()
-        from recompile.distributed.dynamic_embedding import DynamicEmbeddingBag
+        import hkv
+        from hkv.embedding import DynamicEmbInitializerArgs, DynamicEmbInitializerMode, DynamicEmbTableOptions
 
-        self.tables = torch.nn.ModuleList(DynamicEmbeddingBag(f"keys{i}", 8, lr=0.5) for i in range(2))
+        init = DynamicEmbInitializerArgs(mode=DynamicEmbInitializerMode.CONSTANT, value=0.05)
+        options = DynamicEmbTableOptions(dim=8, max_capacity=1 << 12, init_capacity=256, initializer_args=init)
+        self.tables = torch.nn.ModuleList(
+            hkv.DynamicEmbeddingBag(options, optimizer=hkv.optim.Adagrad(lr=0.5), name=f"keys{i}") for i in range(2))
         self.head = torch.nn.Linear(4 + 16, 1)
 
     def forward(self, dense, ids, offsets):
@@ -189,34 +193,52 @@ def dynamic_batches(steps: int, batch: int):
             lengths = torch.randint(1, 4, (batch,), generator=gen)
             ids.append(KEY_POOL[torch.randint(0, KEY_POOL.numel(), (int(lengths.sum()),), generator=gen)])
             offs.append(torch.cumsum(lengths, 0) - lengths)
-        out.append((torch.randn(batch, 4, generator=gen), ids, offs, torch.randint(0, 2, (batch,), generator=gen).float()))
+        labels = torch.randint(0, 2, (batch,), generator=gen).float()
+        out.append((torch.randn(batch, 4, generator=gen), ids, offs, labels))
     return out
 
 
-def key_init_rows(keys):
-    from recompile.distributed.dynamic_embedding import key_init
+def table_contents(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, value rows with optimizer state) of each dynamic table on this rank, sorted by key."""
+    from recompile.distributed.checkpoint import _unwrap
 
-    return key_init(keys, 8, 0.05)
+    out = []
+    for t in _unwrap(model).tables:
+        keys, values, _ = t.table.export_batch(t.table.capacity())
+        order = torch.argsort(keys)
+        out.append((keys[order], values[order]))
+    return out
 
 
-def dynamic_training(rank, world_size, steps, batch):
-    from recompile.distributed import distribute
+def dynamic_training(rank, world_size, steps, batch, path=None):
+    """Train the dynamic-table model; save a checkpoint to ``path`` when given."""
+    from recompile.distributed import checkpoint, distribute
 
     torch.manual_seed(0)
     model = distribute(DynamicModel())
     train(model, dynamic_batches(steps, batch), rank, world_size)
+    if path:
+        checkpoint.save(model, path)
     inner = getattr(model, "module", model)
-    tables = [t.table.export_batch(t.table.capacity())[:2] for t in inner.tables]
-    return {"tables": tables, "dense": {n: p.detach() for n, p in inner.named_parameters()}}
+    return {"tables": table_contents(model), "dense": {n: p.detach() for n, p in inner.head.named_parameters()}}
+
+
+def dynamic_restored(path):
+    """The dynamic-table model of one process restored from ``path``."""
+    from recompile.distributed import checkpoint, distribute
+
+    model = distribute(DynamicModel())
+    checkpoint.load(model, path)
+    return table_contents(model)
 
 
 def dead_rank(rank, world_size):
     """Rank 1 exits inside the second step's lookup of table 1; the others must fail, not hang."""
     dmp = _sharded_dlrm(world_size, ("row_wise",), 16)
+    step = [0]
     if rank == 1:
-        dmp.module.embeddings[1].register_forward_pre_hook(lambda *_: os._exit(3) if dead_rank.step else None)
-    dead_rank.step = 0
+        dmp.module.embeddings[1].register_forward_pre_hook(lambda *_: os._exit(3) if step[0] else None)
     for batch in global_batches(2, 16):
         train(dmp, [batch], rank, world_size)
-        dead_rank.step += 1
+        step[0] += 1
     return "finished"

@@ -25,7 +25,7 @@ import torch.nn as nn
 from hkv import HashTable
 from hkv.checkpoint import parse, read
 
-from recompile.distributed.dynamic_embedding import DynamicEmbeddingBag
+from recompile.distributed.dynamic_embedding import ShardedDynamicEmbeddingBag
 from recompile.distributed.env import world
 from recompile.distributed.model_parallel import sharded_tables
 from recompile.distributed.sharded_embedding import ShardedEmbeddingBag
@@ -71,8 +71,8 @@ def _table_info(table) -> dict:
     return {"rows": rows, "dim": table.embedding_dim, "sharding": table.sharding.describe()}
 
 
-def _static_store(table, optimizer) -> tuple[HashTable, list[str]]:
-    """This rank's rows keyed by global row id, each followed by its optimizer state columns."""
+def _static_store(table, optimizer) -> tuple[HashTable, dict]:
+    """This rank's rows keyed by global row id, each followed by its optimizer state columns (``slots``)."""
     state = _row_state(optimizer, table.weight)
     values = torch.cat([table.weight.detach(), *state.values()], dim=1).cpu()
     keys = torch.arange(table.row_start, table.row_end)
@@ -81,16 +81,18 @@ def _static_store(table, optimizer) -> tuple[HashTable, list[str]]:
     refused = store.insert_or_assign(keys, values)
     if refused.numel():
         raise RuntimeError(f"table {table.name!r}: the checkpoint store refused {refused.numel()} rows")
-    return store, list(state)
+    return store, {"slots": list(state)}
 
 
-def _dynamic_store(table, optimizer) -> tuple[HashTable, list[str]]:
-    return table.table, []
+def _dynamic_store(table, optimizer) -> tuple[HashTable, dict]:
+    """The hkv table itself (its rows carry their optimizer state), and the optimizer's step."""
+    return table.table, {"step": table.runtime.step}
 
 
-def _restore_dynamic(table, shards, slots: list[str], optimizer) -> None:
+def _restore_dynamic(table, shards, info: dict, optimizer) -> None:
     """Insert the keys this rank owns under the current world size, from every saved shard."""
     rank, world_size = world()
+    table.runtime.step = info["step"]
     table.table.clear()
     for keys, values in shards:
         mine = table.owner_of(keys, world_size) == rank
@@ -100,8 +102,9 @@ def _restore_dynamic(table, shards, slots: list[str], optimizer) -> None:
                                f"raise its max_capacity")
 
 
-def _restore_static(table, shards, slots: list[str], optimizer) -> None:
+def _restore_static(table, shards, info: dict, optimizer) -> None:
     """Copy the rows this rank holds (and their optimizer state) out of every saved shard."""
+    slots = info["slots"]
     n, dim = table.row_end - table.row_start, table.embedding_dim
     rows = torch.empty(n, dim * (1 + len(slots)))
     found = torch.zeros(n, dtype=torch.bool)
@@ -120,8 +123,8 @@ def _restore_static(table, shards, slots: list[str], optimizer) -> None:
         optimizer.state[table.weight].update({slot: c.clone().to(table.weight) for slot, c in zip(slots, columns[1:])})
 
 
-SAVE = {ShardedEmbeddingBag: _static_store, DynamicEmbeddingBag: _dynamic_store}
-RESTORE = {ShardedEmbeddingBag: _restore_static, DynamicEmbeddingBag: _restore_dynamic}
+SAVE = {ShardedEmbeddingBag: _static_store, ShardedDynamicEmbeddingBag: _dynamic_store}
+RESTORE = {ShardedEmbeddingBag: _restore_static, ShardedDynamicEmbeddingBag: _restore_dynamic}
 
 
 def save(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -135,9 +138,9 @@ def save(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = 
     _barrier()
     tables = {}
     for name, table in sharded_tables(model):
-        store, slots = SAVE[type(table)](table, optimizer)
+        store, extra = SAVE[type(table)](table, optimizer)
         store.save(os.path.join(partial, f"{name}.rank{rank}.hkv"))
-        tables[name] = _table_info(table) | {"slots": slots}
+        tables[name] = _table_info(table) | extra
     if rank == 0:
         table_names = {name for name, _ in sharded_tables(model)}
         dense = {n: p for n, p in model.named_parameters() if n.rpartition(".")[0] not in table_names}
@@ -178,7 +181,7 @@ def load(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = 
             file = os.path.join(path, f"{name}.rank{rank}.hkv")
             _, keys, values, _ = parse(read(file), source=f"checkpoint file {file!r}")
             shards.append((keys, values))
-        RESTORE[type(table)](table, shards, info["slots"], optimizer)
+        RESTORE[type(table)](table, shards, info, optimizer)
         if optimizer is not None:
             optimizer.state[table.weight].update(dense["table_scalars"].get(name, {}))
     params = dict(model.named_parameters())

@@ -1,7 +1,8 @@
 """``distribute(model, plan)``: embedding tables model-parallel, everything else data-parallel (DDP).
 
 Every ``nn.EmbeddingBag`` / ``nn.Embedding`` of the model is replaced, in place, by a ``ShardedEmbeddingBag``
-holding this rank's rows under the plan; the rest of the model is wrapped in
+holding this rank's rows under the plan, and every ``hkv.DynamicEmbeddingBag`` by a
+``ShardedDynamicEmbeddingBag`` holding the keys this rank owns; the rest of the model is wrapped in
 ``torch.nn.parallel.DistributedDataParallel`` with the shards in its ignore list, so DDP all-reduces only
 the dense gradients. ``torch.compile(distributed_model, backend="rec_ascend")`` then compiles the dense
 graphs (Dynamo's DDP optimizer splits them at DDP's bucket boundaries) and the table lookups run between
@@ -15,19 +16,21 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from recompile.distributed.dynamic_embedding import DynamicEmbeddingBag
+from hkv import DynamicEmbeddingBag
+
+from recompile.distributed.dynamic_embedding import ShardedDynamicEmbeddingBag
 from recompile.distributed.env import world
 from recompile.distributed.planner import ShardingPlan, plan as make_plan, table_specs
 from recompile.distributed.sharded_embedding import ShardedEmbeddingBag, lookup_rows
 
 STATIC_TABLES = (nn.EmbeddingBag, nn.Embedding)
-SHARDED_TABLES = (ShardedEmbeddingBag, DynamicEmbeddingBag)
+SHARDED_TABLES = (ShardedEmbeddingBag, ShardedDynamicEmbeddingBag)
 
 
 def embedding_tables(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(module path, module) of every embedding table of ``model``, sharded or not."""
     for name, module in model.named_modules():
-        if isinstance(module, STATIC_TABLES + SHARDED_TABLES):
+        if isinstance(module, STATIC_TABLES + SHARDED_TABLES + (DynamicEmbeddingBag,)):
             yield name, module
 
 
@@ -56,6 +59,8 @@ def distribute(model: nn.Module, plan: ShardingPlan | None = None, *, batch: int
         raise ValueError(f"tables {missing} have no sharding in the plan (it has {sorted(plan.shardings)})")
     for name, module in tables:
         _replace(model, name, ShardedEmbeddingBag.from_module(name, module, plan[name], dedup=dedup))
+    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, DynamicEmbeddingBag)]:
+        _replace(model, name, ShardedDynamicEmbeddingBag(name, module, dedup=dedup))
     if device is not None:
         model.to(device)
     if not torch.distributed.is_initialized():

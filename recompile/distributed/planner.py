@@ -176,9 +176,12 @@ def table_specs(model: nn.Module, pooling: Mapping[str, float] | float = 1.0) ->
     specs = []
     for name, module in embedding_tables(model):
         p = pooling.get(name, 1.0) if isinstance(pooling, Mapping) else pooling
-        specs.append(TableSpec(name, module.num_embeddings, module.embedding_dim, p, dynamic=is_dynamic(module)))
+        if is_dynamic(module):  # rows: the keys it holds now (the planner only needs them for estimates)
+            specs.append(TableSpec(name, module.table.size(), module.table.dim, p, dynamic=True))
+        else:
+            specs.append(TableSpec(name, module.num_embeddings, module.embedding_dim, p))
     return specs
 
 
 def is_dynamic(module: nn.Module) -> bool:
-    return getattr(module, "sharding", None) is not None and module.sharding.kind == "hash_row_wise"
+    return not isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and not hasattr(module, "row_start")
