@@ -13,7 +13,8 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 def backend_for(device: torch.device | str) -> str:
-    device_type = torch.device(device).type
+    # "npu" is a device type only once torch_npu is imported: take the string's type as is.
+    device_type = device.split(":")[0] if isinstance(device, str) else device.type
     if device_type not in BACKEND_FOR_DEVICE:
         raise ValueError(f"recompile.distributed: no collective backend for device type {device_type!r}; "
                          f"known: {sorted(BACKEND_FOR_DEVICE)}")
