@@ -1,64 +1,17 @@
 """Rank functions for tests/test_distributed*.py, run in separate processes (gloo on 127.0.0.1)."""
 from __future__ import annotations
 
-import datetime
 import os
-import socket
-import time
-import traceback
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
+from recompile.launch import spawn
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world_size, port, fn, args, out_dir, timeout_s):
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        result = fn(rank, world_size, *args)
-        torch.save({"ok": result}, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException as exc:  # reported to the parent, which decides whether the test expected it
-        torch.save({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_ranks(fn, world_size: int, out_dir: str, *args, timeout_s: float = 120.0, collective_timeout_s: float = 30.0):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; returns each rank's result or error
-    (a dict), or None for a rank that produced nothing. Processes still alive after ``timeout_s`` are killed."""
-    # A fork server that has imported recompile once forks the ranks: no rank pays for the imports again.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests.distributed_workers", "recompile.distributed"])
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out_dir, collective_timeout_s))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    results = []
-    for r in range(world_size):
-        path = os.path.join(out_dir, f"rank{r}.pt")
-        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
-    return results, hung
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, collective_timeout_s: float = 30.0):
+    return spawn(fn, world_size, *args, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s,
+                 preload=["tests.distributed_workers"])
 
 
 CFG = DLRMConfig(num_dense=5, table_rows=[40, 64, 100, 24], dim=8, bottom=[16, 8], top=[16, 1], max_ids_per_bag=3)
@@ -132,10 +85,13 @@ def reference_state(steps: int, batch: int, momentum: float = 0.0) -> dict:
 def compiled_training(rank, world_size, kinds, steps, batch):
     from recompile.distributed import compile_lookups
 
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     dmp = _sharded_dlrm(world_size, kinds, batch)
-    compile_lookups(dmp.module)
-    train(torch.compile(dmp, backend="rec_ascend"), global_batches(steps, batch), rank, world_size)
-    return full_state(dmp)
+    lookups, dense = CompileCounterWithBackend("rec_ascend"), CompileCounterWithBackend("rec_ascend")
+    compile_lookups(dmp.module, backend=lookups)
+    train(torch.compile(dmp, backend=dense), global_batches(steps, batch), rank, world_size)
+    return {"state": full_state(dmp), "lookup_graphs": lookups.frame_count, "dense_graphs": dense.frame_count}
 
 
 def _sharded_dlrm(world_size: int, kinds, batch: int):

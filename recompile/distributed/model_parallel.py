@@ -10,7 +10,7 @@ them (see ``sharded_embedding``); ``compile_lookups`` compiles the owners' group
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -70,7 +70,8 @@ def distribute(model: nn.Module, plan: ShardingPlan | None = None, *, batch: int
     return DistributedDataParallel(model, **ddp_kwargs)
 
 
-def compile_lookups(model: nn.Module, backend: str = "rec_ascend", options: Mapping[str, Any] | None = None) -> None:
+def compile_lookups(model: nn.Module, backend: str | Callable = "rec_ascend",
+                    options: Mapping[str, Any] | None = None) -> None:
     """Compile the owner side of every sharded lookup (all local tables in one grouped call) with ``backend``."""
     compiled = torch.compile(lookup_rows, backend=backend, options=options, dynamic=True)
     for _, table in sharded_tables(model):

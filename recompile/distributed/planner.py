@@ -15,9 +15,9 @@ Cost model (per training step, per rank; ``B`` ids-bags per rank, ``W`` ranks, f
 - time = bytes moved / ``network_gbps`` + rows touched * ``3 * d * b`` (read forward, read and write in
   the update) / ``memory_gbps``; memory = rows held * ``d * b * (1 + optimizer_slots)``.
 
-The planner places tables largest first; for each it takes the placement (row-wise, or table-wise on some
-rank) that fits every rank's budget and gives the smallest maximum per-rank time so far, ties broken by
-the smallest maximum memory. Dynamic (hkv) tables are always hash row-wise. A table that fits nowhere is
+The planner places tables largest first; for each it takes the placement (row-wise, or table-wise on the
+least loaded rank) that fits every rank's budget and gives the smallest maximum per-rank time so far, ties
+broken by the smallest maximum memory. Dynamic (hkv) tables are always hash row-wise. A table that fits nowhere is
 an error naming it. This is TorchRec's planner in miniature: enumerate shardings, estimate, place greedily.
 """
 from __future__ import annotations
@@ -144,7 +144,7 @@ def plan(specs: Sequence[TableSpec], world_size: int, batch: int, hardware: Hard
     chosen: dict[str, Sharding] = {}
     for spec in sorted(specs, key=lambda s: s.rows * s.bytes_per_row(), reverse=True):
         best = None
-        for sharding in _candidates(spec, world_size, kinds):
+        for sharding in _candidates(spec, world_size, kinds, loads, hardware):
             after = [a.plus(b) for a, b in zip(loads, placement(spec, sharding, world_size, batch, dedup).per_rank)]
             if max(load.memory for load in after) > hardware.memory_bytes:
                 continue
@@ -152,8 +152,7 @@ def plan(specs: Sequence[TableSpec], world_size: int, batch: int, hardware: Hard
             if best is None or key < best[0]:
                 best = (key, sharding, after)
         if best is None:
-            need = min(max(load.memory for load in placement(spec, s, world_size, batch, dedup).per_rank)
-                       for s in _candidates(spec, world_size, kinds))
+            need = spec.rows * spec.bytes_per_row() / (world_size if "row_wise" in kinds else 1)
             raise ValueError(f"table {spec.name!r} ({spec.rows} rows x {spec.dim}) fits no rank: it needs at least "
                              f"{need / 1e9:.3f} GB on a rank beside the tables placed before it, the budget is "
                              f"{hardware.memory_bytes / 1e9:.3f} GB per rank")
@@ -162,11 +161,18 @@ def plan(specs: Sequence[TableSpec], world_size: int, batch: int, hardware: Hard
     return ShardingPlan(ordered, {s.name: s for s in specs}, world_size, batch, dedup, hardware)
 
 
-def _candidates(spec: TableSpec, world_size: int, kinds: tuple[str, ...]) -> list[Sharding]:
+def _candidates(spec: TableSpec, world_size: int, kinds: tuple[str, ...], loads: list[RankLoad],
+                hardware: Hardware) -> list[Sharding]:
+    """Row-wise, and table-wise on the least loaded rank (a table-wise table adds the same cost to every other
+    rank and more to its owner, so no other owner gives a smaller maximum)."""
     if spec.dynamic:
         return [Sharding("hash_row_wise")]
-    out = [Sharding("table_wise", r) for r in range(world_size)] if "table_wise" in kinds else []
-    return out + ([Sharding("row_wise")] if "row_wise" in kinds else [])
+    out = [Sharding("row_wise")] if "row_wise" in kinds else []
+    fits = [r for r in range(world_size) if loads[r].memory + spec.rows * spec.bytes_per_row() <= hardware.memory_bytes]
+    if "table_wise" in kinds and fits:
+        owner = min(fits, key=lambda r: (loads[r].time_ms(hardware), loads[r].memory, r))
+        out.append(Sharding("table_wise", owner))
+    return out
 
 
 def table_specs(model: nn.Module, pooling: Mapping[str, float] | float = 1.0) -> list[TableSpec]:

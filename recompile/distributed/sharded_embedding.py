@@ -141,7 +141,9 @@ def _local_rows(tables: Sequence[nn.Module], ids: list[torch.Tensor]) -> list[to
     rows: list = [None] * len(tables)
     if static:
         local = [ids[i] - tables[i].row_start for i in static]
-        for i, r in zip(static, tables[static[0]].lookup_fn([tables[i].weight for i in static], local)):
+        # Views, not the Parameters: Dynamo specialises parameter shapes, and shards differ in size.
+        weights = [tables[i].weight.view_as(tables[i].weight) for i in static]
+        for i, r in zip(static, tables[static[0]].lookup_fn(weights, local)):
             rows[i] = r
     for i, table in enumerate(tables):
         if rows[i] is None:
