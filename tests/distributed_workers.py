@@ -198,3 +198,49 @@ def dead_rank(rank, world_size):
         train(dmp, [batch], rank, world_size)
         step[0] += 1
     return "finished"
+
+
+def torchrec_model():
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=50, feature_names=[f"f{i}"])
+              for i in range(2)]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+            self.head = torch.nn.Linear(16, 1)
+
+        def forward(self, kjt):
+            return self.head(self.ebc(kjt).values()).squeeze(1)
+
+    return Model()
+
+
+def torchrec_plan(model, world_size: int, kind: str):
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    constraints = {f"t{i}": ParameterConstraints(sharding_types=[kind]) for i in range(2)}
+    return EmbeddingShardingPlanner(topology=Topology(world_size=world_size, compute_device="cpu"),
+                                    constraints=constraints)
+
+
+def torchrec_dmp_compiled(rank, world_size, kind):
+    """TorchRec's own DistributedModelParallel, compiled with rec_ascend: outputs against the eager DMP."""
+    import torch.distributed as dist
+    from torchrec import KeyedJaggedTensor
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    torch.manual_seed(0)
+    model = torchrec_model()
+    plan = torchrec_plan(model, world_size, kind).collective_plan(model, None, dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan)
+    gen = torch.Generator().manual_seed(rank)
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1"], values=torch.randint(0, 50, (12,), generator=gen),
+                                              lengths=torch.tensor([1, 2, 1, 2, 3, 3]))
+    eager = dmp(kjt).detach()
+    compiled = torch.compile(dmp, backend="rec_ascend")(kjt)
+    compiled.sum().backward()
+    return {"eager": eager, "compiled": compiled.detach(), "plan": str(dmp.plan)}

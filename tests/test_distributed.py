@@ -9,7 +9,7 @@ import torch
 from recompile.distributed.sharding import hash_owner
 from tests.distributed_workers import (
     assemble, checkpoint_continue, compiled_training, dead_rank, dynamic_restored, dynamic_training, reference_state,
-    run_ranks,
+    run_ranks, torchrec_dmp_compiled, torchrec_model, torchrec_plan,
 )
 
 STEPS, SAVE_AFTER = 4, 2
@@ -91,3 +91,21 @@ def test_compiled_sharded_dlrm_matches_one_process():
     _assert_same(assemble([r["state"] for r in results]), reference_state(2, 16))
     for r in results:  # the owners' lookups and the dense layers both ran compiled by rec_ascend
         assert 1 <= r["lookup_graphs"] <= 2 and r["dense_graphs"] >= 1, r
+
+
+@pytest.mark.slow
+def test_torchrec_dmp_table_wise_compiles_with_rec_ascend_on_cpu():
+    results = _ok(*run_ranks(torchrec_dmp_compiled, 2, "table_wise", timeout_s=400))
+    for r in results:
+        assert "table_wise" in r["plan"]
+        torch.testing.assert_close(r["compiled"], r["eager"], rtol=1e-5, atol=1e-6)
+
+
+def test_torchrec_has_no_row_wise_sharding_on_cpu():
+    """A fact the README states: TorchRec 1.8 offers no row-wise kernel for CPU (table-wise and data-parallel
+    work); recompile.distributed shards row-wise on CPU."""
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    model = torchrec_model()
+    with pytest.raises(RuntimeError, match="No available sharding type and compute kernel combination"):
+        torchrec_plan(model, 2, "row_wise").plan(model, get_default_sharders())
