@@ -102,20 +102,22 @@ def sharded_lookup(tables: Sequence[nn.Module], features: Sequence[tuple]) -> li
             table.check_ids(ids)
         unique, inverse = torch.unique(ids, return_inverse=True) if table.dedup else \
             (ids, torch.arange(ids.numel(), device=ids.device))
-        order = torch.argsort(table.owner_of(unique, world_size), stable=True)
+        owners = table.owner_of(unique, world_size)
+        order = torch.argsort(owners, stable=True)
         send_ids.append(unique[order])
-        send_counts.append(torch.bincount(table.owner_of(send_ids[-1], world_size), minlength=world_size))
-        positions.append(torch.argsort(order)[inverse])
+        send_counts.append(torch.bincount(owners, minlength=world_size))
+        positions.append(torch.argsort(order)[inverse])  # where each id's row comes back
     counts = torch.stack(send_counts, dim=1)  # [W, T]: ids this rank sends to each rank, per table
-    recv_counts = exchange_counts(counts)  # [W, T]: ids each rank sends here, per table
+    # [W, T]: ids each rank sends here, per table; the split arithmetic below runs on the host.
+    counts, recv_counts = counts.cpu(), exchange_counts(counts).cpu()
     received = all_to_all(_by_rank_then_table(send_ids, counts), counts.sum(1).tolist(),
                           recv_counts.sum(1).tolist(), "ids")
     local_ids = _per_table(received, recv_counts, [1] * len(tables))
     rows = _local_rows(tables, [table_ids.view(-1) for table_ids in local_ids])
     dims = [table.embedding_dim for table in tables]
-    back = _by_rank_then_table([r.reshape(-1) for r in rows], recv_counts * torch.tensor(dims))
-    got = all_to_all_rows(back, (recv_counts * torch.tensor(dims)).sum(1).tolist(),
-                          (counts * torch.tensor(dims)).sum(1).tolist(), tables[0].grad_scale)
+    recv_values, send_values = recv_counts * torch.tensor(dims), counts * torch.tensor(dims)
+    back = _by_rank_then_table([r.reshape(-1) for r in rows], recv_values)
+    got = all_to_all_rows(back, recv_values.sum(1).tolist(), send_values.sum(1).tolist(), tables[0].grad_scale)
     table_rows = _per_table(got, counts, dims)
     return [_pool(table, r, pos, feature) for table, r, pos, feature in zip(tables, table_rows, positions, features)]
 
