@@ -42,10 +42,13 @@ def test_row_wise_dlrm_on_two_ranks_matches_one_process(two_rank_checkpoint):
     _assert_same(state, reference_state(STEPS, 16, momentum=0.9))
 
 
-def test_table_wise_dlrm_on_two_ranks_matches_one_process(tmp_path):
+def test_table_wise_dlrm_on_two_ranks_matches_one_process_and_reshards_row_wise(tmp_path):
     path = str(tmp_path / "ckpt")
-    results = _ok(*run_ranks(checkpoint_continue, 2, ("table_wise",), path, SAVE_AFTER, STEPS, False))
-    _assert_same(assemble(results), reference_state(STEPS, 16, momentum=0.9))
+    continued = assemble(_ok(*run_ranks(checkpoint_continue, 2, ("table_wise",), path, SAVE_AFTER, STEPS, False, 24)))
+    _assert_same(continued, reference_state(STEPS, 24, momentum=0.9))
+    # The table-wise checkpoint, loaded row-wise on 3 ranks (uneven row blocks), continues the same way.
+    results = _ok(*run_ranks(checkpoint_continue, 3, ("row_wise",), path, SAVE_AFTER, STEPS, True, 24))
+    _assert_same(assemble(results), continued)
 
 
 @pytest.mark.parametrize("world_size", [1, 4])
