@@ -164,6 +164,8 @@ def save(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = 
 def load(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Fill the sharded ``model`` (and ``optimizer``) from a checkpoint written by any number of ranks."""
     model = _unwrap(model)
+    if not os.path.exists(os.path.join(path, MANIFEST)) and os.path.exists(os.path.join(f"{path}.old", MANIFEST)):
+        path = f"{path}.old"  # a save died between moving the previous checkpoint aside and putting the new one
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.exists(manifest_path):
         raise FileNotFoundError(f"{path!r} is not a complete recompile checkpoint: it has no {MANIFEST}")

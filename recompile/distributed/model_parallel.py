@@ -72,7 +72,8 @@ def distribute(model: nn.Module, plan: ShardingPlan | None = None, *, batch: int
 
 def compile_lookups(model: nn.Module, backend: str | Callable = "rec_ascend",
                     options: Mapping[str, Any] | None = None) -> None:
-    """Compile the owner side of every sharded lookup (all local tables in one grouped call) with ``backend``."""
+    """Compile the owner side of the sharded lookups (``lookup_rows``: the rows of every table a lookup covers)
+    with ``backend``."""
     compiled = torch.compile(lookup_rows, backend=backend, options=options, dynamic=True)
     for _, table in sharded_tables(model):
         if isinstance(table, ShardedEmbeddingBag):
