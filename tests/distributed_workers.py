@@ -87,19 +87,35 @@ def compiled_training(rank, world_size, kinds, steps, batch):
 
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    dmp = _sharded_dlrm(world_size, kinds, batch)
+    dmp = _sharded_dlrm(world_size, kinds, batch, features=dlrm_features)
     lookups, dense = CompileCounterWithBackend("rec_ascend"), CompileCounterWithBackend("rec_ascend")
     compile_lookups(dmp.module, backend=lookups)
     train(torch.compile(dmp, backend=dense), global_batches(steps, batch), rank, world_size)
     return {"state": full_state(dmp), "lookup_graphs": lookups.frame_count, "dense_graphs": dense.frame_count}
 
 
-def _sharded_dlrm(world_size: int, kinds, batch: int):
+def dlrm_features(dense, indices, offsets):
+    """The ids DLRM passes to each of its tables."""
+    return {f"embeddings.{i}": (ids, offs) for i, (ids, offs) in enumerate(zip(indices, offsets))}
+
+
+def _sharded_dlrm(world_size: int, kinds, batch: int, features=None):
     from recompile.distributed import distribute, plan, table_specs
 
     torch.manual_seed(0)
     model = DLRM(CFG)
-    return distribute(model, plan(table_specs(model, pooling=2.0), world_size, batch // world_size, kinds=kinds))
+    sharding = plan(table_specs(model, pooling=2.0), world_size, batch // world_size, kinds=kinds)
+    return distribute(model, sharding, features=features)
+
+
+def prefetched_training(rank, world_size, steps, batch):
+    """Row-wise DLRM whose tables are looked up in one round per step; returns the state and all-to-all counts."""
+    from recompile.distributed import STATS
+
+    dmp = _sharded_dlrm(world_size, ("row_wise",), batch, features=dlrm_features)
+    STATS.reset()
+    train(dmp, global_batches(steps, batch), rank, world_size)
+    return {"state": full_state(dmp), "calls": dict(STATS.calls)}
 
 
 def checkpoint_continue(rank, world_size, kinds, path, save_after, steps, load, batch=16):

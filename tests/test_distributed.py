@@ -9,7 +9,7 @@ import torch
 from recompile.distributed.sharding import hash_owner
 from tests.distributed_workers import (
     assemble, checkpoint_continue, compiled_training, dead_rank, dynamic_restored, dynamic_training, reference_state,
-    run_ranks, torchrec_dmp_compiled, torchrec_model, torchrec_plan,
+    prefetched_training, run_ranks, torchrec_dmp_compiled, torchrec_model, torchrec_plan,
 )
 
 STEPS, SAVE_AFTER = 4, 2
@@ -49,6 +49,13 @@ def test_table_wise_dlrm_on_two_ranks_matches_one_process_and_reshards_row_wise(
     # The table-wise checkpoint, loaded row-wise on 3 ranks (uneven row blocks), continues the same way.
     results = _ok(*run_ranks(checkpoint_continue, 3, ("row_wise",), path, SAVE_AFTER, STEPS, True, 24))
     _assert_same(assemble(results), continued)
+
+
+def test_prefetched_lookups_one_round_per_step_same_parameters():
+    results = _ok(*run_ranks(prefetched_training, 2, 3, 16))
+    _assert_same(assemble([r["state"] for r in results]), reference_state(3, 16))
+    for r in results:  # one exchange of counts, ids, rows and gradients per step for all 4 tables
+        assert r["calls"] == {"counts": 3, "ids": 3, "rows": 3, "grads": 3}, r["calls"]
 
 
 @pytest.mark.parametrize("world_size", [1, 4])

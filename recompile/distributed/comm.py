@@ -20,17 +20,20 @@ class CollectiveError(RuntimeError):
 
 
 class CommStats:
-    """Bytes this rank sent to other ranks, per kind of exchange ("ids", "rows", "grads", ...)."""
+    """Bytes this rank sent to other ranks, and all-to-alls it took part in, per kind ("ids", "rows", "grads")."""
 
     def __init__(self):
         self.bytes = Counter()
+        self.calls = Counter()
 
     def add(self, kind: str, tensor: torch.Tensor, send_splits: Sequence[int], rank: int) -> None:
         remote = sum(n for peer, n in enumerate(send_splits) if peer != rank)
         self.bytes[kind] += remote * tensor.element_size() * (tensor[0].numel() if tensor.dim() > 1 else 1)
+        self.calls[kind] += 1
 
     def reset(self) -> None:
         self.bytes.clear()
+        self.calls.clear()
 
     def total(self) -> int:
         return sum(self.bytes.values())

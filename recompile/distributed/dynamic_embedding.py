@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from hkv import DynamicEmbeddingBag
 from recompile.distributed.env import world
-from recompile.distributed.sharded_embedding import sharded_lookup
+from recompile.distributed.sharded_embedding import sharded_lookup, take_prefetched
 from recompile.distributed.sharding import Sharding
 
 
@@ -49,6 +49,7 @@ class ShardedDynamicEmbeddingBag(nn.Module):
         self.runtime = module.runtime
         self.weight = module.weight  # empty: carries autograd to the fused update
         self.embedding_dim = module.runtime.dim
+        self.prefetched = None  # (ids, result) of a ``prefetch``
 
     @property
     def table(self):
@@ -72,4 +73,7 @@ class ShardedDynamicEmbeddingBag(nn.Module):
         return _OwnerRows.apply(self.weight, keys, self.runtime, self.training)
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        prefetched = take_prefetched(self, input)
+        if prefetched is not None:
+            return prefetched
         return sharded_lookup([self], [(input, offsets, None)])[0]

@@ -21,7 +21,7 @@ from hkv import DynamicEmbeddingBag
 from recompile.distributed.dynamic_embedding import ShardedDynamicEmbeddingBag
 from recompile.distributed.env import world
 from recompile.distributed.planner import ShardingPlan, plan as make_plan, table_specs
-from recompile.distributed.sharded_embedding import ShardedEmbeddingBag, lookup_rows
+from recompile.distributed.sharded_embedding import ShardedEmbeddingBag, lookup_rows, prefetch
 
 STATIC_TABLES = (nn.EmbeddingBag, nn.Embedding)
 SHARDED_TABLES = (ShardedEmbeddingBag, ShardedDynamicEmbeddingBag)
@@ -42,10 +42,13 @@ def sharded_tables(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def distribute(model: nn.Module, plan: ShardingPlan | None = None, *, batch: int = 1024, dedup: bool = True,
+               features: Callable[..., Mapping[str, tuple]] | None = None,
                device: torch.device | str | None = None, **ddp_kwargs: Any) -> nn.Module:
     """Shard ``model``'s tables by ``plan`` (planned here when None) and make the rest data-parallel.
 
     Every rank must call this with the same model (same seed or weights): each keeps only its rows.
+    ``features(*forward_args, **forward_kwargs) -> {table path: (ids, offsets)}``, when given, names the ids
+    each table will be called with, so that one round of all-to-alls serves them all (see ``prefetch``).
     Returns the DDP-wrapped model, or the model itself when no process group is initialised.
     """
     _, world_size = world()
@@ -61,6 +64,8 @@ def distribute(model: nn.Module, plan: ShardingPlan | None = None, *, batch: int
         _replace(model, name, ShardedEmbeddingBag.from_module(name, module, plan[name], dedup=dedup))
     for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, DynamicEmbeddingBag)]:
         _replace(model, name, ShardedDynamicEmbeddingBag(name, module, dedup=dedup))
+    if features is not None:
+        model.register_forward_pre_hook(_prefetch_hook(features), with_kwargs=True)
     if device is not None:
         model.to(device)
     if not torch.distributed.is_initialized():
@@ -78,6 +83,14 @@ def compile_lookups(model: nn.Module, backend: str | Callable = "rec_ascend",
     for _, table in sharded_tables(model):
         if isinstance(table, ShardedEmbeddingBag):
             table.lookup_fn = compiled
+
+
+def _prefetch_hook(features: Callable[..., Mapping[str, tuple]]):
+    def hook(model: nn.Module, args: tuple, kwargs: dict) -> None:
+        named = features(*args, **kwargs)
+        prefetch([model.get_submodule(name) for name in named], [(*f, None)[:3] for f in named.values()])
+
+    return hook
 
 
 def _replace(model: nn.Module, path: str, new: nn.Module) -> None:

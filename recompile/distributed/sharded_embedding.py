@@ -10,6 +10,10 @@ One lookup over T sharded tables on W ranks (Rec SDK's and DynamicEmb's flow):
    summed over the duplicate ids of each rank);
 5. the requester pools its bags from the returned rows (``F.embedding_bag`` over the unique rows).
 
+A table called on its own makes one such round for itself. ``prefetch`` makes one round for many tables
+(``distribute(model, features=...)`` runs it before the model's forward), and the tables' calls then
+return their part of it: one set of collectives per step instead of one per table.
+
 Gradients arriving at a shard are scaled by ``grad_scale`` (1 / world_size by default) so that, like DDP's
 averaging of dense gradients, every parameter gets the gradient of the mean of the ranks' losses.
 """
@@ -52,6 +56,7 @@ class ShardedEmbeddingBag(nn.Module):
             torch.empty(self.row_end - self.row_start, embedding_dim).normal_()
         self.weight = nn.Parameter(rows)
         self.lookup_fn: Callable = lookup_rows
+        self.prefetched: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, result) of a ``prefetch``
 
     @classmethod
     def from_module(cls, name: str, module: nn.Module, sharding: Sharding, **kwargs) -> "ShardedEmbeddingBag":
@@ -77,7 +82,28 @@ class ShardedEmbeddingBag(nn.Module):
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        prefetched = take_prefetched(self, input)
+        if prefetched is not None:
+            return prefetched
         return sharded_lookup([self], [(input, offsets, per_sample_weights)])[0]
+
+
+@torch._dynamo.disable
+def prefetch(tables: Sequence[nn.Module], features: Sequence[tuple]) -> None:
+    """Look ``features`` up in ``tables`` in one round of all-to-alls; each table's next call returns its result."""
+    for table, feature, result in zip(tables, features, sharded_lookup(tables, features)):
+        table.prefetched = (feature[0], result)
+
+
+@torch._dynamo.disable
+def take_prefetched(table: nn.Module, input: torch.Tensor) -> torch.Tensor | None:
+    ready, table.prefetched = table.prefetched, None
+    if ready is None:
+        return None
+    if ready[0] is not input:
+        raise RuntimeError(f"table {table.name!r} was called with other ids than the ones prefetched for it: the "
+                           f"features function given to distribute must return the tensors the model passes it")
+    return ready[1]
 
 
 def _bags(table: nn.Module, ids: torch.Tensor, offsets: torch.Tensor | None, psw: torch.Tensor | None):
