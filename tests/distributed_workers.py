@@ -5,6 +5,7 @@ import os
 
 import torch
 
+from models.bench_distributed import dlrm_features
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 from recompile.launch import spawn
 
@@ -92,11 +93,6 @@ def compiled_training(rank, world_size, kinds, steps, batch):
     compile_lookups(dmp.module, backend=lookups)
     train(torch.compile(dmp, backend=dense), global_batches(steps, batch), rank, world_size)
     return {"state": full_state(dmp), "lookup_graphs": lookups.frame_count, "dense_graphs": dense.frame_count}
-
-
-def dlrm_features(dense, indices, offsets):
-    """The ids DLRM passes to each of its tables."""
-    return {f"embeddings.{i}": (ids, offs) for i, (ids, offs) in enumerate(zip(indices, offsets))}
 
 
 def _sharded_dlrm(world_size: int, kinds, batch: int, features=None):
