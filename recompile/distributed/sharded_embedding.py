@@ -4,8 +4,9 @@ One lookup over T sharded tables on W ranks (Rec SDK's and DynamicEmb's flow):
 
 1. per table, this rank deduplicates its ids (``torch.unique``) and orders the unique ids by owner rank;
 2. ``all_to_all_single`` of the id counts [W, T], then of the ids themselves, ordered (rank, table);
-3. each owner looks up the rows it received, all tables in one grouped call (``lookup_rows``, which
-   ``compile_lookups`` hands to torch.compile so the rec passes group it);
+3. each owner looks up the rows it received, all tables of the round in one call (``lookup_rows``, which
+   ``compile_lookups`` compiles with rec_ascend; its lookups are unpooled and of different lengths per table,
+   which the embedding pass's grouped op does not express, so they compile as plain gathers);
 4. ``all_to_all_single`` of the rows back (differentiable: backward sends the row gradients to the owner,
    summed over the duplicate ids of each rank);
 5. the requester pools its bags from the returned rows (``F.embedding_bag`` over the unique rows).
