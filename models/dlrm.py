@@ -15,6 +15,8 @@ class DLRMConfig:
     bottom: list[int] = field(default_factory=lambda: [64, 16])
     top: list[int] = field(default_factory=lambda: [64, 1])
     max_ids_per_bag: int = 4
+    # Ids drawn from a power law P(id = k) ~ (k + 1)^-alpha (Criteo-like skew); None: uniform.
+    id_alpha: float | None = None
 
 
 def mlp(sizes: list[int], last_activation: bool = True) -> nn.Sequential:
@@ -54,6 +56,16 @@ def synthetic_batch(cfg: DLRMConfig, batch: int, generator: torch.Generator | No
     indices, offsets = [], []
     for rows in cfg.table_rows:
         lengths = torch.randint(1, cfg.max_ids_per_bag + 1, (batch,), generator=generator)
-        indices.append(torch.randint(0, rows, (int(lengths.sum()),), generator=generator))
+        indices.append(_ids(rows, int(lengths.sum()), cfg.id_alpha, generator))
         offsets.append(torch.cumsum(lengths, 0) - lengths)
     return dense, indices, offsets
+
+
+def _ids(rows: int, n: int, alpha: float | None, generator: torch.Generator | None) -> torch.Tensor:
+    if alpha is None:
+        return torch.randint(0, rows, (n,), generator=generator)
+    # Inverse CDF of the continuous power law on [1, rows + 1), shifted to start at id 0.
+    u = torch.rand(n, generator=generator, dtype=torch.float64)
+    a = 1.0 - alpha
+    k = (rows + 1) ** u if a == 0 else (((rows + 1) ** a - 1) * u + 1) ** (1 / a)
+    return (k.long() - 1).clamp_(0, rows - 1)

@@ -1,0 +1,159 @@
+"""All-to-all traffic of sharded embedding tables, measured and estimated.
+
+1. Measured: a Criteo-shaped DLRM (26 tables of 1k-26k rows, dim 64, 1-8 ids per bag, power-law ids with
+   alpha 1.05; synthetic data) trained on N local ranks (gloo); the bytes each rank sends per step in
+   all-to-all (ids, rows, gradients, counts), with and without per-rank deduplication, and ms/step.
+2. Estimated, by the sharding planner's cost model: a Criteo-1TB-sized DLRM (26 tables, 882M rows, dim 128)
+   on 8, 64 and 512 ranks.
+
+    python -m models.bench_distributed [--quick] [--nproc 2] [--batch 2048] [--steps 5] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from models.dlrm import DLRM, DLRMConfig
+from recompile.distributed import STATS, Hardware, TableSpec, distribute, plan, table_specs
+from recompile.launch import spawn
+
+# Per-feature distinct values of the 26 categorical features of Criteo 1TB (no hashing), as counted by
+# the DLRM reference implementation: 882.8M rows in all.
+CRITEO_1TB_ROWS = [227605432, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 130229467, 3067956, 405282, 10, 2209,
+                   11938, 155, 4, 976, 14, 292775614, 40790948, 187188510, 590152, 12973, 108, 36]
+# An accelerator rank: 64 GB for tables (Ascend 910B HBM), 25 GB/s all-to-all (200 Gb/s), 1.5 TB/s HBM.
+ACCELERATOR = Hardware(memory_bytes=64e9, network_gbps=25.0, memory_gbps=1500.0)
+POWER_LAW_ALPHA = 1.05
+
+
+def bench_config(quick: bool) -> DLRMConfig:
+    rows = torch.logspace(3, torch.log10(torch.tensor(26_000.0)), 26).round().long().tolist()
+    return DLRMConfig(table_rows=rows, dim=16 if quick else 64, bottom=[64, 16 if quick else 64],
+                      top=[64, 1], max_ids_per_bag=8)
+
+
+def dlrm_features(dense, indices, offsets) -> dict:
+    """The ids DLRM passes to each of its tables (``distribute(features=...)``: one lookup round per step)."""
+    return {f"embeddings.{i}": (ids, offs) for i, (ids, offs) in enumerate(zip(indices, offsets))}
+
+
+def power_law_ids(rows: int, n: int, gen: torch.Generator, permutation: torch.Tensor) -> torch.Tensor:
+    """``n`` ids of a table of ``rows`` with P(rank k) ~ k^-alpha, hot ids scattered by ``permutation``."""
+    u = torch.rand(n, generator=gen, dtype=torch.float64)
+    a = 1.0 - POWER_LAW_ALPHA
+    ranks = ((rows ** a - 1.0) * u + 1.0) ** (1.0 / a)
+    return permutation[(ranks.long() - 1).clamp(0, rows - 1)]
+
+
+def batches(cfg: DLRMConfig, steps: int, batch: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    perms = [torch.randperm(rows, generator=torch.Generator().manual_seed(t)) for t, rows in enumerate(cfg.table_rows)]
+    for _ in range(steps):
+        indices, offsets = [], []
+        for rows, perm in zip(cfg.table_rows, perms):
+            lengths = torch.randint(1, cfg.max_ids_per_bag + 1, (batch,), generator=gen)
+            indices.append(power_law_ids(rows, int(lengths.sum()), gen, perm))
+            offsets.append(torch.cumsum(lengths, 0) - lengths)
+        yield torch.randn(batch, cfg.num_dense, generator=gen), indices, offsets, torch.rand(batch, generator=gen)
+
+
+# (name, dedup, one lookup round per step for all tables rather than one per table)
+VARIANTS = (("dedup", True, True), ("no dedup", False, True), ("dedup, per table", True, False))
+
+
+def measure(rank: int, world_size: int, quick: bool, batch: int, steps: int) -> dict:
+    """Bytes sent per step by this rank, by kind, and ms/step, for each of VARIANTS."""
+    cfg = bench_config(quick)
+    out = {}
+    for name, dedup, one_round in VARIANTS:
+        torch.manual_seed(0)
+        model = DLRM(cfg)
+        sharding_plan = plan(table_specs(model, pooling=(1 + cfg.max_ids_per_bag) / 2), world_size, batch,
+                             dedup=dedup)
+        dmp = distribute(model, sharding_plan, dedup=dedup, features=dlrm_features if one_round else None)
+        opt = torch.optim.SGD(dmp.parameters(), lr=0.01)
+        for step, (dense, ids, offs, labels) in enumerate(batches(cfg, steps + 1, batch, seed=rank)):
+            if step == 1:  # the first step warms up
+                STATS.reset()
+                start = time.perf_counter()
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(dmp(dense, ids, offs), labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        elapsed = time.perf_counter() - start
+        out[name] = {"calls": STATS.calls["ids"] / steps, "bytes": {k: v / steps for k, v in STATS.bytes.items()}, "ms": elapsed / steps * 1e3,
+                      "plan": str(sharding_plan), "estimate": sharding_plan.loads()[rank].comm_bytes}
+    return out
+
+
+def criteo_1tb_estimates(batch: int) -> list[dict]:
+    specs = [TableSpec(f"cat{i}", rows, 128, pooling=1.0, optimizer_slots=1 / 128)  # row-wise Adagrad
+             for i, rows in enumerate(CRITEO_1TB_ROWS)]
+    rows = []
+    for world_size in (8, 64, 512):
+        for dedup in (True, False):
+            p = plan(specs, world_size, batch, ACCELERATOR, dedup=dedup)
+            loads = p.loads()
+            kinds = [s.kind for s in p.shardings.values()]
+            rows.append({"ranks": world_size, "dedup": dedup, "row_wise": kinds.count("row_wise"),
+                         "table_wise": kinds.count("table_wise"),
+                         "max_memory_gb": max(l.memory for l in loads) / 1e9,
+                         "max_all_to_all_mb": max(l.comm_bytes for l in loads) / 1e6,
+                         "est_ms": max(l.time_ms(ACCELERATOR) for l in loads)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m models.bench_distributed", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="dim 16, batch 256, 2 steps")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--batch", type=int, help="bags per rank per step (default 2048, 256 with --quick)")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    batch = args.batch or (256 if args.quick else 2048)
+    steps = args.steps or (2 if args.quick else 5)
+    outcomes, hung = spawn(measure, args.nproc, args.quick, batch, steps, timeout_s=600)
+    failed = [(r, o.error if o else "no result") for r, o in enumerate(outcomes) if o is None or o.error]
+    if hung or failed:
+        raise SystemExit(f"bench_distributed: ranks failed: {failed}, did not finish: {hung}")
+    results = [o.value for o in outcomes]
+    cfg = bench_config(args.quick)
+    print(f"DLRM, {len(cfg.table_rows)} tables of {cfg.table_rows[0]}-{cfg.table_rows[-1]} rows, dim {cfg.dim}, "
+          f"1-{cfg.max_ids_per_bag} ids per bag, power-law ids (alpha {POWER_LAW_ALPHA}), synthetic data; "
+          f"{args.nproc} ranks (gloo, CPU), batch {batch} per rank, mean over {steps} steps")
+    print(results[0]["dedup"]["plan"])
+    print(f"  {'rank':<6}{'variant':<18}{'rounds':>7}{'ids KB':>10}{'rows KB':>10}{'grads KB':>10}{'total KB':>10}"
+          f"{'model est KB':>14}{'ms/step':>10}")
+    for rank, result in enumerate(results):
+        for name, _, _ in VARIANTS:
+            r = result[name]
+            b = r["bytes"]
+            print(f"  {rank:<6}{name:<18}{r['calls']:>7.0f}{b.get('ids', 0) / 1e3:>10.1f}{b.get('rows', 0) / 1e3:>10.1f}"
+                  f"{b.get('grads', 0) / 1e3:>10.1f}{sum(b.values()) / 1e3:>10.1f}{r['estimate'] / 2e3:>14.1f}"
+                  f"{r['ms']:>10.2f}")
+        on, off = sum(result["dedup"]["bytes"].values()), sum(result["no dedup"]["bytes"].values())
+        print(f"  rank {rank}: dedup sends {on / off:.2f}x the bytes, step {result['no dedup']['ms'] / result['dedup']['ms']:.2f}x"
+              f" as fast; one round for all tables {result['dedup, per table']['ms'] / result['dedup']['ms']:.2f}x "
+              f"as fast as one per table")
+    print("  (model est: the planner's estimate of bytes sent, half of sent + received, uniform ids: an upper bound)")
+    estimates = criteo_1tb_estimates(8192)
+    print(f"\nCriteo-1TB-sized DLRM, planner estimate: 26 tables, {sum(CRITEO_1TB_ROWS) / 1e6:.1f}M rows, dim 128, "
+          f"fp32 + row-wise Adagrad, batch 8192 per rank, 1 id per bag; rank = 64 GB, 25 GB/s all-to-all, 1.5 TB/s")
+    print(f"  {'ranks':>6}{'dedup':>7}{'row-wise':>10}{'table-wise':>12}{'GB/rank':>10}{'all-to-all MB/step':>20}"
+          f"{'est. ms/step':>14}")
+    for e in estimates:
+        print(f"  {e['ranks']:>6}{'on' if e['dedup'] else 'off':>7}{e['row_wise']:>10}{e['table_wise']:>12}"
+              f"{e['max_memory_gb']:>10.2f}{e['max_all_to_all_mb']:>20.1f}{e['est_ms']:>14.2f}")
+    report = {"measured": [{str(k): v for k, v in r.items()} for r in results], "criteo_1tb": estimates}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return report
+
+
+if __name__ == "__main__":
+    main()

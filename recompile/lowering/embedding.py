@@ -1,0 +1,14 @@
+"""Lowering of recompile::grouped_embedding_bag (and its backward, which follows the forward's choice).
+
+FBGEMM's table-batched ops (``split_embedding_codegen_lookup_*``, ``dense_embedding_codegen_lookup_function``)
+read every table from one packed ``weights`` buffer; the user's tables are separate parameters and
+packing them would copy every table on every call, so the grouped lookup runs our own kernels.
+"""
+from recompile.lowering.registry import Impl, has_triton, on_cpu, reference, register_lowering
+
+register_lowering(
+    "recompile::grouped_embedding_bag",
+    Impl("triton", "triton", has_triton, "runtime.triton_kernels.embedding (one persistent grid over all tables' bags)"),
+    Impl("cpu", "cpu_kernel", on_cpu, "ATen embedding_bag per table (FBGEMM EmbeddingSpMDM) in one op"),
+    reference("runtime.embedding.grouped_embedding_bag_reference"),
+)

@@ -1,0 +1,248 @@
+"""embedding: group the embedding lookups that feed one stack/cat into one grouped lookup.
+
+Patterns (a *lookup*), each on its own table:
+- ``F.embedding_bag(ids, weight, offsets, mode="sum"|"mean", per_sample_weights=..., include_last_offset=...,
+  padding_idx=..., sparse=...)`` with 1-D ids + offsets or 2-D ids (how Dynamo records ``nn.EmbeddingBag``);
+- ``torch.sum|mean(F.embedding(ids2d, weight), 1)`` (a bag of fixed size written by hand);
+feeding one consumer ``torch.stack(items, dim=1)`` or ``torch.cat(items, dim=1)`` of 2-D items.
+
+Replacement: every run of two or more consecutive lookups of ``items`` (distinct tables, one dtype)
+becomes one ``recompile.grouped_embedding_bag`` written in the consumer's layout (``"stack"``
+``[B, T, D]`` or ``"concat"`` ``[B, sum(D)]``). The consumer disappears when the run is all of it;
+otherwise a stack becomes ``torch.cat([x.unsqueeze(1), grouped, ...], 1)`` (DLRM's
+``stack([x] + embs, 1)``) and a cat keeps its other items around the grouped output.
+
+Lookups left alone are reported as notes in ``ctx.fallbacks`` with the reason (``max`` pooling,
+``max_norm``, ``scale_grad_by_freq``, a lookup with other users, no stack/cat consumer, ...).
+"""
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
+from recompile.pipeline import Fallback, PassContext, register_pass
+from runtime.embedding import MEAN, POOLING_NAMES, SUM
+
+OP = "recompile::grouped_embedding_bag"
+EMBEDDING_BAG = (F.embedding_bag,)
+EMBEDDING = (F.embedding,)
+BAG_REDUCTIONS = {torch.sum: SUM, torch.mean: MEAN}
+CONSUMERS = {torch.stack: "stack", torch.cat: "concat"}
+_SIGNATURES = {fn: inspect.signature(fn) for fn in (*EMBEDDING_BAG, *EMBEDDING)}
+
+
+class NotGroupable(Exception):
+    """A lookup the pass cannot prove safe to group; the message says why."""
+
+
+@dataclass
+class Lookup:
+    node: fx.Node  # the node whose value the consumer uses
+    erased: list[fx.Node]  # the nodes the grouped call replaces, consumer-side first
+    weight: fx.Node
+    indices: fx.Node
+    offsets: Optional[fx.Node]
+    per_sample_weights: Optional[fx.Node]
+    pooling: int
+    padding_idx: int
+    include_last_offset: bool
+    sparse: bool
+
+    @property
+    def table(self) -> torch.Tensor:
+        return tensor_meta(self.weight)
+
+
+def _bound(node: fx.Node) -> dict[str, Any]:
+    bound = _SIGNATURES[node.target].bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _check_common(a: dict[str, Any]) -> torch.Tensor:
+    weight = tensor_meta(a["weight"])
+    if weight is None or weight.dim() != 2:
+        raise NotGroupable("the table is not a 2-D tensor")
+    if a["max_norm"] is not None:
+        raise NotGroupable("max_norm renormalises table rows in place")
+    if a["scale_grad_by_freq"]:
+        raise NotGroupable("scale_grad_by_freq is not a TBE option")
+    return weight
+
+
+def _padding(a: dict[str, Any], rows: int) -> int:
+    pad = a["padding_idx"]
+    if pad is None:
+        return -1
+    if not isinstance(pad, int):
+        raise NotGroupable("padding_idx is not a constant")
+    return pad + rows if pad < 0 else pad
+
+
+def _embedding_bag(node: fx.Node) -> Lookup:
+    a = _bound(node)
+    weight = _check_common(a)
+    if a["mode"] not in ("sum", "mean"):
+        raise NotGroupable(f"mode {a['mode']!r} pooling is not grouped (TBE pools by sum or mean)")
+    ids = tensor_meta(a["input"])
+    if ids is None or ids.dim() != (1 if a["offsets"] is not None else 2):
+        raise NotGroupable("ids are neither 1-D with offsets nor 2-D")
+    return Lookup(node, [node], a["weight"], a["input"], a["offsets"], a["per_sample_weights"], POOLING_NAMES[a["mode"]],
+                  _padding(a, weight.shape[0]), bool(a["include_last_offset"]), bool(a["sparse"]))
+
+
+def _embedding_then_reduce(node: fx.Node) -> Lookup:
+    embedding = node.args[0]
+    a = _bound(embedding)
+    _check_common(a)
+    ids = tensor_meta(a["input"])
+    if ids is None or ids.dim() != 2:
+        raise NotGroupable("a reduced F.embedding needs 2-D ids")
+    if a["padding_idx"] is not None:
+        raise NotGroupable("F.embedding's padding_idx row still counts in a hand-written sum")
+    dim = arg(node, 1, "dim")
+    dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
+    if dim not in (1, -2) or arg(node, 2, "keepdim", False) or node.kwargs.get("dtype") is not None:
+        raise NotGroupable("the reduction is not over the bag dimension")
+    if len(embedding.users) != 1:
+        raise NotGroupable("the F.embedding output has other users")
+    return Lookup(node, [node, embedding], a["weight"], a["input"], None, None, BAG_REDUCTIONS[node.target], -1, False,
+                  bool(a["sparse"]))
+
+
+def _lookup(node: Any) -> Lookup | None:
+    """The lookup ``node`` computes, None when it is none; raises NotGroupable for one left alone."""
+    if is_call(node, *EMBEDDING_BAG):
+        return _embedding_bag(node)
+    if is_call(node, *BAG_REDUCTIONS) and is_call(node.args[0], *EMBEDDING):
+        return _embedding_then_reduce(node)
+    return None
+
+
+def _consumer_layout(consumer: fx.Node) -> str | None:
+    if not is_call(consumer, *CONSUMERS) or not isinstance(consumer.args[0], (list, tuple)):
+        return None
+    items = [tensor_meta(x) for x in consumer.args[0]]
+    if any(x is None or x.dim() != 2 for x in items):
+        return None
+    dim = arg(consumer, 1, "dim", 0)
+    layout = CONSUMERS[consumer.target]
+    return layout if dim in ((1, -2) if layout == "stack" else (1, -1)) else None
+
+
+def _runs(items: list, lookups: dict[fx.Node, Lookup]) -> list[tuple[int, int]]:
+    """[start, end) of every run of 2+ consecutive lookups on distinct tables of one dtype."""
+    runs, start = [], 0
+    while start < len(items):
+        end, tables = start, set()
+        while end < len(items) and items[end] in lookups:
+            lookup = lookups[items[end]]
+            if lookup.weight in tables or (tables and lookup.table.dtype != lookups[items[start]].table.dtype):
+                break
+            tables.add(lookup.weight)
+            end += 1
+        if end - start >= 2:
+            runs.append((start, end))
+        start = max(end, start + 1)
+    return runs
+
+
+def feature_name(weight: fx.Node) -> str:
+    """``embeddings.3`` from Dynamo's ``l_self_modules_embeddings_modules_3_parameters_weight_``."""
+    name = re.sub(r"^l_(self_)?", "", weight.name)
+    name = re.sub(r"_parameters_weight_$", "", name).removeprefix("modules_")
+    return name.replace("_modules_", ".").replace(",", "_")
+
+
+def _fake_mode(graph: fx.Graph) -> FakeTensorMode:
+    """The fake mode of the graph's example values (new nodes get example values in it too)."""
+    for node in graph.nodes:
+        value = meta_value(node)
+        if isinstance(value, FakeTensor):
+            return value.fake_mode
+    raise NotGroupable("the graph carries no fake example values")
+
+
+def _call(graph: fx.Graph, target, args, kwargs=None) -> fx.Node:
+    """A new call node with its example value computed on the arguments' fake values."""
+    node = graph.call_function(target, args, kwargs or {})
+    values, kw = fx.node.map_arg((args, kwargs or {}), meta_value)
+    with _fake_mode(graph):
+        node.meta["example_value"] = target(*values, **kw)
+    return node
+
+
+def _no_weights(graph: fx.Graph, table: torch.Tensor) -> fx.Node:
+    return _call(graph, torch.empty, (0,), {"dtype": table.dtype, "device": table.device})
+
+
+def _grouped_call(gm: fx.GraphModule, ctx: PassContext, run: list[Lookup], layout: str) -> fx.Node:
+    graph = gm.graph
+    impl = ctx.lower(OP)
+    psw = [x.per_sample_weights or _no_weights(graph, x.table) for x in run]
+    args = (
+        [x.weight for x in run], [x.indices for x in run], [x.offsets for x in run], psw,
+        [x.pooling for x in run], [x.padding_idx for x in run], [x.include_last_offset for x in run],
+        [x.sparse for x in run], layout, ",".join(feature_name(x.weight) for x in run), ctx.options.bounds_check, impl.impl,
+    )
+    grouped = _call(graph, torch.ops.recompile.grouped_embedding_bag.default, args)
+    ctx.record_region("embedding", [n for x in run for n in x.erased], OP, impl)
+    return grouped
+
+
+def _rewrite_consumer(gm: fx.GraphModule, ctx: PassContext, consumer: fx.Node, layout: str, lookups: dict) -> None:
+    items = list(consumer.args[0])
+    runs = _runs(items, lookups)
+    if not runs:
+        return
+    graph = gm.graph
+    parts: list[fx.Node] = []
+    with graph.inserting_before(consumer):
+        position = 0
+        for start, end in runs:
+            parts += [_as_part(graph, x, layout) for x in items[position:start]]
+            parts.append(_grouped_call(gm, ctx, [lookups[x] for x in items[start:end]], layout))
+            position = end
+        parts += [_as_part(graph, x, layout) for x in items[position:]]
+        new = parts[0] if len(parts) == 1 else _call(graph, torch.cat, (parts,), {"dim": 1})
+    consumer.replace_all_uses_with(new)
+    graph.erase_node(consumer)
+    for start, end in runs:
+        for item in items[start:end]:
+            for node in lookups[item].erased:
+                graph.erase_node(node)
+
+
+def _as_part(graph: fx.Graph, item: fx.Node, layout: str) -> fx.Node:
+    """A consumer item as a piece of the concatenation that replaces the consumer."""
+    return _call(graph, torch.unsqueeze, (item, 1)) if layout == "stack" else item
+
+
+@register_pass("embedding")
+def embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    lookups: dict[fx.Node, Lookup] = {}
+    for node in list(gm.graph.nodes):
+        try:
+            lookup = _lookup(node)
+        except NotGroupable as why:
+            ctx.fallbacks.append(Fallback("embedding", f"lookup {node.name} left alone: {why}"))
+            continue
+        if lookup is None:
+            continue
+        consumer = next(iter(node.users), None)
+        if len(node.users) != 1 or _consumer_layout(consumer) is None:
+            ctx.fallbacks.append(Fallback("embedding", f"lookup {node.name} left alone: it does not feed one stack/cat along dim 1"))
+            continue
+        lookups[node] = lookup
+    consumers = {next(iter(node.users)) for node in lookups}
+    for consumer in [n for n in gm.graph.nodes if n in consumers]:
+        _rewrite_consumer(gm, ctx, consumer, _consumer_layout(consumer), lookups)
+    return gm

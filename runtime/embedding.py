@@ -1,0 +1,420 @@
+"""Grouped embedding lookups: ``torch.ops.recompile.grouped_embedding_bag``.
+
+One call looks up every feature of a group, each in its own table, with FBGEMM TBE semantics:
+
+- ``weights[t]``: feature t's table ``[rows_t, D_t]`` (the user's parameter itself, never packed);
+- ``indices[t]``: 1-D ids with ``offsets[t]`` (bag starts, or B+1 boundaries when
+  ``include_last_offset[t]``), or 2-D ``[B, L]`` ids with ``offsets[t] = None`` (fixed-size bags);
+- ``pooling[t]``: ``SUM``, ``MEAN`` (an empty bag gives 0) or ``NONE`` (no pooling: one row per id);
+- ``per_sample_weights[t]``: a weight per id (SUM only, as ``F.embedding_bag``), or an empty tensor
+  for none (schemas cannot carry gradients through a list of optional tensors);
+- ``padding_idx[t]``: an id excluded from its bag (and from MEAN's count), -1 for none.
+
+The output is written in the layout its consumer wants: ``"concat"`` ``[B, sum(D)]`` (TorchRec's
+KeyedTensor), ``"stack"`` ``[B, T, D]`` (an interaction's input), or ``"sequence"`` ``[sum(N_t), D]``
+for NONE pooling (the ids of every feature, in order). Gradients flow to the tables (dense, or
+sparse COO where ``sparse[t]``) and to the per-sample weights.
+
+Ids are checked against their table per ``bounds_check`` (FBGEMM's BoundsCheckMode): ``"fatal"``
+raises naming the feature and the id, ``"warning"`` replaces bad ids by 0 and warns, ``"ignore"``
+replaces them silently. Malformed offsets (not starting at 0, decreasing, or not ending within /
+at ``len(indices)``) are always rejected.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from runtime.kernels import get_kernel, register_kernel
+
+OP = "grouped_embedding_bag"
+BACKWARD_OP = "grouped_embedding_bag_backward"
+
+SUM, MEAN, NONE = 0, 1, 2
+POOLING_NAMES = {"sum": SUM, "mean": MEAN, "none": NONE}
+LAYOUTS = ("concat", "stack", "sequence")
+BOUNDS_CHECK = ("fatal", "warning", "ignore")
+INDEX_DTYPES = (torch.int32, torch.int64)
+WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class Feature:
+    """One feature's ids: flat ids, its offsets as given (None for 2-D ids) and, on demand, B+1 bag bounds."""
+
+    __slots__ = ("ids", "offsets", "include_last_offset", "batch", "length", "_bounds")
+
+    def __init__(self, indices: Tensor, offsets: Optional[Tensor], include_last_offset: bool):
+        self.ids, self.offsets, self.include_last_offset, self._bounds = indices.reshape(-1), offsets, include_last_offset, None
+        if offsets is None:  # 2-D [B, L]: B bags of L ids
+            self.batch, self.length = indices.shape
+        else:
+            self.batch, self.length = offsets.shape[0] - int(include_last_offset), None
+
+    @property
+    def bounds(self) -> Tensor:
+        """The B+1 bag boundaries (offsets with the last one included), in the ids' dtype."""
+        if self._bounds is None:
+            if self.offsets is None:
+                step = self.length or 1
+                self._bounds = torch.arange(0, self.batch * self.length + 1, step, device=self.ids.device)
+                self._bounds = self._bounds if self.length else self.ids.new_zeros(self.batch + 1)
+            elif self.include_last_offset:
+                self._bounds = self.offsets
+            else:
+                self._bounds = torch.cat([self.offsets, self.offsets.new_full((1,), self.ids.numel())])
+            self._bounds = self._bounds.to(self.ids.dtype)
+        return self._bounds
+
+    def bag_of_id(self) -> Tensor:
+        lengths = self.bounds.diff()
+        return torch.repeat_interleave(torch.arange(self.batch, device=self.ids.device), lengths.long(), output_size=self.ids.numel())
+
+
+def _check_offsets(name: str, indices: Tensor, offsets: Tensor, include_last_offset: bool) -> None:
+    n = indices.numel()
+    if offsets.numel() == 0:
+        if include_last_offset or n:
+            raise ValueError(f"recompile.grouped_embedding_bag: feature {name!r}: offsets are empty but there are {n} ids")
+        return
+    first, last = int(offsets[0]), int(offsets[-1])
+    bad = (offsets.diff() < 0).nonzero()
+    if first != 0 or bad.numel():
+        at = f"offsets[0] = {first}" if first != 0 else f"offsets[{int(bad[0, 0]) + 1}] < offsets[{int(bad[0, 0])}]"
+        raise ValueError(f"recompile.grouped_embedding_bag: feature {name!r}: offsets must start at 0 and not decrease ({at})")
+    if (last != n) if include_last_offset else (last > n):
+        rule = "end at" if include_last_offset else "not exceed"
+        raise ValueError(
+            f"recompile.grouped_embedding_bag: feature {name!r}: offsets must {rule} len(indices) = {n}, last offset is {last}"
+        )
+
+
+def checked_ids(name: str, ids: Tensor, rows: int, mode: str, warn: bool = True) -> Tensor:
+    """``ids`` with out-of-range entries handled per ``mode`` (see the module docstring)."""
+    if ids.numel() == 0:
+        return ids
+    bad = (ids < 0) | (ids >= rows)
+    if not bool(bad.any()):
+        return ids
+    first = int(ids[bad][0])
+    message = f"feature {name!r}: id {first} is out of range for its table of {rows} rows ({int(bad.sum())} bad ids)"
+    if mode == "fatal":
+        raise IndexError(f"recompile.grouped_embedding_bag: {message}")
+    if mode == "warning" and warn:
+        warnings.warn(f"recompile.grouped_embedding_bag: {message}; they are replaced by id 0", stacklevel=3)
+    return ids.masked_fill(bad, 0)
+
+
+def feature_names(names: str, num: int) -> list[str]:
+    """The ops take the features' names as one comma-separated string (schemas have no str[])."""
+    split = names.split(",")
+    if len(split) != num:
+        raise ValueError(f"recompile.grouped_embedding_bag: {len(split)} feature names {names!r} for {num} tables")
+    return split
+
+
+def present(per_sample_weights: Sequence[Tensor]) -> list[Optional[Tensor]]:
+    """The per-sample weights with "none" (an empty tensor) as None."""
+    return [p if p.numel() else None for p in per_sample_weights]
+
+
+def _validate(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names, bounds_check):
+    num = len(weights)
+    lists = dict(indices=indices, offsets=offsets, per_sample_weights=per_sample_weights, pooling=pooling,
+                 padding_idx=padding_idx, include_last_offset=include_last_offset, names=names)
+    for key, value in lists.items():
+        if len(value) != num:
+            raise ValueError(f"recompile.grouped_embedding_bag: {key} has {len(value)} entries for {num} tables")
+    if layout not in LAYOUTS:
+        raise ValueError(f"recompile.grouped_embedding_bag: layout {layout!r} is not one of {LAYOUTS}")
+    if bounds_check not in BOUNDS_CHECK:
+        raise ValueError(f"recompile.grouped_embedding_bag: bounds_check {bounds_check!r} is not one of {BOUNDS_CHECK}")
+    if num == 0:
+        raise ValueError("recompile.grouped_embedding_bag: no tables")
+    for t in range(num):
+        w, ids, offs, name = weights[t], indices[t], offsets[t], names[t]
+        where = f"recompile.grouped_embedding_bag: feature {name!r}"
+        if w.dim() != 2 or w.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"{where}: table must be 2-D float32/float16/bfloat16, got {tuple(w.shape)} {w.dtype}")
+        if w.dtype != weights[0].dtype:
+            raise ValueError(f"{where}: table dtype {w.dtype} differs from the group's {weights[0].dtype}")
+        if ids.dtype not in INDEX_DTYPES or (offs is not None and offs.dtype not in INDEX_DTYPES):
+            raise ValueError(f"{where}: indices and offsets must be int32 or int64")
+        if ids.dim() != (2 if offs is None else 1) or (offs is not None and offs.dim() != 1):
+            raise ValueError(f"{where}: indices must be 1-D with 1-D offsets, or 2-D without offsets; got {ids.dim()}-D")
+        if pooling[t] not in (SUM, MEAN, NONE):
+            raise ValueError(f"{where}: pooling {pooling[t]} is not SUM (0), MEAN (1) or NONE (2)")
+        if (pooling[t] == NONE) != (layout == "sequence"):
+            raise ValueError(f"{where}: pooling NONE goes with layout 'sequence' only, and only it")
+        psw = per_sample_weights[t]
+        if psw is not None and (pooling[t] != SUM or psw.shape != ids.shape):
+            raise ValueError(f"{where}: per_sample_weights need pooling SUM and the shape of indices {tuple(ids.shape)}")
+        if layout != "concat" and w.shape[1] != weights[0].shape[1]:
+            raise ValueError(f"{where}: layout {layout!r} needs one dim for all tables, got {w.shape[1]} and {weights[0].shape[1]}")
+
+
+def _per_element(values: Sequence[int], lengths: Sequence[int], device) -> Tensor:
+    """``values[t]`` repeated ``lengths[t]`` times: one limit per element of a concatenation of segments."""
+    return torch.tensor(values, device=device).repeat_interleave(torch.tensor(lengths, device=device))
+
+
+def _offsets_ok(features: Sequence[Feature]) -> bool:
+    """Every feature's offsets well formed, checked for all at once (one sync)."""
+    given = [f for f in features if f.offsets is not None]
+    if not given or any(f.batch < 0 for f in given):
+        return not given
+    offsets = torch.cat([f.offsets for f in given])
+    sizes = [f.offsets.shape[0] for f in given]
+    ends = _per_element([f.ids.numel() for f in given], sizes, offsets.device)
+    firsts = list(itertools.accumulate([0, *sizes[:-1]]))
+    lasts = [first + size - 1 for first, size in zip(firsts, sizes) if size]
+    exact = [first + size - 1 for first, size, f in zip(firsts, sizes, given) if f.include_last_offset]
+    steps = offsets.diff()
+    steps[[last for last in lasts[:-1]]] = 0  # across two features' offsets
+    ok = (offsets[[first for first, size in zip(firsts, sizes) if size]] == 0).all() & (steps >= 0).all()
+    ok &= (offsets <= ends).all() & (offsets[exact] == ends[exact]).all()
+    return bool(ok)
+
+
+def features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, warn=True) -> list[Feature]:
+    """Every feature with its offsets and ids checked; all features at once, per feature only to report."""
+    features = [Feature(*args) for args in zip(indices, offsets, include_last_offset)]
+    batch = {f.batch for f in features}
+    if len(batch) > 1 and layout != "sequence":
+        raise ValueError(f"recompile.grouped_embedding_bag: features have different batch sizes {sorted(batch)}")
+    if not _offsets_ok(features):
+        for f, ids, offs, ilo, name in zip(features, indices, offsets, include_last_offset, names):
+            if offs is not None:
+                _check_offsets(name, ids, offs, ilo)
+    ids = torch.cat([f.ids for f in features])
+    limits = _per_element([w.shape[0] for w in weights], [f.ids.numel() for f in features], ids.device)
+    if bool(((ids < 0) | (ids >= limits)).any()):
+        for f, w, name in zip(features, weights, names):
+            f.ids = checked_ids(name, f.ids, w.shape[0], bounds_check, warn)
+    return features
+
+
+def _assemble(outs: Sequence[Tensor], layout: str) -> Tensor:
+    if layout == "stack":
+        return torch.stack(list(outs), dim=1)
+    return torch.cat(list(outs), dim=0 if layout == "sequence" else 1)
+
+
+def _output_slices(out: Tensor, dims: Sequence[int], counts: Sequence[int], layout: str) -> list[Tensor]:
+    """Feature t's part of a grouped output (or of its gradient)."""
+    parts, start = [], 0
+    for t, (d, n) in enumerate(zip(dims, counts)):
+        if layout == "stack":
+            parts.append(out[:, t])
+        elif layout == "sequence":
+            parts.append(out[start:start + n])
+        else:
+            parts.append(out[:, start:start + d])
+        start += n if layout == "sequence" else d
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels. Forward: (weights, features, per_sample_weights, pooling, padding_idx, layout) -> output.
+# Backward: (grad, weights, features, per_sample_weights, pooling, padding_idx, layout, psw_grad)
+#   -> the gradient of every id's row ([N_t, D_t], zero for padding ids) and, where psw_grad[t],
+#   of its per-sample weight.
+
+
+def _id_scale(f: Feature, psw: Optional[Tensor], pooling: int, padding_idx: int) -> Tensor:
+    """Each id's factor in its bag's pooled row: padding -> 0, times its sample weight, over the bag's count for MEAN."""
+    keep = (f.ids != padding_idx).float() if padding_idx >= 0 else torch.ones(f.ids.numel(), device=f.ids.device)
+    scale = keep if psw is None else keep * psw.reshape(-1).float()
+    if pooling == MEAN:
+        count = torch.zeros(f.batch, device=keep.device).index_add_(0, f.bag_of_id(), keep)
+        scale = scale / count.clamp(min=1).index_select(0, f.bag_of_id())
+    return scale
+
+
+def _pool_reference(w: Tensor, f: Feature, psw: Optional[Tensor], pooling: int, padding_idx: int) -> Tensor:
+    rows = w.index_select(0, f.ids)
+    if pooling == NONE:
+        return rows
+    weighted = rows.float() * _id_scale(f, psw, pooling, padding_idx)[:, None]
+    return weighted.new_zeros(f.batch, w.shape[1]).index_add_(0, f.bag_of_id(), weighted).to(w.dtype)
+
+
+@register_kernel(OP, "reference")
+def _forward_reference(weights, features, per_sample_weights, pooling, padding_idx, layout):
+    outs = [_pool_reference(*args) for args in zip(weights, features, per_sample_weights, pooling, padding_idx)]
+    return _assemble(outs, layout)
+
+
+@register_kernel(OP, "cpu")
+def _forward_cpu(weights, features, per_sample_weights, pooling, padding_idx, layout):
+    """ATen's embedding_bag per table (FBGEMM's EmbeddingSpMDM inside) straight from the canonical bounds."""
+    outs = []
+    for w, f, psw, mode, pad in zip(weights, features, per_sample_weights, pooling, padding_idx):
+        if mode == NONE:
+            outs.append(w.index_select(0, f.ids))
+            continue
+        psw = None if psw is None else psw.reshape(-1)
+        offsets, last = (f.offsets, f.include_last_offset) if f.offsets is not None else (f.bounds, True)
+        outs.append(torch.embedding_bag(w, f.ids, offsets, False, mode, False, psw, last, pad if pad >= 0 else None)[0])
+    return _assemble(outs, layout)
+
+
+@register_kernel(OP, "triton")
+def _forward_triton(weights, features, per_sample_weights, pooling, padding_idx, layout):
+    from runtime.triton_kernels.embedding import grouped_embedding_bag_forward
+
+    scales = [None if p == NONE else _id_scale(f, psw, p, pad) for f, psw, p, pad in zip(features, per_sample_weights, pooling, padding_idx)]
+    return grouped_embedding_bag_forward(weights, features, scales, layout)
+
+
+def _backward_per_id(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, psw_grad):
+    parts = _output_slices(grad, [w.shape[1] for w in weights], [f.ids.numel() for f in features], layout)
+    id_grads, psw_grads = [], []
+    for g, w, f, psw, mode, pad, want in zip(parts, weights, features, per_sample_weights, pooling, padding_idx, psw_grad):
+        rows = g.float() if mode == NONE else g.float().index_select(0, f.bag_of_id())  # each id's output gradient
+        id_grads.append((rows * _id_scale(f, psw, mode, pad)[:, None]).to(w.dtype))
+        if not want:
+            psw_grads.append(g.new_empty(0))
+            continue
+        dots = (rows * w.index_select(0, f.ids).float()).sum(1)
+        keep = f.ids != pad if pad >= 0 else torch.ones_like(dots, dtype=torch.bool)
+        psw_grads.append((dots * keep).reshape(psw.shape).to(psw.dtype))
+    return id_grads + psw_grads
+
+
+# The per-id gradient is a gather and a scale, which ATen already vectorises: it is the CPU kernel too.
+register_kernel(BACKWARD_OP, "reference")(_backward_per_id)
+register_kernel(BACKWARD_OP, "cpu")(_backward_per_id)
+register_kernel(BACKWARD_OP, "triton")(_backward_per_id)
+
+
+def grouped_embedding_bag_reference(weights, indices, offsets, per_sample_weights, pooling, padding_idx,
+                                    include_last_offset, layout, names, bounds_check="fatal") -> Tensor:
+    """The whole op in plain torch (the oracle for tests)."""
+    _validate(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names, bounds_check)
+    features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check)
+    return _forward_reference(weights, features, per_sample_weights, pooling, padding_idx, layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops.
+
+
+@torch.library.custom_op("recompile::grouped_embedding_bag", mutates_args=())
+def grouped_embedding_bag(
+    weights: list[Tensor],
+    indices: list[Tensor],
+    offsets: list[Optional[Tensor]],
+    per_sample_weights: list[Tensor],
+    pooling: list[int],
+    padding_idx: list[int],
+    include_last_offset: list[bool],
+    sparse: list[bool],
+    layout: str,
+    names: str,
+    bounds_check: str,
+    impl: str,
+) -> Tensor:
+    names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
+    _validate(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names, bounds_check)
+    features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check)
+    return get_kernel(OP, impl)(weights, features, per_sample_weights, pooling, padding_idx, layout)
+
+
+def _batch(indices: Tensor, offsets: Optional[Tensor], include_last_offset: bool):
+    if offsets is None:
+        return indices.shape[0]
+    return offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
+
+
+@grouped_embedding_bag.register_fake
+def _(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, sparse, layout, names,
+      bounds_check, impl):
+    names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
+    _validate(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names, bounds_check)
+    w = weights[0]
+    if layout == "sequence":
+        return w.new_empty(sum(ids.numel() for ids in indices), w.shape[1])
+    batch = _batch(indices[0], offsets[0], include_last_offset[0])
+    if layout == "stack":
+        return w.new_empty(batch, len(weights), w.shape[1])
+    return w.new_empty(batch, sum(x.shape[1] for x in weights))
+
+
+@torch.library.custom_op("recompile::grouped_embedding_bag_backward", mutates_args=())
+def grouped_embedding_bag_backward(
+    grad: Tensor,
+    weights: list[Tensor],
+    indices: list[Tensor],
+    offsets: list[Optional[Tensor]],
+    per_sample_weights: list[Tensor],
+    pooling: list[int],
+    padding_idx: list[int],
+    include_last_offset: list[bool],
+    psw_grad: list[bool],
+    layout: str,
+    names: str,
+    bounds_check: str,
+    impl: str,
+) -> list[Tensor]:
+    """The gradient of every id's row, then of every per-sample weight (empty where not wanted)."""
+    names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
+    features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, warn=False)
+    return get_kernel(BACKWARD_OP, impl)(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, psw_grad)
+
+
+@grouped_embedding_bag_backward.register_fake
+def _(grad, weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, psw_grad, layout,
+      names, bounds_check, impl):
+    id_grads = [w.new_empty(ids.numel(), w.shape[1]) for w, ids in zip(weights, indices)]
+    psw_grads = [psw.new_empty(psw.shape if want else 0) for psw, want in zip(per_sample_weights, psw_grad)]
+    return id_grads + psw_grads
+
+
+def table_ids(indices: Tensor, rows: int, bounds_check: str) -> Tensor:
+    """The flat ids the forward looked up (bad ids replaced by 0 unless fatal): traceable, no sync."""
+    ids = indices.reshape(-1)
+    return ids if bounds_check == "fatal" else ids.masked_fill((ids < 0) | (ids >= rows), 0)
+
+
+def _is_tensor_list(x) -> bool:
+    """Autograd of custom ops wants a list of gradients for a list of tensors, one None otherwise."""
+    return isinstance(x, list) and all(isinstance(v, Tensor) for v in x)
+
+
+def _setup_context(ctx, inputs, output):
+    weights, indices, offsets, psw, pooling, padding_idx, ilo, sparse, layout, names, bounds_check, impl = inputs
+    ctx.save_for_backward(*weights, *indices, *offsets, *psw)
+    ctx.num = len(weights)
+    ctx.tensor_lists = [_is_tensor_list(x) and len(x) for x in inputs]
+    ctx.args = (pooling, padding_idx, ilo, sparse, layout, names, bounds_check, impl)
+
+
+def _backward(ctx, grad):
+    num = ctx.num
+    saved = ctx.saved_tensors
+    weights, indices, offsets, psw = (list(saved[i * num:(i + 1) * num]) for i in range(4))
+    pooling, padding_idx, ilo, sparse, layout, names, bounds_check, impl = ctx.args
+    psw_grad = [bool(p.numel()) and want for p, want in zip(psw, ctx.needs_input_grad[3])]
+    grads = torch.ops.recompile.grouped_embedding_bag_backward(
+        grad.contiguous(), weights, indices, offsets, psw, pooling, padding_idx, ilo, psw_grad, layout, names, bounds_check, impl
+    )
+    weight_grads = []
+    for w, ids, g, is_sparse in zip(weights, indices, grads[:num], sparse):
+        ids = table_ids(ids, w.shape[0], bounds_check)
+        if is_sparse:
+            weight_grads.append(torch.sparse_coo_tensor(ids[None], g, w.shape))
+        else:
+            weight_grads.append(torch.zeros_like(w).index_add_(0, ids, g))
+    # An empty tensor is "no weights" to the op, but a weight tensor over no ids still gets its (empty) gradient.
+    psw_grads = [g if want else (torch.zeros_like(p) if asked else None)
+                 for g, want, p, asked in zip(grads[num:], psw_grad, psw, ctx.needs_input_grad[3])]
+    grads_in = [[None] * n if n is not False else None for n in ctx.tensor_lists]
+    grads_in[0], grads_in[3] = weight_grads, psw_grads
+    return tuple(grads_in)
+
+
+grouped_embedding_bag.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,121 @@
+"""Distributed training on 1, 2 and 4 spawned processes (gloo on 127.0.0.1), every run bounded in time."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from recompile.distributed.sharding import hash_owner
+from tests.distributed_workers import (
+    assemble, checkpoint_continue, compiled_training, dead_rank, dynamic_restored, dynamic_training, reference_state,
+    prefetched_training, run_ranks, torchrec_dmp_compiled, torchrec_model, torchrec_plan,
+)
+
+STEPS, SAVE_AFTER = 4, 2
+
+
+def _ok(results, hung):
+    assert not hung, f"ranks {hung} did not finish in time"
+    for rank, result in enumerate(results):
+        assert result is not None and result.error is None, f"rank {rank}: {result and result.trace}"
+    return [r.value for r in results]
+
+
+def _assert_same(got: dict, expected: dict, rtol: float = 1e-5):
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=rtol, atol=rtol * value.abs().max().item(), msg=name)
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(tmp_path_factory):
+    """Row-wise DLRM on 2 ranks: trained SAVE_AFTER steps, saved, trained on to STEPS (the continuation baseline)."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    path = str(root / "ckpt")
+    results = _ok(*run_ranks(checkpoint_continue, 2, ("row_wise",), path, SAVE_AFTER, STEPS, False))
+    return path, assemble(results)
+
+
+def test_row_wise_dlrm_on_two_ranks_matches_one_process(two_rank_checkpoint):
+    _, state = two_rank_checkpoint
+    _assert_same(state, reference_state(STEPS, 16, momentum=0.9))
+
+
+def test_table_wise_dlrm_on_two_ranks_matches_one_process_and_reshards_row_wise(tmp_path):
+    path = str(tmp_path / "ckpt")
+    continued = assemble(_ok(*run_ranks(checkpoint_continue, 2, ("table_wise",), path, SAVE_AFTER, STEPS, False, 24)))
+    _assert_same(continued, reference_state(STEPS, 24, momentum=0.9))
+    # The table-wise checkpoint, loaded row-wise on 3 ranks (uneven row blocks), continues the same way.
+    results = _ok(*run_ranks(checkpoint_continue, 3, ("row_wise",), path, SAVE_AFTER, STEPS, True, 24))
+    _assert_same(assemble(results), continued)
+
+
+def test_prefetched_lookups_one_round_per_step_same_parameters():
+    results = _ok(*run_ranks(prefetched_training, 2, 3, 16))
+    _assert_same(assemble([r["state"] for r in results]), reference_state(3, 16))
+    for r in results:  # one exchange of counts, ids, rows and gradients per step for all 4 tables
+        assert r["calls"] == {"counts": 3, "ids": 3, "rows": 3, "grads": 3}, r["calls"]
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_checkpoint_from_two_ranks_continues_on_other_world_sizes(two_rank_checkpoint, tmp_path, world_size):
+    path, continued_on_two = two_rank_checkpoint
+    results = _ok(*run_ranks(checkpoint_continue, world_size, ("row_wise",), path, SAVE_AFTER,
+                             STEPS, True))
+    _assert_same(assemble(results), continued_on_two)
+
+
+def test_dynamic_tables_each_key_on_its_owner_and_union_equals_one_process(tmp_path):
+    path = str(tmp_path / "ckpt")
+    results = _ok(*run_ranks(dynamic_training, 2, 3, 16, path))
+    single = dynamic_training(0, 1, 3, 16)
+    restored = dynamic_restored(path)  # the 2-rank checkpoint loaded into one process
+    for t, (ref_keys, ref_rows) in enumerate(single["tables"]):
+        for rank, result in enumerate(results):
+            keys = result["tables"][t][0]
+            assert keys.numel() and bool((hash_owner(keys, 2) == rank).all()), f"table {t}: a key off its owner"
+        keys = torch.cat([r["tables"][t][0] for r in results])
+        rows = torch.cat([r["tables"][t][1] for r in results])
+        order = torch.argsort(keys)
+        assert torch.equal(keys[order], ref_keys), f"table {t}: the shards' keys are not the single table's"
+        torch.testing.assert_close(rows[order], ref_rows, rtol=1e-5, atol=1e-6)
+        assert float(ref_rows[:, :8].std()) > 1e-3, "training did not change the rows"
+        assert torch.equal(restored[t][0], ref_keys)
+        torch.testing.assert_close(restored[t][1], ref_rows, rtol=1e-5, atol=1e-6)
+    _assert_same(results[0]["dense"], single["dense"])
+
+
+def test_rank_dying_mid_step_makes_the_others_fail_with_a_clear_error():
+    start = time.monotonic()
+    results, hung = run_ranks(dead_rank, 2, timeout_s=90, collective_timeout_s=15)
+    assert not hung and time.monotonic() - start < 90
+    assert results[1] is None  # it exited without a word
+    error = results[0].error
+    assert error and error.startswith("CollectiveError") and "a peer rank died" in error, results[0]
+
+
+@pytest.mark.slow
+def test_compiled_sharded_dlrm_matches_one_process():
+    results = _ok(*run_ranks(compiled_training, 2, ("row_wise",), 2, 16, timeout_s=400))
+    _assert_same(assemble([r["state"] for r in results]), reference_state(2, 16))
+    for r in results:  # the owners' lookups and the dense layers both ran compiled by rec_ascend
+        assert 1 <= r["lookup_graphs"] <= 2 and r["dense_graphs"] >= 1, r
+
+
+@pytest.mark.slow
+def test_torchrec_dmp_table_wise_compiles_with_rec_ascend_on_cpu():
+    results = _ok(*run_ranks(torchrec_dmp_compiled, 2, "table_wise", timeout_s=400))
+    for r in results:
+        assert "table_wise" in r["plan"]
+        torch.testing.assert_close(r["compiled"], r["eager"], rtol=1e-5, atol=1e-6)
+
+
+def test_torchrec_has_no_row_wise_sharding_on_cpu():
+    """A fact the README states: TorchRec 1.8 offers no row-wise kernel for CPU (table-wise and data-parallel
+    work); recompile.distributed shards row-wise on CPU."""
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    model = torchrec_model()
+    with pytest.raises(RuntimeError, match="No available sharding type and compute kernel combination"):
+        torchrec_plan(model, 2, "row_wise").plan(model, get_default_sharders())

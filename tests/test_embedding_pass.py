@@ -1,0 +1,136 @@
+"""The embedding pass: lookups grouped into one grouped_embedding_bag, numbers equal to eager."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import recompile
+from models.dlrm import DLRM, DLRMConfig, synthetic_batch
+
+SMALL = DLRMConfig(table_rows=[50, 80, 120, 30], dim=8, bottom=[16, 8], top=[16, 1])
+
+
+def _grads(model):
+    return {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _step(model, args):
+    model.zero_grad()
+    out = model(*args)
+    out.float().pow(2).mean().backward()
+    return out.detach(), _grads(model)
+
+
+def _assert_compiled_equals_eager(model, args, options=None):
+    compiled = torch.compile(model, backend="rec_ascend", options=options)
+    out_c, grads_c = _step(compiled, args)
+    out_e, grads_e = _step(model, args)
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+    assert grads_c.keys() == grads_e.keys() and grads_e
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _embedding_stage(report):
+    return next(s["code"] for s in report["stages"] if s["name"] == "embedding")
+
+
+def test_dlrm_lookups_become_one_stacked_call_and_cat():
+    model, args = DLRM(SMALL), synthetic_batch(SMALL, 16)
+    report = recompile.explain(model, *args).to_dict()
+    (region,) = report["regions"]
+    assert region["op"] == "recompile::grouped_embedding_bag" and len(region["replaced"]) == 4
+    code = _embedding_stage(report)
+    assert code.count("torch.ops.recompile.grouped_embedding_bag.default(") == 1 and "'stack'" in code
+    assert "torch.stack" not in code and "functional.embedding_bag(" not in code
+    assert "torch.cat([unsqueeze, grouped_embedding_bag" in code
+    _assert_compiled_equals_eager(model, args)
+
+
+class Forms(nn.Module):
+    """Every grouped input form feeding one cat (concat layout), mixed dims."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag_2d = nn.EmbeddingBag(20, 4, mode="mean")
+        self.bag_last = nn.EmbeddingBag(15, 6, mode="sum", include_last_offset=True, padding_idx=0)
+        self.bag_weighted = nn.EmbeddingBag(10, 3, mode="sum")
+        self.table = nn.Embedding(12, 5)
+        self.table_mean = nn.Embedding(9, 2)
+
+    def forward(self, ids2d, ids, offsets, psw):
+        return torch.cat(
+            [
+                self.bag_2d(ids2d),
+                self.bag_last(ids, offsets),
+                self.bag_weighted(ids % 10, offsets[:-1], per_sample_weights=psw),
+                self.table(ids2d % 12).sum(1),
+                self.table_mean(ids2d % 9).mean(dim=1),
+            ],
+            dim=1,
+        )
+
+
+def _forms_args(batch):
+    lengths = torch.randint(0, 4, (batch,))
+    ids = torch.randint(0, 15, (int(lengths.sum()),))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    return torch.randint(0, 20, (batch, 3)), ids, offsets, torch.rand(ids.shape)
+
+
+def test_every_form_grouped_into_concat_layout():
+    model, args = Forms(), _forms_args(6)
+    report = recompile.explain(model, *args).to_dict()
+    (region,) = report["regions"]
+    assert len(region["replaced"]) == 7  # five lookups, two of them embedding + reduction
+    code = _embedding_stage(report)
+    assert "'concat'" in code and "torch.cat" not in code
+    _assert_compiled_equals_eager(model, args)
+
+
+class LeftAlone(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.maxed = nn.EmbeddingBag(10, 4, mode="max")
+        self.normed = nn.EmbeddingBag(10, 4, max_norm=1.0)
+        self.a = nn.EmbeddingBag(10, 4)
+        self.b = nn.EmbeddingBag(10, 4)
+
+    def forward(self, ids):
+        grouped = torch.stack([self.a(ids), self.b(ids)], 1)
+        return self.maxed(ids) + self.normed(ids), self.a.weight.sum() + grouped.sum()
+
+
+def test_unprovable_lookups_stay_and_are_reported():
+    model, ids = LeftAlone(), torch.randint(0, 10, (5, 3))
+    report = recompile.explain(model, ids).to_dict()
+    reasons = " ".join(f["reason"] for f in report["fallbacks"])
+    assert "mode 'max'" in reasons and "max_norm" in reasons
+    assert len(report["regions"]) == 1
+    with torch.no_grad():
+        got = torch.compile(copy.deepcopy(model), backend="rec_ascend")  # max_norm renormalises rows in place
+        for g, w in zip(got(ids), model(ids)):
+            torch.testing.assert_close(g, w)
+
+
+def test_out_of_range_id_names_the_table():
+    model, (dense, indices, offsets) = DLRM(SMALL), synthetic_batch(SMALL, 8)
+    indices[2] = indices[2].clone()
+    indices[2][1] = 500
+    with pytest.raises(Exception, match=r"feature 'embeddings.2': id 500 is out of range for its table of 120 rows"):
+        torch.compile(model, backend="rec_ascend")(dense, indices, offsets)
+
+
+def test_batch_size_changes_compile_at_most_twice():
+    model = DLRM(SMALL)
+    counter = CompileCounterWithBackend("rec_ascend")
+    compiled = torch.compile(model, backend=counter)
+    for batch in (8, 13, 21, 34):
+        args = synthetic_batch(SMALL, batch)
+        out = compiled(*args)
+        torch.testing.assert_close(out, model(*args), rtol=1e-5, atol=1e-6)
+        out.sum().backward()
+    assert counter.frame_count <= 2
