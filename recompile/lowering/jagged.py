@@ -1,0 +1,23 @@
+"""Lowering of the jagged ops (runtime/jagged.py): FBGEMM where the target's library has the op,
+else the CPU kernel (index arithmetic, length buckets), else the reference."""
+from recompile.lowering.registry import Impl, has_fbgemm, on_cpu, reference, register_lowering
+
+# recompile op -> the FBGEMM op with its semantics.
+FBGEMM_EQUIVALENTS = {
+    "jagged_to_padded_dense": "jagged_to_padded_dense",
+    "dense_to_jagged": "dense_to_jagged",
+    "jagged_dense_elementwise_add": "jagged_dense_elementwise_add_jagged_output",
+    "jagged_dense_elementwise_mul": "jagged_dense_elementwise_mul",
+    "jagged_softmax": "jagged_softmax",
+    "jagged_softmax_backward": "jagged_softmax_backward",
+    "jagged_jagged_bmm": "jagged_jagged_bmm",
+    "jagged_dense_bmm": "jagged_dense_bmm",
+}
+
+for _op, _fbgemm in FBGEMM_EQUIVALENTS.items():
+    register_lowering(
+        f"recompile::{_op}",
+        Impl("fbgemm", "library", has_fbgemm(_fbgemm), f"torch.ops.fbgemm.{_fbgemm}"),
+        Impl("cpu", "cpu_kernel", on_cpu, f"runtime.jagged ({_op}, cpu)"),
+        reference(f"runtime.jagged.{_op}_reference"),
+    )
