@@ -21,3 +21,12 @@ for _op, _fbgemm in FBGEMM_EQUIVALENTS.items():
         Impl("cpu", "cpu_kernel", on_cpu, f"runtime.jagged ({_op}, cpu)"),
         reference(f"runtime.jagged.{_op}_reference"),
     )
+
+# Attention on jagged sequences: the Triton kernel on accelerators, length buckets on CPU.
+for _op in ("hstu_attention", "hstu_attention_backward", "jagged_softmax_attention",
+            "jagged_softmax_attention_backward"):
+    register_lowering(
+        f"recompile::{_op}",
+        Impl("cpu", "cpu_kernel", on_cpu, f"runtime.jagged_attention ({_op}, length-bucketed dense)"),
+        reference(f"runtime.jagged_attention ({_op}, padded to the longest sequence)"),
+    )
