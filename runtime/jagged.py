@@ -541,3 +541,35 @@ def _jagged_dense_bmm_backward(ctx, grad):
 
 jagged_jagged_bmm.register_autograd(_jagged_jagged_bmm_backward, setup_context=_bmm_setup)
 jagged_dense_bmm.register_autograd(_jagged_dense_bmm_backward, setup_context=_bmm_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# jagged_within: the guard of a padded region rewritten to jagged
+
+
+def jagged_within_reference(values, offsets, max_length):
+    longest = int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
+    if longest > max_length:
+        raise ValueError(
+            f"recompile: a padded region was compiled for sequences of at most {max_length} positions "
+            f"(its padded length), but a sequence has {longest}; pad to a larger length or disable the jagged pass"
+        )
+    return values.clone()
+
+
+register_kernel("jagged_within", "reference")(jagged_within_reference)
+
+
+@torch.library.custom_op("recompile::jagged_within", mutates_args=())
+def jagged_within(values: torch.Tensor, offsets: torch.Tensor, max_length: int, impl: str = "reference") -> torch.Tensor:
+    """``values`` (a copy) once every sequence is checked to fit ``max_length`` positions (raises otherwise)."""
+    check_offsets("jagged_within", offsets)
+    return get_kernel("jagged_within", impl)(values, offsets, max_length)
+
+
+@jagged_within.register_fake
+def _(values, offsets, max_length, impl="reference"):
+    return torch.empty_like(values)
+
+
+jagged_within.register_autograd(lambda ctx, grad: (grad, None, None, None), setup_context=lambda ctx, inputs, output: None)

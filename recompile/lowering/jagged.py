@@ -30,3 +30,5 @@ for _op in ("hstu_attention", "hstu_attention_backward", "jagged_softmax_attenti
         Impl("cpu", "cpu_kernel", on_cpu, f"runtime.jagged_attention ({_op}, length-bucketed dense)"),
         reference(f"runtime.jagged_attention ({_op}, padded to the longest sequence)"),
     )
+
+register_lowering("recompile::jagged_within", reference("runtime.jagged.jagged_within_reference"))
