@@ -61,26 +61,23 @@ def jagged_positions(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, t
 
 @dataclass
 class Bucket:
-    """Sequences padded together: ``index [n, L]`` into the jagged values, ``valid [n, L]``."""
+    """Sequences padded together to length ``L``: ``n`` of them, ``flat`` values in ``slots`` of ``[n * L]``."""
 
     seqs: torch.Tensor  # [n] sequence ids
     lengths: torch.Tensor  # [n]
-    index: torch.Tensor  # [n, L] value index (clamped to a valid row where padding)
-    valid: torch.Tensor  # [n, L] bool
-
-    @property
-    def flat(self) -> torch.Tensor:
-        """Indices of the valid values, in ``index[valid]`` order."""
-        return self.index[self.valid]
+    width: int  # L
+    flat: torch.Tensor  # value index of each valid position, in row-major order
+    slots: torch.Tensor  # the valid positions' places in the flattened [n * L]
 
     def gather(self, values: torch.Tensor) -> torch.Tensor:
         """``[n, L, *inner]`` with zeros on padding."""
-        out = values.new_zeros((*self.index.shape, *values.shape[1:]))
-        out[self.valid] = values[self.flat]
-        return out
+        out = values.new_zeros((self.seqs.numel() * self.width, *values.shape[1:]))
+        out.index_copy_(0, self.slots, values.index_select(0, self.flat))
+        return out.view(self.seqs.numel(), self.width, *values.shape[1:])
 
     def scatter(self, out: torch.Tensor, padded: torch.Tensor) -> None:
-        out[self.flat] = padded[self.valid].to(out.dtype)
+        """Write the valid rows of ``padded [n, L, *inner]`` to their places in ``out``."""
+        out.index_copy_(0, self.flat, padded.flatten(0, 1).index_select(0, self.slots).to(out.dtype))
 
 
 # Sequences whose padded lengths differ by at most this ratio share a bucket (max waste ~1/4).
@@ -103,9 +100,10 @@ def length_buckets(offsets: torch.Tensor, limit: int | None = None, ratio: float
             end += 1
         seqs = order[start:end]
         pos = torch.arange(top, device=offsets.device)
-        valid = pos[None, :] < lengths[seqs, None]
-        index = torch.where(valid, offsets[seqs, None] + pos[None, :], 0)
-        buckets.append(Bucket(seqs, lengths[seqs], index, valid))
+        valid = (pos[None, :] < lengths[seqs, None]).flatten()
+        slots = valid.nonzero().squeeze(1)
+        flat = (offsets[seqs, None] + pos[None, :]).flatten()[slots]
+        buckets.append(Bucket(seqs, lengths[seqs], top, flat, slots))
         start = end
     return buckets
 
@@ -383,13 +381,13 @@ def _jagged_softmax_backward_cpu(grad, output, offsets, max_L):
 @register_kernel("jagged_softmax", "fbgemm")
 def _jagged_softmax_fbgemm(values, offsets, max_L):
     _, keep = _segments(offsets, values, max_L)
-    return fbgemm_op("jagged_softmax")(values, offsets, max_L)[0] * keep[:, None]
+    return torch.where(keep[:, None], fbgemm_op("jagged_softmax")(values, offsets, max_L)[0], 0)  # rest unwritten
 
 
 @register_kernel("jagged_softmax_backward", "fbgemm")
 def _jagged_softmax_backward_fbgemm(grad, output, offsets, max_L):
     _, keep = _segments(offsets, output, max_L)
-    return fbgemm_op("jagged_softmax_backward")(grad, output, offsets, max_L) * keep[:, None]
+    return torch.where(keep[:, None], fbgemm_op("jagged_softmax_backward")(grad, output, offsets, max_L), 0)
 
 
 register_kernel("jagged_softmax", "reference")(jagged_softmax_reference)

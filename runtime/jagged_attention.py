@@ -89,20 +89,21 @@ class HSTUBucket:
     def scores(self, args: HSTUArgs, rel_bias, time_bias):
         """Pre-activation scores ``[b, H, n, n]``, the mask over ``max_seq_len``, and the bias indices."""
         n = self.q.shape[1]
-        scores = args.alpha * torch.matmul(_heads_first(self.q), _heads_first(self.k).transpose(2, 3))
+        scores = torch.matmul(_heads_first(self.q), _heads_first(self.k).transpose(2, 3)).mul_(args.alpha)
         rel_index = time_index = None
         if rel_bias is not None:
             rel_index = relative_position_index(n, args.max_seq_len, scores.device)
-            scores = scores + rel_bias[rel_index].to(scores.dtype)
+            scores += rel_bias[rel_index].to(scores.dtype)
         if time_bias is not None:
             time_index = relative_time_index(self.timestamps, time_bias.numel() - 1)
-            scores = scores + time_bias[time_index].to(scores.dtype).unsqueeze(1)
+            scores += time_bias[time_index].to(scores.dtype).unsqueeze(1)
         mask = hstu_valid_mask(self.lengths, n, args.causal, self.num_targets, args.contextual_seq_len)
         return scores, mask.unsqueeze(1).to(scores.dtype) / args.max_seq_len, rel_index, time_index
 
     def forward(self, args: HSTUArgs, rel_bias, time_bias) -> torch.Tensor:
         scores, weight, _, _ = self.scores(args, rel_bias, time_bias)
-        return _heads_first(torch.matmul(F.silu(scores) * weight, _heads_first(self.v)))
+        weights = F.silu(scores, inplace=True).mul_(weight)
+        return _heads_first(torch.matmul(weights, _heads_first(self.v)))
 
     def backward(self, grad: torch.Tensor, args: HSTUArgs, rel_bias, time_bias):
         """``dq, dk, dv`` (padded) and the bias gradients of this bucket."""
