@@ -26,7 +26,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from recompile.passes.jagged_attention import (
-    AttentionMatch, Lengths, Unproven, _hint, match_attention, prove_mask, prove_relative_bias, scalar,
+    AttentionMatch, Lengths, Unproven, is_score_product, match_attention, prove_mask, prove_relative_bias, same_sizes,
+    size_hint,
 )
 from recompile.passes.utils import arg, is_call, replace_node, tensor_meta
 from recompile.pipeline import Fallback, PassContext, register_pass
@@ -230,7 +231,7 @@ class Lifter:
         info = self.padded[x]
         shape = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
         before, after = tensor_meta(x), tensor_meta(node)
-        if info.layout != "bn" or tuple(after.shape[:2]) != tuple(before.shape[:2]) or len(shape) < 2:
+        if info.layout != "bn" or not same_sizes(after.shape[:2], before.shape[:2]) or len(shape) < 2:
             raise Unproven(f"{node.name}: a view that does not keep the [B, N] dims")
         if any(isinstance(s, int) and s == -1 for s in shape[2:]):
             raise Unproven(f"{node.name}: a view with an inferred feature dim")
@@ -297,11 +298,13 @@ class Lifter:
             self.padded[node] = rule(self, node)
             self.padded[node].region.lifted.append(node)
         except Unproven as why:
-            self.blocked[node] = str(why)
+            # q @ k^T (and k^T) are taken whole by the attention that uses them
+            if not is_score_product(node) and not all(is_score_product(user) for user in node.users):
+                self.blocked[node] = str(why)
 
     # -- driver --------------------------------------------------------------------------------
     def start_region(self, node: fx.Node, values: fx.Node, offsets: fx.Node, n: int) -> None:
-        batch = _hint(tensor_meta(node).shape[0])
+        batch = size_hint(tensor_meta(node).shape[0])
         impl = self.ctx.lower("recompile::jagged_within")
         guarded = self.emit(node, torch.ops.recompile.jagged_within.default, (values, offsets, n, impl.impl))
         region = Region(offsets, n, Lengths(_lengths_of(offsets), offsets, batch), guarded)
@@ -337,15 +340,18 @@ class Lifter:
         return node, info, ""
 
     def why_not(self, node: fx.Node) -> str:
-        """The first blocked padded ancestor of ``node`` and its reason."""
-        seen, stack = set(), [node]
+        """The reason of the earliest blocked padded ancestor of ``node`` (where the region stopped)."""
+        seen, stack, blocked = set(), [node], []
         while stack:
             x = stack.pop()
             if x in self.blocked:
-                return self.blocked[x]
+                blocked.append(x)
             seen.add(x)
             stack.extend(a for a in x.all_input_nodes if a in self.tainted and a not in seen)
-        return f"{node.name} is not reached from a padding of jagged values"
+        if not blocked:
+            return f"{node.name} is not reached from a padding of jagged values"
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        return self.blocked[min(blocked, key=order.__getitem__)]
 
 
 def _rule(fn_name: str) -> Callable:

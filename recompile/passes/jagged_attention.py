@@ -50,7 +50,7 @@ CONE_METHODS = {
 }
 
 
-def evaluate_cone(node: Any, leaves: dict[fx.Node, Any], params: dict[fx.Node, torch.Tensor] | None = None) -> Any:
+def evaluate_cone(node: Any, leaves: dict[fx.Node, Any]) -> Any:
     """The value of ``node`` computed from ``leaves`` (nodes bound to concrete values) through cone ops only."""
     memo: dict[fx.Node, Any] = dict(leaves)
 
@@ -63,8 +63,8 @@ def evaluate_cone(node: Any, leaves: dict[fx.Node, Any], params: dict[fx.Node, t
             return x
         if x in memo:
             return memo[x]
-        if params is not None and x in params:
-            return params[x]
+        if x.op == "placeholder" and isinstance(meta_value(x), torch.SymInt):
+            return size_hint(meta_value(x))  # a traced size (the batch): probes use its traced value
         if x.op == "call_function" and x.target in CONE_FUNCTIONS:
             fn: Callable = x.target
         elif x.op == "call_method" and x.target in CONE_METHODS:
@@ -78,10 +78,23 @@ def evaluate_cone(node: Any, leaves: dict[fx.Node, Any], params: dict[fx.Node, t
     return ev(node)
 
 
-def _hint(size: Any) -> int:
+def size_hint(size: Any) -> int:
     if isinstance(size, torch.SymInt):
         return size.node.hint
     return int(size)
+
+
+def same_sizes(a: Any, b: Any) -> bool:
+    """Sizes equal by construction (the same symbol or the same int), without adding guards."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, torch.SymInt) or isinstance(y, torch.SymInt):
+            if not (isinstance(x, torch.SymInt) and isinstance(y, torch.SymInt) and x.node.expr == y.node.expr):
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -138,7 +151,7 @@ def prove_relative_bias(bias: fx.Node, n: int) -> fx.Node:
         raise Unproven(f"the additive score bias {bias.name} is not a table indexed by relative position")
     table, index = bias.args
     meta = tensor_meta(table)
-    if meta is None or meta.dim() != 1 or _hint(meta.shape[0]) != 2 * n - 1:
+    if meta is None or meta.dim() != 1 or size_hint(meta.shape[0]) != 2 * n - 1:
         raise Unproven(f"the relative position table {table.name} does not have 2 * N - 1 = {2 * n - 1} entries")
     got = torch.as_tensor(evaluate_cone(index, {}))
     pos = torch.arange(n)
@@ -202,6 +215,14 @@ def _score_product(node: Any) -> tuple[fx.Node, fx.Node]:
     if dims != {2, 3}:
         raise Unproven(f"{node.name}: k is transposed over dims {kt.args[1:3]}, not the last two")
     return q, kt.args[0]
+
+
+def is_score_product(node: fx.Node) -> bool:
+    try:
+        _score_product(node)
+    except Unproven:
+        return False
+    return True
 
 
 @dataclass
@@ -307,7 +328,7 @@ def _match_sdpa(out: fx.Node) -> AttentionMatch:
         raise Unproven(f"{out.name}: grouped-query attention")
     scale = arg(out, 6, "scale")
     if scale is None:
-        scale = 1.0 / math.sqrt(_hint(meta_value(q).shape[-1]))
+        scale = 1.0 / math.sqrt(size_hint(meta_value(q).shape[-1]))
     if mask is None and not causal:
         raise Unproven(f"{out.name}: no mask, so padded keys are attended to")
     return AttentionMatch("softmax", q, k, v, mask, True, causal, float(scale), nodes=(out,))
