@@ -151,9 +151,9 @@ def main() -> None:
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     track_resident_memory()
+    repeats = 2 if opts.quick else 5
     print(f"CPU, {opts.threads} thread(s); times: best process CPU time of {repeats} runs; "
           f"memory: peak resident set above the level before the call")
-    repeats = 2 if opts.quick else 5
     layer_benchmark(repeats, batch=64, max_len=256)
     attention_scaling(repeats, [256, 512, 1024] if opts.quick else [256, 512, 1024, 2048, 4096], batch=8)
 

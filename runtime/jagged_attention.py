@@ -14,7 +14,9 @@
 
 Kernels: ``reference`` pads every sequence to the longest (the padded formulation), ``cpu`` groups
 sequences of similar length into buckets and runs each bucket as dense batched matmuls (work ~ the
-jagged sizes; see ``runtime.jagged.length_buckets``). Backward recomputes the scores bucket by bucket.
+jagged sizes; see ``runtime.jagged.length_buckets``), ``triton`` (HSTU forward) runs one program per
+core over (query tile, head) work items of the sequences' own tiles. Backward recomputes the scores
+bucket by bucket.
 """
 from __future__ import annotations
 
@@ -217,6 +219,22 @@ for _impl in BUCKET_RATIOS:
     _fwd, _bwd = _hstu_kernel(_impl)
     register_kernel("hstu_attention", _impl)(_fwd)
     register_kernel("hstu_attention_backward", _impl)(_bwd)
+
+
+@register_kernel("hstu_attention", "triton")
+def _hstu_attention_triton(q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual_seq_len, rel_bias,
+                           timestamps, time_bias):
+    if num_targets is not None or contextual_seq_len > 0 or time_bias is not None:
+        # targets, contextual prefixes and time bias: length buckets of dense torch ops on the device
+        return get_kernel("hstu_attention", "cpu")(q, k, v, offsets, max_seq_len, alpha, causal, num_targets,
+                                                   contextual_seq_len, rel_bias, timestamps, time_bias)
+    from runtime.triton_kernels.jagged_attention import hstu_attention_forward
+
+    return hstu_attention_forward(q, k, v, offsets, max_seq_len, alpha, causal, rel_bias)
+
+
+# The backward of the Triton forward: length buckets of dense torch ops on the device.
+register_kernel("hstu_attention_backward", "triton")(get_kernel("hstu_attention_backward", "cpu"))
 
 
 def hstu_attention_reference(q, k, v, offsets, max_seq_len, alpha, causal=True, num_targets=None,

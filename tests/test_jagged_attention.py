@@ -11,7 +11,7 @@ from runtime.jagged_attention import hstu_valid_mask
 from runtime.kernels import KERNELS
 
 ops = torch.ops.recompile
-IMPLS = sorted(KERNELS["hstu_attention"])
+IMPLS = sorted(KERNELS["jagged_softmax_attention"])  # reference, cpu (triton below, for HSTU)
 MAX_LEN = 12
 
 
@@ -132,3 +132,16 @@ def test_attention_opcheck_and_errors():
         ops.hstu_attention(q, k, v, offsets, 5, 0.5, True, None, 0, torch.randn(4), None, None, "cpu")
     with pytest.raises(ValueError, match="q, k must be"):
         ops.jagged_softmax_attention(q, k[:, :1], v, offsets, 0.5, True, "cpu")
+
+
+@settings(max_examples=8, deadline=None)
+@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4), odt=st.sampled_from([torch.int32, torch.int64]),
+       heads=st.integers(1, 2), d=st.sampled_from([4, 16, 20]), causal=st.booleans(), bias=st.booleans())
+def test_hstu_triton_kernel_matches_reference(lengths, odt, heads, d, causal, bias):
+    """The Triton kernel (TRITON_INTERPRET=1 here) over tiles of 16, with partial tiles and empty sequences."""
+    offsets = make_offsets(lengths, odt)
+    q, k, v = (torch.randn(sum(lengths), heads, d) for _ in range(3))
+    rel = torch.randn(2 * 48 - 1) if bias else None
+    args = (q, k, v, offsets, 48, 0.4, causal, None, 0, rel, None, None)
+    torch.testing.assert_close(ops.hstu_attention(*args, "triton"), ops.hstu_attention(*args, "reference"),
+                               rtol=1e-5, atol=1e-5)

@@ -1,6 +1,6 @@
 """Lowering of the jagged ops (runtime/jagged.py): FBGEMM where the target's library has the op,
 else the CPU kernel (index arithmetic, length buckets), else the reference."""
-from recompile.lowering.registry import Impl, has_fbgemm, on_cpu, reference, register_lowering
+from recompile.lowering.registry import Impl, has_fbgemm, has_triton, on_cpu, reference, register_lowering
 
 # recompile op -> the FBGEMM op with its semantics.
 FBGEMM_EQUIVALENTS = {
@@ -23,10 +23,16 @@ for _op, _fbgemm in FBGEMM_EQUIVALENTS.items():
     )
 
 # Attention on jagged sequences: the Triton kernel on accelerators, length buckets on CPU.
+TRITON_ATTENTION = {
+    "hstu_attention": "runtime.triton_kernels.jagged_attention",
+    "hstu_attention_backward": "length-bucketed dense on the device (after the Triton forward)",
+}
 for _op in ("hstu_attention", "hstu_attention_backward", "jagged_softmax_attention",
             "jagged_softmax_attention_backward"):
+    triton_impl = (Impl("triton", "triton", has_triton, TRITON_ATTENTION[_op]),) if _op in TRITON_ATTENTION else ()
     register_lowering(
         f"recompile::{_op}",
+        *triton_impl,
         Impl("cpu", "cpu_kernel", on_cpu, f"runtime.jagged_attention ({_op}, length-bucketed dense)"),
         reference(f"runtime.jagged_attention ({_op}, padded to the longest sequence)"),
     )
