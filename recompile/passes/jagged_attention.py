@@ -267,28 +267,30 @@ def match_attention(out: fx.Node) -> AttentionMatch:
     nodes.append(x)
     scores = x.args[0]
     rel_bias = None
-    if is_call(scores, torch.add, operator.add) and len(scores.args) == 2 and not _is_product(scores):
+    if is_call(scores, torch.add, operator.add) and len(scores.args) == 2:
         nodes.append(scores)
         a, b = scores.args
-        scores, rel_bias = (a, b) if _is_scaled_product(a) else (b, a)
-    alpha = 1.0
-    while (scaled := _scale_of(scores)) is not None:
-        nodes.append(scores)
-        scores, c = scaled
-        alpha *= c
-    q, k = _score_product(scores)
-    nodes.append(scores)
+        scores, rel_bias = (a, b) if is_call(_strip_scales(a, [])[0], torch.matmul) else (b, a)
+    q, k, alpha = _scaled_scores(scores, nodes)
     return AttentionMatch("hstu", q, k, v, mask, True, False, alpha, post, rel_bias, tuple(nodes))
 
 
-def _is_product(node: Any) -> bool:
-    return is_call(node, torch.matmul)
+def _strip_scales(x: Any, nodes: list) -> tuple[Any, float]:
+    """``(y, c)`` for ``x = y * c`` through any number of scalar scales (appended to ``nodes``)."""
+    scale = 1.0
+    while (scaled := _scale_of(x)) is not None:
+        nodes.append(x)
+        x, c = scaled
+        scale *= c
+    return x, scale
 
 
-def _is_scaled_product(node: Any) -> bool:
-    while (scaled := _scale_of(node)) is not None:
-        node = scaled[0]
-    return _is_product(node)
+def _scaled_scores(x: Any, nodes: list) -> tuple[fx.Node, fx.Node, float]:
+    """``(q, k, c)`` for ``x = matmul(q, k^T) * c``."""
+    x, scale = _strip_scales(x, nodes)
+    q, k = _score_product(x)
+    nodes.append(x)
+    return q, k, scale
 
 
 def _match_softmax(out: fx.Node, weights: fx.Node, v: fx.Node, nodes: list) -> AttentionMatch:
@@ -304,13 +306,7 @@ def _match_softmax(out: fx.Node, weights: fx.Node, v: fx.Node, nodes: list) -> A
         x, mask, keep = x.args[1], x.args[0], True
     if mask is None:
         raise Unproven(f"{weights.name}: softmax over unmasked scores attends to padded keys")
-    scale = 1.0
-    while (scaled := _scale_of(x)) is not None:
-        nodes.append(x)
-        x, c = scaled
-        scale *= c
-    q, k = _score_product(x)
-    nodes.append(x)
+    q, k, scale = _scaled_scores(x, nodes)
     return AttentionMatch("softmax", q, k, v, mask, keep, False, scale, nodes=tuple(nodes))
 
 
