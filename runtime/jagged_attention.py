@@ -59,6 +59,12 @@ def relative_position_index(n: int, max_seq_len: int, device) -> torch.Tensor:
     return max_seq_len - 1 + pos.view(1, n) - pos.view(n, 1)
 
 
+def relative_position_bias(rel_bias: torch.Tensor, n: int, max_seq_len: int) -> torch.Tensor:
+    """``[n, n]`` ``rel_bias[max_seq_len - 1 + j - i]``: rows of sliding windows, no index tensor."""
+    windows = rel_bias.unfold(0, n, 1)  # windows[s, j] = rel_bias[s + j]
+    return windows[max_seq_len - n : max_seq_len].flip(0)
+
+
 def relative_time_index(timestamps: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """``[b, n, n]`` index into ``time_bias`` from padded ``timestamps [b, n]``."""
     diff = (timestamps.unsqueeze(2) - timestamps.unsqueeze(1)).abs().clamp(min=1).double()
@@ -89,36 +95,45 @@ class HSTUBucket:
     timestamps: Optional[torch.Tensor]
 
     def scores(self, args: HSTUArgs, rel_bias, time_bias):
-        """Pre-activation scores ``[b, H, n, n]``, the mask over ``max_seq_len``, and the bias indices."""
+        """Pre-activation scores ``[b, H, n, n]`` and the time-bias index (None without time bias)."""
         n = self.q.shape[1]
         scores = torch.matmul(_heads_first(self.q), _heads_first(self.k).transpose(2, 3)).mul_(args.alpha)
-        rel_index = time_index = None
+        time_index = None
         if rel_bias is not None:
-            rel_index = relative_position_index(n, args.max_seq_len, scores.device)
-            scores += rel_bias[rel_index].to(scores.dtype)
+            scores += relative_position_bias(rel_bias, n, args.max_seq_len).to(scores.dtype)
         if time_bias is not None:
             time_index = relative_time_index(self.timestamps, time_bias.numel() - 1)
             scores += time_bias[time_index].to(scores.dtype).unsqueeze(1)
-        mask = hstu_valid_mask(self.lengths, n, args.causal, self.num_targets, args.contextual_seq_len)
-        return scores, mask.unsqueeze(1).to(scores.dtype) / args.max_seq_len, rel_index, time_index
+        return scores, time_index
+
+    def mask_(self, t: torch.Tensor, args: HSTUArgs) -> torch.Tensor:
+        """``t [b, H, n, n]`` times HSTU's valid mask and ``1 / max_seq_len``, in place. Padded keys need no
+        mask when nothing else limits attention: v is zero there."""
+        if self.num_targets is not None or args.contextual_seq_len > 0:
+            mask = hstu_valid_mask(self.lengths, t.shape[-1], args.causal, self.num_targets, args.contextual_seq_len)
+            t.mul_(mask.unsqueeze(1))
+        elif args.causal:
+            t.tril_()
+        return t.mul_(1.0 / args.max_seq_len)
 
     def forward(self, args: HSTUArgs, rel_bias, time_bias) -> torch.Tensor:
-        scores, weight, _, _ = self.scores(args, rel_bias, time_bias)
-        weights = F.silu(scores, inplace=True).mul_(weight)
+        scores, _ = self.scores(args, rel_bias, time_bias)
+        weights = self.mask_(F.silu(scores, inplace=True), args)
         return _heads_first(torch.matmul(weights, _heads_first(self.v)))
 
     def backward(self, grad: torch.Tensor, args: HSTUArgs, rel_bias, time_bias):
         """``dq, dk, dv`` (padded) and the bias gradients of this bucket."""
-        scores, weight, rel_index, time_index = self.scores(args, rel_bias, time_bias)
+        scores, time_index = self.scores(args, rel_bias, time_bias)
         sig = torch.sigmoid(scores)
         g, v = _heads_first(grad), _heads_first(self.v)
-        dv = torch.matmul((scores * sig * weight).transpose(2, 3), g)
-        dscores = torch.matmul(g, v.transpose(2, 3)) * weight * sig * (1 + scores * (1 - sig))
+        dv = torch.matmul(self.mask_(scores * sig, args).transpose(2, 3), g)
+        dscores = self.mask_(torch.matmul(g, v.transpose(2, 3)), args).mul_(sig * (1 + scores * (1 - sig)))
         dq = args.alpha * torch.matmul(dscores, _heads_first(self.k))
         dk = args.alpha * torch.matmul(dscores.transpose(2, 3), _heads_first(self.q))
         drel = dtime = None
-        if rel_index is not None:
-            drel = torch.zeros_like(rel_bias).index_add_(0, rel_index.flatten(), dscores.sum((0, 1)).flatten().to(rel_bias.dtype))
+        if rel_bias is not None:
+            index = relative_position_index(scores.shape[-1], args.max_seq_len, scores.device)
+            drel = torch.zeros_like(rel_bias).index_add_(0, index.flatten(), dscores.sum((0, 1)).flatten().to(rel_bias.dtype))
         if time_index is not None:
             dtime = torch.zeros_like(time_bias).index_add_(0, time_index.flatten(), dscores.sum(1).flatten().to(time_bias.dtype))
         return [_heads_first(t) for t in (dq, dk, dv)], [drel, dtime]
@@ -134,16 +149,16 @@ class SoftmaxBucket:
     lengths: torch.Tensor
 
     def weights(self, scale: float, causal: bool) -> torch.Tensor:
-        """Softmax weights ``[b, H, n, n]``; rows that are padding attend to every key (no NaN)."""
+        """Softmax weights ``[b, H, n, n]``. Causal: a valid row sees no padded key, so the mask is the
+        ``[n, n]`` triangle; else the keys past each length are masked. Every row keeps a key (no NaN)."""
         n = self.q.shape[1]
         pos = torch.arange(n, device=self.q.device)
-        lengths = self.lengths.view(-1, 1, 1)
-        mask = pos.view(1, 1, n) < lengths
         if causal:
-            mask = mask & (pos.view(1, n, 1) >= pos.view(1, 1, n))
-        mask = mask | (pos.view(1, n, 1) >= lengths)
-        scores = scale * torch.matmul(_heads_first(self.q), _heads_first(self.k).transpose(2, 3))
-        return torch.softmax(scores.masked_fill(~mask.unsqueeze(1), float("-inf")), dim=-1)
+            drop = pos.view(n, 1) < pos.view(1, n)
+        else:
+            drop = (pos.view(1, n) >= self.lengths.view(-1, 1)).view(-1, 1, 1, n)
+        scores = torch.matmul(_heads_first(self.q), _heads_first(self.k).transpose(2, 3)).mul_(scale)
+        return torch.softmax(scores.masked_fill_(drop, float("-inf")), dim=-1)
 
     def forward(self, scale: float, causal: bool) -> torch.Tensor:
         return _heads_first(torch.matmul(self.weights(scale, causal), _heads_first(self.v)))
