@@ -66,7 +66,7 @@ def test_hstu_mask_semantics():
 lengths_st = st.lists(st.integers(0, MAX_LEN), min_size=1, max_size=5)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(lengths=lengths_st, odt=st.sampled_from([torch.int32, torch.int64]), heads=st.integers(1, 2),
        d=st.integers(1, 5), causal=st.booleans(), targets=st.booleans(), contextual=st.integers(0, 2),
        bias=st.booleans())
@@ -91,7 +91,7 @@ def test_hstu_attention_forward_backward(lengths, odt, heads, d, causal, targets
             torch.testing.assert_close(g, w if w is not None else torch.zeros_like(g), rtol=1e-4, atol=1e-5)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(lengths=lengths_st, odt=st.sampled_from([torch.int32, torch.int64]), heads=st.integers(1, 2),
        d=st.integers(1, 5), causal=st.booleans())
 def test_softmax_attention_forward_backward(lengths, odt, heads, d, causal):

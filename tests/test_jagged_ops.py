@@ -40,7 +40,7 @@ def test_every_jagged_op_has_all_kernels():
         assert set(IMPLS) <= set(KERNELS[op]), op
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(lengths=lengths_st, odt=offset_dtype_st, n=st.integers(1, 10), d=st.integers(1, 4),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
 def test_pad_and_unpad(lengths, odt, n, d, dtype):
@@ -59,7 +59,7 @@ def test_pad_and_unpad(lengths, odt, n, d, dtype):
     close(ops.dense_to_jagged(got, offsets, sum(lengths), "fbgemm"), ops.dense_to_jagged(got, offsets, None, "cpu"))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(lengths=lengths_st, odt=offset_dtype_st, n=st.integers(1, 10), d=st.integers(1, 4))
 def test_pad_unpad_backward(lengths, odt, n, d):
     offsets = make_offsets(lengths, odt)
@@ -73,7 +73,7 @@ def test_pad_unpad_backward(lengths, odt, n, d):
             close(o1, o2), close(g1[0], g2[0])
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(lengths=lengths_st, odt=offset_dtype_st, n=st.integers(1, 10), d=st.integers(1, 4))
 def test_jagged_dense_elementwise(lengths, odt, n, d):
     offsets = make_offsets(lengths, odt)
@@ -100,7 +100,7 @@ def test_jagged_dense_elementwise(lengths, odt, n, d):
         close(xg.grad, xe.grad), close(yg.grad, ye.grad)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(lengths=lengths_st, odt=offset_dtype_st, max_l=st.integers(1, 10), d=st.integers(1, 4))
 def test_jagged_softmax(lengths, odt, max_l, d):
     offsets = make_offsets(lengths, odt)
@@ -114,7 +114,7 @@ def test_jagged_softmax(lengths, odt, max_l, d):
         close(out, ref_out), close(g, ref_grad)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(lengths=lengths_st, odt=offset_dtype_st, max_l=st.integers(1, 10), m=st.integers(1, 4), k=st.integers(1, 4))
 def test_jagged_bmm(lengths, odt, max_l, m, k):
     offsets = make_offsets(lengths, odt)
