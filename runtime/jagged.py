@@ -546,6 +546,11 @@ jagged_dense_bmm.register_autograd(_jagged_dense_bmm_backward, setup_context=_bm
 
 
 def jagged_within_reference(values, offsets, max_length):
+    if int(offsets[-1]) != values.shape[0]:
+        raise ValueError(
+            f"recompile: a padded region rewritten to jagged needs values with exactly offsets[-1] = "
+            f"{int(offsets[-1])} rows, got {values.shape[0]}"
+        )
     longest = int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
     if longest > max_length:
         raise ValueError(
