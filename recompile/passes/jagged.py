@@ -17,6 +17,7 @@ back that is not reached by a jagged equivalent stays, and the report says why.
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -31,6 +32,7 @@ from recompile.passes.jagged_attention import (
 )
 from recompile.passes.utils import arg, is_call, replace_node, tensor_meta
 from recompile.pipeline import Fallback, PassContext, register_pass
+from runtime.fbgemm import fbgemm_ops
 
 PAD_FUNCTIONS = (torch._C._nn.pad, torch.nn.functional.pad)
 
@@ -75,8 +77,8 @@ def _rewrite_offsets(gm: fx.GraphModule, ctx: PassContext) -> None:
 
 
 @dataclass
-class Region:
-    """One padding of jagged values: its offsets, padded length and guard."""
+class PaddedBatch:
+    """One padding of jagged values into a batch: its offsets, padded length and guarded values."""
 
     offsets: fx.Node
     n: int
@@ -92,14 +94,24 @@ class Padded:
     ``layout`` "bn": ``[B, N, *f]`` with twin ``[total, *f]``; "bhn": ``[B, H, N, D]`` with twin ``[total, H, D]``.
     """
 
-    region: Region
+    region: PaddedBatch
     layout: str
     twin: Any  # an fx.Node (or a tuple of them, for a split)
 
 
+@functools.cache
+def _fbgemm_targets(name: str) -> tuple:
+    """``torch.ops.fbgemm.<name>`` and its default overload as Dynamo records them; () without FBGEMM."""
+    if name not in fbgemm_ops():
+        return ()
+    packet = getattr(torch.ops.fbgemm, name)
+    return packet, packet.default
+
+
 def _pad_source(node: fx.Node) -> tuple[fx.Node, fx.Node, Any] | None:
-    """``(values, offsets, N)`` of a ``jagged_to_padded_dense`` call with zero padding."""
-    if is_call(node, torch.ops.fbgemm.jagged_to_padded_dense, torch.ops.fbgemm.jagged_to_padded_dense.default):
+    """``(values, offsets, N)`` of a ``jagged_to_padded_dense`` call (the padding value never matters:
+    padded rows are dropped, and masks are proven to hide padded keys)."""
+    if is_call(node, *_fbgemm_targets("jagged_to_padded_dense")):
         values, offsets, lengths = node.args[0], arg(node, 1, "offsets"), arg(node, 2, "max_lengths")
         if len(offsets) != 1 or len(lengths) != 1:
             return None
@@ -118,7 +130,7 @@ def _sink(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """``(dense, offsets)`` when ``node`` gathers a padded batch back to jagged values."""
     if is_call(node, operator.getitem) and node.args[1] == 0:
         call = node.args[0]
-        if is_call(call, torch.ops.fbgemm.dense_to_jagged, torch.ops.fbgemm.dense_to_jagged.default):
+        if is_call(call, *_fbgemm_targets("dense_to_jagged")):
             offsets = arg(call, 1, "x_offsets")
             if len(offsets) == 1:
                 return call.args[0], offsets[0]
@@ -153,7 +165,7 @@ class Lifter:
     def operands(self, node: fx.Node) -> list[fx.Node]:
         return [a for a in node.all_input_nodes if a in self.tainted]
 
-    def twin_args(self, node: fx.Node, region: Region, feature_ndim: int, exempt=()) -> tuple[tuple, dict]:
+    def twin_args(self, node: fx.Node, region: PaddedBatch, feature_ndim: int, exempt=()) -> tuple[tuple, dict]:
         """``node``'s args with padded operands swapped for twins; others must broadcast over features only."""
 
         def swap(x: Any, position: Any) -> Any:
@@ -177,7 +189,7 @@ class Lifter:
         kwargs = {k: swap(v, k) for k, v in node.kwargs.items()}
         return args, kwargs
 
-    def region_of(self, node: fx.Node) -> Region:
+    def region_of(self, node: fx.Node) -> PaddedBatch:
         regions = {id(self.padded[a].region): self.padded[a].region for a in self.operands(node) if a in self.padded}
         if len(regions) != 1:
             raise Unproven(f"{node.name} mixes padded batches")
@@ -280,7 +292,7 @@ class Lifter:
         self.attention_regions.append((twin, op, impl, list(match.nodes)))
         return Padded(region, "bhn", twin)
 
-    def hstu_args(self, match: AttentionMatch, region: Region, causal: bool, q, k, v) -> tuple[str, tuple]:
+    def hstu_args(self, match: AttentionMatch, region: PaddedBatch, causal: bool, q, k, v) -> tuple[str, tuple]:
         n = region.n
         if abs(match.post_scale * n - 1.0) > 1e-9:
             raise Unproven(f"the weights are scaled by {match.post_scale}, not by 1 / N = 1 / {n} as HSTU's")
@@ -307,7 +319,7 @@ class Lifter:
         batch = size_hint(tensor_meta(node).shape[0])
         impl = self.ctx.lower("recompile::jagged_within")
         guarded = self.emit(node, torch.ops.recompile.jagged_within.default, (values, offsets, n, impl.impl))
-        region = Region(offsets, n, Lengths(_lengths_of(offsets), offsets, batch), guarded)
+        region = PaddedBatch(offsets, n, Lengths(_lengths_of(offsets), offsets, batch), guarded)
         self.padded[node] = Padded(region, "bn", guarded)
         region.lifted.append(node)
 
