@@ -283,28 +283,23 @@ def _check_jagged_dense(op, x_values, offsets, y):
         )
 
 
-@torch.library.custom_op("recompile::jagged_dense_elementwise_add", mutates_args=())
-def jagged_dense_elementwise_add(
-    x_values: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor, impl: str = "reference"
-) -> torch.Tensor:
-    _check_jagged_dense("jagged_dense_elementwise_add", x_values, offsets, y)
-    return get_kernel("jagged_dense_elementwise_add", impl)(x_values, offsets, y)
+def _elementwise_op(name: str):
+    """Define ``recompile::<name>(x_values, offsets, y, impl)`` (jagged output) with its fake impl."""
+
+    @torch.library.custom_op(f"recompile::{name}", mutates_args=())
+    def op(x_values: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor, impl: str = "reference") -> torch.Tensor:
+        _check_jagged_dense(name, x_values, offsets, y)
+        return get_kernel(name, impl)(x_values, offsets, y)
+
+    @op.register_fake
+    def _(x_values, offsets, y, impl="reference"):
+        return x_values.new_empty(x_values.shape, dtype=torch.result_type(x_values, y))
+
+    return op
 
 
-@torch.library.custom_op("recompile::jagged_dense_elementwise_mul", mutates_args=())
-def jagged_dense_elementwise_mul(
-    x_values: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor, impl: str = "reference"
-) -> torch.Tensor:
-    _check_jagged_dense("jagged_dense_elementwise_mul", x_values, offsets, y)
-    return get_kernel("jagged_dense_elementwise_mul", impl)(x_values, offsets, y)
-
-
-def _elementwise_fake(x_values, offsets, y, impl="reference"):
-    return x_values.new_empty(x_values.shape, dtype=torch.result_type(x_values, y))
-
-
-jagged_dense_elementwise_add.register_fake(_elementwise_fake)
-jagged_dense_elementwise_mul.register_fake(_elementwise_fake)
+jagged_dense_elementwise_add = _elementwise_op("jagged_dense_elementwise_add")
+jagged_dense_elementwise_mul = _elementwise_op("jagged_dense_elementwise_mul")
 
 
 def _elementwise_setup(ctx, inputs, output):
