@@ -3,14 +3,36 @@
 Patterns and replacements:
 - offsets from lengths, ``F.pad(torch.cumsum(lengths, 0), (1, 0))`` with 1-D integer ``lengths``
   -> ``recompile.complete_cumsum(lengths)``.
+- a padded region: ``fbgemm.jagged_to_padded_dense(values, [offsets], [N])`` (or
+  ``recompile.jagged_to_padded_dense``), per-position ops on the padded batch, attention, and the
+  gather back ``fbgemm.dense_to_jagged(y, [offsets])[0]`` -> the same ops on the jagged values
+  (``[total, ...]``), so nothing is computed on padding. Per-position ops: Linear, LayerNorm over
+  feature dims, SiLU/ReLU/GELU/sigmoid/tanh, dropout with ``training=False``, elementwise ops with
+  operands that broadcast over the features only, splits and views that keep ``[B, N]``.
+  Attention on head-first ``[B, H, N, D]`` views (see ``recompile.passes.jagged_attention``) ->
+  ``recompile.hstu_attention`` / ``recompile.jagged_softmax_attention`` (region kind "attention").
+  The values are guarded by ``recompile.jagged_within`` (every sequence fits the padded length N).
+A padded node whose users cannot all be proven position-wise keeps its padded computation; a gather
+back that is not reached by a jagged equivalent stays, and the report says why.
 """
 from __future__ import annotations
 
+import functools
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
+from recompile.passes.jagged_attention import (
+    AttentionMatch, Lengths, Unproven, is_score_product, match_attention, prove_mask, prove_relative_bias, same_sizes,
+    size_hint,
+)
 from recompile.passes.utils import arg, is_call, replace_node, tensor_meta
-from recompile.pipeline import PassContext, register_pass
+from recompile.pipeline import Fallback, PassContext, register_pass
+from runtime.fbgemm import fbgemm_ops
 
 PAD_FUNCTIONS = (torch._C._nn.pad, torch.nn.functional.pad)
 
@@ -35,8 +57,7 @@ def _offsets_source(pad: fx.Node) -> fx.Node | None:
     return lengths
 
 
-@register_pass("jagged")
-def jagged(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def _rewrite_offsets(gm: fx.GraphModule, ctx: PassContext) -> None:
     op = "recompile::complete_cumsum"
     for pad in list(gm.graph.nodes):
         lengths = _offsets_source(pad)
@@ -49,4 +70,356 @@ def jagged(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.record_region("jagged", [cumsum, pad], op, impl)
         replace_node(pad, offsets)
         gm.graph.erase_node(cumsum)
+
+
+# ---------------------------------------------------------------------------------------------
+# Padded regions
+
+
+@dataclass
+class PaddedBatch:
+    """One padding of jagged values into a batch: its offsets, padded length and guarded values."""
+
+    offsets: fx.Node
+    n: int
+    lengths: Lengths
+    values: fx.Node  # the guarded jagged values (recompile.jagged_within)
+    lifted: list[fx.Node] = field(default_factory=list)
+
+
+@dataclass
+class Padded:
+    """A padded node whose rows that are not padding are ``twin``'s values.
+
+    ``layout`` "bn": ``[B, N, *f]`` with twin ``[total, *f]``; "bhn": ``[B, H, N, D]`` with twin ``[total, H, D]``.
+    """
+
+    region: PaddedBatch
+    layout: str
+    twin: Any  # an fx.Node (or a tuple of them, for a split)
+
+
+@functools.cache
+def _fbgemm_targets(name: str) -> tuple:
+    """``torch.ops.fbgemm.<name>`` and its default overload as Dynamo records them; () without FBGEMM."""
+    if name not in fbgemm_ops():
+        return ()
+    packet = getattr(torch.ops.fbgemm, name)
+    return packet, packet.default
+
+
+def _pad_source(node: fx.Node) -> tuple[fx.Node, fx.Node, Any] | None:
+    """``(values, offsets, N)`` of a ``jagged_to_padded_dense`` call (the padding value never matters:
+    padded rows are dropped, and masks are proven to hide padded keys)."""
+    if is_call(node, *_fbgemm_targets("jagged_to_padded_dense")):
+        values, offsets, lengths = node.args[0], arg(node, 1, "offsets"), arg(node, 2, "max_lengths")
+        if len(offsets) != 1 or len(lengths) != 1:
+            return None
+        offsets, n = offsets[0], lengths[0]
+    elif is_call(node, torch.ops.recompile.jagged_to_padded_dense.default):
+        values, offsets, n = node.args[:3]
+    else:
+        return None
+    meta = tensor_meta(values)
+    if meta is None or meta.dim() != 2 or not isinstance(n, int):
+        return None
+    return values, offsets, n
+
+
+def _sink(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(dense, offsets)`` when ``node`` gathers a padded batch back to jagged values."""
+    if is_call(node, operator.getitem) and node.args[1] == 0:
+        call = node.args[0]
+        if is_call(call, *_fbgemm_targets("dense_to_jagged")):
+            offsets = arg(call, 1, "x_offsets")
+            if len(offsets) == 1:
+                return call.args[0], offsets[0]
+    if is_call(node, torch.ops.recompile.dense_to_jagged.default):
+        return node.args[0], node.args[1]
+    return None
+
+
+def _lengths_of(offsets: fx.Node) -> fx.Node | None:
+    if is_call(offsets, torch.ops.recompile.complete_cumsum.default):
+        return offsets.args[0]
+    return None
+
+
+class Lifter:
+    """Walks the graph once, giving each padded node a jagged twin where that is provably the same."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext):
+        self.gm, self.graph, self.ctx = gm, gm.graph, ctx
+        self.padded: dict[fx.Node, Padded] = {}
+        self.tainted: set[fx.Node] = set()  # nodes whose value depends on padding
+        self.blocked: dict[fx.Node, str] = {}  # padded nodes left padded, and why
+        self.attention_regions: list[tuple[fx.Node, str, Any, list[fx.Node]]] = []  # (twin, op, impl, nodes)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def emit(self, after: fx.Node, target, args, kwargs=None, method: bool = False) -> fx.Node:
+        with self.graph.inserting_after(after):
+            if method:
+                return self.graph.call_method(target, args, kwargs or {})
+            return self.graph.call_function(target, args, kwargs or {})
+
+    def operands(self, node: fx.Node) -> list[fx.Node]:
+        return [a for a in node.all_input_nodes if a in self.tainted]
+
+    def twin_args(self, node: fx.Node, region: PaddedBatch, feature_ndim: int, exempt=()) -> tuple[tuple, dict]:
+        """``node``'s args with padded operands swapped for twins; others must broadcast over features only."""
+
+        def swap(x: Any, position: Any) -> Any:
+            if isinstance(x, (list, tuple)):
+                return type(x)(swap(y, position) for y in x)
+            if not isinstance(x, fx.Node):
+                return x
+            if x in self.padded:
+                info = self.padded[x]
+                if info.region is not region or info.layout != "bn":
+                    raise Unproven(f"{node.name} mixes padded batches")
+                return info.twin
+            if x in self.tainted:
+                raise Unproven(f"{node.name} reads {x.name}, which depends on padding")
+            meta = tensor_meta(x)
+            if meta is not None and position not in exempt and meta.dim() > feature_ndim:
+                raise Unproven(f"{node.name}: operand {x.name} broadcasts over the batch or position dims")
+            return x
+
+        args = tuple(swap(a, i) for i, a in enumerate(node.args))
+        kwargs = {k: swap(v, k) for k, v in node.kwargs.items()}
+        return args, kwargs
+
+    def region_of(self, node: fx.Node) -> PaddedBatch:
+        regions = {id(self.padded[a].region): self.padded[a].region for a in self.operands(node) if a in self.padded}
+        if len(regions) != 1:
+            raise Unproven(f"{node.name} mixes padded batches")
+        return next(iter(regions.values()))
+
+    # -- rules ---------------------------------------------------------------------------------
+    def positionwise(self, node: fx.Node, exempt=()) -> Padded:
+        region = self.region_of(node)
+        meta = tensor_meta(node)
+        if meta is None or meta.dim() < 2:
+            raise Unproven(f"{node.name} does not keep the [B, N] dims")
+        args, kwargs = self.twin_args(node, region, meta.dim() - 2, exempt)
+        return Padded(region, "bn", self.emit(node, node.target, args, kwargs, node.op == "call_method"))
+
+    def layer_norm(self, node: fx.Node) -> Padded:
+        shape = arg(node, 1, "normalized_shape")
+        if len(shape) > tensor_meta(node).dim() - 2:
+            raise Unproven(f"{node.name}: layer norm over the position dim")
+        return self.positionwise(node, exempt=(2, 3, "weight", "bias"))
+
+    def linear(self, node: fx.Node) -> Padded:
+        return self.positionwise(node, exempt=(1, 2, "weight", "bias"))
+
+    def dropout(self, node: fx.Node) -> Padded:
+        if arg(node, 2, "training", True) is not False:
+            raise Unproven(f"{node.name}: dropout in training mode (the jagged values would draw other masks)")
+        return self.positionwise(node)
+
+    def split(self, node: fx.Node) -> Padded:
+        x = node.args[0]
+        ndim = tensor_meta(x).dim()
+        dim = arg(node, 2, "dim", 0)
+        if dim % ndim < 2:
+            raise Unproven(f"{node.name}: split over the batch or position dim")
+        info = self.padded[x]
+        if info.layout != "bn":
+            raise Unproven(f"{node.name}: split of a head-first batch")
+        twin_dim = dim if dim < 0 else dim - 1
+        twin = self.emit(node, node.target, (info.twin, node.args[1]), {"dim": twin_dim})
+        return Padded(info.region, "bn", twin)
+
+    def getitem(self, node: fx.Node) -> Padded:
+        source, index = node.args
+        info = self.padded[source]
+        if not is_call(source, torch.split, torch.functional.split, torch.chunk) or not isinstance(index, int):
+            raise Unproven(f"{node.name}: indexing a padded batch")
+        return Padded(info.region, "bn", self.emit(node, operator.getitem, (info.twin, index)))
+
+    def view(self, node: fx.Node) -> Padded:
+        x = node.args[0]
+        info = self.padded[x]
+        shape = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        before, after = tensor_meta(x), tensor_meta(node)
+        if info.layout != "bn" or not same_sizes(after.shape[:2], before.shape[:2]) or len(shape) < 2:
+            raise Unproven(f"{node.name}: a view that does not keep the [B, N] dims")
+        if any(isinstance(s, int) and s == -1 for s in shape[2:]):
+            raise Unproven(f"{node.name}: a view with an inferred feature dim")
+        return Padded(info.region, "bn", self.emit(node, "reshape", (info.twin, -1, *shape[2:]), method=True))
+
+    def flatten(self, node: fx.Node) -> Padded:
+        info = self.padded[node.args[0]]
+        start, end = arg(node, 1, "start_dim", 0), arg(node, 2, "end_dim", -1)
+        ndim = tensor_meta(node.args[0]).dim()
+        if info.layout != "bn" or start % ndim < 2 or end % ndim < 2:
+            raise Unproven(f"{node.name}: a flatten over the batch or position dim")
+        twin_dims = [d if d < 0 else d - 1 for d in (start, end)]
+        return Padded(info.region, "bn", self.emit(node, torch.flatten, (info.twin, *twin_dims)))
+
+    def transpose(self, node: fx.Node) -> Padded:
+        x = node.args[0]
+        info = self.padded[x]
+        dims = {d % 4 for d in node.args[1:3]} if tensor_meta(x).dim() == 4 else set()
+        if dims != {1, 2}:
+            raise Unproven(f"{node.name}: a transpose other than positions <-> heads")
+        return Padded(info.region, "bhn" if info.layout == "bn" else "bn", info.twin)
+
+    def same(self, node: fx.Node) -> Padded:
+        return self.padded[node.args[0]]
+
+    def attention(self, node: fx.Node) -> Padded:
+        match = match_attention(node)
+        qkv = [self.padded.get(x) for x in (match.q, match.k, match.v)]
+        if any(p is None or p.layout != "bhn" for p in qkv):
+            raise Unproven(f"{node.name}: q, k, v are not head-first views of one padded batch")
+        region = qkv[0].region
+        if any(p.region is not region for p in qkv):
+            raise Unproven(f"{node.name}: q, k, v come from different padded batches")
+        for extra in (match.mask, match.rel_bias):
+            if extra is not None and extra in self.tainted:
+                raise Unproven(f"{node.name}: the mask or bias depends on padding")
+        causal = match.causal_flag or prove_mask(match.mask, match.keep_if_true, region.lengths, region.n)
+        q, k, v = (p.twin for p in qkv)
+        if match.kind == "hstu":
+            op, args = self.hstu_args(match, region, causal, q, k, v)
+        else:
+            op = "recompile::jagged_softmax_attention"
+            args = (q, k, v, region.offsets, match.alpha, causal)
+        impl = self.ctx.lower(op)
+        twin = self.emit(node, getattr(torch.ops.recompile, op.split("::")[1]).default, (*args, impl.impl))
+        self.attention_regions.append((twin, op, impl, list(match.nodes)))
+        return Padded(region, "bhn", twin)
+
+    def hstu_args(self, match: AttentionMatch, region: PaddedBatch, causal: bool, q, k, v) -> tuple[str, tuple]:
+        n = region.n
+        if abs(match.post_scale * n - 1.0) > 1e-9:
+            raise Unproven(f"the weights are scaled by {match.post_scale}, not by 1 / N = 1 / {n} as HSTU's")
+        rel = None if match.rel_bias is None else prove_relative_bias(match.rel_bias, n)
+        return "recompile::hstu_attention", (q, k, v, region.offsets, n, match.alpha, causal, None, 0, rel, None, None)
+
+    def lift(self, node: fx.Node) -> None:
+        if node.op == "call_method":
+            rule = METHOD_RULES.get(node.target)
+        else:
+            rule = FUNCTION_RULES.get(node.target) if node.op == "call_function" else None
+        try:
+            if rule is None:
+                raise Unproven(f"{node.name} ({node.target}) is not a per-position op")
+            self.padded[node] = rule(self, node)
+            self.padded[node].region.lifted.append(node)
+        except Unproven as why:
+            # q @ k^T (and k^T) are taken whole by the attention that uses them
+            if not is_score_product(node) and not all(is_score_product(user) for user in node.users):
+                self.blocked[node] = str(why)
+
+    # -- driver --------------------------------------------------------------------------------
+    def start_region(self, node: fx.Node, values: fx.Node, offsets: fx.Node, n: int) -> None:
+        batch = size_hint(tensor_meta(node).shape[0])
+        impl = self.ctx.lower("recompile::jagged_within")
+        guarded = self.emit(node, torch.ops.recompile.jagged_within.default, (values, offsets, n, impl.impl))
+        region = PaddedBatch(offsets, n, Lengths(_lengths_of(offsets), offsets, batch), guarded)
+        self.padded[node] = Padded(region, "bn", guarded)
+        region.lifted.append(node)
+
+    def run(self) -> list[tuple[fx.Node, fx.Node]]:
+        """Lift every padded node it can; returns the gathers back (sink, twin) that can be replaced."""
+        sinks = []
+        for node in list(self.graph.nodes):
+            if node in self.padded or node.op in ("placeholder", "output"):
+                continue
+            if (source := _pad_source(node)) is not None:
+                self.start_region(node, *source)
+                self.tainted.add(node)
+                continue
+            if not any(a in self.tainted for a in node.all_input_nodes):
+                continue
+            if (sink := _sink(node)) is not None:
+                sinks.append((node, sink))
+                continue
+            self.tainted.add(node)
+            if any(a in self.padded for a in node.all_input_nodes):
+                self.lift(node)
+        return [self.check_sink(node, dense, offsets) for node, (dense, offsets) in sinks]
+
+    def check_sink(self, node: fx.Node, dense: fx.Node, offsets: fx.Node):
+        info = self.padded.get(dense)
+        if info is None:
+            return node, None, self.why_not(dense)
+        if info.layout != "bn" or info.region.offsets is not offsets:
+            return node, None, f"{dense.name} is gathered with other offsets than it was padded with"
+        return node, info, ""
+
+    def why_not(self, node: fx.Node) -> str:
+        """The reason of the earliest blocked padded ancestor of ``node`` (where the region stopped)."""
+        seen, stack, blocked = set(), [node], []
+        while stack:
+            x = stack.pop()
+            if x in self.blocked:
+                blocked.append(x)
+            seen.add(x)
+            stack.extend(a for a in x.all_input_nodes if a in self.tainted and a not in seen)
+        if not blocked:
+            return f"{node.name} is not reached from a padding of jagged values"
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        return self.blocked[min(blocked, key=order.__getitem__)]
+
+
+def _rule(fn_name: str) -> Callable:
+    return lambda lifter, node: getattr(lifter, fn_name)(node)
+
+
+POSITIONWISE_FUNCTIONS = (
+    F.silu, F.relu, F.gelu, torch.relu, torch.sigmoid, torch.tanh, F.sigmoid, F.tanh, torch.add, torch.sub,
+    torch.mul, torch.div, operator.add, operator.sub, operator.mul, operator.truediv,
+)
+FUNCTION_RULES: dict[Any, Callable] = {
+    **{fn: _rule("positionwise") for fn in POSITIONWISE_FUNCTIONS},
+    F.layer_norm: _rule("layer_norm"),
+    torch._C._nn.linear: _rule("linear"),
+    F.linear: _rule("linear"),
+    F.dropout: _rule("dropout"),
+    torch.split: _rule("split"),
+    torch.functional.split: _rule("split"),
+    operator.getitem: _rule("getitem"),
+    torch.reshape: _rule("view"),
+    torch.flatten: _rule("flatten"),
+    torch.transpose: _rule("transpose"),
+    torch.matmul: _rule("attention"),
+    F.scaled_dot_product_attention: _rule("attention"),
+}
+METHOD_RULES: dict[str, Callable] = {
+    "view": _rule("view"),
+    "reshape": _rule("view"),
+    "transpose": _rule("transpose"),
+    "flatten": _rule("flatten"),
+    "contiguous": _rule("same"),
+}
+
+
+def _lift_padded_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
+    lifter = Lifter(gm, ctx)
+    results = lifter.run()
+    for sink, info, why in results:
+        if info is None:
+            ctx.fallbacks.append(Fallback(ctx.current_pass, f"left padded at {sink.name}: {why}"))
+        else:
+            replace_node(sink, info.twin)
+    before = set(gm.graph.nodes)
+    gm.graph.eliminate_dead_code()
+    erased = before - set(gm.graph.nodes)
+    for twin, op, impl, nodes in lifter.attention_regions:
+        if twin not in erased:
+            ctx.record_region("attention", nodes, op, impl)
+    regions = {id(info.region): info.region for _, info, _ in results if info is not None}
+    for region in regions.values():
+        op = "recompile::jagged_within"
+        ctx.record_region("jagged", [n for n in region.lifted if n in erased], op, ctx.lower(op))
+
+
+@register_pass("jagged")
+def jagged(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    _rewrite_offsets(gm, ctx)
+    _lift_padded_regions(gm, ctx)
     return gm

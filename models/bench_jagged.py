@@ -1,0 +1,162 @@
+"""Jagged vs padded, measured side by side: ``python -m models.bench_jagged [--quick]``.
+
+1. An HSTU layer (models/layers_jagged.py) over 64 long-tailed histories padded to 256: forward
+   time and peak memory, and a training step (forward + backward), for the padded layer in eager,
+   under ``backend="inductor"``, and under ``backend="rec_ascend"`` (whose jagged pass runs it on the
+   jagged values), with rec_ascend's output checked against eager.
+2. HSTU attention alone, jagged (``recompile.hstu_attention``, CPU kernel) against the padded
+   formulation (pad, dense attention over [B, H, N, N], unpad), as the longest history grows to 4096.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import gc
+import os
+import threading
+import time
+
+import torch
+
+from models.layers_jagged import HSTULayer, jagged_batch, long_tailed_lengths
+from runtime.jagged_attention import HSTUBucket, HSTUArgs
+from runtime.jagged import jagged_to_padded_dense_reference, dense_to_jagged_reference
+
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+# glibc: tensors over 64 KB mmapped at a fixed threshold (no dynamic raise), freed memory trimmed, so
+# that the resident set follows the live tensors.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+
+def track_resident_memory() -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 16)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 16)
+
+
+def best_ms(fn, repeats: int) -> float:
+    """Best CPU time of ``fn`` in ms (process time: steadier than wall time on a shared machine)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        times.append(time.process_time() - start)
+    return min(times) * 1e3
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE_BYTES
+
+
+def peak_bytes(fn) -> int:
+    """Peak resident memory above the level before ``fn``, sampled by a thread while ``fn`` runs.
+
+    (Large tensors are mmapped and returned to the system when freed, so the resident set follows
+    the live tensors; the profiler's per-op figures miss what compiled regions allocate inside.)
+    """
+    gc.collect()
+    base, peak, done = _resident_bytes(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _resident_bytes())
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak[0] - base, 0)
+
+
+def layer_benchmark(repeats: int, batch: int, max_len: int) -> None:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    model = HSTULayer(dim=128, heads=4, head_dim=32, max_seq_len=max_len)
+    values, lengths = jagged_batch(batch, max_len, 128, gen)
+    print(f"HSTU layer: {batch} histories padded to {max_len}, {values.shape[0]} items "
+          f"({values.shape[0] / (batch * max_len):.0%} of the padded batch)")
+    variants = {
+        "eager": model,
+        "inductor": torch.compile(model, backend="inductor"),
+        "rec_ascend": torch.compile(model, backend="rec_ascend"),
+    }
+    with torch.no_grad():
+        want = model(values, lengths)
+        for name in ("inductor", "rec_ascend"):
+            got = variants[name](values, lengths)
+            err = ((got - want).norm() / want.norm()).item()
+            print(f"  {name:10s} relative error vs eager {err:.2e}")
+    leaf = values.clone().requires_grad_()
+
+    def train_step(fn):
+        model.zero_grad()
+        fn(leaf, lengths).pow(2).mean().backward()
+
+    rows = []
+    for name, fn in variants.items():
+        with torch.no_grad():
+            fwd = best_ms(lambda: fn(values, lengths), repeats)
+            mem = peak_bytes(lambda: fn(values, lengths))
+        train = best_ms(lambda: train_step(fn), repeats)
+        rows.append((name, fwd, mem, train))
+    eager = rows[0]
+    print(f"  {'':10s} {'forward ms':>11s} {'x eager':>8s} {'peak MB':>8s} {'/ eager':>8s} {'train ms':>9s} {'x eager':>8s}")
+    for name, fwd, mem, train in rows:
+        print(f"  {name:10s} {fwd:11.2f} {eager[1] / fwd:8.2f} {mem / 2**20:8.1f} {mem / eager[2]:8.2f} "
+              f"{train:9.2f} {eager[3] / train:8.2f}")
+    rec, ind = rows[2], rows[1]
+    print(f"  rec_ascend vs inductor: forward {ind[1] / rec[1]:.2f}x, training step {ind[3] / rec[3]:.2f}x")
+
+
+def padded_hstu(q, k, v, offsets, lengths, n, rel_bias, args: HSTUArgs):
+    """The padded formulation: every sequence padded to n, dense attention, gathered back."""
+    padded = [jagged_to_padded_dense_reference(t.flatten(1), offsets, n).unflatten(2, t.shape[1:]) for t in (q, k, v)]
+    out = HSTUBucket(*padded, lengths, None, None).forward(args, rel_bias, None)
+    return dense_to_jagged_reference(out.flatten(2), offsets, q.shape[0]).unflatten(1, v.shape[1:])
+
+
+def attention_scaling(repeats: int, max_lens: list[int], batch: int) -> None:
+    heads, dim = 1, 32
+    print(f"HSTU attention alone: {batch} long-tailed sequences, {heads} heads x {dim}; jagged vs padded")
+    print(f"  {'max len':>7s} {'items':>6s} {'padded ms':>10s} {'jagged ms':>10s} {'speedup':>8s} "
+          f"{'padded MB':>10s} {'jagged MB':>10s}")
+    gen = torch.Generator().manual_seed(1)
+    for n in max_lens:
+        lengths = long_tailed_lengths(batch, n, gen)
+        offsets = torch.ops.recompile.complete_cumsum(lengths, "cpu")
+        total = int(lengths.sum())
+        q, k, v = (torch.randn(total, heads, dim, generator=gen) for _ in range(3))
+        rel = torch.randn(2 * n - 1, generator=gen) * 0.02
+        args = HSTUArgs(n, 1.0 / dim**0.5, True, 0)
+        jagged = lambda: torch.ops.recompile.hstu_attention(q, k, v, offsets, n, args.alpha, True, None, 0, rel,  # noqa: E731
+                                                            None, None, "cpu")
+        padded = lambda: padded_hstu(q, k, v, offsets, lengths, n, rel, args)  # noqa: E731
+        torch.testing.assert_close(jagged(), padded(), rtol=1e-4, atol=1e-5)
+        tp, tj = best_ms(padded, repeats), best_ms(jagged, repeats)
+        mp, mj = peak_bytes(padded), peak_bytes(jagged)
+        print(f"  {n:7d} {total:6d} {tp:10.2f} {tj:10.2f} {tp / tj:8.2f} {mp / 2**20:10.1f} {mj / 2**20:10.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, attention up to 1024 only")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1: CPU time per op)")
+    opts = parser.parse_args()
+    torch.set_num_threads(opts.threads)
+    track_resident_memory()
+    repeats = 2 if opts.quick else 5
+    print(f"CPU, {opts.threads} thread(s); times: best process CPU time of {repeats} runs; "
+          f"memory: peak resident set above the level before the call")
+    layer_benchmark(repeats, batch=64, max_len=256)
+    attention_scaling(repeats, [256, 512, 1024] if opts.quick else [256, 512, 1024, 2048, 4096], batch=8)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+"""Recognising attention over padded sequences, for the ``jagged`` pass.
+
+An attention core on head-first padded ``q, k, v [B, H, N, D]`` is one of
+
+- HSTU: ``matmul(mask * silu(matmul(q, k^T) * alpha [+ rel_bias]) / N, v)``, the mask applied by
+  ``*`` or ``torch.where(mask, x, 0)``, scales and mask after the SiLU in any order;
+- softmax: ``matmul(softmax(masked_fill(matmul(q, k^T) * scale, ~mask, -inf), -1), v)`` (or
+  ``torch.where(mask, x, -inf)``), or ``F.scaled_dot_product_attention(q, k, v, attn_mask=mask | is_causal)``.
+
+The mask and the bias are proven, not guessed: they depend only on ``arange``s, constants and the
+region's lengths/offsets, so their subgraph is evaluated for every sequence length ``0..N`` and
+compared with the jagged op's semantics on the rows that are not padding (a padded key must never be
+attended to, since padded keys hold whatever the per-position ops made of the padding).
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
+
+
+class Unproven(Exception):
+    """The region cannot be shown equivalent to a jagged op; the message says why."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluating the data-independent cone of a mask or bias
+
+# Calls a mask or bias subgraph may contain: index arithmetic, compares, logic, views.
+CONE_FUNCTIONS = {
+    torch.arange, torch.ones, torch.zeros, torch.eye, torch.tril, torch.triu, torch.where,
+    torch.add, torch.sub, torch.mul, torch.neg, torch.clamp, torch.minimum, torch.maximum, torch.abs,
+    torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.logical_and, torch.logical_or,
+    torch.logical_not, torch.bitwise_and, torch.bitwise_or, torch.bitwise_not, torch.unsqueeze, torch.reshape,
+    torch.transpose, torch.squeeze, torch.diff, torch.ops.aten.sym_size.int,
+    operator.add, operator.sub, operator.mul, operator.neg, operator.eq, operator.ne, operator.lt, operator.le,
+    operator.gt, operator.ge, operator.and_, operator.or_, operator.invert, operator.getitem,
+}
+CONE_METHODS = {
+    "view", "reshape", "unsqueeze", "squeeze", "expand", "transpose", "t", "to", "bool", "long", "int", "float",
+    "logical_not", "logical_and", "logical_or", "size", "tril", "triu", "eq", "ne", "lt", "le", "gt", "ge",
+    "__getitem__", "clamp", "flip", "contiguous",
+}
+
+
+def evaluate_cone(node: Any, leaves: dict[fx.Node, Any]) -> Any:
+    """The value of ``node`` computed from ``leaves`` (nodes bound to concrete values) through cone ops only."""
+    memo: dict[fx.Node, Any] = dict(leaves)
+
+    def ev(x: Any) -> Any:
+        if isinstance(x, (list, tuple)):
+            return type(x)(ev(y) for y in x)
+        if isinstance(x, dict):
+            return {k: ev(v) for k, v in x.items()}
+        if not isinstance(x, fx.Node):
+            return x
+        if x in memo:
+            return memo[x]
+        if x.op == "placeholder" and isinstance(meta_value(x), torch.SymInt):
+            return size_hint(meta_value(x))  # a traced size (the batch): probes use its traced value
+        if x.op == "call_function" and x.target in CONE_FUNCTIONS:
+            fn: Callable = x.target
+        elif x.op == "call_method" and x.target in CONE_METHODS:
+            def fn(self, *a, _name=x.target, **k):
+                return getattr(self, _name)(*a, **k)
+        else:
+            raise Unproven(f"{x.name} ({x.target}) is not index arithmetic over arange and the lengths")
+        memo[x] = fn(*ev(x.args), **ev(dict(x.kwargs)))
+        return memo[x]
+
+    return ev(node)
+
+
+def size_hint(size: Any) -> int:
+    if isinstance(size, torch.SymInt):
+        return size.node.hint
+    return int(size)
+
+
+def same_sizes(a: Any, b: Any) -> bool:
+    """Sizes equal by construction (the same symbol or the same int), without adding guards."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, torch.SymInt) or isinstance(y, torch.SymInt):
+            if not (isinstance(x, torch.SymInt) and isinstance(y, torch.SymInt) and x.node.expr == y.node.expr):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """How a region's mask may read the sequence lengths: the lengths node and/or the offsets node."""
+
+    lengths: fx.Node | None
+    offsets: fx.Node
+    batch: int  # the batch size the graph was traced with
+
+    def probes(self, n: int):
+        """Batches of lengths that together cover every length ``0..n``, as cone leaves."""
+        for start in range(0, n + 1, self.batch):
+            lengths = (torch.arange(self.batch) + start).clamp(max=n)
+            leaves = {self.offsets: F.pad(torch.cumsum(lengths, 0), (1, 0))}
+            if self.lengths is not None:
+                leaves[self.lengths] = lengths
+            yield lengths, leaves
+
+
+def _mask_verdict(keep: torch.Tensor, lens: torch.Tensor, n: int) -> bool:
+    """True if ``keep [B, n, n]`` is causal over valid keys on the valid rows, False if keys-only."""
+    pos = torch.arange(n)
+    rows = pos.view(1, n, 1) < lens.view(-1, 1, 1)
+    valid_keys = (pos.view(1, 1, n) < lens.view(-1, 1, 1)) & rows
+    if torch.equal(keep & rows, valid_keys & (pos.view(1, n, 1) >= pos.view(1, 1, n))):
+        return True
+    if torch.equal(keep & rows, valid_keys):
+        return False
+    raise Unproven("the attention mask is neither causal over the sequence nor the sequence's keys "
+                   "(a padded key would be attended to, or a valid one dropped)")
+
+
+def prove_mask(mask: fx.Node, keep_if_true: bool, lengths: Lengths, n: int) -> bool:
+    """Whether ``mask`` (True = attend if ``keep_if_true``) is causal; raises Unproven if it is neither
+    causal over the sequence's keys nor exactly the sequence's keys, on the rows that are not padding."""
+    verdicts = set()
+    for lens, leaves in lengths.probes(n):
+        keep = torch.as_tensor(evaluate_cone(mask, leaves)).bool()
+        keep = keep if keep_if_true else ~keep
+        if keep.dim() == 4:
+            if keep.shape[1] != 1:
+                raise Unproven("the attention mask differs across heads")
+            keep = keep[:, 0]
+        verdicts.add(_mask_verdict(keep.expand(lengths.batch, n, n), lens, n))
+    if len(verdicts) != 1:
+        raise Unproven("the attention mask changes form with the sequence length")
+    return verdicts.pop()
+
+
+def prove_relative_bias(bias: fx.Node, n: int) -> fx.Node:
+    """``w`` when ``bias`` is ``w[n - 1 + j - i]`` over an ``[n, n]`` grid (HSTU's relative position bias)."""
+    if not is_call(bias, operator.getitem) or not isinstance(bias.args[1], fx.Node):
+        raise Unproven(f"the additive score bias {bias.name} is not a table indexed by relative position")
+    table, index = bias.args
+    meta = tensor_meta(table)
+    if meta is None or meta.dim() != 1 or size_hint(meta.shape[0]) != 2 * n - 1:
+        raise Unproven(f"the relative position table {table.name} does not have 2 * N - 1 = {2 * n - 1} entries")
+    got = torch.as_tensor(evaluate_cone(index, {}))
+    pos = torch.arange(n)
+    if got.shape[-2:] != (n, n) or not torch.equal(got.reshape(n, n), n - 1 + pos.view(1, n) - pos.view(n, 1)):
+        raise Unproven(f"the index of {table.name} is not N - 1 + j - i")
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# Matching the score chain between q k^T and the product with v
+
+
+def scalar(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _other(node: fx.Node, operand: fx.Node) -> Any:
+    a, b = node.args[:2]
+    return b if a is operand else a
+
+
+def _scale_of(node: fx.Node) -> tuple[fx.Node, float] | None:
+    """``(x, c)`` when ``node`` is ``x * c``, ``c * x`` or ``x / c`` with a Python scalar ``c``."""
+    if is_call(node, torch.mul, operator.mul) and len(node.args) == 2:
+        a, b = node.args
+        if scalar(b) is not None and isinstance(a, fx.Node):
+            return a, scalar(b)
+        if scalar(a) is not None and isinstance(b, fx.Node):
+            return b, scalar(a)
+    if is_call(node, torch.div, operator.truediv) and scalar(node.args[1]) and isinstance(node.args[0], fx.Node):
+        return node.args[0], 1.0 / scalar(node.args[1])
+    return None
+
+
+def _is_bool(node: Any) -> bool:
+    meta = tensor_meta(node)
+    return meta is not None and meta.dtype == torch.bool
+
+
+def _zero_mask_of(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(x, mask)`` when ``node`` is ``x * mask`` or ``torch.where(mask, x, 0)`` with a bool mask."""
+    if is_call(node, torch.mul, operator.mul) and len(node.args) == 2:
+        a, b = node.args
+        if _is_bool(b):
+            return a, b
+        if _is_bool(a):
+            return b, a
+    if is_call(node, torch.where) and len(node.args) == 3 and scalar(node.args[2]) == 0.0:
+        return node.args[1], node.args[0]
+    return None
+
+
+def _score_product(node: Any) -> tuple[fx.Node, fx.Node]:
+    """``(q, k)`` when ``node`` is ``matmul(q, k.transpose(-2, -1))``."""
+    if not is_call(node, torch.matmul) or len(node.args) != 2:
+        raise Unproven(f"{getattr(node, 'name', node)} is not the q @ k^T product")
+    q, kt = node.args
+    if not (is_call(kt, torch.transpose) or (isinstance(kt, fx.Node) and kt.op == "call_method" and kt.target == "transpose")):
+        raise Unproven(f"{node.name}: the key operand is not a transpose of k")
+    dims = {d % 4 for d in kt.args[1:3]}
+    if dims != {2, 3}:
+        raise Unproven(f"{node.name}: k is transposed over dims {kt.args[1:3]}, not the last two")
+    return q, kt.args[0]
+
+
+def is_score_product(node: fx.Node) -> bool:
+    try:
+        _score_product(node)
+    except Unproven:
+        return False
+    return True
+
+
+@dataclass
+class AttentionMatch:
+    kind: str  # "hstu" | "softmax"
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    mask: fx.Node | None
+    keep_if_true: bool
+    causal_flag: bool  # SDPA's is_causal
+    alpha: float = 1.0  # hstu: pre-activation scale; softmax: scale
+    post_scale: float = 1.0  # hstu: scale after the SiLU
+    rel_bias: fx.Node | None = None  # the relative position bias node (w[...]) before proof
+    nodes: tuple[fx.Node, ...] = ()
+
+
+def match_attention(out: fx.Node) -> AttentionMatch:
+    """The attention core ending at ``out`` (a ``matmul(weights, v)`` or an SDPA call)."""
+    if is_call(out, F.scaled_dot_product_attention):
+        return _match_sdpa(out)
+    if not is_call(out, torch.matmul) or len(out.args) != 2:
+        raise Unproven(f"{out.name} is not an attention product")
+    weights, v = out.args
+    nodes = [out]
+    if is_call(weights, torch.softmax, F.softmax):
+        return _match_softmax(out, weights, v, nodes)
+    post, mask, x = 1.0, None, weights
+    while isinstance(x, fx.Node) and not is_call(x, F.silu, torch.nn.functional.silu):
+        nodes.append(x)
+        if (scaled := _scale_of(x)) is not None:
+            x, c = scaled
+            post *= c
+        elif mask is None and (masked := _zero_mask_of(x)) is not None:
+            x, mask = masked
+        else:
+            raise Unproven(f"{x.name} ({x.target}) between the SiLU and the product with v is not a scale or a mask")
+    if not isinstance(x, fx.Node):
+        raise Unproven(f"{out.name}: no SiLU of the scores")
+    if mask is None:
+        raise Unproven(f"{out.name}: no mask after the SiLU, so padded keys are attended to")
+    nodes.append(x)
+    scores = x.args[0]
+    rel_bias = None
+    if is_call(scores, torch.add, operator.add) and len(scores.args) == 2:
+        nodes.append(scores)
+        a, b = scores.args
+        scores, rel_bias = (a, b) if is_call(_strip_scales(a, [])[0], torch.matmul) else (b, a)
+    q, k, alpha = _scaled_scores(scores, nodes)
+    return AttentionMatch("hstu", q, k, v, mask, True, False, alpha, post, rel_bias, tuple(nodes))
+
+
+def _strip_scales(x: Any, nodes: list) -> tuple[Any, float]:
+    """``(y, c)`` for ``x = y * c`` through any number of scalar scales (appended to ``nodes``)."""
+    scale = 1.0
+    while (scaled := _scale_of(x)) is not None:
+        nodes.append(x)
+        x, c = scaled
+        scale *= c
+    return x, scale
+
+
+def _scaled_scores(x: Any, nodes: list) -> tuple[fx.Node, fx.Node, float]:
+    """``(q, k, c)`` for ``x = matmul(q, k^T) * c``."""
+    x, scale = _strip_scales(x, nodes)
+    q, k = _score_product(x)
+    nodes.append(x)
+    return q, k, scale
+
+
+def _match_softmax(out: fx.Node, weights: fx.Node, v: fx.Node, nodes: list) -> AttentionMatch:
+    if arg(weights, 1, "dim") not in (-1, 3) or arg(weights, 2, "dtype") is not None:
+        raise Unproven(f"{weights.name}: softmax is not over the keys")
+    nodes.append(weights)
+    x, mask, keep = weights.args[0], None, True
+    if is_call(x, torch.masked_fill) and scalar(x.args[2]) == -math.inf:
+        nodes.append(x)
+        x, mask, keep = x.args[0], x.args[1], False
+    elif is_call(x, torch.where) and scalar(x.args[2]) == -math.inf:
+        nodes.append(x)
+        x, mask, keep = x.args[1], x.args[0], True
+    if mask is None:
+        raise Unproven(f"{weights.name}: softmax over unmasked scores attends to padded keys")
+    q, k, scale = _scaled_scores(x, nodes)
+    return AttentionMatch("softmax", q, k, v, mask, keep, False, scale, nodes=tuple(nodes))
+
+
+def _match_sdpa(out: fx.Node) -> AttentionMatch:
+    q, k, v = out.args[:3]
+    mask = arg(out, 3, "attn_mask")
+    if scalar(arg(out, 4, "dropout_p", 0.0)) not in (None, 0.0):
+        raise Unproven(f"{out.name}: attention dropout")
+    causal = bool(arg(out, 5, "is_causal", False))
+    if causal and mask is not None:
+        raise Unproven(f"{out.name}: both attn_mask and is_causal")
+    if mask is not None and not _is_bool(mask):
+        raise Unproven(f"{out.name}: a float attn_mask")
+    if arg(out, 7, "enable_gqa", False):
+        raise Unproven(f"{out.name}: grouped-query attention")
+    scale = arg(out, 6, "scale")
+    if scale is None:
+        scale = 1.0 / math.sqrt(size_hint(meta_value(q).shape[-1]))
+    if mask is None and not causal:
+        raise Unproven(f"{out.name}: no mask, so padded keys are attended to")
+    return AttentionMatch("softmax", q, k, v, mask, True, causal, float(scale), nodes=(out,))

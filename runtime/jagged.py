@@ -1,0 +1,573 @@
+"""Jagged tensor ops with FBGEMM's names and semantics: ``torch.ops.recompile.*``.
+
+A jagged tensor is ``values [total, *inner]`` with ``offsets [B + 1]`` (int32 or int64): sequence
+``b`` is ``values[offsets[b]:offsets[b + 1]]``. One jagged dimension, as every model here uses.
+
+- ``jagged_to_padded_dense(values, offsets, max_length, padding_value)`` -> ``[B, max_length, *inner]``;
+  positions past ``max_length`` are dropped.
+- ``dense_to_jagged(dense, offsets, total_L)`` -> ``[total, *inner]``; positions past the dense
+  length are 0.
+- ``jagged_dense_elementwise_add(x, offsets, y)`` / ``jagged_dense_elementwise_mul`` -> jagged
+  ``x + y`` / ``x * y`` at the jagged positions of dense ``y [B, N, *inner]``, ``y`` read as 0 past N
+  (FBGEMM's ``jagged_dense_elementwise_add_jagged_output`` and ``jagged_dense_elementwise_mul``).
+- ``jagged_softmax(values [total, D], offsets, max_L)``: softmax over each sequence's first ``max_L``
+  positions, per column; positions past ``max_L`` are 0 (FBGEMM leaves them unwritten).
+- ``jagged_jagged_bmm(x [total, M], y [total, N], offsets, max_L)`` -> ``[B, M, N]``, ``x_b^T y_b``
+  over the first ``max_L`` positions.
+- ``jagged_dense_bmm(x [total, K], offsets, y [B, K, N], max_L)`` -> ``[total, N]``, ``x_b y_b``;
+  rows past ``max_L`` are 0.
+
+Kernels: ``reference`` (a loop over sequences, the oracle), ``cpu`` (index arithmetic and
+length-bucketed batched matmuls: no work on padding), ``fbgemm`` (``torch.ops.fbgemm.*``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.fbgemm import fbgemm_op
+from runtime.kernels import get_kernel, register_kernel
+
+OFFSET_DTYPES = (torch.int32, torch.int64)
+
+
+def check_offsets(op: str, offsets: torch.Tensor) -> None:
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"recompile.{op}: offsets must be 1-D with B + 1 entries, got shape {tuple(offsets.shape)}")
+    if offsets.dtype not in OFFSET_DTYPES:
+        raise ValueError(f"recompile.{op}: offsets must be int32 or int64, got {offsets.dtype}")
+
+
+def _sequences(offsets: torch.Tensor, limit: int | None = None):
+    """(b, start, length) per sequence, the length cut at ``limit``."""
+    bounds = offsets.tolist()
+    for b in range(len(bounds) - 1):
+        length = bounds[b + 1] - bounds[b]
+        yield b, bounds[b], length if limit is None else min(length, limit)
+
+
+# ---------------------------------------------------------------------------------------------
+# Positions and length buckets (the CPU kernels' way of skipping padding)
+
+
+def jagged_positions(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of the ``total`` jagged values: its sequence and its position in it (int64)."""
+    offsets = offsets.long()
+    lengths = offsets[1:] - offsets[:-1]
+    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total)
+    return rows, torch.arange(total, device=offsets.device) - offsets[rows]
+
+
+@dataclass
+class Bucket:
+    """Sequences padded together to length ``L``: ``n`` of them, ``flat`` values in ``slots`` of ``[n * L]``."""
+
+    seqs: torch.Tensor  # [n] sequence ids
+    lengths: torch.Tensor  # [n]
+    width: int  # L
+    flat: torch.Tensor  # value index of each valid position, in row-major order
+    slots: torch.Tensor  # the valid positions' places in the flattened [n * L]
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """``[n, L, *inner]`` with zeros on padding."""
+        out = values.new_zeros((self.seqs.numel() * self.width, *values.shape[1:]))
+        out.index_copy_(0, self.slots, values.index_select(0, self.flat))
+        return out.view(self.seqs.numel(), self.width, *values.shape[1:])
+
+    def scatter(self, out: torch.Tensor, padded: torch.Tensor) -> None:
+        """Write the valid rows of ``padded [n, L, *inner]`` to their places in ``out``."""
+        out.index_copy_(0, self.flat, padded.flatten(0, 1).index_select(0, self.slots).to(out.dtype))
+
+
+# Sequences whose padded lengths differ by at most this ratio share a bucket (max waste ~1/4).
+BUCKET_RATIO = 1.25
+
+
+def length_buckets(offsets: torch.Tensor, limit: int | None = None, ratio: float = BUCKET_RATIO) -> list[Bucket]:
+    """Group non-empty sequences (lengths cut at ``limit``) so each group pads to little over its own lengths."""
+    offsets = offsets.long()
+    lengths = offsets[1:] - offsets[:-1]
+    if limit is not None:
+        lengths = lengths.clamp(max=limit)
+    order = torch.argsort(lengths, descending=True, stable=True)
+    sorted_lengths = lengths[order].tolist()
+    buckets, start = [], 0
+    while start < len(sorted_lengths) and sorted_lengths[start] > 0:
+        top = sorted_lengths[start]
+        end = start
+        while end < len(sorted_lengths) and sorted_lengths[end] > 0 and sorted_lengths[end] * ratio >= top:
+            end += 1
+        seqs = order[start:end]
+        pos = torch.arange(top, device=offsets.device)
+        valid = (pos[None, :] < lengths[seqs, None]).flatten()
+        slots = valid.nonzero().squeeze(1)
+        flat = (offsets[seqs, None] + pos[None, :]).flatten()[slots]
+        buckets.append(Bucket(seqs, lengths[seqs], top, flat, slots))
+        start = end
+    return buckets
+
+
+# ---------------------------------------------------------------------------------------------
+# jagged_to_padded_dense / dense_to_jagged
+
+
+def jagged_to_padded_dense_reference(values, offsets, max_length, padding_value=0.0):
+    out = values.new_full((offsets.numel() - 1, max_length, *values.shape[1:]), padding_value)
+    for b, start, length in _sequences(offsets, max_length):
+        out[b, :length] = values[start : start + length]
+    return out
+
+
+def dense_to_jagged_reference(dense, offsets, total_L=None):
+    total = int(offsets[-1]) if total_L is None else total_L
+    out = dense.new_zeros((total, *dense.shape[2:]))
+    for b, start, length in _sequences(offsets, dense.shape[1]):
+        out[start : start + length] = dense[b, :length]
+    return out
+
+
+def _padded_index(offsets, total, max_length):
+    rows, pos = jagged_positions(offsets, total)
+    keep = pos < max_length
+    return rows, pos, keep
+
+
+@register_kernel("jagged_to_padded_dense", "cpu")
+def _jagged_to_padded_dense_cpu(values, offsets, max_length, padding_value=0.0):
+    rows, pos, keep = _padded_index(offsets, values.shape[0], max_length)
+    out = values.new_full((offsets.numel() - 1, max_length, *values.shape[1:]), padding_value)
+    out[rows[keep], pos[keep]] = values[keep]
+    return out
+
+
+@register_kernel("dense_to_jagged", "cpu")
+def _dense_to_jagged_cpu(dense, offsets, total_L=None):
+    total = int(offsets[-1]) if total_L is None else total_L
+    rows, pos, keep = _padded_index(offsets, total, dense.shape[1])
+    out = dense.new_zeros((total, *dense.shape[2:]))
+    out[keep] = dense[rows[keep], pos[keep]]
+    return out
+
+
+@register_kernel("jagged_to_padded_dense", "fbgemm")
+def _jagged_to_padded_dense_fbgemm(values, offsets, max_length, padding_value=0.0):
+    flat = values.flatten(1) if values.dim() > 2 else values
+    out = fbgemm_op("jagged_to_padded_dense")(flat, [offsets], [max_length], padding_value)
+    return out.reshape(offsets.numel() - 1, max_length, *values.shape[1:])
+
+
+@register_kernel("dense_to_jagged", "fbgemm")
+def _dense_to_jagged_fbgemm(dense, offsets, total_L=None):
+    flat = dense.flatten(2) if dense.dim() > 3 else dense
+    out = fbgemm_op("dense_to_jagged")(flat, [offsets], total_L)[0]
+    return out.reshape(out.shape[0], *dense.shape[2:])
+
+
+register_kernel("jagged_to_padded_dense", "reference")(jagged_to_padded_dense_reference)
+register_kernel("dense_to_jagged", "reference")(dense_to_jagged_reference)
+
+
+@torch.library.custom_op("recompile::jagged_to_padded_dense", mutates_args=())
+def jagged_to_padded_dense(
+    values: torch.Tensor, offsets: torch.Tensor, max_length: int, padding_value: float = 0.0, impl: str = "reference"
+) -> torch.Tensor:
+    check_offsets("jagged_to_padded_dense", offsets)
+    return get_kernel("jagged_to_padded_dense", impl)(values, offsets, max_length, padding_value)
+
+
+@jagged_to_padded_dense.register_fake
+def _(values, offsets, max_length, padding_value=0.0, impl="reference"):
+    return values.new_empty((offsets.shape[0] - 1, max_length, *values.shape[1:]))
+
+
+@torch.library.custom_op("recompile::dense_to_jagged", mutates_args=())
+def dense_to_jagged(
+    dense: torch.Tensor, offsets: torch.Tensor, total_L: int | None = None, impl: str = "reference"
+) -> torch.Tensor:
+    check_offsets("dense_to_jagged", offsets)
+    if dense.dim() < 2 or dense.shape[0] != offsets.numel() - 1:
+        raise ValueError(
+            f"recompile.dense_to_jagged: dense must be [B, N, ...] with B = len(offsets) - 1 = {offsets.numel() - 1}, "
+            f"got shape {tuple(dense.shape)}"
+        )
+    return get_kernel("dense_to_jagged", impl)(dense, offsets, total_L)
+
+
+@dense_to_jagged.register_fake
+def _(dense, offsets, total_L=None, impl="reference"):
+    total = torch.library.get_ctx().new_dynamic_size() if total_L is None else total_L
+    return dense.new_empty((total, *dense.shape[2:]))
+
+
+def _padded_setup(ctx, inputs, output):
+    values, offsets, _, _, impl = inputs
+    ctx.save_for_backward(offsets)
+    ctx.total, ctx.impl = values.shape[0], impl
+
+
+def _padded_backward(ctx, grad):
+    (offsets,) = ctx.saved_tensors
+    return dense_to_jagged(grad.contiguous(), offsets, ctx.total, ctx.impl), None, None, None, None
+
+
+def _jagged_setup(ctx, inputs, output):
+    dense, offsets, _, impl = inputs
+    ctx.save_for_backward(offsets)
+    ctx.max_length, ctx.impl = dense.shape[1], impl
+
+
+def _jagged_backward(ctx, grad):
+    (offsets,) = ctx.saved_tensors
+    return jagged_to_padded_dense(grad.contiguous(), offsets, ctx.max_length, 0.0, ctx.impl), None, None, None
+
+
+jagged_to_padded_dense.register_autograd(_padded_backward, setup_context=_padded_setup)
+dense_to_jagged.register_autograd(_jagged_backward, setup_context=_jagged_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# jagged-dense elementwise add / mul (jagged output)
+
+
+def jagged_dense_elementwise_add_reference(x_values, offsets, y):
+    out = x_values.to(torch.result_type(x_values, y), copy=True)
+    for b, start, length in _sequences(offsets, y.shape[1]):
+        out[start : start + length] = x_values[start : start + length] + y[b, :length]
+    return out
+
+
+def jagged_dense_elementwise_mul_reference(x_values, offsets, y):
+    out = torch.zeros_like(x_values, dtype=torch.result_type(x_values, y))
+    for b, start, length in _sequences(offsets, y.shape[1]):
+        out[start : start + length] = x_values[start : start + length] * y[b, :length]
+    return out
+
+
+@register_kernel("jagged_dense_elementwise_add", "cpu")
+def _jagged_dense_add_cpu(x_values, offsets, y):
+    rows, pos, keep = _padded_index(offsets, x_values.shape[0], y.shape[1])
+    out = x_values.to(torch.result_type(x_values, y), copy=True)
+    out[keep] += y[rows[keep], pos[keep]]
+    return out
+
+
+@register_kernel("jagged_dense_elementwise_mul", "cpu")
+def _jagged_dense_mul_cpu(x_values, offsets, y):
+    rows, pos, keep = _padded_index(offsets, x_values.shape[0], y.shape[1])
+    out = torch.zeros_like(x_values, dtype=torch.result_type(x_values, y))
+    out[keep] = x_values[keep] * y[rows[keep], pos[keep]]
+    return out
+
+
+@register_kernel("jagged_dense_elementwise_add", "fbgemm")
+def _jagged_dense_add_fbgemm(x_values, offsets, y):
+    return fbgemm_op("jagged_dense_elementwise_add_jagged_output")(x_values, [offsets], y)[0]
+
+
+@register_kernel("jagged_dense_elementwise_mul", "fbgemm")
+def _jagged_dense_mul_fbgemm(x_values, offsets, y):
+    return fbgemm_op("jagged_dense_elementwise_mul")(x_values, [offsets], y)[0]
+
+
+register_kernel("jagged_dense_elementwise_add", "reference")(jagged_dense_elementwise_add_reference)
+register_kernel("jagged_dense_elementwise_mul", "reference")(jagged_dense_elementwise_mul_reference)
+
+
+def _check_jagged_dense(op, x_values, offsets, y):
+    check_offsets(op, offsets)
+    if y.dim() != x_values.dim() + 1 or y.shape[0] != offsets.numel() - 1 or y.shape[2:] != x_values.shape[1:]:
+        raise ValueError(
+            f"recompile.{op}: y must be [B, N, *inner] matching x_values {tuple(x_values.shape)} and "
+            f"{offsets.numel() - 1} sequences, got {tuple(y.shape)}"
+        )
+
+
+def _elementwise_op(name: str):
+    """Define ``recompile::<name>(x_values, offsets, y, impl)`` (jagged output) with its fake impl."""
+
+    @torch.library.custom_op(f"recompile::{name}", mutates_args=())
+    def op(x_values: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor, impl: str = "reference") -> torch.Tensor:
+        _check_jagged_dense(name, x_values, offsets, y)
+        return get_kernel(name, impl)(x_values, offsets, y)
+
+    @op.register_fake
+    def _(x_values, offsets, y, impl="reference"):
+        return x_values.new_empty(x_values.shape, dtype=torch.result_type(x_values, y))
+
+    return op
+
+
+jagged_dense_elementwise_add = _elementwise_op("jagged_dense_elementwise_add")
+jagged_dense_elementwise_mul = _elementwise_op("jagged_dense_elementwise_mul")
+
+
+def _elementwise_setup(ctx, inputs, output):
+    x_values, offsets, y, impl = inputs
+    ctx.save_for_backward(x_values, offsets, y)
+    ctx.impl = impl
+
+
+def _add_backward(ctx, grad):
+    x_values, offsets, y = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_y = jagged_to_padded_dense(grad, offsets, y.shape[1], 0.0, ctx.impl)
+    return grad.to(x_values.dtype), None, grad_y.to(y.dtype), None
+
+
+def _mul_backward(ctx, grad):
+    x_values, offsets, y = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_x = jagged_dense_elementwise_mul(grad, offsets, y, ctx.impl)
+    grad_y = jagged_to_padded_dense(grad * x_values, offsets, y.shape[1], 0.0, ctx.impl)
+    return grad_x.to(x_values.dtype), None, grad_y.to(y.dtype), None
+
+
+jagged_dense_elementwise_add.register_autograd(_add_backward, setup_context=_elementwise_setup)
+jagged_dense_elementwise_mul.register_autograd(_mul_backward, setup_context=_elementwise_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# jagged_softmax
+
+
+def jagged_softmax_reference(values, offsets, max_L):
+    out = torch.zeros_like(values)
+    for _, start, length in _sequences(offsets, max_L):
+        out[start : start + length] = torch.softmax(values[start : start + length], dim=0)
+    return out
+
+
+def jagged_softmax_backward_reference(grad, output, offsets, max_L):
+    out = torch.zeros_like(grad)
+    for _, start, length in _sequences(offsets, max_L):
+        y, g = output[start : start + length], grad[start : start + length]
+        out[start : start + length] = y * (g - (g * y).sum(0, keepdim=True))
+    return out
+
+
+def _segments(offsets, values, max_L):
+    rows, pos, keep = _padded_index(offsets, values.shape[0], max_L)
+    return rows, keep
+
+
+def _segment_sum(x, rows, num_rows):
+    return x.new_zeros((num_rows, *x.shape[1:])).index_add_(0, rows, x)
+
+
+@register_kernel("jagged_softmax", "cpu")
+def _jagged_softmax_cpu(values, offsets, max_L):
+    rows, keep = _segments(offsets, values, max_L)
+    num_rows = offsets.numel() - 1
+    masked = values.masked_fill(~keep[:, None], float("-inf"))
+    peak = masked.new_full((num_rows, values.shape[1]), float("-inf"))
+    peak = peak.scatter_reduce(0, rows[:, None].expand_as(values), masked, "amax")
+    e = torch.exp(masked - peak[rows]).masked_fill(~keep[:, None], 0)
+    return e / _segment_sum(e, rows, num_rows)[rows].clamp(min=torch.finfo(e.dtype).tiny)
+
+
+@register_kernel("jagged_softmax_backward", "cpu")
+def _jagged_softmax_backward_cpu(grad, output, offsets, max_L):
+    rows, keep = _segments(offsets, output, max_L)
+    gy = grad * output
+    return (gy - output * _segment_sum(gy, rows, offsets.numel() - 1)[rows]) * keep[:, None]
+
+
+@register_kernel("jagged_softmax", "fbgemm")
+def _jagged_softmax_fbgemm(values, offsets, max_L):
+    _, keep = _segments(offsets, values, max_L)
+    return torch.where(keep[:, None], fbgemm_op("jagged_softmax")(values, offsets, max_L)[0], 0)  # rest unwritten
+
+
+@register_kernel("jagged_softmax_backward", "fbgemm")
+def _jagged_softmax_backward_fbgemm(grad, output, offsets, max_L):
+    _, keep = _segments(offsets, output, max_L)
+    return torch.where(keep[:, None], fbgemm_op("jagged_softmax_backward")(grad, output, offsets, max_L), 0)
+
+
+register_kernel("jagged_softmax", "reference")(jagged_softmax_reference)
+register_kernel("jagged_softmax_backward", "reference")(jagged_softmax_backward_reference)
+
+
+def _check_2d(op, offsets, *tensors):
+    check_offsets(op, offsets)
+    for t in tensors:
+        if t.dim() != 2:
+            raise ValueError(f"recompile.{op}: jagged values must be [total, D], got shape {tuple(t.shape)}")
+
+
+@torch.library.custom_op("recompile::jagged_softmax", mutates_args=())
+def jagged_softmax(values: torch.Tensor, offsets: torch.Tensor, max_L: int, impl: str = "reference") -> torch.Tensor:
+    _check_2d("jagged_softmax", offsets, values)
+    return get_kernel("jagged_softmax", impl)(values.contiguous(), offsets, max_L)
+
+
+@torch.library.custom_op("recompile::jagged_softmax_backward", mutates_args=())
+def jagged_softmax_backward(
+    grad: torch.Tensor, output: torch.Tensor, offsets: torch.Tensor, max_L: int, impl: str = "reference"
+) -> torch.Tensor:
+    return get_kernel("jagged_softmax_backward", impl)(grad.contiguous(), output, offsets, max_L)
+
+
+@jagged_softmax.register_fake
+def _(values, offsets, max_L, impl="reference"):
+    return torch.empty_like(values)
+
+
+@jagged_softmax_backward.register_fake
+def _(grad, output, offsets, max_L, impl="reference"):
+    return torch.empty_like(grad)
+
+
+def _softmax_setup(ctx, inputs, output):
+    _, offsets, max_L, impl = inputs
+    ctx.save_for_backward(output, offsets)
+    ctx.max_L, ctx.impl = max_L, impl
+
+
+def _softmax_backward(ctx, grad):
+    output, offsets = ctx.saved_tensors
+    return jagged_softmax_backward(grad, output, offsets, ctx.max_L, ctx.impl), None, None, None
+
+
+jagged_softmax.register_autograd(_softmax_backward, setup_context=_softmax_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# jagged_jagged_bmm / jagged_dense_bmm
+
+
+def jagged_jagged_bmm_reference(x_values, y_values, offsets, max_L):
+    out = x_values.new_zeros((offsets.numel() - 1, x_values.shape[1], y_values.shape[1]))
+    for b, start, length in _sequences(offsets, max_L):
+        out[b] = x_values[start : start + length].T @ y_values[start : start + length]
+    return out
+
+
+def jagged_dense_bmm_reference(x_values, offsets, y, max_L):
+    out = x_values.new_zeros((x_values.shape[0], y.shape[2]))
+    for b, start, length in _sequences(offsets, max_L):
+        out[start : start + length] = x_values[start : start + length] @ y[b]
+    return out
+
+
+@register_kernel("jagged_jagged_bmm", "cpu")
+def _jagged_jagged_bmm_cpu(x_values, y_values, offsets, max_L):
+    out = x_values.new_zeros((offsets.numel() - 1, x_values.shape[1], y_values.shape[1]))
+    for bucket in length_buckets(offsets, max_L):
+        out[bucket.seqs] = torch.bmm(bucket.gather(x_values).transpose(1, 2), bucket.gather(y_values))
+    return out
+
+
+@register_kernel("jagged_dense_bmm", "cpu")
+def _jagged_dense_bmm_cpu(x_values, offsets, y, max_L):
+    out = x_values.new_zeros((x_values.shape[0], y.shape[2]))
+    for bucket in length_buckets(offsets, max_L):
+        bucket.scatter(out, torch.bmm(bucket.gather(x_values), y[bucket.seqs]))
+    return out
+
+
+@register_kernel("jagged_jagged_bmm", "fbgemm")
+def _jagged_jagged_bmm_fbgemm(x_values, y_values, offsets, max_L):
+    return fbgemm_op("jagged_jagged_bmm")(x_values, y_values, offsets, max_L)
+
+
+@register_kernel("jagged_dense_bmm", "fbgemm")
+def _jagged_dense_bmm_fbgemm(x_values, offsets, y, max_L):
+    return fbgemm_op("jagged_dense_bmm")(x_values, offsets, y, max_L)[0]
+
+
+register_kernel("jagged_jagged_bmm", "reference")(jagged_jagged_bmm_reference)
+register_kernel("jagged_dense_bmm", "reference")(jagged_dense_bmm_reference)
+
+
+@torch.library.custom_op("recompile::jagged_jagged_bmm", mutates_args=())
+def jagged_jagged_bmm(
+    x_values: torch.Tensor, y_values: torch.Tensor, offsets: torch.Tensor, max_L: int, impl: str = "reference"
+) -> torch.Tensor:
+    _check_2d("jagged_jagged_bmm", offsets, x_values, y_values)
+    return get_kernel("jagged_jagged_bmm", impl)(x_values.contiguous(), y_values.contiguous(), offsets, max_L)
+
+
+@torch.library.custom_op("recompile::jagged_dense_bmm", mutates_args=())
+def jagged_dense_bmm(
+    x_values: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor, max_L: int, impl: str = "reference"
+) -> torch.Tensor:
+    _check_2d("jagged_dense_bmm", offsets, x_values)
+    if y.dim() != 3 or y.shape[0] != offsets.numel() - 1 or y.shape[1] != x_values.shape[1]:
+        raise ValueError(
+            f"recompile.jagged_dense_bmm: y must be [B, K, N] with B = {offsets.numel() - 1} and "
+            f"K = {x_values.shape[1]}, got {tuple(y.shape)}"
+        )
+    return get_kernel("jagged_dense_bmm", impl)(x_values.contiguous(), offsets, y.contiguous(), max_L)
+
+
+@jagged_jagged_bmm.register_fake
+def _(x_values, y_values, offsets, max_L, impl="reference"):
+    return x_values.new_empty((offsets.shape[0] - 1, x_values.shape[1], y_values.shape[1]))
+
+
+@jagged_dense_bmm.register_fake
+def _(x_values, offsets, y, max_L, impl="reference"):
+    return x_values.new_empty((x_values.shape[0], y.shape[2]))
+
+
+def _bmm_setup(ctx, inputs, output):
+    *tensors, max_L, impl = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.max_L, ctx.impl = max_L, impl
+
+
+def _jagged_jagged_bmm_backward(ctx, grad):
+    x_values, y_values, offsets = ctx.saved_tensors
+    grad_x = jagged_dense_bmm(y_values, offsets, grad.transpose(1, 2), ctx.max_L, ctx.impl)
+    grad_y = jagged_dense_bmm(x_values, offsets, grad, ctx.max_L, ctx.impl)
+    return grad_x, grad_y, None, None, None
+
+
+def _jagged_dense_bmm_backward(ctx, grad):
+    x_values, offsets, y = ctx.saved_tensors
+    grad_x = jagged_dense_bmm(grad, offsets, y.transpose(1, 2), ctx.max_L, ctx.impl)
+    grad_y = jagged_jagged_bmm(x_values, grad, offsets, ctx.max_L, ctx.impl)
+    return grad_x, None, grad_y, None, None
+
+
+jagged_jagged_bmm.register_autograd(_jagged_jagged_bmm_backward, setup_context=_bmm_setup)
+jagged_dense_bmm.register_autograd(_jagged_dense_bmm_backward, setup_context=_bmm_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# jagged_within: the guard of a padded region rewritten to jagged
+
+
+def jagged_within_reference(values, offsets, max_length):
+    if int(offsets[-1]) != values.shape[0]:
+        raise ValueError(
+            f"recompile: a padded region rewritten to jagged needs values with exactly offsets[-1] = "
+            f"{int(offsets[-1])} rows, got {values.shape[0]}"
+        )
+    longest = int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
+    if longest > max_length:
+        raise ValueError(
+            f"recompile: a padded region was compiled for sequences of at most {max_length} positions "
+            f"(its padded length), but a sequence has {longest}; pad to a larger length or disable the jagged pass"
+        )
+    return values.clone()
+
+
+register_kernel("jagged_within", "reference")(jagged_within_reference)
+
+
+@torch.library.custom_op("recompile::jagged_within", mutates_args=())
+def jagged_within(values: torch.Tensor, offsets: torch.Tensor, max_length: int, impl: str = "reference") -> torch.Tensor:
+    """``values`` (a copy) once every sequence is checked to fit ``max_length`` positions (raises otherwise)."""
+    check_offsets("jagged_within", offsets)
+    return get_kernel("jagged_within", impl)(values, offsets, max_length)
+
+
+@jagged_within.register_fake
+def _(values, offsets, max_length, impl="reference"):
+    return torch.empty_like(values)
+
+
+jagged_within.register_autograd(lambda ctx, grad: (grad, None, None, None), setup_context=lambda ctx, inputs, output: None)
