@@ -207,3 +207,16 @@ def test_targets_and_lowering_tables():
 def test_normalize_keeps_method_semantics(fn):
     x = torch.randn(4, 6)
     torch.testing.assert_close(torch.compile(fn, backend="rec_ascend", options={"verify": True})(x), fn(x))
+
+
+def test_verify_with_dynamic_batch():
+    import torch.nn.functional as F
+
+    def offsets(lengths, x):
+        positions = torch.arange(x.shape[0]).reshape(x.shape[0], 1)  # a symbolic size reaches the graph
+        return F.pad(torch.cumsum(lengths, 0), (1, 0)), x * positions
+
+    compiled = torch.compile(offsets, backend="rec_ascend", options={"verify": True})
+    for n in (5, 9, 17):
+        lengths, x = torch.randint(0, 4, (n,)), torch.randn(n, 3)
+        torch.testing.assert_close(compiled(lengths, x), offsets(lengths, x))
