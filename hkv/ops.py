@@ -8,7 +8,7 @@
   ``embedding_bag`` / ``embedding`` over ``inverse`` expands and pools the rows.
 A table is named by its integer id (``hkv.embedding.TABLES``); ``weight`` is the module's empty
 parameter, through which autograd reaches the fused optimizer update. ``impl`` names the kernel
-probing the table (``hkv.kernels``).
+probing the table (``hkv.kernels``); ``"auto"`` keeps the table's own.
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ lookup.register_autograd(_lookup_backward, setup_context=_lookup_setup)
 
 @torch.library.custom_op("hkv::embedding_lookup", mutates_args=())
 def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None, table_id: int,
-                     mode: str, train: bool, impl: str = "reference") -> torch.Tensor:
+                     mode: str, train: bool, impl: str = "auto") -> torch.Tensor:
     uniq, inverse = unique_ids(ids, on_host=False)
     table = get_table(table_id)
     with using_kernel(table.table, impl):
@@ -120,7 +120,7 @@ def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Ten
 
 
 @embedding_lookup.register_fake
-def _(weight, ids, offsets, table_id, mode, train, impl="reference"):
+def _(weight, ids, offsets, table_id, mode, train, impl="auto"):
     table = get_table(table_id)
     rows = ids.shape[0] if mode == "none" else offsets.shape[0]
     return ids.new_empty(rows, table.dim, dtype=table.table.dtype)
@@ -128,7 +128,7 @@ def _(weight, ids, offsets, table_id, mode, train, impl="reference"):
 
 @torch.library.custom_op("hkv::embedding_lookup_backward", mutates_args=())
 def embedding_lookup_backward(grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None, table_id: int,
-                              mode: str, impl: str = "reference") -> torch.Tensor:
+                              mode: str, impl: str = "auto") -> torch.Tensor:
     """Sum the output gradient per unique id (through the pooling's own backward) and apply it."""
     uniq, inverse = unique_ids(ids, on_host=False)
     table = get_table(table_id)
@@ -138,7 +138,7 @@ def embedding_lookup_backward(grad: torch.Tensor, ids: torch.Tensor, offsets: to
 
 
 @embedding_lookup_backward.register_fake
-def _(grad, ids, offsets, table_id, mode, impl="reference"):
+def _(grad, ids, offsets, table_id, mode, impl="auto"):
     return grad.new_empty(0)
 
 

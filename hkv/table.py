@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from hkv import kernels
 from hkv.storage import TierLimits, make_values
 
 # HierarchicalKV's reserved keys (as uint64: 0xFFFFFFFFFFFFFFFF, ...FE, ...FD): never stored.
@@ -90,6 +91,7 @@ class HashTable:
         disk_path: str | None = None,
         admission=None,
         name: str = "hkv.HashTable",
+        kernel: str | None = None,
     ):
         if dim < 0:
             raise ValueError(f"{name}: dim must be >= 0, got {dim}")
@@ -111,7 +113,8 @@ class HashTable:
         self.admission = admission
         self.global_epoch = 0
         self._clock = 0
-        self.kernel = "reference"  # probing kernel (hkv.kernels)
+        # The kernel that probes the table (hkv.kernels): the CPU kernel where it runs, else vectorised torch.
+        self.kernel = kernels.default_kernel(self.device) if kernel is None else kernels.check_kernel(kernel, self.device)
         self._lock = threading.RLock()
         self._allocate(self._round_capacity(init_capacity))
 
@@ -200,6 +203,10 @@ class HashTable:
     # ---------------------------------------------------------------- probing
     def _locate(self, keys: torch.Tensor) -> torch.Tensor:
         """The slot holding each key, -1 where absent."""
+        return kernels.LOCATE[self.kernel](self, keys)
+
+    def _probe(self, keys: torch.Tensor) -> torch.Tensor:
+        """``_locate`` in vectorised torch: all keys advance one slot per round, then whole-bucket scans."""
         B = self.bucket_size
         base, pos = self._home(keys)
         s = base + pos
@@ -229,24 +236,26 @@ class HashTable:
     def _claim(self, keys: torch.Tensor, scores: torch.Tensor):
         """Store new unique ``keys`` with ``scores``; returns (slot per key or -1, evicted, refused).
 
-        Each round every unplaced key looks at the next slot of its chain; free slots are claimed (the
-        later key in the batch wins a contested slot). Keys whose bucket has no free slot left go to
-        ``_evict``. ``evicted`` is (keys, values, scores) of replaced entries; ``refused`` indexes ``keys``.
+        Keys take the first free slot of their probe (``kernels.CLAIM``); keys whose bucket is full go
+        to ``_evict``. ``evicted`` is (keys, values, scores) of replaced entries; ``refused`` indexes ``keys``.
         """
+        slot = kernels.CLAIM[self.kernel](self, keys, scores)
+        self._size += int((slot >= 0).sum())
+        return slot, *self._evict(keys, scores, (slot < 0).nonzero().squeeze(1), slot)
+
+    def _claim_rounds(self, keys: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """``_claim``'s placement in vectorised torch: each round every unplaced key looks at the next
+        slot of its chain; a free slot wanted by several goes to the latest in the batch, the others
+        probe on; keys whose bucket has no free slot left stop (slot -1)."""
         B, m = self.bucket_size, keys.numel()
         base, pos = self._home(keys)
         bucket = base // B
-        free = ~self._occupied().view(self._num_buckets, B)
-        free_count = free.sum(1)
+        free_count = (~self._occupied()).view(self._num_buckets, B).sum(1)
         slot = torch.full((m,), -1, dtype=torch.int64, device=self.device)
         claim = torch.full((self._capacity,), -1, dtype=torch.int64, device=self.device)
         idx = torch.arange(m, device=self.device)
-        full_idx = []
         for r in range(B):
-            has_room = free_count[bucket[idx]] > 0
-            if not bool(has_room.all()):
-                full_idx.append(idx[~has_room])
-                idx = idx[has_room]
+            idx = idx[free_count[bucket[idx]] > 0]
             if not idx.numel():
                 break
             s = base[idx] + ((pos[idx] + r) & (B - 1))
@@ -265,12 +274,9 @@ class HashTable:
                 placed = torch.zeros(idx.numel(), dtype=torch.bool, device=self.device)
                 placed[cand[won]] = True
                 idx = idx[~placed]
-        full_idx.append(idx)
-        full = torch.cat(full_idx)
-        self._size += int((slot >= 0).sum())
-        return slot, *self._evict(keys, scores, bucket, full, slot)
+        return slot
 
-    def _evict(self, keys, scores, bucket, idx, slot):
+    def _evict(self, keys, scores, idx, slot):
         """Place keys ``idx`` (all in full buckets) over the lowest-scoring entries, HierarchicalKV-style.
 
         Equivalent to inserting the candidates of a bucket in descending score order, each replacing
@@ -281,6 +287,7 @@ class HashTable:
         if not idx.numel():
             return (empty, torch.empty(0, self.dim, dtype=self.dtype, device=self.device), empty), empty
         B = self.bucket_size
+        bucket = self._home(keys)[0] // B
         by_score = idx[torch.argsort(scores[idx], descending=True, stable=True)]
         order = by_score[torch.argsort(bucket[by_score], stable=True)]
         ub, row, counts = torch.unique_consecutive(bucket[order], return_inverse=True, return_counts=True)
@@ -438,12 +445,11 @@ class HashTable:
     def find(self, keys: torch.Tensor, return_scores: bool = False):
         """(values, found) for ``keys``; rows of missing keys are zero. Scores are not updated."""
         keys = self._check_keys(keys)
-        slot = self._locate(keys)
-        found = slot >= 0
-        values = self._gather(slot, found)
         if return_scores:
-            return values, found, torch.where(found, self._scores[slot.clamp(min=0)], 0)
-        return values, found
+            slot = self._locate(keys)
+            found = slot >= 0
+            return self._gather(slot, found), found, torch.where(found, self._scores[slot.clamp(min=0)], 0)
+        return kernels.FIND[self.kernel](self, keys)
 
     def _gather(self, slot: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
         values = self._values.gather(slot.clamp(min=0))

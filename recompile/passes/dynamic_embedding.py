@@ -35,7 +35,7 @@ def _lookup_args(node: fx.Node) -> dict | None:
     if node.op != "call_function" or node.target not in LOOKUPS:
         return None
     args = {name: arg(node, i, name) for i, name in enumerate(ARGS)}
-    if arg(node, 6, "impl", "reference") != "reference":  # already lowered to a kernel: leave it
+    if arg(node, 6, "impl", "auto") != "auto":  # already given a kernel: leave it
         return None
     return args
 
