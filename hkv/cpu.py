@@ -1,6 +1,6 @@
 """The CPU kernel of hkv tables (``csrc/probe.c``), built on first use and cached, called through ctypes.
 
-The library is plain C with OpenMP (no torch headers), so the first build takes about a second; it
+The library is plain C with pthreads (no torch headers), so the first build takes about a second; it
 is cached under ``$HKV_CACHE_DIR`` (default ``~/.cache/hkv``) keyed by the source's hash, and written
 by rename so concurrent builders never see half a file. Without a C compiler the kernel is simply
 unavailable and tables probe with the vectorised torch code.
@@ -18,7 +18,7 @@ import tempfile
 import torch
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "probe.c")
-CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=c99")
+CFLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-std=gnu99")
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 
@@ -47,9 +47,9 @@ def library() -> ctypes.CDLL | None:
             os.path.exists(tmp) and os.remove(tmp)
             return None
     lib = ctypes.CDLL(path)
-    lib.hkv_locate.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr]
-    lib.hkv_find.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr]
-    lib.hkv_claim.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr]
+    lib.hkv_locate.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int]
+    lib.hkv_find.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int]
+    lib.hkv_claim.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, ctypes.c_int]
     return lib
 
 
@@ -61,7 +61,7 @@ def locate(table_keys: torch.Tensor, num_buckets: int, bucket_size: int, keys: t
     keys = keys.contiguous()
     slots = torch.empty_like(keys)
     library().hkv_locate(table_keys.data_ptr(), num_buckets, bucket_size, keys.data_ptr(), keys.numel(),
-                         slots.data_ptr())
+                         slots.data_ptr(), torch.get_num_threads())
     return slots
 
 
@@ -74,7 +74,7 @@ def find(table_keys: torch.Tensor, num_buckets: int, bucket_size: int, values: t
     slots = torch.empty_like(keys)
     library().hkv_find(table_keys.data_ptr(), num_buckets, bucket_size, values.data_ptr(),
                        values.shape[1] * values.element_size(), keys.data_ptr(), n, out.data_ptr(),
-                       found.data_ptr(), slots.data_ptr())
+                       found.data_ptr(), slots.data_ptr(), torch.get_num_threads())
     return out, found, slots
 
 
@@ -84,5 +84,5 @@ def claim(table_keys: torch.Tensor, table_scores: torch.Tensor, num_buckets: int
     keys, scores = keys.contiguous(), scores.contiguous()
     slots = torch.empty_like(keys)
     library().hkv_claim(table_keys.data_ptr(), table_scores.data_ptr(), num_buckets, bucket_size, keys.data_ptr(),
-                        scores.data_ptr(), keys.numel(), slots.data_ptr())
+                        scores.data_ptr(), keys.numel(), slots.data_ptr(), torch.get_num_threads())
     return slots

@@ -131,13 +131,15 @@ class DynamicTable:
         return emb
 
     def update(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
-        """One optimizer step on the rows of ``unique_ids`` with their summed gradients."""
+        """One optimizer step on the rows of ``unique_ids`` with their summed gradients (ids refused by
+        admission or evicted since the lookup have no row and are skipped)."""
         with self.table._lock:
             self.step += 1
-            rows, found = self.table.find(unique_ids)
-            hit = found.nonzero().squeeze(1)  # ids refused by admission or evicted since have no row
-            new = self.optimizer.update(rows[hit].float(), grad[hit].float(), self.dim, self.step)
-            self.table.assign(unique_ids[hit], new)
+            step = self.step
+            self.table.update_rows(
+                unique_ids,
+                lambda rows, hit: self.optimizer.update(rows.float(), grad[hit].float(), self.dim, step).to(rows.dtype),
+            )
 
 
 def get_table(table_id: int) -> DynamicTable:

@@ -129,6 +129,15 @@ class HashTable:
         self._scores = torch.zeros(capacity, dtype=torch.int64, device=self.device)
         self._values = make_values(capacity, self.dim, self.dtype, self.device, self.tier_limits)
         self._size = 0
+        # Per-slot scratch, -1 between uses: resolving conflicts touches only the slots of a batch.
+        self._scratch = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+
+    def _last_per_slot(self, slots: torch.Tensor, batch_pos: torch.Tensor) -> torch.Tensor:
+        """For each entry, the largest batch position among the entries sharing its slot."""
+        self._scratch.scatter_reduce_(0, slots, batch_pos, "amax")
+        last = self._scratch[slots]
+        self._scratch[slots] = -1
+        return last
 
     def _home(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """First slot of each key's bucket, and its home position in the bucket."""
@@ -252,7 +261,6 @@ class HashTable:
         bucket = base // B
         free_count = (~self._occupied()).view(self._num_buckets, B).sum(1)
         slot = torch.full((m,), -1, dtype=torch.int64, device=self.device)
-        claim = torch.full((self._capacity,), -1, dtype=torch.int64, device=self.device)
         idx = torch.arange(m, device=self.device)
         for r in range(B):
             idx = idx[free_count[bucket[idx]] > 0]
@@ -263,9 +271,7 @@ class HashTable:
             cand = ((k == EMPTY_KEY) | (k == RECLAIM_KEY)).nonzero().squeeze(1)
             if cand.numel():
                 cs, ci = s[cand], idx[cand]
-                claim.scatter_reduce_(0, cs, ci, "amax")
-                won = claim[cs] == ci
-                claim[cs] = -1
+                won = self._last_per_slot(cs, ci) == ci
                 ws, wi = cs[won], ci[won]
                 self._keys[ws] = keys[wi]
                 self._scores[ws] = scores[wi]
@@ -325,13 +331,15 @@ class HashTable:
     def _fits(self, capacity: int, new_keys: torch.Tensor) -> bool:
         if self._size + new_keys.numel() > self.max_load_factor * capacity:
             return False
-        num_buckets = capacity // self.bucket_size
-        if capacity == self._capacity:
-            per_bucket = self._occupied().view(num_buckets, -1).sum(1)
+        num_buckets, B = capacity // self.bucket_size, self.bucket_size
+        buckets, incoming = torch.unique(mix64(new_keys) & (num_buckets - 1), return_counts=True)
+        if capacity == self._capacity and buckets.numel() * B < capacity:  # only the buckets the keys go to
+            rows = self._keys.view(num_buckets, B)[buckets]
+            present = ((rows != EMPTY_KEY) & (rows != RECLAIM_KEY)).sum(1)
         else:
-            per_bucket = torch.bincount(mix64(self._keys[self._occupied()]) & (num_buckets - 1), minlength=num_buckets)
-        per_bucket = per_bucket + torch.bincount(mix64(new_keys) & (num_buckets - 1), minlength=num_buckets)
-        return int(per_bucket.max()) <= self.bucket_size
+            held = self._keys[self._occupied()]
+            present = torch.bincount(mix64(held) & (num_buckets - 1), minlength=num_buckets)[buckets]
+        return not buckets.numel() or int((present + incoming).max()) <= B
 
     def _rehash(self, capacity: int) -> int:
         """Move every entry into a fresh layout of ``capacity`` slots; returns how many did not fit."""
@@ -366,6 +374,9 @@ class HashTable:
         slot = self._locate(keys)
         missing = (slot < 0).nonzero().squeeze(1)
         evicted, refused = self._no_rows(), keys[:0]
+        if not missing.numel() and not isinstance(values, torch.Tensor) and self.evict_strategy in CLOCK_STRATEGIES:
+            self._scores[slot] = self._clock_score()  # all present, no values to write: only touch the clock
+            return slot, missing, evicted, refused
         if insert and missing.numel():
             uniq, inv = torch.unique(keys[missing], return_inverse=True)
             if admit and self.admission is not None:
@@ -405,9 +416,8 @@ class HashTable:
         """Values of stored keys (last occurrence wins) and updated scores of keys that existed."""
         valid = (slot >= 0).nonzero().squeeze(1)
         vs = slot[valid]
-        win = torch.full((self._capacity,), -1, dtype=torch.int64, device=self.device)
-        win.scatter_reduce_(0, vs, valid, "amax")
-        winners = valid[win[vs] == valid]
+        last = self._last_per_slot(vs, valid)
+        winners = valid[last == valid]
         if isinstance(values, torch.Tensor):
             self._values.scatter(slot[winners], values[winners])
         elif missing.numel():
@@ -417,11 +427,10 @@ class HashTable:
         old = winners[~is_new[winners]]
         if old.numel():
             os_ = slot[old]
-            if self.evict_strategy in SCORES_ARE_INCREMENTS:
+            if self.evict_strategy in SCORES_ARE_INCREMENTS:  # duplicates' increments add up
                 was = ~is_new[valid]
-                total = torch.zeros(self._capacity, dtype=torch.int64, device=self.device)
-                total.index_add_(0, vs[was], given[valid[was]])
-                agg = total[os_]
+                total = torch.zeros(slot.numel(), dtype=torch.int64, device=self.device)
+                agg = total.index_add_(0, last[was], given[valid[was]])[old]
             else:
                 agg = given[old]
             self._scores[os_] = self._new_scores(self._scores[os_], agg)
@@ -527,6 +536,16 @@ class HashTable:
             given = None if scores is None else scores[assign]
             applied[assign] = self._upsert(keys[assign], values[assign], given, insert=True)[0] >= 0
         return applied
+
+    @_locked
+    def update_rows(self, keys: torch.Tensor, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Replace the value rows of present (unique) ``keys`` by ``fn(rows, positions)`` in one probe; scores
+        are left as they are (an hkv extension: the fused optimizer step). Returns the found mask."""
+        slot = self._locate(self._check_keys(keys))
+        hit = (slot >= 0).nonzero().squeeze(1)
+        s = slot[hit]
+        self._values.scatter(s, fn(self._values.gather(s), hit))
+        return slot >= 0
 
     @_locked
     def contains(self, keys: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ Pattern: ``torch.ops.hkv.embedding_lookup(weight, ids, offsets, table_id, mode, 
 Replacement, per table:
     unique_ids, inverse, n = hkv.unique(cat(ids of every lookup), on_host)   # dedup once per batch
     rows = hkv.lookup(weight, unique_ids, n, table_id, train, impl)          # find (or insert) once
-    out_i = embedding_bag(inverse_i, rows, offsets_i, mode) | embedding(inverse_i, rows)   # expand back
+    out = embedding_bag(inverse, rows, cat(offsets_i + ids before i), mode) | embedding(inverse, rows)
+    out_i = split(out, bags of each lookup)                                   # expand back, as TBE
 ``unique_ids`` is padded to the length of the ids (``n`` of them are real), so no shape depends on
 data. ``on_host`` is ``options.offload == "partial"`` (Rec SDK's non-fully-offloaded mode: dedup on the host);
 ``"full"`` keeps it on the device. The backward of ``hkv.lookup`` applies the table's optimizer once
@@ -56,12 +57,12 @@ def dynamic_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _shareable(lookups, order):
-    """Split a table's lookups into runs that can share one dedup: every ids tensor of a run exists
-    before the run's first lookup (where the shared unique + lookup is inserted)."""
+    """Split a table's lookups into runs that can share one dedup: the ids and offsets of a run exist
+    before the run's first lookup (where the shared unique, lookup and expansion are inserted)."""
     runs = []
     for node, args in lookups:
-        ids = args["ids"]
-        if runs and order.get(ids, -1) < order[runs[-1][0][0]]:
+        inputs = [args["ids"], args["offsets"]]
+        if runs and all(order.get(x, -1) < order[runs[-1][0][0]] for x in inputs if isinstance(x, fx.Node)):
             runs[-1].append((node, args))
         else:
             runs.append([(node, args)])
@@ -71,28 +72,49 @@ def _shareable(lookups, order):
 def _lower_table(graph: fx.Graph, table_id: int, train: bool, weight: fx.Node, lookups, on_host: bool,
                  ctx: PassContext) -> None:
     impl = ctx.lower(OP)
-    first = lookups[0][0]
-    with graph.inserting_before(first):
+    with graph.inserting_before(lookups[0][0]):
         ids = [args["ids"] for _, args in lookups]
         all_ids = ids[0] if len(ids) == 1 else graph.call_function(torch.cat, (ids,))
         unique = graph.call_function(torch.ops.hkv.unique.default, (all_ids, on_host))
-        unique_ids = graph.call_function(operator.getitem, (unique, 0))
-        inverse = graph.call_function(operator.getitem, (unique, 1))
-        num_unique = graph.call_function(operator.getitem, (unique, 2))
+        unique_ids, inverse, num_unique = (graph.call_function(operator.getitem, (unique, i)) for i in range(3))
         rows = graph.call_function(torch.ops.hkv.lookup.default,
                                    (weight, unique_ids, num_unique, table_id, train, impl.impl))
-        if len(ids) == 1:
-            inverses = [inverse]
-        else:
-            sizes = [graph.call_method("size", (i, 0)) for i in ids]
-            parts = graph.call_function(torch.split, (inverse, sizes))
-            inverses = [graph.call_function(operator.getitem, (parts, k)) for k in range(len(ids))]
-    for (node, args), inv in zip(lookups, inverses):
-        with graph.inserting_before(node):
-            if args["mode"] == "none":
-                out = graph.call_function(F.embedding, (inv, rows))
-            else:
-                out = graph.call_function(F.embedding_bag, (inv, rows, args["offsets"]), {"mode": args["mode"]})
+        sizes = [graph.call_method("size", (i, 0)) for i in ids]
+    by_mode: dict[str, list[int]] = defaultdict(list)
+    for k, (_, args) in enumerate(lookups):
+        by_mode[args["mode"]].append(k)
+    for mode, members in by_mode.items():
+        _expand(graph, [lookups[k] for k in members], members, sizes, inverse, rows, mode, len(lookups))
+    for node, _ in lookups:
         ctx.record_region("dynamic_embedding", [node], OP, impl)
-        replace_node(node, out)
 
+
+def _expand(graph: fx.Graph, lookups, members: list[int], sizes, inverse, rows, mode: str, total: int) -> None:
+    """One embedding_bag (or embedding) over the lookups of one mode, as TBE batches tables: their
+    bags laid end to end (offsets shifted by the ids before them), the output split back per lookup.
+    One expansion means one dense row gradient in the backward, however many lookups share the table."""
+    with graph.inserting_before(lookups[0][0]):
+        if len(members) == total:
+            inv = inverse
+        else:
+            parts = graph.call_function(torch.split, (inverse, sizes))
+            inv = graph.call_function(torch.cat, ([graph.call_function(operator.getitem, (parts, k)) for k in members],))
+        if mode == "none":
+            out = graph.call_function(F.embedding, (inv, rows))
+            out_sizes = [sizes[k] for k in members]
+        else:
+            shifted, start = [], None
+            for k, (_, args) in zip(members, lookups):
+                offsets = args["offsets"]
+                shifted.append(offsets if start is None else graph.call_function(torch.add, (offsets, start)))
+                start = sizes[k] if start is None else graph.call_function(operator.add, (start, sizes[k]))
+            all_offsets = shifted[0] if len(shifted) == 1 else graph.call_function(torch.cat, (shifted,))
+            out = graph.call_function(F.embedding_bag, (inv, rows, all_offsets), {"mode": mode})
+            out_sizes = [graph.call_method("size", (args["offsets"], 0)) for _, args in lookups]
+        if len(lookups) == 1:
+            pieces = [out]
+        else:
+            split = graph.call_function(torch.split, (out, out_sizes))
+            pieces = [graph.call_function(operator.getitem, (split, k)) for k in range(len(lookups))]
+    for (node, _), piece in zip(lookups, pieces):
+        replace_node(node, piece)
