@@ -28,32 +28,9 @@ def _mix64(k):
 
 
 @triton.jit
-def _locate_kernel(table_keys_ptr, keys_ptr, slots_ptr, n, num_buckets, BUCKET: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    for start in range(pid * BLOCK, n, programs * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        in_range = offs < n
-        keys = tl.load(keys_ptr + offs, mask=in_range, other=0)
-        h = _mix64(keys.to(tl.uint64, bitcast=True))
-        base = (h & (num_buckets - 1).to(tl.uint64)).to(tl.int32) * BUCKET
-        pos = ((h >> 40) & (BUCKET - 1)).to(tl.int32)
-        slot = tl.full([BLOCK], -1, tl.int32)
-        active = in_range
-        r = 0
-        while (r < BUCKET) & (tl.max(active.to(tl.int32), 0) > 0):
-            s = base + ((pos + r) & (BUCKET - 1))
-            k = tl.load(table_keys_ptr + s, mask=active, other=EMPTY_KEY)
-            hit = active & (k == keys)
-            slot = tl.where(hit, s, slot)
-            active = active & (k != keys) & (k != EMPTY_KEY)
-            r += 1
-        tl.store(slots_ptr + offs, slot.to(tl.int64), mask=in_range)
-
-
-@triton.jit
-def _claim_kernel(table_keys_ptr, table_scores_ptr, keys_ptr, scores_ptr, slots_ptr, n, num_buckets,
-                  BUCKET: tl.constexpr, BLOCK: tl.constexpr):
+def _probe_kernel(table_keys_ptr, table_scores_ptr, keys_ptr, scores_ptr, slots_ptr, n, num_buckets,
+                  BUCKET: tl.constexpr, BLOCK: tl.constexpr, CLAIM: tl.constexpr):
+    """Per key, the slot holding it (CLAIM False) or the free slot it took (CLAIM True); -1 if none."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for start in range(pid * BLOCK, n, programs * BLOCK):
@@ -69,14 +46,19 @@ def _claim_kernel(table_keys_ptr, table_scores_ptr, keys_ptr, scores_ptr, slots_
         while (r < BUCKET) & (tl.max(active.to(tl.int32), 0) > 0):
             s = tl.where(active, base + ((pos + r) & (BUCKET - 1)), 0)
             k = tl.load(table_keys_ptr + s, mask=active, other=LOCKED_KEY)
-            free = active & ((k == EMPTY_KEY) | (k == RECLAIM_KEY))
-            old = tl.atomic_cas(table_keys_ptr + s, tl.where(free, k, LOCKED_KEY), keys)
-            won = free & (old == k)
-            slot = tl.where(won, s, slot)
-            active = active & ~won
+            if CLAIM:
+                free = active & ((k == EMPTY_KEY) | (k == RECLAIM_KEY))
+                old = tl.atomic_cas(table_keys_ptr + s, tl.where(free, k, LOCKED_KEY), keys)
+                done = free & (old == k)
+            else:
+                done = active & (k == keys)
+                active = active & (k != EMPTY_KEY)
+            slot = tl.where(done, s, slot)
+            active = active & ~done
             r += 1
-        scores = tl.load(scores_ptr + offs, mask=in_range, other=0)
-        tl.store(table_scores_ptr + slot, scores, mask=slot >= 0)
+        if CLAIM:
+            scores = tl.load(scores_ptr + offs, mask=in_range, other=0)
+            tl.store(table_scores_ptr + slot, scores, mask=slot >= 0)
         tl.store(slots_ptr + offs, slot.to(tl.int64), mask=in_range)
 
 
@@ -91,23 +73,22 @@ def _cores(device: torch.device) -> int:
 
 def locate(table_keys: torch.Tensor, num_buckets: int, bucket_size: int, keys: torch.Tensor) -> torch.Tensor:
     """The slot holding each key, -1 where absent (as ``HashTable._probe``)."""
-    if table_keys.numel() >= 2**31:
-        raise ValueError(f"hkv triton locate: tables of {table_keys.numel()} slots exceed int32 offsets")
-    keys = keys.contiguous()
-    slots = torch.empty_like(keys)
-    if keys.numel():
-        grid = (max(1, min(_cores(keys.device), triton.cdiv(keys.numel(), BLOCK))),)
-        _locate_kernel[grid](table_keys, keys, slots, keys.numel(), num_buckets, BUCKET=bucket_size, BLOCK=BLOCK)
-    return slots
+    return _launch(table_keys, table_keys, num_buckets, bucket_size, keys, keys, claim=False)
 
 
 def claim(table_keys: torch.Tensor, table_scores: torch.Tensor, num_buckets: int, bucket_size: int,
           keys: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """Store new unique keys with their scores in free slots (compare-and-swap); -1 where the bucket is full."""
+    return _launch(table_keys, table_scores, num_buckets, bucket_size, keys, scores, claim=True)
+
+
+def _launch(table_keys, table_scores, num_buckets, bucket_size, keys, scores, claim: bool) -> torch.Tensor:
+    if table_keys.numel() >= 2**31:
+        raise ValueError(f"hkv triton kernels: tables of {table_keys.numel()} slots exceed int32 offsets")
     keys, scores = keys.contiguous(), scores.contiguous()
     slots = torch.empty_like(keys)
     if keys.numel():
         grid = (max(1, min(_cores(keys.device), triton.cdiv(keys.numel(), BLOCK))),)
-        _claim_kernel[grid](table_keys, table_scores, keys, scores, slots, keys.numel(), num_buckets,
-                            BUCKET=bucket_size, BLOCK=BLOCK)
+        _probe_kernel[grid](table_keys, table_scores, keys, scores, slots, keys.numel(), num_buckets,
+                            BUCKET=bucket_size, BLOCK=BLOCK, CLAIM=claim)
     return slots
