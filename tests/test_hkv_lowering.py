@@ -106,3 +106,11 @@ def test_pass_disabled_keeps_opaque_op():
     gen = torch.Generator().manual_seed(4)
     report = recompile.explain(model, *batch(4, gen), options={"passes": {"dynamic_embedding": False}}).to_dict()
     assert not [r for r in report["regions"] if r["kind"] == "dynamic_embedding"]
+
+
+def test_plans_pick_kernel_per_target():
+    model = make_model(hkv.SGD(0.1))
+    args = batch(4, torch.Generator().manual_seed(5))
+    for target, impl in (("npu", "triton"), ("cpu", "cpu")):
+        regions = recompile.explain(model, *args, options={"target": target}).to_dict()["regions"]
+        assert {r["impl"] for r in regions if r["kind"] == "dynamic_embedding"} == {impl}, target
