@@ -152,3 +152,17 @@ def test_lowered_ops_with_each_kernel(impl):
     torch.testing.assert_close(dyn.table.find(uniq[:3])[0], rows[:3] - 0.1)
     with pytest.raises(ValueError, match="unknown kernel 'nosuch'"):
         torch.ops.hkv.lookup(dyn.weight, uniq, n, dyn.table_id, True, "nosuch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_empty_batches_int32_ids_and_half_tables(dtype):
+    dyn = hkv.DynamicEmbeddingBag(options(embedding_dtype=dtype), mode="mean", optimizer=hkv.Adam(0.1))
+    out = dyn(torch.empty(0, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
+    assert out.shape == (3, DIM) and out.dtype == dtype and not out.any()
+    out.sum().backward()
+    ids = torch.tensor([1, 2, 3, 2], dtype=torch.int32)
+    out = dyn(ids, torch.tensor([0, 0, 3]))
+    out.float().sum().backward()
+    assert dyn.table.size() == 3 and out.dtype == dtype
+    assert not out[0].any()  # the empty bag
+    assert bool(dyn.table.contains(ids.long()).all())
