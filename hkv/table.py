@@ -414,19 +414,23 @@ class HashTable:
 
     def _write(self, values, given, slot, is_new, missing) -> None:
         """Values of stored keys (last occurrence wins) and updated scores of keys that existed."""
-        valid = (slot >= 0).nonzero().squeeze(1)
-        vs = slot[valid]
+        stored = slot >= 0
+        everything = bool(stored.all())  # the common case: no index subsets to build
+        valid = torch.arange(slot.numel(), device=self.device) if everything else stored.nonzero().squeeze(1)
+        vs = slot if everything else slot[valid]
         last = self._last_per_slot(vs, valid)
-        winners = valid[last == valid]
+        distinct = bool((last == valid).all())
+        winners = valid if distinct else valid[last == valid]
+        win_slots = vs if distinct else slot[winners]
         if isinstance(values, torch.Tensor):
-            self._values.scatter(slot[winners], values[winners])
+            self._values.scatter(win_slots, values if everything and distinct else values[winners])
         elif missing.numel():
             new_winners = winners[is_new[winners]]
             if new_winners.numel():
                 self._values.scatter(slot[new_winners], values(new_winners))
-        old = winners[~is_new[winners]]
+        old = winners if not missing.numel() else winners[~is_new[winners]]
         if old.numel():
-            os_ = slot[old]
+            os_ = win_slots if not missing.numel() else slot[old]
             if self.evict_strategy in SCORES_ARE_INCREMENTS:  # duplicates' increments add up
                 was = ~is_new[valid]
                 total = torch.zeros(slot.numel(), dtype=torch.int64, device=self.device)
