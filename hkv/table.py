@@ -114,7 +114,7 @@ class HashTable:
         self.global_epoch = 0
         self._clock = 0
         # The kernel that probes the table (hkv.kernels): the CPU kernel where it runs, else vectorised torch.
-        self.kernel = kernels.default_kernel(self.device) if kernel is None else kernels.check_kernel(kernel, self.device)
+        self.kernel = kernels.check_kernel(kernel or kernels.default_kernel(self.device), self.device)
         self._lock = threading.RLock()
         self._allocate(self._round_capacity(init_capacity))
 

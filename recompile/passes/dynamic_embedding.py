@@ -98,7 +98,8 @@ def _expand(graph: fx.Graph, lookups, members: list[int], sizes, inverse, rows, 
             inv = inverse
         else:
             parts = graph.call_function(torch.split, (inverse, sizes))
-            inv = graph.call_function(torch.cat, ([graph.call_function(operator.getitem, (parts, k)) for k in members],))
+            chosen = [graph.call_function(operator.getitem, (parts, k)) for k in members]
+            inv = graph.call_function(torch.cat, (chosen,))
         if mode == "none":
             out = graph.call_function(F.embedding, (inv, rows))
             out_sizes = [sizes[k] for k in members]
