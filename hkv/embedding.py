@@ -9,6 +9,7 @@ unique id and applies the optimizer to the rows in place; the module's only para
 """
 from __future__ import annotations
 
+import copy
 import enum
 import itertools
 import weakref
@@ -115,6 +116,15 @@ class DynamicTable:
         self.id = next(_table_ids)
         TABLES[self.id] = self
 
+    def __deepcopy__(self, memo) -> "DynamicTable":
+        """A copy with its own table, registered under a new id (the copy's ops must not reach this table)."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.table = copy.deepcopy(self.table, memo)
+        new.id = next(_table_ids)
+        TABLES[new.id] = new
+        return new
+
     def _init_rows(self, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         emb = self.initializer(rows, self.dim, dtype, device)
         return torch.cat([emb, emb.new_zeros(rows, width - self.dim)], 1)
@@ -162,12 +172,15 @@ class DynamicEmbeddingBag(nn.Module):
             raise ValueError(f"hkv.{type(self).__name__}: mode must be one of {POOLING_MODES}, got {mode!r}")
         self.mode = mode
         self.runtime = DynamicTable(options, optimizer, name or type(self).__name__)
-        self.table_id = self.runtime.id
         self.weight = nn.Parameter(torch.empty(0, device=options.device))  # carries autograd to the fused update
 
     @property
     def table(self) -> HashTable:
         return self.runtime.table
+
+    @property
+    def table_id(self) -> int:
+        return self.runtime.id
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         if self.mode != "none" and offsets is None:

@@ -13,6 +13,7 @@ is stored, as if the batch were applied in order; LFU increments of duplicates a
 """
 from __future__ import annotations
 
+import copy
 import enum
 import functools
 import threading
@@ -647,6 +648,18 @@ class HashTable:
         from hkv.checkpoint import load
 
         return load(path, **overrides)
+
+    def __deepcopy__(self, memo) -> "HashTable":
+        """An independent copy (new lock, copied tensors); tiered tables refuse (their disk file would be shared)."""
+        if self.tier_limits.tiered:
+            raise TypeError(f"{self.name}: a table with storage tiers cannot be deep-copied; save() and load() it")
+        with self._lock:
+            new = copy.copy(self)
+            memo[id(self)] = new
+            new._lock = threading.RLock()
+            for name in ("_keys", "_scores", "_scratch", "_values", "admission"):
+                setattr(new, name, copy.deepcopy(getattr(self, name), memo))
+            return new
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(dim={self.dim}, size={self._size}, capacity={self._capacity}, "

@@ -166,3 +166,19 @@ def test_empty_batches_int32_ids_and_half_tables(dtype):
     assert dyn.table.size() == 3 and out.dtype == dtype
     assert not out[0].any()  # the empty bag
     assert bool(dyn.table.contains(ids.long()).all())
+
+
+def test_deepcopy_gives_an_independent_table():
+    import copy
+
+    a = hkv.DynamicEmbedding(options(), optimizer=hkv.SGD(0.5))
+    before = a(POOL[:3]).detach()
+    b = copy.deepcopy(a)
+    assert b.table_id != a.table_id
+    b(POOL[:3]).sum().backward()
+    b(POOL[3:5])
+    torch.testing.assert_close(a(POOL[:3]), before)
+    assert a.table.size() == 3 and b.table.size() == 5
+    tiered = hkv.HashTable(DIM, 64, 64, device_memory_bytes=64)
+    with pytest.raises(TypeError, match="cannot be deep-copied"):
+        copy.deepcopy(tiered)
