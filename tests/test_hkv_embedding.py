@@ -182,3 +182,16 @@ def test_deepcopy_gives_an_independent_table():
     tiered = hkv.HashTable(DIM, 64, 64, device_memory_bytes=64)
     with pytest.raises(TypeError, match="cannot be deep-copied"):
         copy.deepcopy(tiered)
+
+
+def test_prefetcher_inserts_next_batch_and_keeps_training_identical():
+    const = hkv.DynamicEmbInitializerArgs(mode=hkv.DynamicEmbInitializerMode.CONSTANT, value=0.1)
+    plain, fetched = (hkv.DynamicEmbeddingBag(options(initializer_args=const), optimizer=hkv.Adagrad(0.1))
+                      for _ in range(2))
+    data = list(batches(steps=5, seed=7))
+    for ids, offsets in data:
+        plain(ids, offsets).pow(2).sum().backward()
+    for ids, offsets in hkv.Prefetcher(data, lambda b: [(fetched, b[0])]):
+        assert bool(fetched.table.contains(ids).all())  # inserted before the step
+        fetched(ids, offsets).pow(2).sum().backward()
+    torch.testing.assert_close(fetched.table.find(POOL)[0], plain.table.find(POOL)[0])
