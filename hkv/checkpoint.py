@@ -25,7 +25,8 @@ VERSION = 1
 DIGEST_BYTES = 32
 # Rows per chunk when streaming the table out.
 EXPORT_CHUNK = 1 << 16
-DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64)}
+VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64)
+DTYPES = {str(d).removeprefix("torch."): d for d in VALUE_DTYPES}
 
 
 class CheckpointError(ValueError):

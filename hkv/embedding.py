@@ -9,6 +9,7 @@ unique id and applies the optimizer to the rows in place; the module's only para
 """
 from __future__ import annotations
 
+import copy
 import enum
 import itertools
 import weakref
@@ -115,6 +116,15 @@ class DynamicTable:
         self.id = next(_table_ids)
         TABLES[self.id] = self
 
+    def __deepcopy__(self, memo) -> "DynamicTable":
+        """A copy with its own table, registered under a new id (the copy's ops must not reach this table)."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.table = copy.deepcopy(self.table, memo)
+        new.id = next(_table_ids)
+        TABLES[new.id] = new
+        return new
+
     def _init_rows(self, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         emb = self.initializer(rows, self.dim, dtype, device)
         return torch.cat([emb, emb.new_zeros(rows, width - self.dim)], 1)
@@ -131,13 +141,15 @@ class DynamicTable:
         return emb
 
     def update(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
-        """One optimizer step on the rows of ``unique_ids`` with their summed gradients."""
+        """One optimizer step on the rows of ``unique_ids`` with their summed gradients (ids refused by
+        admission or evicted since the lookup have no row and are skipped)."""
         with self.table._lock:
             self.step += 1
-            rows, found = self.table.find(unique_ids)
-            hit = found.nonzero().squeeze(1)  # ids refused by admission or evicted since have no row
-            new = self.optimizer.update(rows[hit].float(), grad[hit].float(), self.dim, self.step)
-            self.table.assign(unique_ids[hit], new)
+            step = self.step
+            self.table.update_rows(
+                unique_ids,
+                lambda rows, hit: self.optimizer.update(rows.float(), grad[hit].float(), self.dim, step).to(rows.dtype),
+            )
 
 
 def get_table(table_id: int) -> DynamicTable:
@@ -160,12 +172,15 @@ class DynamicEmbeddingBag(nn.Module):
             raise ValueError(f"hkv.{type(self).__name__}: mode must be one of {POOLING_MODES}, got {mode!r}")
         self.mode = mode
         self.runtime = DynamicTable(options, optimizer, name or type(self).__name__)
-        self.table_id = self.runtime.id
         self.weight = nn.Parameter(torch.empty(0, device=options.device))  # carries autograd to the fused update
 
     @property
     def table(self) -> HashTable:
         return self.runtime.table
+
+    @property
+    def table_id(self) -> int:
+        return self.runtime.id
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         if self.mode != "none" and offsets is None:

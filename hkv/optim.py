@@ -67,5 +67,3 @@ class Adam:
         step_size = self.lr * (1 - self.beta2**step) ** 0.5 / (1 - self.beta1**step)
         return torch.cat([w - step_size * m / (v.sqrt() + self.eps), m, v], 1)
 
-
-OPTIMIZERS = {"sgd": SGD, "adagrad": Adagrad, "rowwise_adagrad": RowWiseAdagrad, "adam": Adam}

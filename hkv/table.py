@@ -13,6 +13,7 @@ is stored, as if the batch were applied in order; LFU increments of duplicates a
 """
 from __future__ import annotations
 
+import copy
 import enum
 import functools
 import threading
@@ -20,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from hkv import kernels
 from hkv.storage import TierLimits, make_values
 
 # HierarchicalKV's reserved keys (as uint64: 0xFFFFFFFFFFFFFFFF, ...FE, ...FD): never stored.
@@ -90,6 +92,7 @@ class HashTable:
         disk_path: str | None = None,
         admission=None,
         name: str = "hkv.HashTable",
+        kernel: str | None = None,
     ):
         if dim < 0:
             raise ValueError(f"{name}: dim must be >= 0, got {dim}")
@@ -111,7 +114,8 @@ class HashTable:
         self.admission = admission
         self.global_epoch = 0
         self._clock = 0
-        self.kernel = "reference"  # probing kernel (hkv.kernels)
+        # The kernel that probes the table (hkv.kernels): the CPU kernel where it runs, else vectorised torch.
+        self.kernel = kernels.check_kernel(kernel or kernels.default_kernel(self.device), self.device)
         self._lock = threading.RLock()
         self._allocate(self._round_capacity(init_capacity))
 
@@ -126,6 +130,15 @@ class HashTable:
         self._scores = torch.zeros(capacity, dtype=torch.int64, device=self.device)
         self._values = make_values(capacity, self.dim, self.dtype, self.device, self.tier_limits)
         self._size = 0
+        # Per-slot scratch, -1 between uses: resolving conflicts touches only the slots of a batch.
+        self._scratch = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+
+    def _last_per_slot(self, slots: torch.Tensor, batch_pos: torch.Tensor) -> torch.Tensor:
+        """For each entry, the largest batch position among the entries sharing its slot."""
+        self._scratch.scatter_reduce_(0, slots, batch_pos, "amax")
+        last = self._scratch[slots]
+        self._scratch[slots] = -1
+        return last
 
     def _home(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """First slot of each key's bucket, and its home position in the bucket."""
@@ -200,6 +213,10 @@ class HashTable:
     # ---------------------------------------------------------------- probing
     def _locate(self, keys: torch.Tensor) -> torch.Tensor:
         """The slot holding each key, -1 where absent."""
+        return kernels.LOCATE[self.kernel](self, keys)
+
+    def _probe(self, keys: torch.Tensor) -> torch.Tensor:
+        """``_locate`` in vectorised torch: all keys advance one slot per round, then whole-bucket scans."""
         B = self.bucket_size
         base, pos = self._home(keys)
         s = base + pos
@@ -229,24 +246,25 @@ class HashTable:
     def _claim(self, keys: torch.Tensor, scores: torch.Tensor):
         """Store new unique ``keys`` with ``scores``; returns (slot per key or -1, evicted, refused).
 
-        Each round every unplaced key looks at the next slot of its chain; free slots are claimed (the
-        later key in the batch wins a contested slot). Keys whose bucket has no free slot left go to
-        ``_evict``. ``evicted`` is (keys, values, scores) of replaced entries; ``refused`` indexes ``keys``.
+        Keys take the first free slot of their probe (``kernels.CLAIM``); keys whose bucket is full go
+        to ``_evict``. ``evicted`` is (keys, values, scores) of replaced entries; ``refused`` indexes ``keys``.
         """
+        slot = kernels.CLAIM[self.kernel](self, keys, scores)
+        self._size += int((slot >= 0).sum())
+        return slot, *self._evict(keys, scores, (slot < 0).nonzero().squeeze(1), slot)
+
+    def _claim_rounds(self, keys: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """``_claim``'s placement in vectorised torch: each round every unplaced key looks at the next
+        slot of its chain; a free slot wanted by several goes to the latest in the batch, the others
+        probe on; keys whose bucket has no free slot left stop (slot -1)."""
         B, m = self.bucket_size, keys.numel()
         base, pos = self._home(keys)
         bucket = base // B
-        free = ~self._occupied().view(self._num_buckets, B)
-        free_count = free.sum(1)
+        free_count = (~self._occupied()).view(self._num_buckets, B).sum(1)
         slot = torch.full((m,), -1, dtype=torch.int64, device=self.device)
-        claim = torch.full((self._capacity,), -1, dtype=torch.int64, device=self.device)
         idx = torch.arange(m, device=self.device)
-        full_idx = []
         for r in range(B):
-            has_room = free_count[bucket[idx]] > 0
-            if not bool(has_room.all()):
-                full_idx.append(idx[~has_room])
-                idx = idx[has_room]
+            idx = idx[free_count[bucket[idx]] > 0]
             if not idx.numel():
                 break
             s = base[idx] + ((pos[idx] + r) & (B - 1))
@@ -254,9 +272,7 @@ class HashTable:
             cand = ((k == EMPTY_KEY) | (k == RECLAIM_KEY)).nonzero().squeeze(1)
             if cand.numel():
                 cs, ci = s[cand], idx[cand]
-                claim.scatter_reduce_(0, cs, ci, "amax")
-                won = claim[cs] == ci
-                claim[cs] = -1
+                won = self._last_per_slot(cs, ci) == ci
                 ws, wi = cs[won], ci[won]
                 self._keys[ws] = keys[wi]
                 self._scores[ws] = scores[wi]
@@ -265,12 +281,9 @@ class HashTable:
                 placed = torch.zeros(idx.numel(), dtype=torch.bool, device=self.device)
                 placed[cand[won]] = True
                 idx = idx[~placed]
-        full_idx.append(idx)
-        full = torch.cat(full_idx)
-        self._size += int((slot >= 0).sum())
-        return slot, *self._evict(keys, scores, bucket, full, slot)
+        return slot
 
-    def _evict(self, keys, scores, bucket, idx, slot):
+    def _evict(self, keys, scores, idx, slot):
         """Place keys ``idx`` (all in full buckets) over the lowest-scoring entries, HierarchicalKV-style.
 
         Equivalent to inserting the candidates of a bucket in descending score order, each replacing
@@ -281,6 +294,7 @@ class HashTable:
         if not idx.numel():
             return (empty, torch.empty(0, self.dim, dtype=self.dtype, device=self.device), empty), empty
         B = self.bucket_size
+        bucket = self._home(keys)[0] // B
         by_score = idx[torch.argsort(scores[idx], descending=True, stable=True)]
         order = by_score[torch.argsort(bucket[by_score], stable=True)]
         ub, row, counts = torch.unique_consecutive(bucket[order], return_inverse=True, return_counts=True)
@@ -318,13 +332,15 @@ class HashTable:
     def _fits(self, capacity: int, new_keys: torch.Tensor) -> bool:
         if self._size + new_keys.numel() > self.max_load_factor * capacity:
             return False
-        num_buckets = capacity // self.bucket_size
-        if capacity == self._capacity:
-            per_bucket = self._occupied().view(num_buckets, -1).sum(1)
+        num_buckets, B = capacity // self.bucket_size, self.bucket_size
+        buckets, incoming = torch.unique(mix64(new_keys) & (num_buckets - 1), return_counts=True)
+        if capacity == self._capacity and buckets.numel() * B < capacity:  # only the buckets the keys go to
+            rows = self._keys.view(num_buckets, B)[buckets]
+            present = ((rows != EMPTY_KEY) & (rows != RECLAIM_KEY)).sum(1)
         else:
-            per_bucket = torch.bincount(mix64(self._keys[self._occupied()]) & (num_buckets - 1), minlength=num_buckets)
-        per_bucket = per_bucket + torch.bincount(mix64(new_keys) & (num_buckets - 1), minlength=num_buckets)
-        return int(per_bucket.max()) <= self.bucket_size
+            held = self._keys[self._occupied()]
+            present = torch.bincount(mix64(held) & (num_buckets - 1), minlength=num_buckets)[buckets]
+        return not buckets.numel() or int((present + incoming).max()) <= B
 
     def _rehash(self, capacity: int) -> int:
         """Move every entry into a fresh layout of ``capacity`` slots; returns how many did not fit."""
@@ -359,6 +375,9 @@ class HashTable:
         slot = self._locate(keys)
         missing = (slot < 0).nonzero().squeeze(1)
         evicted, refused = self._no_rows(), keys[:0]
+        if not missing.numel() and not isinstance(values, torch.Tensor) and self.evict_strategy in CLOCK_STRATEGIES:
+            self._scores[slot] = self._clock_score()  # all present, no values to write: only touch the clock
+            return slot, missing, evicted, refused
         if insert and missing.numel():
             uniq, inv = torch.unique(keys[missing], return_inverse=True)
             if admit and self.admission is not None:
@@ -396,25 +415,27 @@ class HashTable:
 
     def _write(self, values, given, slot, is_new, missing) -> None:
         """Values of stored keys (last occurrence wins) and updated scores of keys that existed."""
-        valid = (slot >= 0).nonzero().squeeze(1)
-        vs = slot[valid]
-        win = torch.full((self._capacity,), -1, dtype=torch.int64, device=self.device)
-        win.scatter_reduce_(0, vs, valid, "amax")
-        winners = valid[win[vs] == valid]
+        stored = slot >= 0
+        everything = bool(stored.all())  # the common case: no index subsets to build
+        valid = torch.arange(slot.numel(), device=self.device) if everything else stored.nonzero().squeeze(1)
+        vs = slot if everything else slot[valid]
+        last = self._last_per_slot(vs, valid)
+        distinct = bool((last == valid).all())
+        winners = valid if distinct else valid[last == valid]
+        win_slots = vs if distinct else slot[winners]
         if isinstance(values, torch.Tensor):
-            self._values.scatter(slot[winners], values[winners])
+            self._values.scatter(win_slots, values if everything and distinct else values[winners])
         elif missing.numel():
             new_winners = winners[is_new[winners]]
             if new_winners.numel():
                 self._values.scatter(slot[new_winners], values(new_winners))
-        old = winners[~is_new[winners]]
+        old = winners if not missing.numel() else winners[~is_new[winners]]
         if old.numel():
-            os_ = slot[old]
-            if self.evict_strategy in SCORES_ARE_INCREMENTS:
+            os_ = win_slots if not missing.numel() else slot[old]
+            if self.evict_strategy in SCORES_ARE_INCREMENTS:  # duplicates' increments add up
                 was = ~is_new[valid]
-                total = torch.zeros(self._capacity, dtype=torch.int64, device=self.device)
-                total.index_add_(0, vs[was], given[valid[was]])
-                agg = total[os_]
+                total = torch.zeros(slot.numel(), dtype=torch.int64, device=self.device)
+                agg = total.index_add_(0, last[was], given[valid[was]])[old]
             else:
                 agg = given[old]
             self._scores[os_] = self._new_scores(self._scores[os_], agg)
@@ -438,12 +459,11 @@ class HashTable:
     def find(self, keys: torch.Tensor, return_scores: bool = False):
         """(values, found) for ``keys``; rows of missing keys are zero. Scores are not updated."""
         keys = self._check_keys(keys)
-        slot = self._locate(keys)
-        found = slot >= 0
-        values = self._gather(slot, found)
         if return_scores:
-            return values, found, torch.where(found, self._scores[slot.clamp(min=0)], 0)
-        return values, found
+            slot = self._locate(keys)
+            found = slot >= 0
+            return self._gather(slot, found), found, torch.where(found, self._scores[slot.clamp(min=0)], 0)
+        return kernels.FIND[self.kernel](self, keys)
 
     def _gather(self, slot: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
         values = self._values.gather(slot.clamp(min=0))
@@ -521,6 +541,16 @@ class HashTable:
             given = None if scores is None else scores[assign]
             applied[assign] = self._upsert(keys[assign], values[assign], given, insert=True)[0] >= 0
         return applied
+
+    @_locked
+    def update_rows(self, keys: torch.Tensor, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Replace the value rows of present (unique) ``keys`` by ``fn(rows, positions)`` in one probe; scores
+        are left as they are (an hkv extension: the fused optimizer step). Returns the found mask."""
+        slot = self._locate(self._check_keys(keys))
+        hit = (slot >= 0).nonzero().squeeze(1)
+        s = slot[hit]
+        self._values.scatter(s, fn(self._values.gather(s), hit))
+        return slot >= 0
 
     @_locked
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
@@ -618,6 +648,18 @@ class HashTable:
         from hkv.checkpoint import load
 
         return load(path, **overrides)
+
+    def __deepcopy__(self, memo) -> "HashTable":
+        """An independent copy (new lock, copied tensors); tiered tables refuse (their disk file would be shared)."""
+        if self.tier_limits.tiered:
+            raise TypeError(f"{self.name}: a table with storage tiers cannot be deep-copied; save() and load() it")
+        with self._lock:
+            new = copy.copy(self)
+            memo[id(self)] = new
+            new._lock = threading.RLock()
+            for name in ("_keys", "_scores", "_scratch", "_values", "admission"):
+                setattr(new, name, copy.deepcopy(getattr(self, name), memo))
+            return new
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(dim={self.dim}, size={self._size}, capacity={self._capacity}, "

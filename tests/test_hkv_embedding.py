@@ -136,3 +136,62 @@ def test_bad_mode_and_missing_offsets():
         hkv.DynamicEmbeddingBag(options(), mode="max")
     with pytest.raises(ValueError, match="needs offsets"):
         hkv.DynamicEmbeddingBag(options())(POOL)
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu", "triton"])
+def test_lowered_ops_with_each_kernel(impl):
+    dyn = hkv.DynamicEmbedding(options(), optimizer=hkv.SGD(0.1))
+    ids = POOL[torch.tensor([0, 1, 2, 0, 1])]
+    uniq, inverse, n = torch.ops.hkv.unique(ids, True)
+    assert int(n) == 3 and torch.equal(uniq[inverse], ids)
+    rows = torch.ops.hkv.lookup(dyn.weight, uniq, n, dyn.table_id, True, impl)
+    assert dyn.table.size() == 3
+    torch.testing.assert_close(rows[:3], dyn.table.find(uniq[:3])[0])
+    assert not rows[3:].any()
+    torch.ops.hkv.update(torch.ones_like(rows), uniq, n, dyn.table_id, impl)
+    torch.testing.assert_close(dyn.table.find(uniq[:3])[0], rows[:3] - 0.1)
+    with pytest.raises(ValueError, match="unknown kernel 'nosuch'"):
+        torch.ops.hkv.lookup(dyn.weight, uniq, n, dyn.table_id, True, "nosuch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_empty_batches_int32_ids_and_half_tables(dtype):
+    dyn = hkv.DynamicEmbeddingBag(options(embedding_dtype=dtype), mode="mean", optimizer=hkv.Adam(0.1))
+    out = dyn(torch.empty(0, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
+    assert out.shape == (3, DIM) and out.dtype == dtype and not out.any()
+    out.sum().backward()
+    ids = torch.tensor([1, 2, 3, 2], dtype=torch.int32)
+    out = dyn(ids, torch.tensor([0, 0, 3]))
+    out.float().sum().backward()
+    assert dyn.table.size() == 3 and out.dtype == dtype
+    assert not out[0].any()  # the empty bag
+    assert bool(dyn.table.contains(ids.long()).all())
+
+
+def test_deepcopy_gives_an_independent_table():
+    import copy
+
+    a = hkv.DynamicEmbedding(options(), optimizer=hkv.SGD(0.5))
+    before = a(POOL[:3]).detach()
+    b = copy.deepcopy(a)
+    assert b.table_id != a.table_id
+    b(POOL[:3]).sum().backward()
+    b(POOL[3:5])
+    torch.testing.assert_close(a(POOL[:3]), before)
+    assert a.table.size() == 3 and b.table.size() == 5
+    tiered = hkv.HashTable(DIM, 64, 64, device_memory_bytes=64)
+    with pytest.raises(TypeError, match="cannot be deep-copied"):
+        copy.deepcopy(tiered)
+
+
+def test_prefetcher_inserts_next_batch_and_keeps_training_identical():
+    const = hkv.DynamicEmbInitializerArgs(mode=hkv.DynamicEmbInitializerMode.CONSTANT, value=0.1)
+    plain, fetched = (hkv.DynamicEmbeddingBag(options(initializer_args=const), optimizer=hkv.Adagrad(0.1))
+                      for _ in range(2))
+    data = list(batches(steps=5, seed=7))
+    for ids, offsets in data:
+        plain(ids, offsets).pow(2).sum().backward()
+    for ids, offsets in hkv.Prefetcher(data, lambda b: [(fetched, b[0])]):
+        assert bool(fetched.table.contains(ids).all())  # inserted before the step
+        fetched(ids, offsets).pow(2).sum().backward()
+    torch.testing.assert_close(fetched.table.find(POOL)[0], plain.table.find(POOL)[0])
