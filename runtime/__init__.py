@@ -3,6 +3,7 @@
 Importing this package defines the ops. It never imports ``recompile``.
 """
 from runtime import offsets  # noqa: F401  (defines torch.ops.recompile.complete_cumsum)
+from runtime import interaction  # noqa: F401,E402  (dot_interaction, cross_layer, fm_second_order)
 from runtime.kernels import KERNELS, get_kernel, register_kernel
 
 __all__ = ["KERNELS", "get_kernel", "register_kernel"]
