@@ -5,6 +5,7 @@ from typing import Any, Mapping
 
 import torch
 
+from recompile import autotune
 from recompile.backend import detect_target
 from recompile.options import RecompileOptions
 from recompile.pipeline import PassContext, run_pipeline
@@ -29,7 +30,7 @@ def explain(model, *example_inputs, options: RecompileOptions | Mapping[str, Any
 
     def capture(gm: torch.fx.GraphModule, inputs):
         ctx = PassContext(opts, report.target, None, graph_id=len(report.graphs))
-        run_pipeline(gm, ctx)
+        ctx.tuning = autotune.cached_decision(run_pipeline(gm, ctx), report.target.name)
         report.graphs.append(GraphReport(ctx, _break_reason(gm)))
         return gm.forward
 

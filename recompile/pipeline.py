@@ -90,6 +90,7 @@ class PassContext:
     fallbacks: list[Fallback] = field(default_factory=list)
     stages: list[Stage] = field(default_factory=list)
     current_pass: str = ""
+    tuning: dict | None = None  # the autotune decision for this graph (recompile.autotune.Decision)
 
     def lower(self, op: str) -> Impl:
         """The implementation of ``op`` the target runs (first in the lowering table it can run)."""

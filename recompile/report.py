@@ -36,6 +36,7 @@ class Report:
             "stages": [s.to_dict() for c in contexts for s in c.stages],
             "regions": [r.to_dict() for c in contexts for r in c.regions],
             "fallbacks": [f.to_dict() for c in contexts for f in c.fallbacks],
+            "autotune": [{"graph": c.graph_id, **c.tuning} for c in contexts if c.tuning],
         }
 
     def to_text(self) -> str:
@@ -55,4 +56,9 @@ class Report:
             )
         lines.append(f"fallbacks: {len(d['fallbacks'])}")
         lines.extend(f"  {f['pass']}: {f['reason']}" for f in d["fallbacks"])
+        for t in d["autotune"]:
+            timings = ", ".join(f"{name} {ms:.3f} ms" for name, ms in t["timings_ms"].items())
+            source = "cached" if t["cached"] else "measured"
+            lines.append(f"autotune graph {t['graph']} ({t['mode']}, {source}): {t['choice']} [{timings}]")
+            lines.extend(f"  rejected {name}: {why}" for name, why in t["rejected"].items())
         return "\n".join(lines)
