@@ -31,13 +31,14 @@ import torch
 import torch.fx as fx
 from torch._inductor.pattern_matcher import (
     CallFunction,
-    CallMethod,
     KeywordArg,
     Match,
     PatternExpr,
     PatternMatcherPass,
     register_graph_pattern,
 )
+
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from recompile.passes.utils import meta_value, tensor_meta
 from recompile.pipeline import PassContext, register_pass
@@ -88,8 +89,8 @@ def _squares(t: PatternExpr) -> list[PatternExpr]:
     return [CallFunction(MUL, t, t), CallFunction([torch.pow, operator.pow], t, 2), CallFunction(torch.square, t)]
 
 
-def _sums(t: PatternExpr, keepdim: bool) -> list[PatternExpr]:
-    dim = KeywordArg("dim")
+def _sums(t: PatternExpr, keepdim: bool, dim_name: str = "dim") -> list[PatternExpr]:
+    dim = KeywordArg(dim_name)
     if keepdim:
         return [CallFunction(SUM, t, dim, True), CallFunction(SUM, t, dim, keepdim=True),
                 CallFunction(SUM, t, dim=dim, keepdim=True)]
@@ -113,15 +114,9 @@ def fm_patterns() -> Iterator[tuple[PatternExpr, bool]]:
         for half in _halves(diff):
             yield half, False
     for diff in _fm_differences(keepdim=True):
-        for outer in _sums_outer(diff):
+        for outer in _sums(diff, keepdim=True, dim_name="outer_dim"):
             for half in _halves(outer):
                 yield half, True
-
-
-def _sums_outer(t: PatternExpr) -> list[PatternExpr]:
-    dim = KeywordArg("outer_dim")
-    return [CallFunction(SUM, t, dim, True), CallFunction(SUM, t, dim, keepdim=True),
-            CallFunction(SUM, t, dim=dim, keepdim=True)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -235,6 +230,11 @@ def _replace(ctx: PassContext, match: Match, anchor: fx.Node, op: str, args: tup
     match.erase_nodes()
 
 
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes, decided without adding a guard on symbolic sizes."""
+    return a.dim() == b.dim() and all(statically_known_true(sym_eq(p, q)) for p, q in zip(a.shape, b.shape))
+
+
 def _float_tensor(node: Any, dim: int) -> torch.Tensor | None:
     meta = tensor_meta(node)
     return meta if meta is not None and meta.dim() == dim and meta.is_floating_point() else None
@@ -265,11 +265,10 @@ def _dot_handler(ctx: PassContext) -> Callable:
 def _cross_handler(ctx: PassContext) -> Callable:
     def handle(match: Match, x0: fx.Node, x: fx.Node, weight: fx.Node, bias: Any, down: Any = None) -> None:
         xs = [_float_tensor(x0, 2), _float_tensor(x, 2)]
-        w = _float_tensor(weight, 2)
-        if any(t is None for t in xs) or w is None or xs[0].shape != xs[1].shape:
+        if any(t is None for t in xs) or _float_tensor(weight, 2) is None:
             return
-        if tensor_meta(match.output_node()).shape != xs[1].shape:  # x0 * h must not broadcast
-            return
+        if not _same_shape(xs[0], xs[1]) or not _same_shape(tensor_meta(match.output_node()), xs[1]):
+            return  # x0 * h + x must not broadcast
         if bias is not None and (tensor_meta(bias) is None or tensor_meta(bias).dim() != 1):
             return
         _replace(ctx, match, match.output_node(), "recompile::cross_layer", (x0, x, weight, bias, down), list(match.nodes))
