@@ -122,3 +122,32 @@ def test_lowering_tables_end_with_reference_and_cover_kernels():
     for op in ("dot_interaction", "cross_layer", "fm_second_order"):
         impls = [i.impl for i in LOWERINGS[f"recompile::{op}"]]
         assert impls[-1] == "reference" and set(impls) == set(KERNELS[op])
+
+
+def _grads_of(fn, inputs):
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in inputs]
+    out = fn(*leaves)
+    weight = torch.linspace(0.5, 1.5, out.numel()).view_as(out)
+    live = [t for t in leaves if t is not None]
+    return out.detach(), torch.autograd.grad((out * weight).sum(), live)
+
+
+@settings(max_examples=20, deadline=None)
+@given(b=st.integers(1, 4), f=st.integers(1, 7), d=st.integers(1, 9), k=st.sampled_from([None, 3]),
+       upper=st.booleans(), self_interaction=st.booleans(), low_rank=st.booleans(), reduce=st.booleans(),
+       impl=st.sampled_from(["cpu", "triton"]))
+def test_backward_matches_autograd_of_reference(b, f, d, k, upper, self_interaction, low_rank, reduce, impl):
+    t, prefix = torch.randn(b, f, d), None if k is None else torch.randn(b, k)
+    got = _grads_of(lambda t, p: torch.ops.recompile.dot_interaction(t, p, upper, self_interaction, impl), [t, prefix])
+    want = _grads_of(lambda t, p: dot_interaction_reference(t, p, upper, self_interaction), [t, prefix])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+    rank = 2 if low_rank else d
+    args = [torch.randn(b, d), torch.randn(b, d), torch.randn(d, rank), torch.randn(d),
+            torch.randn(rank, d) if low_rank else None]
+    got = _grads_of(lambda *a: torch.ops.recompile.cross_layer(*a, impl), args)
+    torch.testing.assert_close(got, _grads_of(cross_layer_reference, args), rtol=1e-4, atol=1e-4 * d)
+
+    got = _grads_of(lambda v: torch.ops.recompile.fm_second_order(v, reduce, impl), [t])
+    want = _grads_of(lambda v: fm_second_order_reference(v, reduce), [t])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * f)
