@@ -51,19 +51,19 @@ def step_fn(model, mode: str):
     return train
 
 
-def measure(fn, args, iters: int) -> float:
-    for _ in range(3):
-        fn(*args)
-    times = []
+def measure(fns: dict, args, iters: int) -> dict[str, float]:
+    """Median ms per step of each function, timed in alternating rounds so that load from other
+    processes falls on all of them alike."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn(*args)
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(iters):
-        t0 = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
-def compiled(model, backend: str):
-    return model if backend == "eager" else torch.compile(model, backend=backend)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn(*args)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def run_steps(quick: bool) -> list[dict]:
@@ -71,13 +71,14 @@ def run_steps(quick: bool) -> list[dict]:
     rows = []
     for name in ("dlrm", "dcn"):
         for mode in ("forward", "train"):
-            torch.manual_seed(0)
-            model, cfg = make(name, quick)
+            torch._dynamo.reset()
+            fns = {}
+            for backend in BACKENDS:  # one model per backend: the training steps update their weights
+                torch.manual_seed(0)
+                model, cfg = make(name, quick)
+                fns[backend] = step_fn(model if backend == "eager" else torch.compile(model, backend=backend), mode)
             args = synthetic_batch(cfg, batch, torch.Generator().manual_seed(1))
-            row = {"model": name, "mode": mode, "batch": batch}
-            for backend in BACKENDS:
-                torch._dynamo.reset()
-                row[backend] = measure(step_fn(compiled(model, backend), mode), args, iters)
+            row = {"model": name, "mode": mode, "batch": batch, **measure(fns, args, iters)}
             rows.append(row)
             print(_format(row), flush=True)
     return rows

@@ -24,6 +24,7 @@ import json
 import os
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -99,13 +100,16 @@ def load(key: str) -> Decision | None:
 
 
 def store(decision: Decision) -> None:
-    """Write atomically: a reader never sees half a file."""
+    """Write atomically (a reader never sees half a file); a cache that cannot be written only warns."""
     directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(decision.to_dict(), f, indent=1)
-    os.replace(tmp, directory / f"{decision.key}.json")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(decision.to_dict(), f, indent=1)
+        os.replace(tmp, directory / f"{decision.key}.json")
+    except OSError as exc:
+        warnings.warn(f"recompile: autotune decision not cached in {directory} ({exc}); it will be measured again")
 
 
 def cached_decision(rewritten: fx.GraphModule, target: str) -> dict | None:
@@ -290,7 +294,7 @@ class GraphChooser:
             else:
                 decision.rejected[name] = why
         decision.timings_ms.update(race(steps, self.budget_s))
-        decision.choice = min(steps, key=decision.timings_ms.get)  # "eager" is the reference: always kept
+        decision.choice = min(steps, key=decision.timings_ms.get) if steps else "eager"
         store(decision)
         return self.candidates[decision.choice]
 

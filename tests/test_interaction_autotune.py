@@ -113,3 +113,13 @@ def test_random_graphs_are_not_tuned(_cache):
 
     torch.compile(noisy, backend="rec_ascend")(torch.randn(4, 4))
     assert _decisions(_cache) == []
+
+
+def test_unwritable_cache_warns_and_still_runs(tmp_path, monkeypatch):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    monkeypatch.setenv("RECOMPILE_CACHE_DIR", str(blocker))
+    model, x = Cross(), torch.randn(4, 16)
+    with pytest.warns(UserWarning, match="autotune decision not cached"), torch.no_grad():
+        out = torch.compile(model, backend="rec_ascend")(x)
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
