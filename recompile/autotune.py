@@ -123,7 +123,7 @@ def cached_decision(rewritten: fx.GraphModule, target: str) -> dict | None:
 
 
 def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> bool:
-    """Repeatable runs only: real inputs, no random ops, no in-place ops."""
+    """Repeatable runs only: real inputs, no random ops, no in-place or mutating ops."""
     if example_inputs is None or any(isinstance(x, torch.Tensor) and x.is_meta for x in example_inputs):
         return False
     for node in gm.graph.nodes:
@@ -134,6 +134,8 @@ def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> bool:
             return False
         if node.kwargs.get("inplace") is True:
             return False
+        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+            return False  # e.g. a hash-table insert: every timing run would change the table
     return True
 
 

@@ -123,3 +123,13 @@ def test_unwritable_cache_warns_and_still_runs(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="autotune decision not cached"), torch.no_grad():
         out = torch.compile(model, backend="rec_ascend")(x)
     torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_mutating_ops_are_not_tuned():
+    def bump(x, counter):
+        torch.ops.aten.add.out(counter, counter, out=counter)  # mutates, though its name has no trailing _
+        return x * 2
+
+    gm = torch.fx.symbolic_trace(bump)
+    assert not autotune.tunable(gm, (torch.randn(2), torch.zeros(1)))
+    assert autotune.tunable(torch.fx.symbolic_trace(lambda x: x * 2), (torch.randn(2),))
