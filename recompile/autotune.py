@@ -311,6 +311,8 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
         "rec+eager": lambda: rewritten.forward,
         "eager": lambda: original.forward,
     }
+    if not any(_op_name(node) for node in rewritten.graph.nodes):
+        del builders["rec+eager"]  # no rec region: the same graph as "eager"
     cached = load(key)
     if cached is not None and cached.choice in builders:
         apply_regions(rewritten, cached.regions)
