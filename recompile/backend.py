@@ -12,6 +12,7 @@ from torch._inductor.decomposition import select_decomp_table
 
 import recompile.passes  # noqa: F401  (registers the passes)
 import runtime  # noqa: F401  (defines torch.ops.recompile.*)
+from recompile import autotune
 from recompile.lowering import Target, detect_target
 from recompile.options import RecompileOptions
 from recompile.pipeline import PassContext, run_pipeline
@@ -47,9 +48,19 @@ def rec_ascend(
     options: RecompileOptions | Mapping[str, Any] | None = None,
     mode: str | None = None,
 ):
-    """Run the rec pass pipeline on ``gm`` (torch-level, before autograd) and compile the result with Inductor."""
+    """Run the rec pass pipeline on ``gm`` (torch-level, before autograd) and compile the result with Inductor.
+
+    With ``options.autotune`` the result is instead the fastest correct of: the rewritten graph through
+    Inductor, the rewritten graph run eagerly, and the captured graph run eagerly (``recompile.autotune``).
+    """
     opts = RecompileOptions.coerce(options)
     ctx = PassContext(opts, resolve_target(opts), example_inputs, graph_id=next(_graph_ids))
-    gm = run_pipeline(gm, ctx)
+    rewritten = run_pipeline(gm, ctx)
     config_patches = torch._inductor.list_mode_options(mode) if mode else None
-    return compile_fx(gm, example_inputs, config_patches=config_patches, decompositions=inductor_decompositions())
+
+    def inductor(graph: fx.GraphModule):
+        return compile_fx(graph, example_inputs, config_patches=config_patches, decompositions=inductor_decompositions())
+
+    if not opts.autotune or not autotune.tunable(gm, example_inputs):
+        return inductor(rewritten)
+    return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor)

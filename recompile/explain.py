@@ -7,6 +7,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
+from recompile import autotune
 from recompile.backend import detect_target
 from recompile.options import RecompileOptions
 from recompile.pipeline import PassContext, run_pipeline
@@ -44,7 +45,7 @@ def explain(model, *example_inputs, options: RecompileOptions | Mapping[str, Any
 
     def capture(gm: torch.fx.GraphModule, inputs):
         ctx = _RecordingContext(opts, report.target, None, graph_id=len(report.graphs))
-        run_pipeline(gm, ctx)
+        ctx.tuning = autotune.cached_decision(run_pipeline(gm, ctx), report.target.name)
         report.graphs.append(GraphReport(ctx, _break_reason(gm), ctx.modules, list(inputs)))
         return gm.forward
 

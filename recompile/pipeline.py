@@ -21,7 +21,7 @@ from recompile.options import RecompileOptions
 PassFn = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
 
 # The order passes run in. A pass module adds its name here and registers its function.
-PASS_ORDER: list[str] = ["normalize", "embedding", "dynamic_embedding", "jagged"]
+PASS_ORDER: list[str] = ["normalize", "embedding", "dynamic_embedding", "jagged", "interaction"]
 PASSES: dict[str, PassFn] = {}
 REGION_KINDS = ("embedding", "dynamic_embedding", "jagged", "attention", "interaction")
 
@@ -90,6 +90,7 @@ class PassContext:
     fallbacks: list[Fallback] = field(default_factory=list)
     stages: list[Stage] = field(default_factory=list)
     current_pass: str = ""
+    tuning: dict | None = None  # the autotune decision for this graph (recompile.autotune.Decision)
 
     def lower(self, op: str) -> Impl:
         """The implementation of ``op`` the target runs (first in the lowering table it can run)."""

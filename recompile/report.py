@@ -177,6 +177,7 @@ class Report:
             "fallbacks": [f.to_dict() for c in contexts for f in c.fallbacks],
             "plan": self._plan(regions),
             "profile_note": self.profile_note,
+            "autotune": [{"graph": c.graph_id, **c.tuning} for c in contexts if c.tuning],
         }
 
     def _plan(self, regions: list[dict]) -> dict[str, list[str]]:
@@ -225,6 +226,11 @@ class Report:
             lines.extend(f"    {item}" for item in items)
         lines.append(f"fallbacks: {len(d['fallbacks'])}")
         lines.extend(f"  graph {g.ctx.graph_id} {f.pass_name}: {f.reason}" for g in self.graphs for f in g.ctx.fallbacks)
+        for t in d["autotune"]:
+            timings = ", ".join(f"{name} {ms:.3f} ms" for name, ms in t["timings_ms"].items())
+            source = "cached" if t["cached"] else "measured"
+            lines.append(f"autotune graph {t['graph']} ({t['mode']}, {source}): {t['choice']} [{timings}]")
+            lines.extend(f"  rejected {name}: {why}" for name, why in t["rejected"].items())
         return "\n".join(lines)
 
 

@@ -1,0 +1,136 @@
+"""Interaction benchmark: DLRM (26 tables of dim 64) and DCN-v2 (20 tables of dim 16, 3 cross layers),
+forward and training step, eager vs inductor vs rec_ascend side by side, and cold compile times.
+
+    python -m models.bench_interaction [--quick] [--no-compile-time]
+
+Cold compile time is measured in a fresh process per backend with empty Inductor and recompile caches
+(first call minus the steady-state step), then once more for rec_ascend with its autotune cache warm.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from models.dcn_bench import DCNConfig, DCNv2
+from models.dlrm import DLRM, DLRMConfig, synthetic_batch
+
+BACKENDS = ("eager", "inductor", "rec_ascend")
+
+
+def make(model: str, quick: bool):
+    rows = 2_000 if quick else 10_000
+    if model == "dlrm":
+        cfg = DLRMConfig(table_rows=[rows] * 26, dim=64, bottom=[512, 256, 64], top=[512, 256, 1])
+        return DLRM(cfg), cfg
+    cfg = DCNConfig(table_rows=[rows] * 20, dim=16, num_cross=3, deep=[512, 256])
+    return DCNv2(cfg), cfg
+
+
+def step_fn(model, mode: str):
+    if mode == "forward":
+        def forward(*args):
+            with torch.no_grad():
+                return model(*args)
+        return forward
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def train(*args):
+        opt.zero_grad(set_to_none=True)
+        loss = model(*args).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+    return train
+
+
+def measure(fns: dict, args, iters: int) -> dict[str, float]:
+    """Median ms per step of each function, timed in alternating rounds so that load from other
+    processes falls on all of them alike."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn(*args)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn(*args)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def run_steps(quick: bool) -> list[dict]:
+    batch, iters = (256, 10) if quick else (2048, 20)
+    rows = []
+    for name in ("dlrm", "dcn"):
+        for mode in ("forward", "train"):
+            torch._dynamo.reset()
+            fns = {}
+            for backend in BACKENDS:  # one model per backend: the training steps update their weights
+                torch.manual_seed(0)
+                model, cfg = make(name, quick)
+                fns[backend] = step_fn(model if backend == "eager" else torch.compile(model, backend=backend), mode)
+            args = synthetic_batch(cfg, batch, torch.Generator().manual_seed(1))
+            row = {"model": name, "mode": mode, "batch": batch, **measure(fns, args, iters)}
+            rows.append(row)
+            print(_format(row), flush=True)
+    return rows
+
+
+def _format(row: dict) -> str:
+    best_other = min(row["eager"], row["inductor"])
+    return (f"{row['model']:5s} {row['mode']:8s} B={row['batch']:<5d} eager {row['eager']:8.2f} ms  "
+            f"inductor {row['inductor']:8.2f} ms  rec_ascend {row['rec_ascend']:8.2f} ms  |  "
+            f"rec/eager {row['eager'] / row['rec_ascend']:5.2f}x  rec/inductor {row['inductor'] / row['rec_ascend']:5.2f}x  "
+            f"rec/min(eager,inductor) {best_other / row['rec_ascend']:5.2f}x")
+
+
+def cold_compile(model: str, backend: str, quick: bool, cache: str) -> float:
+    """Seconds of the first training step beyond a steady one, in a fresh process."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+               RECOMPILE_CACHE_DIR=os.path.join(cache, "recompile"))
+    code = (
+        "import time, json, torch\n"
+        "from models.bench_interaction import make, step_fn, synthetic_batch\n"
+        f"model, cfg = make({model!r}, {quick})\n"
+        "args = synthetic_batch(cfg, 256, torch.Generator().manual_seed(1))\n"
+        f"fn = step_fn(torch.compile(model, backend={backend!r}), 'train')\n"
+        "t0 = time.perf_counter(); fn(*args); first = time.perf_counter() - t0\n"
+        "t0 = time.perf_counter(); fn(*args); steady = time.perf_counter() - t0\n"
+        "print(json.dumps(first - steady))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_compile_times(quick: bool) -> None:
+    for name in ("dlrm", "dcn"):
+        with tempfile.TemporaryDirectory() as fresh_inductor, tempfile.TemporaryDirectory() as fresh_rec:
+            inductor = cold_compile(name, "inductor", quick, fresh_inductor)
+            rec = cold_compile(name, "rec_ascend", quick, fresh_rec)
+            rec_warm = cold_compile(name, "rec_ascend", quick, fresh_rec)  # autotune decision cached
+        print(f"{name:5s} cold compile (train step): inductor {inductor:6.1f} s  rec_ascend {rec:6.1f} s "
+              f"(ratio {rec / inductor:4.2f})  rec_ascend with cached decision {rec_warm:6.1f} s", flush=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small tables and batch, few iterations")
+    parser.add_argument("--no-compile-time", action="store_true", help="skip the cold compile measurements")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    run_steps(args.quick)
+    if not args.no_compile_time:
+        run_compile_times(args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""Measured choices: keep, per graph, only what runs faster on this machine, and never lose correctness.
+
+On the first compile of a graph (``options.autotune``, the default) the backend times, on the real
+example inputs and within ``BUDGET_S`` seconds:
+
+1. each rec region: every kernel the lowering table offers the target (library op, Triton, CPU
+   kernel, reference = eager ATen), forward (and backward when the graph trains); the fastest whose
+   result matches the reference kernel's is written into the op's ``impl`` argument;
+2. the whole graph: ``inductor`` (the rewritten graph through Inductor), ``rec+eager`` (the rewritten
+   graph with the rec ops and eager ATen for the rest) and ``eager`` (the captured graph as it was).
+   Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
+   a candidate that disagrees is rejected whatever its speed.
+
+The decision is cached on disk (``$RECOMPILE_CACHE_DIR`` or ``~/.cache/recompile``), keyed by the
+rewritten graph's code, the input shapes/dtypes, grad mode, target and torch version; a cached
+decision is applied without timing (and without compiling candidates it did not keep). Graphs with
+random or in-place ops are not tuned (their runs are not repeatable): Inductor is kept for them.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from recompile.lowering import candidates
+from recompile.passes.utils import meta_value
+
+BUDGET_S = 3.0  # timing budget of one graph (regions, then the whole graph); compiles excluded
+MIN_ROUNDS, MAX_ROUNDS = 3, 50
+CACHE_VERSION = 1
+GRAPH_CANDIDATES = ("inductor", "rec+eager", "eager")
+RANDOM_OR_INPLACE = ("dropout", "rand", "bernoulli", "normal", "multinomial", "uniform", "exponential", "seed")
+
+
+@dataclass
+class Decision:
+    choice: str
+    regions: dict[str, str] = field(default_factory=dict)  # op node -> chosen impl
+    timings_ms: dict[str, float] = field(default_factory=dict)  # candidate -> median ms
+    rejected: dict[str, str] = field(default_factory=dict)  # candidate -> why
+    mode: str = "inference"
+    cached: bool = False
+    key: str = ""
+
+    def to_dict(self) -> dict:
+        return {"choice": self.choice, "regions": dict(self.regions), "timings_ms": dict(self.timings_ms),
+                "rejected": dict(self.rejected), "mode": self.mode, "cached": self.cached, "key": self.key}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Decision":
+        return cls(d["choice"], d["regions"], d["timings_ms"], d["rejected"], d["mode"], True, d["key"])
+
+
+# ------------------------------------------------------------------------------------------------
+# cache
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RECOMPILE_CACHE_DIR") or Path.home() / ".cache" / "recompile") / "autotune"
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return [[str(s) for s in value.shape], str(value.dtype), value.requires_grad, value.device.type]
+    return type(value).__name__
+
+
+def _input_metas(gm: fx.GraphModule) -> list[Any]:
+    return [meta_value(n) for n in gm.graph.find_nodes(op="placeholder")]
+
+
+def is_training(gm: fx.GraphModule) -> bool:
+    """Autograd will run through the graph: grad mode is on and an input requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in _input_metas(gm))
+
+
+def graph_key(gm: fx.GraphModule, target: str, training: bool) -> str:
+    """Key of a rewritten graph and its input signature (from the placeholders' example values)."""
+    inputs = [_describe(x) for x in _input_metas(gm)]
+    blob = json.dumps([CACHE_VERSION, torch.__version__, target, training, gm.code, inputs], default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def load(key: str) -> Decision | None:
+    path = cache_dir() / f"{key}.json"
+    try:
+        return Decision.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store(decision: Decision) -> None:
+    """Write atomically (a reader never sees half a file); a cache that cannot be written only warns."""
+    directory = cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(decision.to_dict(), f, indent=1)
+        os.replace(tmp, directory / f"{decision.key}.json")
+    except OSError as exc:
+        warnings.warn(f"recompile: autotune decision not cached in {directory} ({exc}); it will be measured again")
+
+
+def cached_decision(rewritten: fx.GraphModule, target: str) -> dict | None:
+    """The decision an earlier compile stored for this graph, for reports; None if there is none."""
+    decision = load(graph_key(rewritten, target, is_training(rewritten)))
+    return None if decision is None else decision.to_dict()
+
+
+# ------------------------------------------------------------------------------------------------
+# running and timing
+
+
+def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> bool:
+    """Repeatable runs only: real inputs, no random ops, no in-place or mutating ops."""
+    if example_inputs is None or any(isinstance(x, torch.Tensor) and x.is_meta for x in example_inputs):
+        return False
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        if any(word in name for word in RANDOM_OR_INPLACE) or (name.endswith("_") and not name.endswith("__")):
+            return False
+        if node.kwargs.get("inplace") is True:
+            return False
+        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+            return False  # e.g. a hash-table insert: every timing run would change the table
+    return True
+
+
+def _outputs(result: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+
+
+def run_step(fn: Callable, args: Sequence[Any], training: bool) -> list[torch.Tensor]:
+    """Outputs, and when training the gradients of sum(outputs * w) w.r.t. the inputs that require them."""
+    outs = _outputs(fn(*args))
+    if not training:
+        return [o.detach() for o in outs]
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    diff = [o for o in outs if o.requires_grad]
+    grads = torch.autograd.grad(diff, leaves, [_weights(o) for o in diff], allow_unused=True) if diff else []
+    return [o.detach() for o in outs] + [g for g in grads if g is not None]
+
+
+def _weights(out: torch.Tensor) -> torch.Tensor:
+    """Deterministic, non-uniform output weights, so that a wrong gradient cannot hide in a sum."""
+    return torch.linspace(0.5, 1.5, out.numel(), dtype=out.dtype, device=out.device).view_as(out)
+
+
+def matches(got: list[torch.Tensor], want: list[torch.Tensor]) -> str | None:
+    """None when equal within the dtype's tolerance, else why not."""
+    if len(got) != len(want):
+        return f"{len(got)} results, expected {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        low = w.dtype in (torch.float16, torch.bfloat16)
+        try:
+            torch.testing.assert_close(g, w, rtol=2e-2 if low else 1e-3, atol=2e-2 if low else 1e-4, equal_nan=True)
+        except AssertionError as exc:
+            return f"result {i} differs from the reference: {str(exc).splitlines()[0]}"
+    return None
+
+
+def race(steps: dict[str, Callable[[], Any]], budget_s: float) -> dict[str, float]:
+    """Milliseconds per step of each candidate: the best of rounds that run every candidate once in turn,
+    so that load from other processes falls on all of them alike."""
+    best = {name: float("inf") for name in steps}
+    start = time.perf_counter()
+    rounds = 0
+    while steps and (rounds < MIN_ROUNDS or (rounds < MAX_ROUNDS and time.perf_counter() - start < budget_s)):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            best[name] = min(best[name], time.perf_counter() - t0)
+        rounds += 1
+    return {name: round(t * 1e3, 4) for name, t in best.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# per-region kernels
+
+
+def _op_name(node: fx.Node) -> str | None:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    return target.name().replace(".default", "") if target.namespace == "recompile" else None
+
+
+class _ArgRecorder(fx.Interpreter):
+    """Runs the graph and keeps the real arguments of every recompile op node."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.recorded: dict[str, tuple] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if _op_name(n) is not None:
+            self.recorded[n.name] = self.fetch_args_kwargs_from_env(n)
+        return super().run_node(n)
+
+
+def _call_impl(packet, impl: str, kwargs: dict, *args: Any) -> Any:
+    return packet(*args, impl, **kwargs)
+
+
+def _fresh(args: tuple, training: bool) -> tuple:
+    return tuple(
+        a.detach().requires_grad_(training and a.is_floating_point())
+        if isinstance(a, torch.Tensor) else a
+        for a in args
+    )
+
+
+def tune_regions(gm: fx.GraphModule, args: Sequence[Any], target, training: bool, decision: Decision,
+                 deadline: float) -> None:
+    """Pick each rec op node's fastest correct kernel; rewrite its ``impl`` argument."""
+    recorder = _ArgRecorder(gm)
+    with torch.no_grad():
+        recorder.run(*args)
+    for node in gm.graph.nodes:
+        op = _op_name(node)
+        if op is None or node.name not in recorder.recorded:
+            continue
+        impls = [impl.impl for impl in candidates(op, target)]
+        call_args, kwargs = recorder.recorded[node.name]
+        inputs = _fresh(call_args[:-1], training)
+        packet = node.target
+        want = run_step(functools.partial(_call_impl, packet, "reference", kwargs), inputs, training)
+        steps = {}
+        for impl in impls:
+            fn = functools.partial(_call_impl, packet, impl, kwargs)
+            try:
+                why = matches(run_step(fn, inputs, training), want)
+            except Exception as exc:  # a kernel that cannot run these inputs is not a candidate
+                why = f"{type(exc).__name__}: {exc}"
+            if why is None:
+                steps[impl] = functools.partial(run_step, fn, inputs, training)
+            else:
+                decision.rejected[f"{node.name}:{impl}"] = why
+        budget = max(deadline - time.perf_counter(), 0.0) / (2 * max(len(recorder.recorded), 1))
+        timings = race(steps, budget)
+        decision.timings_ms.update({f"{node.name}:{impl}": ms for impl, ms in timings.items()})
+        decision.regions[node.name] = min(timings, key=timings.get) if timings else node.args[-1]
+    apply_regions(gm, decision.regions)
+
+
+def apply_regions(gm: fx.GraphModule, regions: dict[str, str]) -> None:
+    for node in gm.graph.nodes:
+        if node.name in regions and _op_name(node) is not None:
+            node.args = (*node.args[:-1], regions[node.name])
+    gm.recompile()
+
+
+# ------------------------------------------------------------------------------------------------
+# whole graph
+
+
+class GraphChooser:
+    """The compiled graph: on its first call, races the candidates on that call's inputs (outside the
+    compile, so that no timing run touches Dynamo's shape environment), keeps the fastest correct one,
+    stores the decision, and from then on is that candidate."""
+
+    def __init__(self, candidates: dict[str, Callable], decision: Decision, budget_s: float):
+        self.candidates, self.decision, self.budget_s = candidates, decision, budget_s
+        self.chosen: Callable | None = None
+
+    @torch._dynamo.disable
+    def __call__(self, *args: Any) -> Any:
+        if self.chosen is None:
+            self.chosen = self.choose(args)
+        return self.chosen(*args)
+
+    def choose(self, args: Sequence[Any]) -> Callable:
+        decision, training = self.decision, self.decision.mode == "training"
+        want = run_step(self.candidates["eager"], args, training)
+        steps = {}
+        for name, fn in self.candidates.items():
+            try:
+                why = matches(run_step(fn, args, training), want)
+            except Exception as exc:  # a candidate that fails to run is not kept
+                why = f"{type(exc).__name__}: {exc}"
+            if why is None:
+                steps[name] = functools.partial(run_step, fn, args, training)
+            else:
+                decision.rejected[name] = why
+        decision.timings_ms.update(race(steps, self.budget_s))
+        decision.choice = min(steps, key=decision.timings_ms.get) if steps else "eager"
+        store(decision)
+        return self.candidates[decision.choice]
+
+
+def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[Any], ctx,
+             compile_inductor: Callable[[fx.GraphModule], Callable]) -> Callable:
+    """The compiled callable for ``rewritten``: the cached decision, or a GraphChooser over the candidates."""
+    training = is_training(rewritten)
+    key = graph_key(rewritten, ctx.target.name, training)
+    builders = {
+        "inductor": lambda: compile_inductor(rewritten),
+        "rec+eager": lambda: rewritten.forward,
+        "eager": lambda: original.forward,
+    }
+    if not any(_op_name(node) for node in rewritten.graph.nodes):
+        del builders["rec+eager"]  # no rec region: the same graph as "eager"
+    cached = load(key)
+    if cached is not None and cached.choice in builders:
+        apply_regions(rewritten, cached.regions)
+        ctx.tuning = cached.to_dict()
+        return builders[cached.choice]()
+    decision = Decision("eager", mode="training" if training else "inference", key=key)
+    start = time.perf_counter()
+    tune_regions(rewritten, example_inputs, ctx.target, training, decision, start + BUDGET_S / 2)
+    ctx.tuning = decision.to_dict()
+    budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
+    return GraphChooser({name: build() for name, build in builders.items()}, decision, budget)

@@ -1,0 +1,386 @@
+"""interaction: feature interactions (DLRM dot, DCN-v2 cross, FM second order) -> one fused op each.
+
+Patterns (Inductor pattern-matcher expressions over the torch-level graph, built from the tables
+below; every commuted and respelled variant is generated, none is an if-chain) and replacements:
+
+- dot interaction: ``D = bmm(T, transpose(T, 1, 2))`` (or ``matmul``) with ``T`` ``[B, F, D]``, then the
+  pairs ``D[:, rows, cols]`` (``rows, cols`` = ``triu_indices``/``tril_indices`` with offset ±1 or 0,
+  or the same pairs built by Python loops: ``torch.tensor([i for i ...])``)
+  -> ``recompile.dot_interaction(T, prefix, upper, self_interaction)``; a following
+  ``cat([prefix, pairs], 1)`` is fused into it (the op writes the final layout). The index tensors
+  must evaluate to constants (in-graph constructors or module buffers) and be exactly one of the four
+  orders, or the graph is left alone. ``T`` may come from anything (``stack([x] + embs, 1)``, or
+  ``cat([x.unsqueeze(1), E], 1)`` around a grouped lookup); it is read in place.
+- Python pair loops over a feature list: ``cat([x, *[(f_i * f_j).sum(1, keepdim=True) for i, j in P]], 1)``
+  (or ``stack([(f_i * f_j).sum(1) ...], 1)``) with ``P`` one of the four orders
+  -> ``recompile.dot_interaction(stack(features, 1), x, upper, self_interaction)``.
+- DCN-v2 cross layer: ``x0 * linear(x, W, b) + x`` -> ``recompile.cross_layer(x0, x, W, b, None)``;
+  low rank ``x0 * linear(linear(x, V), U, b) + x`` -> ``recompile.cross_layer(x0, x, U, b, V)``
+  (the bias, the product with ``x0`` and the residual add are the matmul's fused epilogue).
+- FM second order, per dimension: ``0.5 * (sum(v, 1)^2 - sum(v * v, 1))`` for ``v`` ``[B, F, D]`` ->
+  ``recompile.fm_second_order(v, False)``; a following ``sum(_, 1, keepdim=True)`` is fused
+  (``reduce=True``). The flattened TorchRec ``FactorizationMachine`` form
+  ``sum(sum(x, 1, keepdim=True)^2 - sum(x * x, 1, keepdim=True), 1, keepdim=True) * 0.5`` for ``x``
+  ``[B, N]`` -> ``recompile.fm_second_order(x.unsqueeze(-1), True)``.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+from torch._inductor.pattern_matcher import (
+    Arg,
+    CallFunction,
+    ListOf,
+    KeywordArg,
+    Match,
+    PatternExpr,
+    PatternMatcherPass,
+    register_graph_pattern,
+)
+
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
+from recompile.passes.utils import meta_value, tensor_meta
+from recompile.pipeline import PassContext, register_pass
+from runtime.interaction import pair_indices
+
+MUL = [torch.mul, operator.mul]
+ADD = [torch.add, operator.add]
+SUB = [torch.sub, operator.sub]
+LINEAR = [torch._C._nn.linear, torch.nn.functional.linear]
+SUM = [torch.sum]
+
+
+def commuted(fns: list, a: Any, b: Any) -> list[PatternExpr]:
+    return [CallFunction(fns, a, b), CallFunction(fns, b, a)]
+
+
+# --------------------------------------------------------------------------------------------------
+# pattern tables
+
+
+def _transposed(t: PatternExpr) -> list[PatternExpr]:
+    return [CallFunction(torch.transpose, t, a, b) for a, b in ((1, 2), (2, 1), (-1, -2), (-2, -1))]
+
+
+def _products(t: PatternExpr) -> list[PatternExpr]:
+    """``T @ T^T`` as Dynamo records it."""
+    return [CallFunction([torch.bmm, torch.matmul, operator.matmul], t, tt) for tt in _transposed(t)]
+
+
+def dot_patterns() -> Iterator[PatternExpr]:
+    """``D[:, rows, cols]`` with ``D = T @ T^T``."""
+    for dots in _products(KeywordArg("T")):
+        yield CallFunction(operator.getitem, dots, (slice(None), KeywordArg("rows"), KeywordArg("cols")))
+
+
+def _pair_products(keepdim: bool) -> list[PatternExpr]:
+    """One pair of a Python loop: ``(a * b).sum(-1)`` (``Arg``s: the pair's two features, in order)."""
+    product = CallFunction(MUL, Arg(), Arg())
+    dims = (1, -1)
+    if keepdim:
+        return [CallFunction(SUM, product, d, keepdim=True) for d in dims] + [
+            CallFunction(SUM, product, d, True) for d in dims]
+    return [CallFunction(SUM, product, d) for d in dims]
+
+
+def loop_patterns() -> Iterator[PatternExpr]:
+    """``cat([prefix?, *[(f_i * f_j).sum(1, keepdim=True) for i, j in pairs]], 1)`` or ``stack`` without keepdim."""
+    for join, keepdim in ((torch.cat, True), (torch.stack, False)):
+        for pair in _pair_products(keepdim):
+            for dim in (1, -1):
+                yield CallFunction(join, ListOf(pair, partial=True), dim)
+                yield CallFunction(join, ListOf(pair, partial=True), dim=dim)
+
+
+def cross_patterns() -> Iterator[PatternExpr]:
+    x0, x, bias = KeywordArg("x0"), KeywordArg("x"), KeywordArg("bias")
+    hidden = [
+        CallFunction(LINEAR, x, KeywordArg("weight"), bias),
+        CallFunction(LINEAR, CallFunction(LINEAR, x, KeywordArg("down"), None), KeywordArg("weight"), bias),
+    ]
+    for h in hidden:
+        for scaled in commuted(MUL, x0, h):
+            yield from commuted(ADD, scaled, x)
+
+
+def _squares(t: PatternExpr) -> list[PatternExpr]:
+    return [CallFunction(MUL, t, t), CallFunction([torch.pow, operator.pow], t, 2), CallFunction(torch.square, t)]
+
+
+def _sums(t: PatternExpr, keepdim: bool, dim_name: str = "dim") -> list[PatternExpr]:
+    dim = KeywordArg(dim_name)
+    if keepdim:
+        return [CallFunction(SUM, t, dim, True), CallFunction(SUM, t, dim, keepdim=True),
+                CallFunction(SUM, t, dim=dim, keepdim=True)]
+    return [CallFunction(SUM, t, dim), CallFunction(SUM, t, dim=dim)]
+
+
+def _halves(t: PatternExpr) -> list[PatternExpr]:
+    return [*commuted(MUL, t, 0.5), CallFunction([torch.div, operator.truediv], t, 2)]
+
+
+def _fm_differences(keepdim: bool) -> Iterator[PatternExpr]:
+    v = KeywordArg("v")
+    for s, vv in itertools.product(_sums(v, keepdim), _squares(v)):
+        for square_of_sum, sum_of_square in itertools.product(_squares(s), _sums(vv, keepdim)):
+            yield CallFunction(SUB, square_of_sum, sum_of_square)
+
+
+def fm_patterns() -> Iterator[tuple[PatternExpr, bool]]:
+    """(pattern, flattened): per-dimension over [B, F, D], or TorchRec's over [B, N] with keepdim sums."""
+    for diff in _fm_differences(keepdim=False):
+        for half in _halves(diff):
+            yield half, False
+    for diff in _fm_differences(keepdim=True):
+        for outer in _sums(diff, keepdim=True, dim_name="outer_dim"):
+            for half in _halves(outer):
+                yield half, True
+
+
+# --------------------------------------------------------------------------------------------------
+# constants the patterns need (pair indices)
+
+# Constructors a constant subgraph may use; anything else (a model input, a random op) is not constant.
+CONSTANT_FUNCTIONS = {
+    torch.tensor, torch.triu_indices, torch.tril_indices, torch.ones, torch.ones_like, torch.triu, torch.tril,
+    torch.arange, torch.ne, torch.eq, torch.gt, torch.lt, torch.ge, torch.le, torch.logical_not, torch.stack,
+    operator.getitem, operator.invert, torch.Tensor.bool, torch.Tensor.to,
+}
+CONSTANT_METHODS = {"bool", "to", "long", "int", "__getitem__"}
+
+
+def constant_value(node: Any, gm: fx.GraphModule) -> Any:
+    """The value of ``node`` if it is computable at compile time (a buffer or in-graph constant), else None."""
+    if not isinstance(node, fx.Node):
+        return node
+    if node.op == "placeholder":  # a module buffer holding indices: Dynamo keeps the real tensor
+        example = getattr(node.meta.get("grapharg"), "example", None)
+        is_index = isinstance(example, torch.Tensor) and not example.is_floating_point() and not example.requires_grad
+        return example if is_index else None
+    if node.op == "get_attr":
+        return getattr(gm, node.target, None)
+    is_function = node.op == "call_function" and node.target in CONSTANT_FUNCTIONS
+    is_method = node.op == "call_method" and node.target in CONSTANT_METHODS
+    if not (is_function or is_method):
+        return None
+    unknown: list[fx.Node] = []
+
+    def value(n: fx.Node) -> Any:
+        v = constant_value(n, gm)
+        if v is None:
+            unknown.append(n)
+        return v
+
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
+    if unknown:
+        return None
+    fn = getattr(args[0], node.target) if is_method else node.target
+    with torch.no_grad():
+        return fn(*(args[1:] if is_method else args), **kwargs)
+
+
+@functools.lru_cache(maxsize=256)
+def _pair_orders(num_features: int) -> list[tuple[tuple[bool, bool], torch.Tensor]]:
+    """((upper, self_interaction), flat pair positions) for the four orders dot_interaction computes."""
+    orders = []
+    for upper, self_interaction in itertools.product((True, False), (False, True)):
+        rows, cols = pair_indices(num_features, upper, self_interaction)
+        orders.append(((upper, self_interaction), rows * num_features + cols))
+    return orders
+
+
+def classify_pairs(num_features: int, flat: torch.Tensor) -> tuple[bool, bool] | None:
+    """The (upper, self_interaction) order whose pairs are exactly ``flat`` (positions in F*F), or None."""
+    flat = flat.to("cpu", torch.int64).flatten()
+    for order, want in _pair_orders(num_features):
+        if flat.numel() == want.numel() and torch.equal(flat, want):
+            return order
+    return None
+
+
+def _selected_pairs(rows: fx.Node, cols: fx.Node, num_features: int, gm: fx.GraphModule) -> torch.Tensor | None:
+    """Flat positions in the [F, F] product the selector picks, in output order; None if not constant."""
+    rows, cols = constant_value(rows, gm), constant_value(cols, gm)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point() for t in (rows, cols)):
+        return None
+    if rows.shape != cols.shape or rows.dtype == torch.bool:
+        return None
+    if any(bool(((t < -num_features) | (t >= num_features)).any()) for t in (rows, cols)):
+        return None  # out of range: eager raises, and so must the compiled graph
+    rows, cols = rows.long() % num_features, cols.long() % num_features
+    return rows * num_features + cols
+
+
+# --------------------------------------------------------------------------------------------------
+# replacements
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _fused_cat(pairs: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(cat, prefix) when the pairs' only use is ``cat([prefix, pairs], 1)`` with a [B, K] prefix."""
+    cat = _only_user(pairs)
+    if cat is None or cat.op != "call_function" or cat.target is not torch.cat:
+        return None
+    tensors = cat.args[0] if cat.args else cat.kwargs.get("tensors")
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or tensors[1] is not pairs or dim not in (1, -1):
+        return None
+    prefix, pairs_meta = tensor_meta(tensors[0]), tensor_meta(pairs)
+    if prefix is None or prefix.dim() != 2 or prefix.dtype != pairs_meta.dtype:
+        return None
+    return cat, tensors[0]
+
+
+def _replace(ctx: PassContext, match: Match, anchor: fx.Node, op: str, args: tuple, replaced: list[fx.Node]) -> None:
+    impl = ctx.lower(op)
+    graph = anchor.graph
+    with graph.inserting_before(anchor):
+        new = graph.call_function(getattr(torch.ops.recompile, op.split("::")[1]).default, (*args, impl.impl))
+    new.meta["example_value"] = meta_value(anchor)
+    ctx.record_region("interaction", replaced, op, impl)
+    anchor.replace_all_uses_with(new)
+    for node in reversed(replaced):
+        if not node._erased and not node.users:
+            graph.erase_node(node)
+    match.erase_nodes()
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes, decided without adding a guard on symbolic sizes."""
+    return a.dim() == b.dim() and all(statically_known_true(sym_eq(p, q)) for p, q in zip(a.shape, b.shape))
+
+
+def _float_tensor(node: Any, dim: int) -> torch.Tensor | None:
+    meta = tensor_meta(node)
+    return meta if meta is not None and meta.dim() == dim and meta.is_floating_point() else None
+
+
+def _dot_handler(ctx: PassContext) -> Callable:
+    def handle(match: Match, T: fx.Node, rows: fx.Node, cols: fx.Node) -> None:
+        features = _float_tensor(T, 3)
+        if features is None or not isinstance(features.shape[1], int):
+            return
+        num_features = features.shape[1]
+        flat = _selected_pairs(rows, cols, num_features, match.graph.owning_module)
+        order = None if flat is None else classify_pairs(num_features, flat)
+        if order is None:
+            return
+        pairs = match.output_node()
+        replaced = list(match.nodes)
+        prefix = None
+        fused = _fused_cat(pairs)
+        if fused is not None:
+            pairs, prefix = fused
+            replaced.append(pairs)
+        _replace(ctx, match, pairs, "recompile::dot_interaction", (T, prefix, *order), replaced)
+
+    return handle
+
+
+def _feature_orders(pairs: list[tuple[fx.Node, fx.Node]]) -> Iterator[list[fx.Node]]:
+    """Candidate feature orders: first appearance in (a, b) order (upper pairs) or (b, a) order (lower)."""
+    for flip in (False, True):
+        seen: dict[fx.Node, None] = {}
+        for a, b in pairs:
+            seen.update(dict.fromkeys((b, a) if flip else (a, b)))
+        yield list(seen)
+
+
+def _loop_handler(ctx: PassContext) -> Callable:
+    def handle(match: Match, pairs: list[tuple[fx.Node, fx.Node]]) -> None:
+        join = match.output_node()
+        items = join.args[0]
+        prefix = [item for item in items if item not in match.nodes]
+        if len(prefix) > 1 or (prefix and items[0] is not prefix[0]) or (prefix and join.target is torch.stack):
+            return
+        if prefix and (tensor_meta(prefix[0]) is None or tensor_meta(prefix[0]).dim() != 2):
+            return
+        metas = [_float_tensor(n, 2) for pair in pairs for n in pair]
+        if any(m is None or not _same_shape(m, metas[0]) for m in metas):
+            return
+        for features in _feature_orders(pairs):
+            position = {node: i for i, node in enumerate(features)}
+            flat = torch.tensor([position[a] * len(features) + position[b] for a, b in pairs])
+            order = classify_pairs(len(features), flat)
+            if order is not None:
+                break
+        else:
+            return
+        with join.graph.inserting_before(join):
+            stacked = join.graph.call_function(torch.stack, (features, 1))
+        args = (stacked, prefix[0] if prefix else None, *order)
+        _replace(ctx, match, join, "recompile::dot_interaction", args, list(match.nodes))
+
+    return handle
+
+
+def _cross_handler(ctx: PassContext) -> Callable:
+    def handle(match: Match, x0: fx.Node, x: fx.Node, weight: fx.Node, bias: Any, down: Any = None) -> None:
+        xs = [_float_tensor(x0, 2), _float_tensor(x, 2)]
+        if any(t is None for t in xs) or _float_tensor(weight, 2) is None:
+            return
+        if not _same_shape(xs[0], xs[1]) or not _same_shape(tensor_meta(match.output_node()), xs[1]):
+            return  # x0 * h + x must not broadcast
+        if bias is not None and (tensor_meta(bias) is None or tensor_meta(bias).dim() != 1):
+            return
+        _replace(ctx, match, match.output_node(), "recompile::cross_layer", (x0, x, weight, bias, down), list(match.nodes))
+
+    return handle
+
+
+def _fm_handler(ctx: PassContext, flattened: bool) -> Callable:
+    def handle(match: Match, v: fx.Node, dim: int, outer_dim: int = 1) -> None:
+        meta = _float_tensor(v, 2 if flattened else 3)
+        if meta is None or dim not in (1, -meta.dim() + 1) or outer_dim not in (1, -1):
+            return
+        out = match.output_node()
+        replaced = list(match.nodes)
+        reduce = flattened
+        total = None if flattened else _only_user(out)
+        if total is not None and _is_keepdim_sum(total):  # fuse the sum over D
+            out, reduce = total, True
+            replaced.append(total)
+        graph = out.graph
+        if flattened:
+            with graph.inserting_before(out):
+                v = graph.call_function(torch.unsqueeze, (v, -1))
+        _replace(ctx, match, out, "recompile::fm_second_order", (v, reduce), replaced)
+
+    return handle
+
+
+def _is_keepdim_sum(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target is not torch.sum:
+        return False
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return dim in (1, -1) and keepdim is True
+
+
+def build_matcher(ctx: PassContext) -> PatternMatcherPass:
+    matcher = PatternMatcherPass(pass_name="recompile.interaction")
+    for pattern in dot_patterns():
+        register_graph_pattern(pattern, pass_dict=matcher)(_dot_handler(ctx))
+    for pattern in loop_patterns():
+        register_graph_pattern(pattern, pass_dict=matcher)(_loop_handler(ctx))
+    for pattern in cross_patterns():
+        register_graph_pattern(pattern, pass_dict=matcher)(_cross_handler(ctx))
+    for pattern, flattened in fm_patterns():
+        register_graph_pattern(pattern, pass_dict=matcher)(_fm_handler(ctx, flattened))
+    return matcher
+
+
+@register_pass("interaction")
+def interaction(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    build_matcher(ctx).apply(gm)
+    gm.graph.eliminate_dead_code()
+    return gm

@@ -1,0 +1,286 @@
+"""Feature interactions: ``torch.ops.recompile.dot_interaction``, ``cross_layer`` and ``fm_second_order``.
+
+- ``dot_interaction(features, prefix, upper, self_interaction)``: the DLRM dot interaction. For
+  ``features`` ``[B, F, D]`` it computes only the needed pairwise dot products ``<f_r, f_c>``, in the
+  order of ``triu_indices(F, F, 1)`` (``upper``, TorchRec) or ``tril_indices(F, F, -1)`` (the original
+  DLRM), with the diagonal when ``self_interaction``; with a ``prefix`` ``[B, K]`` it writes the final
+  ``cat([prefix, pairs], 1)`` layout directly.
+- ``cross_layer(x0, x, weight, bias, down)``: a DCN-v2 cross layer, ``x0 * (x @ W^T + b) + x``, or the
+  low-rank ``x0 * ((x @ V^T) @ U^T + b) + x`` when ``down`` (V) is given (``weight`` is U).
+- ``fm_second_order(v, reduce)``: the factorisation-machine second order term over ``v`` ``[B, F, D]``,
+  ``0.5 * ((sum_f v)^2 - sum_f v^2)`` per dimension ``[B, D]``, or summed over D to ``[B, 1]``
+  (``reduce``; the flattened TorchRec ``FactorizationMachine`` is ``v = x.unsqueeze(-1)`` with ``reduce``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from runtime.kernels import get_kernel, register_kernel
+
+
+# ---------------------------------------------------------------------------------------------
+# dot interaction
+
+
+@functools.lru_cache(maxsize=64)
+def _pair_indices_cpu(num_features: int, upper: bool, self_interaction: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    n = num_features
+    if upper:
+        rows, cols = torch.triu_indices(n, n, 0 if self_interaction else 1)
+    else:
+        rows, cols = torch.tril_indices(n, n, 0 if self_interaction else -1)
+    return rows, cols
+
+
+def pair_indices(num_features: int, upper: bool, self_interaction: bool, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of the pairs ``dot_interaction`` returns, in its output order."""
+    rows, cols = _pair_indices_cpu(num_features, upper, self_interaction)
+    return rows.to(device), cols.to(device)
+
+
+def flat_pair_indices(num_features: int, upper: bool, self_interaction: bool, device=None) -> torch.Tensor:
+    """``rows * F + cols``: the pairs' positions in the flattened [F*F] product matrix."""
+    rows, cols = _pair_indices_cpu(num_features, upper, self_interaction)
+    return (rows * num_features + cols).to(device)
+
+
+def num_pairs(num_features: int, self_interaction: bool) -> int:
+    return num_features * (num_features + (1 if self_interaction else -1)) // 2
+
+
+def dot_interaction_reference(
+    features: torch.Tensor, prefix: torch.Tensor | None, upper: bool, self_interaction: bool
+) -> torch.Tensor:
+    dots = torch.bmm(features, features.transpose(1, 2))
+    rows, cols = pair_indices(features.shape[1], upper, self_interaction, features.device)
+    pairs = dots[:, rows, cols]
+    return pairs if prefix is None else torch.cat([prefix, pairs], 1)
+
+
+register_kernel("dot_interaction", "reference")(dot_interaction_reference)
+
+
+@register_kernel("dot_interaction", "cpu")
+def _dot_interaction_cpu(features, prefix, upper, self_interaction):
+    """One bmm, then one index_select of the needed pairs from the flattened [B, F*F] products."""
+    batch, n, _ = features.shape
+    dots = torch.bmm(features, features.transpose(1, 2)).view(batch, n * n)
+    pairs = dots.index_select(1, flat_pair_indices(n, upper, self_interaction, features.device))
+    return pairs if prefix is None else torch.cat([prefix, pairs], 1)
+
+
+@register_kernel("dot_interaction", "triton")
+def _dot_interaction_triton(features, prefix, upper, self_interaction):
+    from runtime.triton_kernels.interaction import dot_interaction
+
+    return dot_interaction(features, prefix, upper, self_interaction)
+
+
+def _check_dot_interaction(features: torch.Tensor, prefix: torch.Tensor | None) -> None:
+    if features.dim() != 3:
+        raise ValueError(f"recompile.dot_interaction: features must be [B, F, D], got shape {tuple(features.shape)}")
+    if prefix is not None and (prefix.dim() != 2 or prefix.shape[0] != features.shape[0] or prefix.dtype != features.dtype):
+        raise ValueError(
+            f"recompile.dot_interaction: prefix must be [B, K] of {features.dtype} with B={features.shape[0]}, "
+            f"got shape {tuple(prefix.shape)} of {prefix.dtype}"
+        )
+
+
+@torch.library.custom_op("recompile::dot_interaction", mutates_args=())
+def dot_interaction(
+    features: torch.Tensor, prefix: torch.Tensor | None, upper: bool, self_interaction: bool, impl: str = "reference"
+) -> torch.Tensor:
+    _check_dot_interaction(features, prefix)
+    return get_kernel("dot_interaction", impl)(features, prefix, upper, self_interaction)
+
+
+@dot_interaction.register_fake
+def _(features, prefix, upper, self_interaction, impl="reference"):
+    _check_dot_interaction(features, prefix)
+    k = 0 if prefix is None else prefix.shape[1]
+    return features.new_empty(features.shape[0], k + num_pairs(features.shape[1], self_interaction))
+
+
+def dot_interaction_backward_reference(grad, features, k, upper, self_interaction):
+    """d/dT of the pairs: scatter the pair grads into a [B, F, F] matrix G, then (G + G^T) @ T."""
+    batch, n, _ = features.shape
+    g = grad.new_zeros(batch, n * n)
+    g.index_copy_(1, flat_pair_indices(n, upper, self_interaction, features.device), grad[:, k:])
+    g = g.view(batch, n, n)
+    return torch.bmm(g + g.transpose(1, 2), features)
+
+
+# The backward is an op of its own so that tracing it (aot_autograd, dynamic shapes) never builds the
+# pair indices from a symbolic feature count; its kernel is the same on every device.
+@torch.library.custom_op("recompile::dot_interaction_backward", mutates_args=())
+def dot_interaction_backward(
+    grad: torch.Tensor, features: torch.Tensor, k: int, upper: bool, self_interaction: bool
+) -> torch.Tensor:
+    return dot_interaction_backward_reference(grad.contiguous(), features, k, upper, self_interaction)
+
+
+@dot_interaction_backward.register_fake
+def _(grad, features, k, upper, self_interaction):
+    return torch.empty_like(features)
+
+
+def _dot_setup(ctx, inputs, output):
+    features, prefix, upper, self_interaction, _ = inputs
+    ctx.save_for_backward(features)
+    ctx.config = (0 if prefix is None else prefix.shape[1], upper, self_interaction, prefix is not None)
+
+
+def _dot_backward(ctx, grad):
+    (features,) = ctx.saved_tensors
+    k, upper, self_interaction, has_prefix = ctx.config
+    grad_features = dot_interaction_backward(grad, features, k, upper, self_interaction)
+    return grad_features, grad[:, :k] if has_prefix else None, None, None, None
+
+
+dot_interaction.register_autograd(_dot_backward, setup_context=_dot_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# DCN-v2 cross layer
+
+
+def _cross_hidden(x, weight, bias, down):
+    z = x if down is None else F.linear(x, down)
+    return F.linear(z, weight, bias)
+
+
+def cross_layer_reference(x0, x, weight, bias, down):
+    return x0 * _cross_hidden(x, weight, bias, down) + x
+
+
+register_kernel("cross_layer", "reference")(cross_layer_reference)
+
+
+@register_kernel("cross_layer", "cpu")
+def _cross_layer_cpu(x0, x, weight, bias, down):
+    """The matmul, with the bias in addmm and ``x0 * h + x`` as one addcmul pass."""
+    z = x if down is None else torch.mm(x, down.t())
+    h = torch.mm(z, weight.t()) if bias is None else torch.addmm(bias, z, weight.t())
+    return torch.addcmul(x, x0, h)
+
+
+@register_kernel("cross_layer", "triton")
+def _cross_layer_triton(x0, x, weight, bias, down):
+    from runtime.triton_kernels.interaction import cross_layer
+
+    return cross_layer(x0, x, weight, bias, down)
+
+
+def _check_cross_layer(x0, x, weight, bias, down):
+    d = x.shape[-1]
+    rank = weight.shape[1]
+    ok = x0.shape == x.shape and x.dim() == 2 and weight.dim() == 2 and weight.shape[0] == d
+    ok = ok and (bias is None or tuple(bias.shape) == (d,))
+    ok = ok and (rank == d if down is None else tuple(down.shape) == (rank, d))
+    if not ok:
+        shapes = {n: None if t is None else tuple(t.shape) for n, t in
+                  dict(x0=x0, x=x, weight=weight, bias=bias, down=down).items()}
+        raise ValueError(
+            "recompile.cross_layer: expected x0, x [B, D], weight [D, D] (or [D, r] with down [r, D]) "
+            f"and bias [D]; got {shapes}"
+        )
+
+
+@torch.library.custom_op("recompile::cross_layer", mutates_args=())
+def cross_layer(
+    x0: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor | None,
+    impl: str = "reference",
+) -> torch.Tensor:
+    _check_cross_layer(x0, x, weight, bias, down)
+    return get_kernel("cross_layer", impl)(x0, x, weight, bias, down)
+
+
+@cross_layer.register_fake
+def _(x0, x, weight, bias, down, impl="reference"):
+    _check_cross_layer(x0, x, weight, bias, down)
+    return torch.empty_like(x)
+
+
+def _cross_setup(ctx, inputs, output):
+    x0, x, weight, bias, down, _ = inputs
+    ctx.save_for_backward(x0, x, weight, bias, down)
+
+
+def _cross_backward(ctx, grad):
+    """out = x0 * h + x with h = z W^T + b, z = x V^T (or x): h is recomputed, not stored."""
+    x0, x, weight, bias, down = ctx.saved_tensors
+    z = x if down is None else torch.mm(x, down.t())
+    h = torch.mm(z, weight.t()) if bias is None else torch.addmm(bias, z, weight.t())
+    grad_h = grad * x0
+    grad_weight = torch.mm(grad_h.t(), z)
+    grad_bias = None if bias is None else grad_h.sum(0)
+    grad_z = torch.mm(grad_h, weight)
+    grad_down = None if down is None else torch.mm(grad_z.t(), x)
+    grad_x = grad + (grad_z if down is None else torch.mm(grad_z, down))
+    return grad * h, grad_x, grad_weight, grad_bias, grad_down, None
+
+
+cross_layer.register_autograd(_cross_backward, setup_context=_cross_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# factorisation machine, second order
+
+
+def fm_second_order_reference(v: torch.Tensor, reduce: bool) -> torch.Tensor:
+    s = v.sum(1)
+    out = 0.5 * (s * s - (v * v).sum(1))
+    return out.sum(1, keepdim=True) if reduce else out
+
+
+register_kernel("fm_second_order", "reference")(fm_second_order_reference)
+
+
+@register_kernel("fm_second_order", "cpu")
+def _fm_cpu(v, reduce):
+    """Sum and sum of squares accumulated in fp32, combined in place."""
+    acc = v.to(torch.promote_types(v.dtype, torch.float32))
+    out = acc.sum(1).square_().sub_(acc.square().sum(1)).mul_(0.5)
+    return (out.sum(1, keepdim=True) if reduce else out).to(v.dtype)
+
+
+@register_kernel("fm_second_order", "triton")
+def _fm_triton(v, reduce):
+    from runtime.triton_kernels.interaction import fm_second_order
+
+    return fm_second_order(v, reduce)
+
+
+def _check_fm(v):
+    if v.dim() != 3:
+        raise ValueError(f"recompile.fm_second_order: v must be [B, F, D], got shape {tuple(v.shape)}")
+
+
+@torch.library.custom_op("recompile::fm_second_order", mutates_args=())
+def fm_second_order(v: torch.Tensor, reduce: bool, impl: str = "reference") -> torch.Tensor:
+    _check_fm(v)
+    return get_kernel("fm_second_order", impl)(v, reduce)
+
+
+@fm_second_order.register_fake
+def _(v, reduce, impl="reference"):
+    _check_fm(v)
+    return v.new_empty(v.shape[0], 1 if reduce else v.shape[2])
+
+
+def _fm_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.reduce = inputs[1]
+
+
+def _fm_backward(ctx, grad):
+    """d out_d / d v_fd = sum_f v_fd - v_fd."""
+    (v,) = ctx.saved_tensors
+    g = grad.unsqueeze(1)  # [B, 1, D] or [B, 1, 1]
+    return g * (v.sum(1, keepdim=True) - v), None, None
+
+
+fm_second_order.register_autograd(_fm_backward, setup_context=_fm_setup)

@@ -1,0 +1,135 @@
+"""Autotune: a correct candidate is kept, a wrong one is rejected whatever its speed, decisions are cached."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import recompile
+from recompile import autotune
+from runtime.kernels import KERNELS
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RECOMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "BUDGET_S", 0.3)
+    return tmp_path
+
+
+class Cross(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x0):
+        x = x0 * self.a(x0) + x0
+        return torch.tanh(x0 * self.b(x) + x)
+
+
+def _decisions(cache_dir):
+    return [json.loads(p.read_text()) for p in sorted((cache_dir / "autotune").glob("*.json"))]
+
+
+def _train(model, x):
+    model.zero_grad()
+    out = model(x)
+    out.sum().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_keeps_a_correct_candidate_and_caches_it(_cache, training):
+    model, x = Cross(), torch.randn(32, 16)
+    compiled = torch.compile(model, backend="rec_ascend")
+    with torch.set_grad_enabled(training):
+        got, want = compiled(x), model(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    [decision] = _decisions(_cache)
+    assert decision["mode"] == ("training" if training else "inference")
+    assert decision["choice"] in autotune.GRAPH_CANDIDATES and decision["choice"] in decision["timings_ms"]
+    assert set(decision["regions"].values()) <= set(KERNELS["cross_layer"]) and len(decision["regions"]) == 2
+    if training:
+        out_c, grads_c = _train(compiled, x)
+        out_e, grads_e = _train(model, x)
+        torch.testing.assert_close(grads_c, grads_e, rtol=1e-5, atol=1e-5)
+
+
+def test_cached_decision_is_reused_without_timing(_cache, monkeypatch):
+    model, x = Cross(), torch.randn(8, 16)
+    torch.compile(model, backend="rec_ascend")(x)
+    [first] = _decisions(_cache)
+    torch._dynamo.reset()
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a cached graph must not be timed again")
+
+    monkeypatch.setattr(autotune, "race", no_timing)
+    torch.testing.assert_close(torch.compile(model, backend="rec_ascend")(x), model(x), rtol=1e-5, atol=1e-5)
+    report = recompile.explain(model, x).to_dict()
+    [shown] = report["autotune"]
+    assert shown["cached"] and shown["choice"] == first["choice"] and shown["key"] == first["key"]
+    assert f"autotune graph 0 (training, cached): {first['choice']}" in recompile.explain(model, x).to_text()
+
+
+def test_wrong_kernel_is_rejected_even_when_fastest(_cache, monkeypatch):
+    monkeypatch.setitem(KERNELS["cross_layer"], "cpu", lambda x0, x, w, b, down: x + 1)  # fast and wrong
+    model, x = Cross(), torch.randn(8, 16)
+    with torch.no_grad():
+        out = torch.compile(model, backend="rec_ascend")(x)
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    [decision] = _decisions(_cache)
+    assert set(decision["regions"].values()) == {"reference"}
+    assert all("differs from the reference" in why for name, why in decision["rejected"].items() if ":cpu" in name)
+    assert sum(":cpu" in name for name in decision["rejected"]) == 2
+
+
+def test_wrong_graph_candidate_is_rejected(_cache):
+    model, x = Cross(), torch.randn(8, 16)
+    captured = {}
+
+    def backend(gm, example_inputs):
+        from recompile.backend import resolve_target
+        from recompile.options import RecompileOptions
+        from recompile.pipeline import PassContext, run_pipeline
+
+        opts = RecompileOptions()
+        ctx = PassContext(opts, resolve_target(opts), example_inputs)
+        rewritten = run_pipeline(gm, ctx)
+        chooser = autotune.autotune(gm, rewritten, example_inputs, ctx, lambda g: lambda *a: [t * 0 for t in g(*a)])
+        captured["chooser"] = chooser
+        return chooser
+
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    decision = captured["chooser"].decision
+    assert "inductor" in decision.rejected and decision.choice in ("eager", "rec+eager")
+
+
+def test_random_graphs_are_not_tuned(_cache):
+    def noisy(x):
+        return torch.nn.functional.dropout(x, 0.5, training=True) * 2
+
+    torch.compile(noisy, backend="rec_ascend")(torch.randn(4, 4))
+    assert _decisions(_cache) == []
+
+
+def test_unwritable_cache_warns_and_still_runs(tmp_path, monkeypatch):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    monkeypatch.setenv("RECOMPILE_CACHE_DIR", str(blocker))
+    model, x = Cross(), torch.randn(4, 16)
+    with pytest.warns(UserWarning, match="autotune decision not cached"), torch.no_grad():
+        out = torch.compile(model, backend="rec_ascend")(x)
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_mutating_ops_are_not_tuned():
+    def bump(x, counter):
+        torch.ops.aten.add.out(counter, counter, out=counter)  # mutates, though its name has no trailing _
+        return x * 2
+
+    gm = torch.fx.symbolic_trace(bump)
+    assert not autotune.tunable(gm, (torch.randn(2), torch.zeros(1)))
+    assert autotune.tunable(torch.fx.symbolic_trace(lambda x: x * 2), (torch.randn(2),))

@@ -1,0 +1,182 @@
+"""The interaction pass: every pattern form is found, replaced by one op, and equal to eager (forward and grads)."""
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import recompile
+from models.dlrm import DLRM, DLRMConfig, synthetic_batch
+from recompile.lowering import detect_target
+from recompile.options import RecompileOptions
+from recompile.pipeline import PassContext, run_pipeline
+
+SMALL = DLRMConfig(table_rows=[50, 80, 120], dim=8, bottom=[16, 8], top=[16, 1])
+
+
+class Interaction(nn.Module):
+    """``stack([x] + embs)`` -> T T^T -> pairs picked by one of the spellings practitioners use -> cat."""
+
+    def __init__(self, form: str, num_features: int = 4, dim: int = 6):
+        super().__init__()
+        self.form, self.num_features = form, num_features
+        self.bottom = nn.Linear(5, dim)
+        self.embs = nn.Parameter(torch.randn(num_features - 1, 11, dim))
+        with_self = num_features * (num_features + 1) // 2
+        self.top = nn.Linear(dim + {"self_lower": with_self, "pair_loop_stack": with_self}.get(
+            form, num_features * (num_features - 1) // 2), 1)
+
+    def pairs(self, dots: torch.Tensor) -> torch.Tensor:
+        n = self.num_features
+        if self.form == "triu_indices":
+            rows, cols = torch.triu_indices(n, n, offset=1)
+            return dots[:, rows, cols]
+        if self.form == "tril_indices":
+            rows, cols = torch.tril_indices(n, n, offset=-1)
+            return dots[:, rows, cols]
+        if self.form == "self_lower":  # the original DLRM's loops, with the self-interaction
+            li = torch.tensor([i for i in range(n) for j in range(i + 1)])
+            lj = torch.tensor([j for i in range(n) for j in range(i + 1)])
+            return dots[:, li, lj]
+        raise ValueError(self.form)
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bottom(dense))
+        embs = [table[ids[:, t]] for t, table in enumerate(self.embs)]
+        if self.form == "pair_loop":  # products of a feature list, pair by pair, then the final cat
+            feats = [x] + embs
+            n = len(feats)
+            pairs = [(feats[i] * feats[j]).sum(1, keepdim=True) for i in range(n) for j in range(i + 1, n)]
+            return self.top(torch.cat([x] + pairs, dim=1))
+        if self.form == "pair_loop_stack":  # lower order with the diagonal, stacked
+            feats = [x] + embs
+            n = len(feats)
+            pairs = torch.stack([(feats[i] * feats[j]).sum(-1) for i in range(n) for j in range(i + 1)], dim=1)
+            return self.top(torch.cat([x, pairs], dim=1))
+        if self.form == "grouped_cat":  # a grouped lookup's [B, T, D] output joined with the dense part
+            features = torch.cat([x.unsqueeze(1), torch.stack(embs, 1)], 1)
+            rows, cols = torch.triu_indices(self.num_features, self.num_features, 1)
+            pairs = torch.bmm(features, features.transpose(1, 2))[:, rows, cols]
+        else:
+            features = torch.stack([x] + embs, dim=1)
+            pairs = self.pairs(torch.bmm(features, features.transpose(1, 2)))
+        return self.top(torch.cat([x, pairs], dim=1))
+
+
+FORMS = ["triu_indices", "tril_indices", "self_lower", "grouped_cat", "pair_loop", "pair_loop_stack"]
+
+
+def _inputs(batch=7):
+    return torch.randn(batch, 5), torch.randint(0, 11, (batch, 3))
+
+
+def _run(model, args):
+    model.zero_grad()
+    out = model(*args)
+    out.pow(2).mean().backward()
+    return out.detach(), {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()}
+
+
+def pipeline_only(gm, example_inputs):
+    """The rewritten graph run eagerly (custom ops with their autograd), without Inductor: fast to test."""
+    ctx = PassContext(RecompileOptions(verify=True), detect_target("cpu"), example_inputs)
+    return run_pipeline(gm, ctx).forward
+
+
+def _assert_same_training(model, args, backend=pipeline_only):
+    out_c, grads_c = _run(torch.compile(model, backend=backend), args)
+    out_e, grads_e = _run(model, args)
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-5)
+    for name, grad in grads_e.items():
+        torch.testing.assert_close(grads_c[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _regions(model, *args):
+    return recompile.explain(model, *args).to_dict()["regions"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_dot_interaction_forms_found_and_equal_eager(form):
+    model, args = Interaction(form), _inputs()
+    [region] = _regions(model, *args)
+    assert region["op"] == "recompile::dot_interaction" and region["kind"] == "interaction"
+    if form != "pair_loop_stack":  # the final cat([dense, pairs]) is written by the op
+        assert region["replaced"][-1].startswith("cat")
+    _assert_same_training(model, args)
+
+
+def test_dlrm_of_the_zoo():
+    model, args = DLRM(SMALL), synthetic_batch(SMALL, 9)
+    assert [r["op"] for r in _regions(model, *args)] == ["recompile::dot_interaction"]
+    _assert_same_training(model, args, backend=torch._dynamo.lookup_backend("rec_ascend"))
+
+
+def test_other_pairs_are_left_alone():
+    class Diagonal(nn.Module):
+        def forward(self, t):
+            dots = torch.bmm(t, t.transpose(1, 2))
+            idx = torch.arange(t.shape[1])
+            return dots[:, idx, idx]  # the diagonal: not an interaction order
+
+    assert _regions(Diagonal(), torch.randn(2, 3, 4)) == []
+
+
+class CrossNet(nn.Module):
+    """DCN-v2: full-rank and low-rank cross layers, written with nn.Linear, in several spellings."""
+
+    def __init__(self, d=12, rank=3):
+        super().__init__()
+        self.full = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+        self.v, self.u = nn.Linear(d, rank, bias=False), nn.Linear(rank, d)
+
+    def forward(self, x0):
+        x = x0 * self.full[0](x0) + x0
+        x = x + self.full[1](x) * x0
+        x = x0 * self.u(self.v(x)) + x
+        return torch.relu(x).sum(1)
+
+
+class FM(nn.Module):
+    def forward(self, v, flat):
+        per_dim = 0.5 * (torch.sum(v, dim=1) ** 2 - torch.sum(v * v, dim=1))
+        reduced = (0.5 * (v.sum(1).pow(2) - v.pow(2).sum(1))).sum(1, keepdim=True)
+        # torchrec.modules.deepfm.FactorizationMachine
+        sum_of_input = torch.sum(flat, dim=1, keepdim=True)
+        sum_of_square = torch.sum(flat * flat, dim=1, keepdim=True)
+        cross = torch.sum(sum_of_input * sum_of_input - sum_of_square, dim=1, keepdim=True) * 0.5
+        return per_dim.sum(1) + reduced.squeeze(1) + cross.squeeze(1)
+
+
+def test_cross_layers_found_and_equal_eager():
+    model, x0 = CrossNet(), torch.randn(9, 12, requires_grad=True)
+    regions = _regions(model, x0)
+    assert [r["op"] for r in regions] == ["recompile::cross_layer"] * 3
+    _assert_same_training(model, (x0,))
+    _assert_same_training(model, (x0,), backend=torch._dynamo.lookup_backend("rec_ascend"))
+
+
+def test_fm_forms_found_and_equal_eager():
+    v, flat = torch.randn(5, 4, 6, requires_grad=True), torch.randn(5, 10, requires_grad=True)
+    regions = _regions(FM(), v, flat)
+    assert sorted(len(r["replaced"]) for r in regions) == [6, 7, 7] and len(regions) == 3
+    assert all(r["op"] == "recompile::fm_second_order" for r in regions)
+    compiled = torch.compile(FM(), backend=pipeline_only)
+    torch.testing.assert_close(compiled(v, flat), FM()(v, flat), rtol=1e-5, atol=1e-5)
+    got = torch.autograd.grad(compiled(v, flat).sum(), (v, flat))
+    want = torch.autograd.grad(FM()(v, flat).sum(), (v, flat))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_disabled_pass_leaves_interactions():
+    model, args = Interaction("triu_indices"), _inputs()
+    report = recompile.explain(model, *args, options={"passes": {"interaction": False}})
+    assert report.to_dict()["regions"] == []
+
+
+def test_batch_size_changes_compile_at_most_twice():
+    model = Interaction("tril_indices")
+    counter = CompileCounterWithBackend(pipeline_only)
+    compiled = torch.compile(model, backend=counter)
+    for batch in (1, 8, 13, 21, 34):
+        args = _inputs(batch)
+        torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-5, atol=1e-5)
+    assert counter.frame_count <= 2
