@@ -4,6 +4,7 @@ Importing this package defines the ops. It never imports ``recompile``.
 """
 from runtime import offsets  # noqa: F401  (defines torch.ops.recompile.complete_cumsum)
 from runtime import embedding  # noqa: F401  (defines torch.ops.recompile.grouped_embedding_bag)
+from runtime import embedding_optimizer  # noqa: F401  (defines torch.ops.recompile.embedding_optimizer_step)
 from runtime.kernels import KERNELS, get_kernel, register_kernel
 
 __all__ = ["KERNELS", "get_kernel", "register_kernel"]

@@ -303,6 +303,28 @@ def grouped_embedding_bag_reference(weights, indices, offsets, per_sample_weight
 # The ops.
 
 
+def _lookup(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
+            bounds_check, impl) -> Tensor:
+    names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
+    _validate(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names, bounds_check)
+    features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check)
+    return get_kernel(OP, impl)(weights, features, per_sample_weights, pooling, padding_idx, layout)
+
+
+def _lookup_fake(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
+                 bounds_check) -> Tensor:
+    names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
+    _validate(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names, bounds_check)
+    w = weights[0]
+    if layout == "sequence":
+        return w.new_empty(sum(ids.numel() for ids in indices), w.shape[1])
+    ids, offs, last = indices[0], offsets[0], include_last_offset[0]
+    batch = ids.shape[0] if offs is None else offs.shape[0] - int(last)
+    if layout == "stack":
+        return w.new_empty(batch, len(weights), w.shape[1])
+    return w.new_empty(batch, sum(x.shape[1] for x in weights))
+
+
 @torch.library.custom_op("recompile::grouped_embedding_bag", mutates_args=())
 def grouped_embedding_bag(
     weights: list[Tensor],
@@ -318,30 +340,47 @@ def grouped_embedding_bag(
     bounds_check: str,
     impl: str,
 ) -> Tensor:
-    names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
-    _validate(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names, bounds_check)
-    features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check)
-    return get_kernel(OP, impl)(weights, features, per_sample_weights, pooling, padding_idx, layout)
-
-
-def _batch(indices: Tensor, offsets: Optional[Tensor], include_last_offset: bool):
-    if offsets is None:
-        return indices.shape[0]
-    return offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
+    return _lookup(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
+                   bounds_check, impl)
 
 
 @grouped_embedding_bag.register_fake
 def _(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, sparse, layout, names,
       bounds_check, impl):
-    names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
-    _validate(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names, bounds_check)
-    w = weights[0]
-    if layout == "sequence":
-        return w.new_empty(sum(ids.numel() for ids in indices), w.shape[1])
-    batch = _batch(indices[0], offsets[0], include_last_offset[0])
-    if layout == "stack":
-        return w.new_empty(batch, len(weights), w.shape[1])
-    return w.new_empty(batch, sum(x.shape[1] for x in weights))
+    return _lookup_fake(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout,
+                        names, bounds_check)
+
+
+@torch.library.custom_op("recompile::grouped_embedding_bag_fused", mutates_args=())
+def grouped_embedding_bag_fused(
+    trigger: Tensor,
+    weights: list[Tensor],
+    indices: list[Tensor],
+    offsets: list[Optional[Tensor]],
+    per_sample_weights: list[Tensor],
+    pooling: list[int],
+    padding_idx: list[int],
+    include_last_offset: list[bool],
+    layout: str,
+    names: str,
+    bounds_check: str,
+    optimizer: str,
+    impl: str,
+) -> Tensor:
+    """grouped_embedding_bag whose backward runs ``optimizer`` on the touched rows instead of returning table gradients.
+
+    ``trigger`` is a scalar that requires grad: its gradient is the optimizer step's result, which keeps the
+    step in the backward graph. The tables get no ``.grad``.
+    """
+    return _lookup(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
+                   bounds_check, impl)
+
+
+@grouped_embedding_bag_fused.register_fake
+def _(trigger, weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
+      bounds_check, optimizer, impl):
+    return _lookup_fake(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout,
+                        names, bounds_check)
 
 
 @torch.library.custom_op("recompile::grouped_embedding_bag_backward", mutates_args=())
@@ -386,35 +425,43 @@ def _is_tensor_list(x) -> bool:
 
 
 def _setup_context(ctx, inputs, output):
-    weights, indices, offsets, psw, pooling, padding_idx, ilo, sparse, layout, names, bounds_check, impl = inputs
-    ctx.save_for_backward(*weights, *indices, *offsets, *psw)
-    ctx.num = len(weights)
+    fused = isinstance(inputs[0], Tensor)  # grouped_embedding_bag_fused: (trigger, weights, ...)
     ctx.tensor_lists = [_is_tensor_list(x) and len(x) for x in inputs]
-    ctx.args = (pooling, padding_idx, ilo, sparse, layout, names, bounds_check, impl)
+    if fused:
+        _, weights, indices, offsets, psw, pooling, padding_idx, ilo, layout, names, bounds_check, optimizer, impl = inputs
+        sparse = [False] * len(weights)
+    else:
+        weights, indices, offsets, psw, pooling, padding_idx, ilo, sparse, layout, names, bounds_check, impl = inputs
+        optimizer = None
+    ctx.save_for_backward(*weights, *indices, *offsets, *psw)
+    ctx.num, ctx.fused = len(weights), fused
+    ctx.args = (pooling, padding_idx, ilo, sparse, layout, names, bounds_check, optimizer, impl)
 
 
 def _backward(ctx, grad):
-    num = ctx.num
+    num, first = ctx.num, int(ctx.fused)
     saved = ctx.saved_tensors
     weights, indices, offsets, psw = (list(saved[i * num:(i + 1) * num]) for i in range(4))
-    pooling, padding_idx, ilo, sparse, layout, names, bounds_check, impl = ctx.args
-    psw_grad = [bool(p.numel()) and want for p, want in zip(psw, ctx.needs_input_grad[3])]
+    pooling, padding_idx, ilo, sparse, layout, names, bounds_check, optimizer, impl = ctx.args
+    psw_needs = ctx.needs_input_grad[first + 3]
+    psw_grad = [bool(p.numel()) and want for p, want in zip(psw, psw_needs)]
     grads = torch.ops.recompile.grouped_embedding_bag_backward(
         grad.contiguous(), weights, indices, offsets, psw, pooling, padding_idx, ilo, psw_grad, layout, names, bounds_check, impl
     )
-    weight_grads = []
-    for w, ids, g, is_sparse in zip(weights, indices, grads[:num], sparse):
-        ids = table_ids(ids, w.shape[0], bounds_check)
-        if is_sparse:
-            weight_grads.append(torch.sparse_coo_tensor(ids[None], g, w.shape))
-        else:
-            weight_grads.append(torch.zeros_like(w).index_add_(0, ids, g))
-    # An empty tensor is "no weights" to the op, but a weight tensor over no ids still gets its (empty) gradient.
-    psw_grads = [g if want else (torch.zeros_like(p) if asked else None)
-                 for g, want, p, asked in zip(grads[num:], psw_grad, psw, ctx.needs_input_grad[3])]
+    ids = [table_ids(i, w.shape[0], bounds_check) for i, w in zip(indices, weights)]
     grads_in = [[None] * n if n is not False else None for n in ctx.tensor_lists]
-    grads_in[0], grads_in[3] = weight_grads, psw_grads
+    if ctx.fused:
+        grads_in[0] = torch.ops.recompile.embedding_optimizer_step(weights, ids, grads[:num], optimizer)
+    else:
+        grads_in[0] = [
+            torch.sparse_coo_tensor(i[None], g, w.shape) if is_sparse else torch.zeros_like(w).index_add_(0, i, g)
+            for w, i, g, is_sparse in zip(weights, ids, grads[:num], sparse)
+        ]
+    # An empty tensor is "no weights" to the op, but a weight tensor over no ids still gets its (empty) gradient.
+    grads_in[first + 3] = [g if want else (torch.zeros_like(p) if asked else None)
+                           for g, want, p, asked in zip(grads[num:], psw_grad, psw, psw_needs)]
     return tuple(grads_in)
 
 
 grouped_embedding_bag.register_autograd(_backward, setup_context=_setup_context)
+grouped_embedding_bag_fused.register_autograd(_backward, setup_context=_setup_context)

@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from recompile.options import embedding_optimizer_spec
 from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
 from recompile.pipeline import Fallback, PassContext, register_pass
 from runtime.embedding import MEAN, POOLING_NAMES, SUM
@@ -184,16 +185,31 @@ def _no_weights(graph: fx.Graph, table: torch.Tensor) -> fx.Node:
     return _call(graph, torch.empty, (0,), {"dtype": table.dtype, "device": table.device})
 
 
+def _trigger(gm: fx.GraphModule, table: torch.Tensor) -> fx.Node:
+    """A scalar parameter of ``gm`` whose gradient carries the fused optimizer step (see grouped_embedding_bag_fused)."""
+    name = f"_embedding_optimizer_trigger_{sum(1 for n, _ in gm.named_parameters() if 'trigger' in n)}"
+    gm.register_parameter(name, torch.nn.Parameter(torch.zeros((), device=table.device)))
+    node = gm.graph.get_attr(name)
+    node.meta["example_value"] = _fake_mode(gm.graph).from_tensor(getattr(gm, name))
+    return node
+
+
 def _grouped_call(gm: fx.GraphModule, ctx: PassContext, run: list[Lookup], layout: str) -> fx.Node:
     graph = gm.graph
     impl = ctx.lower(OP)
-    psw = [x.per_sample_weights or _no_weights(graph, x.table) for x in run]
-    args = (
-        [x.weight for x in run], [x.indices for x in run], [x.offsets for x in run], psw,
-        [x.pooling for x in run], [x.padding_idx for x in run], [x.include_last_offset for x in run],
-        [x.sparse for x in run], layout, ",".join(feature_name(x.weight) for x in run), ctx.options.bounds_check, impl.impl,
-    )
-    grouped = _call(graph, torch.ops.recompile.grouped_embedding_bag.default, args)
+    no_weights = _no_weights(graph, run[0].table)
+    psw = [x.per_sample_weights or no_weights for x in run]
+    names = ",".join(feature_name(x.weight) for x in run)
+    lookup = ([x.weight for x in run], [x.indices for x in run], [x.offsets for x in run], psw,
+              [x.pooling for x in run], [x.padding_idx for x in run], [x.include_last_offset for x in run])
+    optimizer = ctx.options.embedding_optimizer
+    if optimizer is None:
+        args = (*lookup, [x.sparse for x in run], layout, names, ctx.options.bounds_check, impl.impl)
+        grouped = _call(graph, torch.ops.recompile.grouped_embedding_bag.default, args)
+    else:
+        args = (_trigger(gm, run[0].table), *lookup, layout, names, ctx.options.bounds_check,
+                embedding_optimizer_spec(optimizer), impl.impl)
+        grouped = _call(graph, torch.ops.recompile.grouped_embedding_bag_fused.default, args)
     ctx.record_region("embedding", [n for x in run for n in x.erased], OP, impl)
     return grouped
 
