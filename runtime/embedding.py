@@ -45,10 +45,11 @@ WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class Feature:
     """One feature's ids: flat ids, its offsets as given (None for 2-D ids) and, on demand, B+1 bag bounds."""
 
-    __slots__ = ("ids", "offsets", "include_last_offset", "batch", "length", "_bounds")
+    __slots__ = ("ids", "offsets", "include_last_offset", "batch", "length", "_bounds", "_bags")
 
     def __init__(self, indices: Tensor, offsets: Optional[Tensor], include_last_offset: bool):
-        self.ids, self.offsets, self.include_last_offset, self._bounds = indices.reshape(-1), offsets, include_last_offset, None
+        self.ids, self.offsets, self.include_last_offset = indices.reshape(-1), offsets, include_last_offset
+        self._bounds = self._bags = None
         if offsets is None:  # 2-D [B, L]: B bags of L ids
             self.batch, self.length = indices.shape
         else:
@@ -70,8 +71,11 @@ class Feature:
         return self._bounds
 
     def bag_of_id(self) -> Tensor:
-        lengths = self.bounds.diff()
-        return torch.repeat_interleave(torch.arange(self.batch, device=self.ids.device), lengths.long(), output_size=self.ids.numel())
+        if self._bags is None:
+            lengths = self.bounds.diff().long()
+            bags = torch.arange(self.batch, device=self.ids.device)
+            self._bags = bags.repeat_interleave(lengths, output_size=self.ids.numel())
+        return self._bags
 
 
 def _check_offsets(name: str, indices: Tensor, offsets: Tensor, include_last_offset: bool) -> None:
@@ -92,7 +96,7 @@ def _check_offsets(name: str, indices: Tensor, offsets: Tensor, include_last_off
         )
 
 
-def checked_ids(name: str, ids: Tensor, rows: int, mode: str, warn: bool = True) -> Tensor:
+def checked_ids(name: str, ids: Tensor, rows: int, mode: str) -> Tensor:
     """``ids`` with out-of-range entries handled per ``mode`` (see the module docstring)."""
     if ids.numel() == 0:
         return ids
@@ -103,7 +107,7 @@ def checked_ids(name: str, ids: Tensor, rows: int, mode: str, warn: bool = True)
     message = f"feature {name!r}: id {first} is out of range for its table of {rows} rows ({int(bad.sum())} bad ids)"
     if mode == "fatal":
         raise IndexError(f"recompile.grouped_embedding_bag: {message}")
-    if mode == "warning" and warn:
+    if mode == "warning":
         warnings.warn(f"recompile.grouped_embedding_bag: {message}; they are replaced by id 0", stacklevel=3)
     return ids.masked_fill(bad, 0)
 
@@ -179,9 +183,18 @@ def _offsets_ok(features: Sequence[Feature]) -> bool:
     return bool(ok)
 
 
-def features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, warn=True) -> list[Feature]:
-    """Every feature with its offsets and ids checked; all features at once, per feature only to report."""
+def features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, check=True) -> list[Feature]:
+    """Every feature with its offsets and ids checked; all features at once, per feature only to report.
+
+    ``check=False`` (the backward, whose forward checked the same tensors) only repeats the id fix-up
+    of ``"warning"``/``"ignore"``, silently.
+    """
     features = [Feature(*args) for args in zip(indices, offsets, include_last_offset)]
+    if not check:
+        if bounds_check != "fatal":
+            for f, w in zip(features, weights):
+                f.ids = table_ids(f.ids, w.shape[0], bounds_check)
+        return features
     batch = {f.batch for f in features}
     if len(batch) > 1 and layout != "sequence":
         raise ValueError(f"recompile.grouped_embedding_bag: features have different batch sizes {sorted(batch)}")
@@ -193,7 +206,7 @@ def features_of(weights, indices, offsets, include_last_offset, names, layout, b
     limits = _per_element([w.shape[0] for w in weights], [f.ids.numel() for f in features], ids.device)
     if bool(((ids < 0) | (ids >= limits)).any()):
         for f, w, name in zip(features, weights, names):
-            f.ids = checked_ids(name, f.ids, w.shape[0], bounds_check, warn)
+            f.ids = checked_ids(name, f.ids, w.shape[0], bounds_check)
     return features
 
 
@@ -224,8 +237,13 @@ def _output_slices(out: Tensor, dims: Sequence[int], counts: Sequence[int], layo
 #   of its per-sample weight.
 
 
-def _id_scale(f: Feature, psw: Optional[Tensor], pooling: int, padding_idx: int) -> Tensor:
-    """Each id's factor in its bag's pooled row: padding -> 0, times its sample weight, over the bag's count for MEAN."""
+def _id_scale(f: Feature, psw: Optional[Tensor], pooling: int, padding_idx: int) -> Optional[Tensor]:
+    """Each id's factor in its bag's pooled row: padding -> 0, times its sample weight, over the bag's count for MEAN.
+
+    None when every factor is 1 (SUM or NONE, no weights, no padding).
+    """
+    if pooling != MEAN and psw is None and padding_idx < 0:
+        return None
     keep = (f.ids != padding_idx).float() if padding_idx >= 0 else torch.ones(f.ids.numel(), device=f.ids.device)
     scale = keep if psw is None else keep * psw.reshape(-1).float()
     if pooling == MEAN:
@@ -234,11 +252,15 @@ def _id_scale(f: Feature, psw: Optional[Tensor], pooling: int, padding_idx: int)
     return scale
 
 
+def _scaled(rows: Tensor, scale: Optional[Tensor]) -> Tensor:
+    return rows if scale is None else rows * scale[:, None]
+
+
 def _pool_reference(w: Tensor, f: Feature, psw: Optional[Tensor], pooling: int, padding_idx: int) -> Tensor:
     rows = w.index_select(0, f.ids)
     if pooling == NONE:
         return rows
-    weighted = rows.float() * _id_scale(f, psw, pooling, padding_idx)[:, None]
+    weighted = _scaled(rows.float(), _id_scale(f, psw, pooling, padding_idx))
     return weighted.new_zeros(f.batch, w.shape[1]).index_add_(0, f.bag_of_id(), weighted).to(w.dtype)
 
 
@@ -274,8 +296,8 @@ def _backward_per_id(grad, weights, features, per_sample_weights, pooling, paddi
     parts = _output_slices(grad, [w.shape[1] for w in weights], [f.ids.numel() for f in features], layout)
     id_grads, psw_grads = [], []
     for g, w, f, psw, mode, pad, want in zip(parts, weights, features, per_sample_weights, pooling, padding_idx, psw_grad):
-        rows = g.float() if mode == NONE else g.float().index_select(0, f.bag_of_id())  # each id's output gradient
-        id_grads.append((rows * _id_scale(f, psw, mode, pad)[:, None]).to(w.dtype))
+        rows = g.to(torch.float32, copy=True) if mode == NONE else g.float().index_select(0, f.bag_of_id())  # per id
+        id_grads.append(_scaled(rows, _id_scale(f, psw, mode, pad)).to(w.dtype))
         if not want:
             psw_grads.append(g.new_empty(0))
             continue
@@ -401,7 +423,7 @@ def grouped_embedding_bag_backward(
 ) -> list[Tensor]:
     """The gradient of every id's row, then of every per-sample weight (empty where not wanted)."""
     names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
-    features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, warn=False)
+    features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, check=False)
     return get_kernel(BACKWARD_OP, impl)(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, psw_grad)
 
 

@@ -4,6 +4,9 @@ Patterns (a *lookup*), each on its own table:
 - ``F.embedding_bag(ids, weight, offsets, mode="sum"|"mean", per_sample_weights=..., include_last_offset=...,
   padding_idx=..., sparse=...)`` with 1-D ids + offsets or 2-D ids (how Dynamo records ``nn.EmbeddingBag``);
 - ``torch.sum|mean(F.embedding(ids2d, weight), 1)`` (a bag of fixed size written by hand);
+- either followed by a no-op ``.float()`` on a float32 table (how Dynamo records TorchRec's
+  ``EmbeddingBagCollection`` fed a ``KeyedJaggedTensor``: one ``F.embedding_bag`` per feature with
+  ``include_last_offset=True``, cast, then ``torch.cat(..., dim=1)`` into the KeyedTensor's values);
 feeding one consumer ``torch.stack(items, dim=1)`` or ``torch.cat(items, dim=1)`` of 2-D items.
 
 Replacement: every run of two or more consecutive lookups of ``items`` (distinct tables, one dtype)
@@ -32,11 +35,16 @@ from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
 from recompile.pipeline import Fallback, PassContext, register_pass
 from runtime.embedding import MEAN, POOLING_NAMES, SUM
 
+# TorchRec's modules must be traced, not skipped, for their lookups to reach this pass; the backend
+# imports this module before Dynamo traces anything.
+torch._dynamo.config.skip_torchrec = False
+
 OP = "recompile::grouped_embedding_bag"
 EMBEDDING_BAG = (F.embedding_bag,)
 EMBEDDING = (F.embedding,)
 BAG_REDUCTIONS = {torch.sum: SUM, torch.mean: MEAN}
 CONSUMERS = {torch.stack: "stack", torch.cat: "concat"}
+NOOP_CASTS = {"float": torch.float32}
 _SIGNATURES = {fn: inspect.signature(fn) for fn in (*EMBEDDING_BAG, *EMBEDDING)}
 
 
@@ -119,8 +127,19 @@ def _embedding_then_reduce(node: fx.Node) -> Lookup:
                   bool(a["sparse"]))
 
 
+def _is_noop_cast(node: Any) -> bool:
+    """``x.float()`` on a float32 ``x`` (TorchRec's EmbeddingBagCollection casts every pooled lookup)."""
+    return (isinstance(node, fx.Node) and node.op == "call_method" and node.target in NOOP_CASTS and len(node.args) == 1
+            and not node.kwargs and getattr(tensor_meta(node.args[0]), "dtype", None) == NOOP_CASTS[node.target])
+
+
 def _lookup(node: Any) -> Lookup | None:
     """The lookup ``node`` computes, None when it is none; raises NotGroupable for one left alone."""
+    if _is_noop_cast(node) and len(node.args[0].users) == 1:
+        lookup = _lookup(node.args[0])
+        if lookup is not None:
+            lookup.node, lookup.erased = node, [node, *lookup.erased]
+        return lookup
     if is_call(node, *EMBEDDING_BAG):
         return _embedding_bag(node)
     if is_call(node, *BAG_REDUCTIONS) and is_call(node.args[0], *EMBEDDING):
@@ -251,8 +270,8 @@ def embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         except NotGroupable as why:
             ctx.fallbacks.append(Fallback("embedding", f"lookup {node.name} left alone: {why}"))
             continue
-        if lookup is None:
-            continue
+        if lookup is None or (len(node.users) == 1 and _is_noop_cast(next(iter(node.users)))):
+            continue  # not a lookup, or one whose cast is matched instead
         consumer = next(iter(node.users), None)
         if len(node.users) != 1 or _consumer_layout(consumer) is None:
             ctx.fallbacks.append(Fallback("embedding", f"lookup {node.name} left alone: it does not feed one stack/cat along dim 1"))
