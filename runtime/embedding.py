@@ -177,7 +177,7 @@ def _offsets_ok(features: Sequence[Feature]) -> bool:
     lasts = [first + size - 1 for first, size in zip(firsts, sizes) if size]
     exact = [first + size - 1 for first, size, f in zip(firsts, sizes, given) if f.include_last_offset]
     steps = offsets.diff()
-    steps[[last for last in lasts[:-1]]] = 0  # across two features' offsets
+    steps[lasts[:-1]] = 0  # across two features' offsets
     ok = (offsets[[first for first, size in zip(firsts, sizes) if size]] == 0).all() & (steps >= 0).all()
     ok &= (offsets <= ends).all() & (offsets[exact] == ends[exact]).all()
     return bool(ok)
@@ -272,7 +272,8 @@ def _forward_reference(weights, features, per_sample_weights, pooling, padding_i
 
 @register_kernel(OP, "cpu")
 def _forward_cpu(weights, features, per_sample_weights, pooling, padding_idx, layout):
-    """ATen's embedding_bag per table (FBGEMM's EmbeddingSpMDM inside) straight from the canonical bounds."""
+    """ATen's embedding_bag per table (FBGEMM's EmbeddingSpMDM inside), the forward-only variant: the
+    backward needs none of its bag bookkeeping."""
     outs = []
     for w, f, psw, mode, pad in zip(weights, features, per_sample_weights, pooling, padding_idx):
         if mode == NONE:
@@ -280,7 +281,7 @@ def _forward_cpu(weights, features, per_sample_weights, pooling, padding_idx, la
             continue
         psw = None if psw is None else psw.reshape(-1)
         offsets, last = (f.offsets, f.include_last_offset) if f.offsets is not None else (f.bounds, True)
-        outs.append(torch.embedding_bag(w, f.ids, offsets, False, mode, False, psw, last, pad if pad >= 0 else None)[0])
+        outs.append(torch.ops.aten._embedding_bag_forward_only(w, f.ids, offsets, False, mode, False, psw, last, pad)[0])
     return _assemble(outs, layout)
 
 

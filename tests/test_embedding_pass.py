@@ -4,7 +4,6 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import recompile
@@ -134,3 +133,10 @@ def test_batch_size_changes_compile_at_most_twice():
         torch.testing.assert_close(out, model(*args), rtol=1e-5, atol=1e-6)
         out.sum().backward()
     assert counter.frame_count <= 2
+
+
+@pytest.mark.parametrize("target, kind", [("cpu", "cpu_kernel"), ("npu", "triton"), ("cuda", "triton")])
+def test_lowering_plan_per_target(target, kind):
+    report = recompile.explain(DLRM(SMALL), *synthetic_batch(SMALL, 4), options={"target": target}).to_dict()
+    (region,) = report["regions"]
+    assert region["kernel_kind"] == kind and region["target"] == target

@@ -54,8 +54,7 @@ class NotGroupable(Exception):
 
 @dataclass
 class Lookup:
-    node: fx.Node  # the node whose value the consumer uses
-    erased: list[fx.Node]  # the nodes the grouped call replaces, consumer-side first
+    erased: list[fx.Node]  # the nodes the grouped call replaces, the one the consumer uses first
     weight: fx.Node
     indices: fx.Node
     offsets: Optional[fx.Node]
@@ -104,7 +103,7 @@ def _embedding_bag(node: fx.Node) -> Lookup:
     ids = tensor_meta(a["input"])
     if ids is None or ids.dim() != (1 if a["offsets"] is not None else 2):
         raise NotGroupable("ids are neither 1-D with offsets nor 2-D")
-    return Lookup(node, [node], a["weight"], a["input"], a["offsets"], a["per_sample_weights"], POOLING_NAMES[a["mode"]],
+    return Lookup([node], a["weight"], a["input"], a["offsets"], a["per_sample_weights"], POOLING_NAMES[a["mode"]],
                   _padding(a, weight.shape[0]), bool(a["include_last_offset"]), bool(a["sparse"]))
 
 
@@ -123,7 +122,7 @@ def _embedding_then_reduce(node: fx.Node) -> Lookup:
         raise NotGroupable("the reduction is not over the bag dimension")
     if len(embedding.users) != 1:
         raise NotGroupable("the F.embedding output has other users")
-    return Lookup(node, [node, embedding], a["weight"], a["input"], None, None, BAG_REDUCTIONS[node.target], -1, False,
+    return Lookup([node, embedding], a["weight"], a["input"], None, None, BAG_REDUCTIONS[node.target], -1, False,
                   bool(a["sparse"]))
 
 
@@ -138,7 +137,7 @@ def _lookup(node: Any) -> Lookup | None:
     if _is_noop_cast(node) and len(node.args[0].users) == 1:
         lookup = _lookup(node.args[0])
         if lookup is not None:
-            lookup.node, lookup.erased = node, [node, *lookup.erased]
+            lookup.erased = [node, *lookup.erased]
         return lookup
     if is_call(node, *EMBEDDING_BAG):
         return _embedding_bag(node)
@@ -236,6 +235,11 @@ def _grouped_call(gm: fx.GraphModule, ctx: PassContext, run: list[Lookup], layou
 def _rewrite_consumer(gm: fx.GraphModule, ctx: PassContext, consumer: fx.Node, layout: str, lookups: dict) -> None:
     items = list(consumer.args[0])
     runs = _runs(items, lookups)
+    grouped = {item for start, end in runs for item in items[start:end]}
+    for item in items:
+        if item in lookups and item not in grouped:
+            why = "no neighbouring lookup on another table of its dtype in its stack/cat to group with"
+            ctx.fallbacks.append(Fallback("embedding", f"lookup {item.name} left alone: {why}"))
     if not runs:
         return
     graph = gm.graph
