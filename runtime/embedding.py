@@ -160,27 +160,35 @@ def _validate(weights, indices, offsets, per_sample_weights, pooling, padding_id
             raise ValueError(f"{where}: layout {layout!r} needs one dim for all tables, got {w.shape[1]} and {weights[0].shape[1]}")
 
 
-def _per_element(values: Sequence[int], lengths: Sequence[int], device) -> Tensor:
-    """``values[t]`` repeated ``lengths[t]`` times: one limit per element of a concatenation of segments."""
-    return torch.tensor(values, device=device).repeat_interleave(torch.tensor(lengths, device=device))
-
-
 def _offsets_ok(features: Sequence[Feature]) -> bool:
-    """Every feature's offsets well formed, checked for all at once (one sync)."""
-    given = [f for f in features if f.offsets is not None]
-    if not given or any(f.batch < 0 for f in given):
-        return not given
+    """Every feature's offsets well formed, checked for all at once (one sync): each starts at 0, never
+    decreases, and ends within (``include_last_offset``: at) its ids."""
+    given = [f for f in features if f.offsets is not None and f.offsets.numel()]
+    if any(f.batch < 0 for f in features) or any(f.offsets is not None and f.offsets.numel() == 0 and f.ids.numel()
+                                                 for f in features):
+        return False
+    if not given:
+        return True
     offsets = torch.cat([f.offsets for f in given])
     sizes = [f.offsets.shape[0] for f in given]
-    ends = _per_element([f.ids.numel() for f in given], sizes, offsets.device)
-    firsts = list(itertools.accumulate([0, *sizes[:-1]]))
-    lasts = [first + size - 1 for first, size in zip(firsts, sizes) if size]
-    exact = [first + size - 1 for first, size, f in zip(firsts, sizes, given) if f.include_last_offset]
+    lasts = list(itertools.accumulate(sizes, initial=-1))[1:]
+    firsts = [last - size + 1 for last, size in zip(lasts, sizes)]
     steps = offsets.diff()
     steps[lasts[:-1]] = 0  # across two features' offsets
-    ok = (offsets[[first for first, size in zip(firsts, sizes) if size]] == 0).all() & (steps >= 0).all()
-    ok &= (offsets <= ends).all() & (offsets[exact] == ends[exact]).all()
+    ends, counts = offsets[lasts], torch.tensor([f.ids.numel() for f in given], device=offsets.device)
+    exact = torch.tensor([f.include_last_offset for f in given], device=offsets.device)
+    ok = (offsets[firsts] == 0).all() & (steps >= 0).all() & (ends <= counts).all() & ((ends == counts) | ~exact).all()
     return bool(ok)
+
+
+def _ids_in_range(features: Sequence[Feature], weights: Sequence[Tensor]) -> bool:
+    """Every id within its table, for all features at once (one sync)."""
+    looked_up = [(f.ids, w.shape[0]) for f, w in zip(features, weights) if f.ids.numel()]
+    if not looked_up:
+        return True
+    extremes = torch.stack([torch.stack(torch.aminmax(ids)) for ids, _ in looked_up])
+    rows = torch.tensor([rows for _, rows in looked_up], device=extremes.device)
+    return bool((extremes[:, 0] >= 0).all() & (extremes[:, 1] < rows).all())
 
 
 def features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, check=True) -> list[Feature]:
@@ -202,9 +210,7 @@ def features_of(weights, indices, offsets, include_last_offset, names, layout, b
         for f, ids, offs, ilo, name in zip(features, indices, offsets, include_last_offset, names):
             if offs is not None:
                 _check_offsets(name, ids, offs, ilo)
-    ids = torch.cat([f.ids for f in features])
-    limits = _per_element([w.shape[0] for w in weights], [f.ids.numel() for f in features], ids.device)
-    if bool(((ids < 0) | (ids >= limits)).any()):
+    if not _ids_in_range(features, weights):
         for f, w, name in zip(features, weights, names):
             f.ids = checked_ids(name, f.ids, w.shape[0], bounds_check)
     return features
