@@ -4,7 +4,8 @@ One call looks up every feature of a group, each in its own table, with FBGEMM T
 
 - ``weights[t]``: feature t's table ``[rows_t, D_t]`` (the user's parameter itself, never packed);
 - ``indices[t]``: 1-D ids with ``offsets[t]`` (bag starts, or B+1 boundaries when
-  ``include_last_offset[t]``), or 2-D ``[B, L]`` ids with ``offsets[t] = None`` (fixed-size bags);
+  ``include_last_offset[t]``), or 2-D ``[B, L]`` ids with ``offsets[t] = None`` (fixed-size bags),
+  or, for NONE pooling, 1-D ids with ``offsets[t] = None``;
 - ``pooling[t]``: ``SUM``, ``MEAN`` (an empty bag gives 0) or ``NONE`` (no pooling: one row per id);
 - ``per_sample_weights[t]``: a weight per id (SUM only, as ``F.embedding_bag``), or an empty tensor
   for none (schemas cannot carry gradients through a list of optional tensors);
@@ -50,8 +51,8 @@ class Feature:
     def __init__(self, indices: Tensor, offsets: Optional[Tensor], include_last_offset: bool):
         self.ids, self.offsets, self.include_last_offset = indices.reshape(-1), offsets, include_last_offset
         self._bounds = self._bags = None
-        if offsets is None:  # 2-D [B, L]: B bags of L ids
-            self.batch, self.length = indices.shape
+        if offsets is None:  # 2-D [B, L]: B bags of L ids; 1-D (NONE pooling only): a bag per id
+            self.batch, self.length = indices.shape if indices.dim() == 2 else (indices.shape[0], 1)
         else:
             self.batch, self.length = offsets.shape[0] - int(include_last_offset), None
 
@@ -147,7 +148,8 @@ def _validate(weights, indices, offsets, per_sample_weights, pooling, padding_id
             raise ValueError(f"{where}: table dtype {w.dtype} differs from the group's {weights[0].dtype}")
         if ids.dtype not in INDEX_DTYPES or (offs is not None and offs.dtype not in INDEX_DTYPES):
             raise ValueError(f"{where}: indices and offsets must be int32 or int64")
-        if ids.dim() != (2 if offs is None else 1) or (offs is not None and offs.dim() != 1):
+        plain = offs is None and ids.dim() == 1 and pooling[t] == NONE  # unpooled ids, one row each
+        if not plain and (ids.dim() != (2 if offs is None else 1) or (offs is not None and offs.dim() != 1)):
             raise ValueError(f"{where}: indices must be 1-D with 1-D offsets, or 2-D without offsets; got {ids.dim()}-D")
         if pooling[t] not in (SUM, MEAN, NONE):
             raise ValueError(f"{where}: pooling {pooling[t]} is not SUM (0), MEAN (1) or NONE (2)")

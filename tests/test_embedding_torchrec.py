@@ -49,3 +49,34 @@ def test_ebc_lookups_grouped_and_equal_to_eager(pooling):
     torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
     for name, grad in grads_e.items():
         torch.testing.assert_close(grads_c[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class SequenceModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        tables = [torchrec.EmbeddingConfig(name=f"t_{f}", embedding_dim=4, num_embeddings=rows, feature_names=[f])
+                  for f, rows in FEATURES.items()]
+        self.ec = torchrec.EmbeddingCollection(tables=tables, device=torch.device("cpu"))
+
+    def forward(self, kjt):
+        out = self.ec(kjt)
+        return [out[f].values().sum(1) * (i + 1) for i, f in enumerate(FEATURES)]
+
+
+def test_embedding_collection_grouped_as_sequence_and_equal_to_eager():
+    gen = torch.Generator().manual_seed(1)
+    model, kjt = SequenceModel(), _kjt(5, gen)
+    report = recompile.explain(model, kjt).to_dict()
+    (region,) = [r for r in report["regions"] if r["kind"] == "embedding"]
+    assert len(region["replaced"]) == 2 * len(FEATURES)
+    assert "'sequence'" in next(s["code"] for s in report["stages"] if s["name"] == "embedding")
+    compiled = torch.compile(model, backend="rec_ascend")
+    got, want = compiled(kjt), model(kjt)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    sum(x.pow(2).sum() for x in got).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    sum(x.pow(2).sum() for x in want).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)

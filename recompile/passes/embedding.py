@@ -15,12 +15,17 @@ becomes one ``recompile.grouped_embedding_bag`` written in the consumer's layout
 otherwise a stack becomes ``torch.cat([x.unsqueeze(1), grouped, ...], 1)`` (DLRM's
 ``stack([x] + embs, 1)``) and a cat keeps its other items around the grouped output.
 
+Unpooled lookups ``F.embedding(ids1d, weight)`` (and their no-op ``.float()``: TorchRec's
+``EmbeddingCollection``) on distinct tables of one dtype and dim become one ``"sequence"`` call
+``[sum(len(ids)), D]``; each lookup's value is its slice ``torch.narrow(grouped, 0, start, len(ids))``.
+
 Lookups left alone are reported as notes in ``ctx.fallbacks`` with the reason (``max`` pooling,
 ``max_norm``, ``scale_grad_by_freq``, a lookup with other users, no stack/cat consumer, ...).
 """
 from __future__ import annotations
 
 import inspect
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -33,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from recompile.options import embedding_optimizer_spec
 from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
 from recompile.pipeline import Fallback, PassContext, register_pass
-from runtime.embedding import MEAN, POOLING_NAMES, SUM
+from runtime.embedding import MEAN, NONE, POOLING_NAMES, SUM
 
 # TorchRec's modules must be traced, not skipped, for their lookups to reach this pass; the backend
 # imports this module before Dynamo traces anything.
@@ -265,6 +270,64 @@ def _as_part(graph: fx.Graph, item: fx.Node, layout: str) -> fx.Node:
     return _call(graph, torch.unsqueeze, (item, 1)) if layout == "stack" else item
 
 
+def _unpooled(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(output, nodes) of ``F.embedding(ids1d, weight)`` (and its no-op cast) that nothing pools."""
+    if not is_call(node, *EMBEDDING):
+        return None
+    a = _bound(node)
+    ids = tensor_meta(a["input"])
+    if ids is None or ids.dim() != 1 or a["max_norm"] is not None or a["scale_grad_by_freq"]:
+        return None
+    cast = next(iter(node.users)) if len(node.users) == 1 else None
+    return (cast, [cast, node]) if _is_noop_cast(cast) else (node, [node])
+
+
+def _group_unpooled(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Group unpooled 1-D lookups of one dtype and dim (TorchRec's EmbeddingCollection) into one
+    ``"sequence"`` call; each lookup becomes its slice ``torch.narrow(grouped, 0, start, len(ids))``."""
+    groups: dict[tuple, dict[fx.Node, tuple]] = {}
+    for node in list(gm.graph.nodes):
+        found = _unpooled(node)
+        if found is not None:
+            weight = _bound(node)["weight"]
+            table = tensor_meta(weight)
+            groups.setdefault((table.dtype, table.shape[1], table.device), {}).setdefault(weight, (node, *found))
+    for members in groups.values():
+        if len(members) >= 2:
+            _rewrite_unpooled(gm, ctx, list(members.values()))
+
+
+def _rewrite_unpooled(gm: fx.GraphModule, ctx: PassContext, members: list[tuple]) -> None:
+    graph, order = gm.graph, {n: i for i, n in enumerate(gm.graph.nodes)}
+    inputs = [x for lookup, _, _ in members for x in (_bound(lookup)["input"], _bound(lookup)["weight"])]
+    users = [u for _, out, _ in members for u in out.users]
+    last_input = max(inputs, key=order.__getitem__)
+    if users and min(order[u] for u in users) <= order[last_input]:
+        ctx.fallbacks.append(Fallback("embedding", "unpooled lookups left alone: their ids are made after their outputs are used"))
+        return
+    run = []
+    for lookup, _, erased in members:
+        a = _bound(lookup)
+        run.append(Lookup(erased, a["weight"], a["input"], None, None, NONE, _padding(a, tensor_meta(a["weight"]).shape[0]),
+                          False, bool(a["sparse"])))
+    with graph.inserting_before(last_input.next):
+        grouped = _grouped_call(gm, ctx, run, "sequence")
+        start: Any = 0
+        for (_, out, _), x in zip(members, run):
+            length = graph.call_method("size", (x.indices, 0))
+            length.meta["example_value"] = tensor_meta(x.indices).shape[0]
+            part = _call(graph, torch.narrow, (grouped, 0, start, length))
+            out.replace_all_uses_with(part)
+            if start == 0:
+                start = length
+            else:
+                start = graph.call_function(operator.add, (start, length))
+                start.meta["example_value"] = meta_value(start.args[0]) + meta_value(length)
+    for _, _, erased in members:
+        for node in erased:
+            graph.erase_node(node)
+
+
 @register_pass("embedding")
 def embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     lookups: dict[fx.Node, Lookup] = {}
@@ -284,4 +347,5 @@ def embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     consumers = {next(iter(node.users)) for node in lookups}
     for consumer in [n for n in gm.graph.nodes if n in consumers]:
         _rewrite_consumer(gm, ctx, consumer, _consumer_layout(consumer), lookups)
+    _group_unpooled(gm, ctx)
     return gm
