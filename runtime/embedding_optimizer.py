@@ -2,8 +2,8 @@
 
 The backward of ``grouped_embedding_bag_fused`` hands every table's ids and per-id gradients here
 instead of materialising dense table gradients. The step deduplicates the ids (a row looked up
-twice gets the sum of its gradients, as a dense gradient would; SGD, linear, adds per id), then
-updates only the touched rows in place, the way FBGEMM TBE's exact optimizers and TorchRec's ``apply_optimizer_in_backward`` do:
+twice gets the sum of its gradients once, as a dense gradient would: summing first keeps the
+rounding of eager's dense update), then updates only the touched rows in place, the way FBGEMM TBE's exact optimizers and TorchRec's ``apply_optimizer_in_backward`` do:
 
 - ``exact_sgd``: ``w -= lr * g`` (equal to ``torch.optim.SGD`` on the dense gradient);
 - ``exact_adagrad``: ``s += g*g; w -= lr * g / (sqrt(s) + eps)`` (``torch.optim.Adagrad``);
@@ -58,9 +58,8 @@ def table_state(weight: Tensor, kind: str) -> dict:
     return state
 
 
-def _sgd(w, ids, g, state, p):
-    """Linear in the gradient: applied per id, it equals the update of the deduplicated rows (no sort needed)."""
-    w.index_add_(0, ids, (g * -p["lr"]).to(w.dtype))
+def _sgd(w, rows, g, state, p):
+    w.index_add_(0, rows, (g * -p["lr"]).to(w.dtype))
 
 
 def _adagrad(w, rows, g, state, p):
@@ -83,8 +82,6 @@ def _adam(w, rows, g, state, p):
     w.index_add_(0, rows, (m / (v.sqrt() + p["eps"]) * -step_size).to(w.dtype))
 
 
-# Updates that need each touched row once, with its summed gradient.
-DEDUPLICATED = ("exact_adagrad", "exact_rowwise_adagrad", "adam")
 UPDATES: dict[str, Callable] = {
     "exact_sgd": _sgd, "exact_adagrad": _adagrad, "exact_rowwise_adagrad": _rowwise_adagrad, "adam": _adam,
 }
@@ -98,10 +95,9 @@ def embedding_optimizer_step(weights: list[Tensor], ids: list[Tensor], id_grads:
         for w, i, g in zip(weights, ids, id_grads):
             if i.numel() == 0:
                 continue
-            if kind in DEDUPLICATED:
-                i, inverse = torch.unique(i, return_inverse=True)
-                g = torch.zeros(i.numel(), w.shape[1], dtype=torch.float32, device=w.device).index_add_(0, inverse, g.float())
-            UPDATES[kind](w, i, g.float(), table_state(w, kind), params)
+            rows, inverse = torch.unique(i, return_inverse=True)
+            summed = torch.zeros(rows.numel(), w.shape[1], dtype=torch.float32, device=w.device).index_add_(0, inverse, g.float())
+            UPDATES[kind](w, rows, summed, table_state(w, kind), params)
     return torch.zeros((), device=weights[0].device)
 
 
