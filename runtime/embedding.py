@@ -224,7 +224,7 @@ def _assemble(outs: Sequence[Tensor], layout: str) -> Tensor:
     return torch.cat(list(outs), dim=0 if layout == "sequence" else 1)
 
 
-def _output_slices(out: Tensor, dims: Sequence[int], counts: Sequence[int], layout: str) -> list[Tensor]:
+def output_slices(out: Tensor, dims: Sequence[int], counts: Sequence[int], layout: str) -> list[Tensor]:
     """Feature t's part of a grouped output (or of its gradient)."""
     parts, start = [], 0
     for t, (d, n) in enumerate(zip(dims, counts)):
@@ -302,7 +302,7 @@ def _forward_triton(weights, features, per_sample_weights, pooling, padding_idx,
 
 
 def _backward_per_id(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, psw_grad):
-    parts = _output_slices(grad, [w.shape[1] for w in weights], [f.ids.numel() for f in features], layout)
+    parts = output_slices(grad, [w.shape[1] for w in weights], [f.ids.numel() for f in features], layout)
     id_grads, psw_grads = [], []
     for g, w, f, psw, mode, pad, want in zip(parts, weights, features, per_sample_weights, pooling, padding_idx, psw_grad):
         rows = g.to(torch.float32, copy=True) if mode == NONE else g.float().index_select(0, f.bag_of_id())  # per id
@@ -396,9 +396,11 @@ def grouped_embedding_bag_fused(
     names: str,
     bounds_check: str,
     optimizer: str,
+    optimizer_impl: str,
     impl: str,
 ) -> Tensor:
-    """grouped_embedding_bag whose backward runs ``optimizer`` on the touched rows instead of returning table gradients.
+    """grouped_embedding_bag whose backward runs ``optimizer`` on the touched rows instead of returning table gradients
+    (``recompile.embedding_optimizer_step`` with kernel ``optimizer_impl``).
 
     ``trigger`` is a scalar that requires grad: its gradient is the optimizer step's result, which keeps the
     step in the backward graph. The tables get no ``.grad``.
@@ -409,7 +411,7 @@ def grouped_embedding_bag_fused(
 
 @grouped_embedding_bag_fused.register_fake
 def _(trigger, weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
-      bounds_check, optimizer, impl):
+      bounds_check, optimizer, optimizer_impl, impl):
     return _lookup_fake(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout,
                         names, bounds_check)
 
@@ -459,31 +461,35 @@ def _setup_context(ctx, inputs, output):
     fused = isinstance(inputs[0], Tensor)  # grouped_embedding_bag_fused: (trigger, weights, ...)
     ctx.tensor_lists = [_is_tensor_list(x) and len(x) for x in inputs]
     if fused:
-        _, weights, indices, offsets, psw, pooling, padding_idx, ilo, layout, names, bounds_check, optimizer, impl = inputs
+        (_, weights, indices, offsets, psw, pooling, padding_idx, ilo, layout, names, bounds_check, optimizer, optimizer_impl,
+         impl) = inputs
         sparse = [False] * len(weights)
     else:
         weights, indices, offsets, psw, pooling, padding_idx, ilo, sparse, layout, names, bounds_check, impl = inputs
-        optimizer = None
+        optimizer = optimizer_impl = None
     ctx.save_for_backward(*weights, *indices, *offsets, *psw)
     ctx.num, ctx.fused = len(weights), fused
-    ctx.args = (pooling, padding_idx, ilo, sparse, layout, names, bounds_check, optimizer, impl)
+    ctx.args = (pooling, padding_idx, ilo, sparse, layout, names, bounds_check, optimizer, optimizer_impl, impl)
 
 
 def _backward(ctx, grad):
     num, first = ctx.num, int(ctx.fused)
     saved = ctx.saved_tensors
     weights, indices, offsets, psw = (list(saved[i * num:(i + 1) * num]) for i in range(4))
-    pooling, padding_idx, ilo, sparse, layout, names, bounds_check, optimizer, impl = ctx.args
+    pooling, padding_idx, ilo, sparse, layout, names, bounds_check, optimizer, optimizer_impl, impl = ctx.args
     psw_needs = ctx.needs_input_grad[first + 3]
     psw_grad = [bool(p.numel()) and want for p, want in zip(psw, psw_needs)]
-    grads = torch.ops.recompile.grouped_embedding_bag_backward(
-        grad.contiguous(), weights, indices, offsets, psw, pooling, padding_idx, ilo, psw_grad, layout, names, bounds_check, impl
-    )
-    ids = [table_ids(i, w.shape[0], bounds_check) for i, w in zip(indices, weights)]
+    grad, lookup = grad.contiguous(), (weights, indices, offsets, psw, pooling, padding_idx, ilo)
     grads_in = [[None] * n if n is not False else None for n in ctx.tensor_lists]
+    grads = [None] * (2 * num)
+    if not ctx.fused or any(psw_grad):
+        grads = torch.ops.recompile.grouped_embedding_bag_backward(grad, *lookup, psw_grad, layout, names, bounds_check, impl)
     if ctx.fused:
-        grads_in[0] = torch.ops.recompile.embedding_optimizer_step(weights, ids, grads[:num], optimizer)
+        grads_in[0] = torch.ops.recompile.embedding_optimizer_step(
+            grad, *lookup, layout, names, bounds_check, optimizer, optimizer_impl
+        )
     else:
+        ids = [table_ids(i, w.shape[0], bounds_check) for i, w in zip(indices, weights)]
         grads_in[0] = [
             torch.sparse_coo_tensor(i[None], g, w.shape) if is_sparse else torch.zeros_like(w).index_add_(0, i, g)
             for w, i, g, is_sparse in zip(weights, ids, grads[:num], sparse)

@@ -19,10 +19,14 @@ the last read of them in the step, and its (scalar) result is the gradient of th
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from runtime.embedding import BACKWARD_OP, SUM, Feature, feature_names, features_of, output_slices, present
+from runtime.fbgemm import fbgemm_op
+from runtime.kernels import get_kernel
 
 OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad", "adam")
 DEFAULTS = {"lr": 0.01, "eps": 1e-8, "beta1": 0.9, "beta2": 0.999}
@@ -87,20 +91,71 @@ UPDATES: dict[str, Callable] = {
 }
 
 
+def _fbgemm_sgd(grad: Tensor, weight: Tensor, feature: Feature, pooling: int, params: dict) -> None:
+    """FBGEMM's CPU exact SGD on one table: deduplicates and updates the rows from the pooled gradient itself."""
+    rows, dim = weight.shape
+    n = feature.ids.numel()
+    fbgemm_op(FBGEMM_UPDATES["exact_sgd"])(
+        grad.contiguous(), weight.view(-1), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+        torch.tensor([0, dim], dtype=torch.int32), dim, torch.tensor([0, rows]), rows.bit_length(), feature.ids.long(),
+        feature.bounds.long(), pooling, torch.ones(n), False, torch.tensor(params["lr"]), 0,
+    )
+
+
+# FBGEMM's CPU ops for the optimizers they compute like ours, and when one applies to a table.
+FBGEMM_UPDATES = {"exact_sgd": "split_embedding_backward_codegen_sgd_cpu"}
+FBGEMM_KERNELS = {"exact_sgd": _fbgemm_sgd}
+
+
+def _fbgemm_applies(kind: str, weight: Tensor, psw, pooling: int, padding_idx: int) -> bool:
+    return (kind in FBGEMM_KERNELS and pooling == SUM and psw is None and padding_idx < 0
+            and weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu")
+
+
+def _step_rows(grad, weight, feature, psw, pooling, padding_idx, layout, kind, params) -> None:
+    """Our kernel: the ids' gradients, summed per touched row, then the optimizer's row update."""
+    single = "sequence" if layout == "sequence" else "concat"
+    id_grad = get_kernel(BACKWARD_OP, "reference")(grad, [weight], [feature], [psw], [pooling], [padding_idx], single, [False])[0]
+    rows, inverse = torch.unique(feature.ids, return_inverse=True)
+    summed = torch.zeros(rows.numel(), weight.shape[1], dtype=torch.float32, device=weight.device)
+    summed.index_add_(0, inverse, id_grad.float())
+    UPDATES[kind](weight, rows, summed, table_state(weight, kind), params)
+
+
 @torch.library.custom_op("recompile::embedding_optimizer_step", mutates_args=())
-def embedding_optimizer_step(weights: list[Tensor], ids: list[Tensor], id_grads: list[Tensor], optimizer: str) -> Tensor:
-    """Update the rows ``ids[t]`` of ``weights[t]`` with the summed ``id_grads[t]``; returns a zero scalar."""
+def embedding_optimizer_step(
+    grad: Tensor,
+    weights: list[Tensor],
+    indices: list[Tensor],
+    offsets: list[Optional[Tensor]],
+    per_sample_weights: list[Tensor],
+    pooling: list[int],
+    padding_idx: list[int],
+    include_last_offset: list[bool],
+    layout: str,
+    names: str,
+    bounds_check: str,
+    optimizer: str,
+    impl: str,
+) -> Tensor:
+    """Apply ``optimizer`` to the rows of every table the lookup touched, from the gradient of the grouped
+    output ``grad``; returns a zero scalar. ``impl="fbgemm"`` runs FBGEMM's CPU op where it applies."""
     kind, params = parse_optimizer(optimizer)
+    names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
+    features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, check=False)
+    parts = output_slices(grad, [w.shape[1] for w in weights], [f.ids.numel() for f in features], layout)
     with torch.no_grad():
-        for w, i, g in zip(weights, ids, id_grads):
-            if i.numel() == 0:
+        for g, w, f, psw, mode, pad in zip(parts, weights, features, per_sample_weights, pooling, padding_idx):
+            if f.ids.numel() == 0:
                 continue
-            rows, inverse = torch.unique(i, return_inverse=True)
-            summed = torch.zeros(rows.numel(), w.shape[1], dtype=torch.float32, device=w.device).index_add_(0, inverse, g.float())
-            UPDATES[kind](w, rows, summed, table_state(w, kind), params)
-    return torch.zeros((), device=weights[0].device)
+            if impl == "fbgemm" and _fbgemm_applies(kind, w, psw, mode, pad):
+                FBGEMM_KERNELS[kind](g, w, f, mode, params)
+            else:
+                _step_rows(g, w, f, psw, mode, pad, layout, kind, params)
+    return grad.new_zeros((), dtype=torch.float32)
 
 
 @embedding_optimizer_step.register_fake
-def _(weights, ids, id_grads, optimizer):
-    return weights[0].new_empty((), dtype=torch.float32)
+def _(grad, weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
+      bounds_check, optimizer, impl):
+    return grad.new_empty((), dtype=torch.float32)

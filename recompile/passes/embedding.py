@@ -230,8 +230,9 @@ def _grouped_call(gm: fx.GraphModule, ctx: PassContext, run: list[Lookup], layou
         args = (*lookup, [x.sparse for x in run], layout, names, ctx.options.bounds_check, impl.impl)
         grouped = _call(graph, torch.ops.recompile.grouped_embedding_bag.default, args)
     else:
+        step = ctx.lower("recompile::embedding_optimizer_step")
         args = (_trigger(gm, run[0].table), *lookup, layout, names, ctx.options.bounds_check,
-                embedding_optimizer_spec(optimizer), impl.impl)
+                embedding_optimizer_spec(optimizer), step.impl, impl.impl)
         grouped = _call(graph, torch.ops.recompile.grouped_embedding_bag_fused.default, args)
     ctx.record_region("embedding", [n for x in run for n in x.erased], OP, impl)
     return grouped
