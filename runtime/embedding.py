@@ -356,21 +356,17 @@ def _lookup_fake(weights, indices, offsets, per_sample_weights, pooling, padding
     return w.new_empty(batch, sum(x.shape[1] for x in weights))
 
 
-@torch.library.custom_op("recompile::grouped_embedding_bag", mutates_args=())
-def grouped_embedding_bag(
-    weights: list[Tensor],
-    indices: list[Tensor],
-    offsets: list[Optional[Tensor]],
-    per_sample_weights: list[Tensor],
-    pooling: list[int],
-    padding_idx: list[int],
-    include_last_offset: list[bool],
-    sparse: list[bool],
-    layout: str,
-    names: str,
-    bounds_check: str,
-    impl: str,
-) -> Tensor:
+# The arguments every op of the family takes to describe the lookups (their schema, then their names).
+LOOKUP_SCHEMA = ("Tensor[] weights, Tensor[] indices, Tensor?[] offsets, Tensor[] per_sample_weights, int[] pooling, "
+                 "int[] padding_idx, bool[] include_last_offset")
+
+
+@torch.library.custom_op(
+    "recompile::grouped_embedding_bag", mutates_args=(),
+    schema=f"({LOOKUP_SCHEMA}, bool[] sparse, str layout, str names, str bounds_check, str impl) -> Tensor",
+)
+def grouped_embedding_bag(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, sparse,
+                          layout, names, bounds_check, impl) -> Tensor:
     return _lookup(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
                    bounds_check, impl)
 
@@ -382,23 +378,13 @@ def _(weights, indices, offsets, per_sample_weights, pooling, padding_idx, inclu
                         names, bounds_check)
 
 
-@torch.library.custom_op("recompile::grouped_embedding_bag_fused", mutates_args=())
-def grouped_embedding_bag_fused(
-    trigger: Tensor,
-    weights: list[Tensor],
-    indices: list[Tensor],
-    offsets: list[Optional[Tensor]],
-    per_sample_weights: list[Tensor],
-    pooling: list[int],
-    padding_idx: list[int],
-    include_last_offset: list[bool],
-    layout: str,
-    names: str,
-    bounds_check: str,
-    optimizer: str,
-    optimizer_impl: str,
-    impl: str,
-) -> Tensor:
+@torch.library.custom_op(
+    "recompile::grouped_embedding_bag_fused", mutates_args=(),
+    schema=f"(Tensor trigger, {LOOKUP_SCHEMA}, str layout, str names, str bounds_check, str optimizer, "
+           "str optimizer_impl, str impl) -> Tensor",
+)
+def grouped_embedding_bag_fused(trigger, weights, indices, offsets, per_sample_weights, pooling, padding_idx,
+                                include_last_offset, layout, names, bounds_check, optimizer, optimizer_impl, impl) -> Tensor:
     """grouped_embedding_bag whose backward runs ``optimizer`` on the touched rows instead of returning table gradients
     (``recompile.embedding_optimizer_step`` with kernel ``optimizer_impl``).
 
@@ -416,22 +402,12 @@ def _(trigger, weights, indices, offsets, per_sample_weights, pooling, padding_i
                         names, bounds_check)
 
 
-@torch.library.custom_op("recompile::grouped_embedding_bag_backward", mutates_args=())
-def grouped_embedding_bag_backward(
-    grad: Tensor,
-    weights: list[Tensor],
-    indices: list[Tensor],
-    offsets: list[Optional[Tensor]],
-    per_sample_weights: list[Tensor],
-    pooling: list[int],
-    padding_idx: list[int],
-    include_last_offset: list[bool],
-    psw_grad: list[bool],
-    layout: str,
-    names: str,
-    bounds_check: str,
-    impl: str,
-) -> list[Tensor]:
+@torch.library.custom_op(
+    "recompile::grouped_embedding_bag_backward", mutates_args=(),
+    schema=f"(Tensor grad, {LOOKUP_SCHEMA}, bool[] psw_grad, str layout, str names, str bounds_check, str impl) -> Tensor[]",
+)
+def grouped_embedding_bag_backward(grad, weights, indices, offsets, per_sample_weights, pooling, padding_idx,
+                                   include_last_offset, psw_grad, layout, names, bounds_check, impl) -> list[Tensor]:
     """The gradient of every id's row, then of every per-sample weight (empty where not wanted)."""
     names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
     features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, check=False)

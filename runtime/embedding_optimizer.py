@@ -19,12 +19,12 @@ the last read of them in the step, and its (scalar) result is the gradient of th
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-from runtime.embedding import BACKWARD_OP, SUM, Feature, feature_names, features_of, output_slices, present
+from runtime.embedding import BACKWARD_OP, LOOKUP_SCHEMA, SUM, Feature, feature_names, features_of, output_slices, present
 from runtime.fbgemm import fbgemm_op
 from runtime.kernels import get_kernel
 
@@ -122,22 +122,12 @@ def _step_rows(grad, weight, feature, psw, pooling, padding_idx, layout, kind, p
     UPDATES[kind](weight, rows, summed, table_state(weight, kind), params)
 
 
-@torch.library.custom_op("recompile::embedding_optimizer_step", mutates_args=())
-def embedding_optimizer_step(
-    grad: Tensor,
-    weights: list[Tensor],
-    indices: list[Tensor],
-    offsets: list[Optional[Tensor]],
-    per_sample_weights: list[Tensor],
-    pooling: list[int],
-    padding_idx: list[int],
-    include_last_offset: list[bool],
-    layout: str,
-    names: str,
-    bounds_check: str,
-    optimizer: str,
-    impl: str,
-) -> Tensor:
+@torch.library.custom_op(
+    "recompile::embedding_optimizer_step", mutates_args=(),
+    schema=f"(Tensor grad, {LOOKUP_SCHEMA}, str layout, str names, str bounds_check, str optimizer, str impl) -> Tensor",
+)
+def embedding_optimizer_step(grad, weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset,
+                             layout, names, bounds_check, optimizer, impl) -> Tensor:
     """Apply ``optimizer`` to the rows of every table the lookup touched, from the gradient of the grouped
     output ``grad``; returns a zero scalar. ``impl="fbgemm"`` runs FBGEMM's CPU op where it applies."""
     kind, params = parse_optimizer(optimizer)
