@@ -467,7 +467,8 @@ def _backward(ctx, grad):
     else:
         ids = [table_ids(i, w.shape[0], bounds_check) for i, w in zip(indices, weights)]
         grads_in[0] = [
-            torch.sparse_coo_tensor(i[None], g, w.shape) if is_sparse else torch.zeros_like(w).index_add_(0, i, g)
+            torch.sparse_coo_tensor(i[None], g, w.shape, check_invariants=False)  # ids were checked by the forward
+            if is_sparse else torch.zeros_like(w).index_add_(0, i, g)
             for w, i, g, is_sparse in zip(weights, ids, grads[:num], sparse)
         ]
     # An empty tensor is "no weights" to the op, but a weight tensor over no ids still gets its (empty) gradient.

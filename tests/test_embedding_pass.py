@@ -140,3 +140,15 @@ def test_lowering_plan_per_target(target, kind):
     report = recompile.explain(DLRM(SMALL), *synthetic_batch(SMALL, 4), options={"target": target}).to_dict()
     (region,) = report["regions"]
     assert region["kernel_kind"] == kind and region["target"] == target
+
+
+def test_sparse_tables_get_sparse_gradients_equal_to_eager():
+    model = DLRM(SMALL)
+    for emb in model.embeddings:
+        emb.sparse = True
+    eager, args = copy.deepcopy(model), synthetic_batch(SMALL, 8)
+    torch.compile(model, backend="rec_ascend")(*args).sum().backward()
+    eager(*args).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert p.grad.is_sparse == q.grad.is_sparse, name
+        torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), msg=name)
