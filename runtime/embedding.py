@@ -188,9 +188,9 @@ def _ids_in_range(features: Sequence[Feature], weights: Sequence[Tensor]) -> boo
     looked_up = [(f.ids, w.shape[0]) for f, w in zip(features, weights) if f.ids.numel()]
     if not looked_up:
         return True
-    extremes = torch.stack([torch.stack(torch.aminmax(ids)) for ids, _ in looked_up])
-    rows = torch.tensor([rows for _, rows in looked_up], device=extremes.device)
-    return bool((extremes[:, 0] >= 0).all() & (extremes[:, 1] < rows).all())
+    lows, highs = zip(*(torch.aminmax(ids) for ids, _ in looked_up))
+    rows = torch.tensor([rows for _, rows in looked_up], device=lows[0].device)
+    return bool((torch.stack(lows) >= 0).all() & (torch.stack(highs) < rows).all())
 
 
 def features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, check=True) -> list[Feature]:
