@@ -122,6 +122,10 @@ def cached_decision(rewritten: fx.GraphModule, target: str) -> dict | None:
 # running and timing
 
 
+# Ops whose backward updates the user's tables in place (the fused embedding optimizer): timing them would train.
+UPDATES_IN_BACKWARD = frozenset({"recompile::grouped_embedding_bag_fused"})
+
+
 def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> bool:
     """Repeatable runs only: real inputs, no random ops, no in-place or mutating ops."""
     if example_inputs is None or any(isinstance(x, torch.Tensor) and x.is_meta for x in example_inputs):
@@ -136,6 +140,8 @@ def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> bool:
             return False
         if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
             return False  # e.g. a hash-table insert: every timing run would change the table
+        if _op_name(node) in UPDATES_IN_BACKWARD:
+            return False
     return True
 
 
@@ -148,7 +154,7 @@ def run_step(fn: Callable, args: Sequence[Any], training: bool) -> list[torch.Te
     outs = _outputs(fn(*args))
     if not training:
         return [o.detach() for o in outs]
-    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    leaves = [a for a in _tensors(args) if a.requires_grad]
     diff = [o for o in outs if o.requires_grad]
     grads = torch.autograd.grad(diff, leaves, [_weights(o) for o in diff], allow_unused=True) if diff else []
     return [o.detach() for o in outs] + [g for g in grads if g is not None]
@@ -215,11 +221,14 @@ def _call_impl(packet, impl: str, kwargs: dict, *args: Any) -> Any:
     return packet(*args, impl, **kwargs)
 
 
+def _tensors(args: Sequence[Any]) -> list[torch.Tensor]:
+    """Every tensor among ``args``, also inside lists (a grouped lookup's tables)."""
+    return [a for a in torch.utils._pytree.tree_leaves(list(args)) if isinstance(a, torch.Tensor)]
+
+
 def _fresh(args: tuple, training: bool) -> tuple:
-    return tuple(
-        a.detach().requires_grad_(training and a.is_floating_point())
-        if isinstance(a, torch.Tensor) else a
-        for a in args
+    return torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda a: a.detach().requires_grad_(training and a.is_floating_point()), args
     )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from recompile.lowering.targets import TARGETS
+from runtime.embedding_optimizer import OPTIMIZERS, format_optimizer
 
 OFFLOAD = ("partial", "full")
 BOUNDS_CHECK = ("fatal", "warning", "ignore")
@@ -28,6 +29,9 @@ class RecompileOptions:
     bounds_check: str = "fatal"
     # Time candidate kernels on the example inputs and keep the fastest correct one.
     autotune: bool = True
+    # Fused optimizer for the grouped embedding tables: {"type": "exact_rowwise_adagrad", "lr": 0.01, ...};
+    # None: the tables get ordinary gradients. See EMBEDDING_OPTIMIZER_KEYS.
+    embedding_optimizer: dict | None = None
 
     def __post_init__(self):
         _check_choice("target", self.target, TARGETS)
@@ -44,6 +48,7 @@ class RecompileOptions:
             _check_choice("passes", name, tuple(PASS_ORDER))
             if not isinstance(on, bool):
                 raise ValueError(f"recompile option passes[{name!r}] must be True or False, got {on!r}")
+        _check_embedding_optimizer(self.embedding_optimizer)
         if self.dump_dir is None:
             self.dump_dir = os.environ.get("RECOMPILE_DUMP") or None
 
@@ -64,6 +69,34 @@ class RecompileOptions:
         if unknown:
             raise ValueError(f"unknown recompile option(s) {unknown}; valid options: {', '.join(valid)}")
         return cls(**options)
+
+
+EMBEDDING_OPTIMIZER_KEYS = ("type", "lr", "eps", "betas")
+
+
+def _check_embedding_optimizer(spec: Any) -> None:
+    if spec is None:
+        return
+    if not isinstance(spec, Mapping) or "type" not in spec:
+        raise ValueError(f"recompile option 'embedding_optimizer' must be a dict with a 'type', got {spec!r}")
+    unknown = sorted(set(spec) - set(EMBEDDING_OPTIMIZER_KEYS))
+    if unknown:
+        raise ValueError(f"unknown embedding_optimizer key(s) {unknown}; valid keys: {', '.join(EMBEDDING_OPTIMIZER_KEYS)}")
+    _check_choice("embedding_optimizer.type", spec["type"], OPTIMIZERS)
+    for key in ("lr", "eps"):
+        value = spec.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"recompile option embedding_optimizer[{key!r}] must be a positive number, got {value!r}")
+    betas = spec.get("betas", (0.9, 0.999))
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+        raise ValueError(f"recompile option embedding_optimizer['betas'] must be two numbers in [0, 1), got {betas!r}")
+
+
+def embedding_optimizer_spec(spec: Mapping[str, Any]) -> str:
+    """The optimizer as the fused lookup op spells it."""
+    beta1, beta2 = spec.get("betas", (0.9, 0.999))
+    params = {k: spec[k] for k in ("lr", "eps") if k in spec}
+    return format_optimizer(spec["type"], beta1=beta1, beta2=beta2, **params)
 
 
 def _check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:

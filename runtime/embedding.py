@@ -4,7 +4,8 @@ One call looks up every feature of a group, each in its own table, with FBGEMM T
 
 - ``weights[t]``: feature t's table ``[rows_t, D_t]`` (the user's parameter itself, never packed);
 - ``indices[t]``: 1-D ids with ``offsets[t]`` (bag starts, or B+1 boundaries when
-  ``include_last_offset[t]``), or 2-D ``[B, L]`` ids with ``offsets[t] = None`` (fixed-size bags);
+  ``include_last_offset[t]``), or 2-D ``[B, L]`` ids with ``offsets[t] = None`` (fixed-size bags),
+  or, for NONE pooling, 1-D ids with ``offsets[t] = None``;
 - ``pooling[t]``: ``SUM``, ``MEAN`` (an empty bag gives 0) or ``NONE`` (no pooling: one row per id);
 - ``per_sample_weights[t]``: a weight per id (SUM only, as ``F.embedding_bag``), or an empty tensor
   for none (schemas cannot carry gradients through a list of optional tensors);
@@ -45,12 +46,13 @@ WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class Feature:
     """One feature's ids: flat ids, its offsets as given (None for 2-D ids) and, on demand, B+1 bag bounds."""
 
-    __slots__ = ("ids", "offsets", "include_last_offset", "batch", "length", "_bounds")
+    __slots__ = ("ids", "offsets", "include_last_offset", "batch", "length", "_bounds", "_bags")
 
     def __init__(self, indices: Tensor, offsets: Optional[Tensor], include_last_offset: bool):
-        self.ids, self.offsets, self.include_last_offset, self._bounds = indices.reshape(-1), offsets, include_last_offset, None
-        if offsets is None:  # 2-D [B, L]: B bags of L ids
-            self.batch, self.length = indices.shape
+        self.ids, self.offsets, self.include_last_offset = indices.reshape(-1), offsets, include_last_offset
+        self._bounds = self._bags = None
+        if offsets is None:  # 2-D [B, L]: B bags of L ids; 1-D (NONE pooling only): a bag per id
+            self.batch, self.length = indices.shape if indices.dim() == 2 else (indices.shape[0], 1)
         else:
             self.batch, self.length = offsets.shape[0] - int(include_last_offset), None
 
@@ -70,8 +72,11 @@ class Feature:
         return self._bounds
 
     def bag_of_id(self) -> Tensor:
-        lengths = self.bounds.diff()
-        return torch.repeat_interleave(torch.arange(self.batch, device=self.ids.device), lengths.long(), output_size=self.ids.numel())
+        if self._bags is None:
+            lengths = self.bounds.diff().long()
+            bags = torch.arange(self.batch, device=self.ids.device)
+            self._bags = bags.repeat_interleave(lengths, output_size=self.ids.numel())
+        return self._bags
 
 
 def _check_offsets(name: str, indices: Tensor, offsets: Tensor, include_last_offset: bool) -> None:
@@ -92,7 +97,7 @@ def _check_offsets(name: str, indices: Tensor, offsets: Tensor, include_last_off
         )
 
 
-def checked_ids(name: str, ids: Tensor, rows: int, mode: str, warn: bool = True) -> Tensor:
+def checked_ids(name: str, ids: Tensor, rows: int, mode: str) -> Tensor:
     """``ids`` with out-of-range entries handled per ``mode`` (see the module docstring)."""
     if ids.numel() == 0:
         return ids
@@ -103,7 +108,7 @@ def checked_ids(name: str, ids: Tensor, rows: int, mode: str, warn: bool = True)
     message = f"feature {name!r}: id {first} is out of range for its table of {rows} rows ({int(bad.sum())} bad ids)"
     if mode == "fatal":
         raise IndexError(f"recompile.grouped_embedding_bag: {message}")
-    if mode == "warning" and warn:
+    if mode == "warning":
         warnings.warn(f"recompile.grouped_embedding_bag: {message}; they are replaced by id 0", stacklevel=3)
     return ids.masked_fill(bad, 0)
 
@@ -143,7 +148,8 @@ def _validate(weights, indices, offsets, per_sample_weights, pooling, padding_id
             raise ValueError(f"{where}: table dtype {w.dtype} differs from the group's {weights[0].dtype}")
         if ids.dtype not in INDEX_DTYPES or (offs is not None and offs.dtype not in INDEX_DTYPES):
             raise ValueError(f"{where}: indices and offsets must be int32 or int64")
-        if ids.dim() != (2 if offs is None else 1) or (offs is not None and offs.dim() != 1):
+        plain = offs is None and ids.dim() == 1 and pooling[t] == NONE  # unpooled ids, one row each
+        if not plain and (ids.dim() != (2 if offs is None else 1) or (offs is not None and offs.dim() != 1)):
             raise ValueError(f"{where}: indices must be 1-D with 1-D offsets, or 2-D without offsets; got {ids.dim()}-D")
         if pooling[t] not in (SUM, MEAN, NONE):
             raise ValueError(f"{where}: pooling {pooling[t]} is not SUM (0), MEAN (1) or NONE (2)")
@@ -156,32 +162,49 @@ def _validate(weights, indices, offsets, per_sample_weights, pooling, padding_id
             raise ValueError(f"{where}: layout {layout!r} needs one dim for all tables, got {w.shape[1]} and {weights[0].shape[1]}")
 
 
-def _per_element(values: Sequence[int], lengths: Sequence[int], device) -> Tensor:
-    """``values[t]`` repeated ``lengths[t]`` times: one limit per element of a concatenation of segments."""
-    return torch.tensor(values, device=device).repeat_interleave(torch.tensor(lengths, device=device))
-
-
 def _offsets_ok(features: Sequence[Feature]) -> bool:
-    """Every feature's offsets well formed, checked for all at once (one sync)."""
-    given = [f for f in features if f.offsets is not None]
-    if not given or any(f.batch < 0 for f in given):
-        return not given
+    """Every feature's offsets well formed, checked for all at once (one sync): each starts at 0, never
+    decreases, and ends within (``include_last_offset``: at) its ids."""
+    given = [f for f in features if f.offsets is not None and f.offsets.numel()]
+    if any(f.batch < 0 for f in features) or any(f.offsets is not None and f.offsets.numel() == 0 and f.ids.numel()
+                                                 for f in features):
+        return False
+    if not given:
+        return True
     offsets = torch.cat([f.offsets for f in given])
     sizes = [f.offsets.shape[0] for f in given]
-    ends = _per_element([f.ids.numel() for f in given], sizes, offsets.device)
-    firsts = list(itertools.accumulate([0, *sizes[:-1]]))
-    lasts = [first + size - 1 for first, size in zip(firsts, sizes) if size]
-    exact = [first + size - 1 for first, size, f in zip(firsts, sizes, given) if f.include_last_offset]
+    lasts = list(itertools.accumulate(sizes, initial=-1))[1:]
+    firsts = [last - size + 1 for last, size in zip(lasts, sizes)]
     steps = offsets.diff()
-    steps[[last for last in lasts[:-1]]] = 0  # across two features' offsets
-    ok = (offsets[[first for first, size in zip(firsts, sizes) if size]] == 0).all() & (steps >= 0).all()
-    ok &= (offsets <= ends).all() & (offsets[exact] == ends[exact]).all()
+    steps[lasts[:-1]] = 0  # across two features' offsets
+    ends, counts = offsets[lasts], torch.tensor([f.ids.numel() for f in given], device=offsets.device)
+    exact = torch.tensor([f.include_last_offset for f in given], device=offsets.device)
+    ok = (offsets[firsts] == 0).all() & (steps >= 0).all() & (ends <= counts).all() & ((ends == counts) | ~exact).all()
     return bool(ok)
 
 
-def features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, warn=True) -> list[Feature]:
-    """Every feature with its offsets and ids checked; all features at once, per feature only to report."""
+def _ids_in_range(features: Sequence[Feature], weights: Sequence[Tensor]) -> bool:
+    """Every id within its table, for all features at once (one sync)."""
+    looked_up = [(f.ids, w.shape[0]) for f, w in zip(features, weights) if f.ids.numel()]
+    if not looked_up:
+        return True
+    lows, highs = zip(*(torch.aminmax(ids) for ids, _ in looked_up))
+    rows = torch.tensor([rows for _, rows in looked_up], device=lows[0].device)
+    return bool((torch.stack(lows) >= 0).all() & (torch.stack(highs) < rows).all())
+
+
+def features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, check=True) -> list[Feature]:
+    """Every feature with its offsets and ids checked; all features at once, per feature only to report.
+
+    ``check=False`` (the backward, whose forward checked the same tensors) only repeats the id fix-up
+    of ``"warning"``/``"ignore"``, silently.
+    """
     features = [Feature(*args) for args in zip(indices, offsets, include_last_offset)]
+    if not check:
+        if bounds_check != "fatal":
+            for f, w in zip(features, weights):
+                f.ids = table_ids(f.ids, w.shape[0], bounds_check)
+        return features
     batch = {f.batch for f in features}
     if len(batch) > 1 and layout != "sequence":
         raise ValueError(f"recompile.grouped_embedding_bag: features have different batch sizes {sorted(batch)}")
@@ -189,11 +212,9 @@ def features_of(weights, indices, offsets, include_last_offset, names, layout, b
         for f, ids, offs, ilo, name in zip(features, indices, offsets, include_last_offset, names):
             if offs is not None:
                 _check_offsets(name, ids, offs, ilo)
-    ids = torch.cat([f.ids for f in features])
-    limits = _per_element([w.shape[0] for w in weights], [f.ids.numel() for f in features], ids.device)
-    if bool(((ids < 0) | (ids >= limits)).any()):
+    if not _ids_in_range(features, weights):
         for f, w, name in zip(features, weights, names):
-            f.ids = checked_ids(name, f.ids, w.shape[0], bounds_check, warn)
+            f.ids = checked_ids(name, f.ids, w.shape[0], bounds_check)
     return features
 
 
@@ -203,7 +224,7 @@ def _assemble(outs: Sequence[Tensor], layout: str) -> Tensor:
     return torch.cat(list(outs), dim=0 if layout == "sequence" else 1)
 
 
-def _output_slices(out: Tensor, dims: Sequence[int], counts: Sequence[int], layout: str) -> list[Tensor]:
+def output_slices(out: Tensor, dims: Sequence[int], counts: Sequence[int], layout: str) -> list[Tensor]:
     """Feature t's part of a grouped output (or of its gradient)."""
     parts, start = [], 0
     for t, (d, n) in enumerate(zip(dims, counts)):
@@ -224,8 +245,13 @@ def _output_slices(out: Tensor, dims: Sequence[int], counts: Sequence[int], layo
 #   of its per-sample weight.
 
 
-def _id_scale(f: Feature, psw: Optional[Tensor], pooling: int, padding_idx: int) -> Tensor:
-    """Each id's factor in its bag's pooled row: padding -> 0, times its sample weight, over the bag's count for MEAN."""
+def _id_scale(f: Feature, psw: Optional[Tensor], pooling: int, padding_idx: int) -> Optional[Tensor]:
+    """Each id's factor in its bag's pooled row: padding -> 0, times its sample weight, over the bag's count for MEAN.
+
+    None when every factor is 1 (SUM or NONE, no weights, no padding).
+    """
+    if pooling != MEAN and psw is None and padding_idx < 0:
+        return None
     keep = (f.ids != padding_idx).float() if padding_idx >= 0 else torch.ones(f.ids.numel(), device=f.ids.device)
     scale = keep if psw is None else keep * psw.reshape(-1).float()
     if pooling == MEAN:
@@ -234,11 +260,15 @@ def _id_scale(f: Feature, psw: Optional[Tensor], pooling: int, padding_idx: int)
     return scale
 
 
+def _scaled(rows: Tensor, scale: Optional[Tensor]) -> Tensor:
+    return rows if scale is None else rows * scale[:, None]
+
+
 def _pool_reference(w: Tensor, f: Feature, psw: Optional[Tensor], pooling: int, padding_idx: int) -> Tensor:
     rows = w.index_select(0, f.ids)
     if pooling == NONE:
         return rows
-    weighted = rows.float() * _id_scale(f, psw, pooling, padding_idx)[:, None]
+    weighted = _scaled(rows.float(), _id_scale(f, psw, pooling, padding_idx))
     return weighted.new_zeros(f.batch, w.shape[1]).index_add_(0, f.bag_of_id(), weighted).to(w.dtype)
 
 
@@ -250,7 +280,8 @@ def _forward_reference(weights, features, per_sample_weights, pooling, padding_i
 
 @register_kernel(OP, "cpu")
 def _forward_cpu(weights, features, per_sample_weights, pooling, padding_idx, layout):
-    """ATen's embedding_bag per table (FBGEMM's EmbeddingSpMDM inside) straight from the canonical bounds."""
+    """ATen's embedding_bag per table (FBGEMM's EmbeddingSpMDM inside), the forward-only variant: the
+    backward needs none of its bag bookkeeping."""
     outs = []
     for w, f, psw, mode, pad in zip(weights, features, per_sample_weights, pooling, padding_idx):
         if mode == NONE:
@@ -258,7 +289,7 @@ def _forward_cpu(weights, features, per_sample_weights, pooling, padding_idx, la
             continue
         psw = None if psw is None else psw.reshape(-1)
         offsets, last = (f.offsets, f.include_last_offset) if f.offsets is not None else (f.bounds, True)
-        outs.append(torch.embedding_bag(w, f.ids, offsets, False, mode, False, psw, last, pad if pad >= 0 else None)[0])
+        outs.append(torch.ops.aten._embedding_bag_forward_only(w, f.ids, offsets, False, mode, False, psw, last, pad)[0])
     return _assemble(outs, layout)
 
 
@@ -271,11 +302,11 @@ def _forward_triton(weights, features, per_sample_weights, pooling, padding_idx,
 
 
 def _backward_per_id(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, psw_grad):
-    parts = _output_slices(grad, [w.shape[1] for w in weights], [f.ids.numel() for f in features], layout)
+    parts = output_slices(grad, [w.shape[1] for w in weights], [f.ids.numel() for f in features], layout)
     id_grads, psw_grads = [], []
     for g, w, f, psw, mode, pad, want in zip(parts, weights, features, per_sample_weights, pooling, padding_idx, psw_grad):
-        rows = g.float() if mode == NONE else g.float().index_select(0, f.bag_of_id())  # each id's output gradient
-        id_grads.append((rows * _id_scale(f, psw, mode, pad)[:, None]).to(w.dtype))
+        rows = g.to(torch.float32, copy=True) if mode == NONE else g.float().index_select(0, f.bag_of_id())  # per id
+        id_grads.append(_scaled(rows, _id_scale(f, psw, mode, pad)).to(w.dtype))
         if not want:
             psw_grads.append(g.new_empty(0))
             continue
@@ -303,66 +334,83 @@ def grouped_embedding_bag_reference(weights, indices, offsets, per_sample_weight
 # The ops.
 
 
-@torch.library.custom_op("recompile::grouped_embedding_bag", mutates_args=())
-def grouped_embedding_bag(
-    weights: list[Tensor],
-    indices: list[Tensor],
-    offsets: list[Optional[Tensor]],
-    per_sample_weights: list[Tensor],
-    pooling: list[int],
-    padding_idx: list[int],
-    include_last_offset: list[bool],
-    sparse: list[bool],
-    layout: str,
-    names: str,
-    bounds_check: str,
-    impl: str,
-) -> Tensor:
+def _lookup(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
+            bounds_check, impl) -> Tensor:
     names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
     _validate(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names, bounds_check)
     features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check)
     return get_kernel(OP, impl)(weights, features, per_sample_weights, pooling, padding_idx, layout)
 
 
-def _batch(indices: Tensor, offsets: Optional[Tensor], include_last_offset: bool):
-    if offsets is None:
-        return indices.shape[0]
-    return offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
-
-
-@grouped_embedding_bag.register_fake
-def _(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, sparse, layout, names,
-      bounds_check, impl):
+def _lookup_fake(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
+                 bounds_check) -> Tensor:
     names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
     _validate(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names, bounds_check)
     w = weights[0]
     if layout == "sequence":
         return w.new_empty(sum(ids.numel() for ids in indices), w.shape[1])
-    batch = _batch(indices[0], offsets[0], include_last_offset[0])
+    ids, offs, last = indices[0], offsets[0], include_last_offset[0]
+    batch = ids.shape[0] if offs is None else offs.shape[0] - int(last)
     if layout == "stack":
         return w.new_empty(batch, len(weights), w.shape[1])
     return w.new_empty(batch, sum(x.shape[1] for x in weights))
 
 
-@torch.library.custom_op("recompile::grouped_embedding_bag_backward", mutates_args=())
-def grouped_embedding_bag_backward(
-    grad: Tensor,
-    weights: list[Tensor],
-    indices: list[Tensor],
-    offsets: list[Optional[Tensor]],
-    per_sample_weights: list[Tensor],
-    pooling: list[int],
-    padding_idx: list[int],
-    include_last_offset: list[bool],
-    psw_grad: list[bool],
-    layout: str,
-    names: str,
-    bounds_check: str,
-    impl: str,
-) -> list[Tensor]:
+# The arguments every op of the family takes to describe the lookups (their schema, then their names).
+LOOKUP_SCHEMA = ("Tensor[] weights, Tensor[] indices, Tensor?[] offsets, Tensor[] per_sample_weights, int[] pooling, "
+                 "int[] padding_idx, bool[] include_last_offset")
+
+
+@torch.library.custom_op(
+    "recompile::grouped_embedding_bag", mutates_args=(),
+    schema=f"({LOOKUP_SCHEMA}, bool[] sparse, str layout, str names, str bounds_check, str impl) -> Tensor",
+)
+def grouped_embedding_bag(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, sparse,
+                          layout, names, bounds_check, impl) -> Tensor:
+    return _lookup(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
+                   bounds_check, impl)
+
+
+@grouped_embedding_bag.register_fake
+def _(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, sparse, layout, names,
+      bounds_check, impl):
+    return _lookup_fake(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout,
+                        names, bounds_check)
+
+
+@torch.library.custom_op(
+    "recompile::grouped_embedding_bag_fused", mutates_args=(),
+    schema=f"(Tensor trigger, {LOOKUP_SCHEMA}, str layout, str names, str bounds_check, str optimizer, "
+           "str optimizer_impl, str impl) -> Tensor",
+)
+def grouped_embedding_bag_fused(trigger, weights, indices, offsets, per_sample_weights, pooling, padding_idx,
+                                include_last_offset, layout, names, bounds_check, optimizer, optimizer_impl, impl) -> Tensor:
+    """grouped_embedding_bag whose backward runs ``optimizer`` on the touched rows instead of returning table gradients
+    (``recompile.embedding_optimizer_step`` with kernel ``optimizer_impl``).
+
+    ``trigger`` is a scalar that requires grad: its gradient is the optimizer step's result, which keeps the
+    step in the backward graph. The tables get no ``.grad``.
+    """
+    return _lookup(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
+                   bounds_check, impl)
+
+
+@grouped_embedding_bag_fused.register_fake
+def _(trigger, weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
+      bounds_check, optimizer, optimizer_impl, impl):
+    return _lookup_fake(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout,
+                        names, bounds_check)
+
+
+@torch.library.custom_op(
+    "recompile::grouped_embedding_bag_backward", mutates_args=(),
+    schema=f"(Tensor grad, {LOOKUP_SCHEMA}, bool[] psw_grad, str layout, str names, str bounds_check, str impl) -> Tensor[]",
+)
+def grouped_embedding_bag_backward(grad, weights, indices, offsets, per_sample_weights, pooling, padding_idx,
+                                   include_last_offset, psw_grad, layout, names, bounds_check, impl) -> list[Tensor]:
     """The gradient of every id's row, then of every per-sample weight (empty where not wanted)."""
     names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
-    features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, warn=False)
+    features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, check=False)
     return get_kernel(BACKWARD_OP, impl)(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, psw_grad)
 
 
@@ -386,35 +434,48 @@ def _is_tensor_list(x) -> bool:
 
 
 def _setup_context(ctx, inputs, output):
-    weights, indices, offsets, psw, pooling, padding_idx, ilo, sparse, layout, names, bounds_check, impl = inputs
-    ctx.save_for_backward(*weights, *indices, *offsets, *psw)
-    ctx.num = len(weights)
+    fused = isinstance(inputs[0], Tensor)  # grouped_embedding_bag_fused: (trigger, weights, ...)
     ctx.tensor_lists = [_is_tensor_list(x) and len(x) for x in inputs]
-    ctx.args = (pooling, padding_idx, ilo, sparse, layout, names, bounds_check, impl)
+    if fused:
+        (_, weights, indices, offsets, psw, pooling, padding_idx, ilo, layout, names, bounds_check, optimizer, optimizer_impl,
+         impl) = inputs
+        sparse = [False] * len(weights)
+    else:
+        weights, indices, offsets, psw, pooling, padding_idx, ilo, sparse, layout, names, bounds_check, impl = inputs
+        optimizer = optimizer_impl = None
+    ctx.save_for_backward(*weights, *indices, *offsets, *psw)
+    ctx.num, ctx.fused = len(weights), fused
+    ctx.args = (pooling, padding_idx, ilo, sparse, layout, names, bounds_check, optimizer, optimizer_impl, impl)
 
 
 def _backward(ctx, grad):
-    num = ctx.num
+    num, first = ctx.num, int(ctx.fused)
     saved = ctx.saved_tensors
     weights, indices, offsets, psw = (list(saved[i * num:(i + 1) * num]) for i in range(4))
-    pooling, padding_idx, ilo, sparse, layout, names, bounds_check, impl = ctx.args
-    psw_grad = [bool(p.numel()) and want for p, want in zip(psw, ctx.needs_input_grad[3])]
-    grads = torch.ops.recompile.grouped_embedding_bag_backward(
-        grad.contiguous(), weights, indices, offsets, psw, pooling, padding_idx, ilo, psw_grad, layout, names, bounds_check, impl
-    )
-    weight_grads = []
-    for w, ids, g, is_sparse in zip(weights, indices, grads[:num], sparse):
-        ids = table_ids(ids, w.shape[0], bounds_check)
-        if is_sparse:
-            weight_grads.append(torch.sparse_coo_tensor(ids[None], g, w.shape))
-        else:
-            weight_grads.append(torch.zeros_like(w).index_add_(0, ids, g))
-    # An empty tensor is "no weights" to the op, but a weight tensor over no ids still gets its (empty) gradient.
-    psw_grads = [g if want else (torch.zeros_like(p) if asked else None)
-                 for g, want, p, asked in zip(grads[num:], psw_grad, psw, ctx.needs_input_grad[3])]
+    pooling, padding_idx, ilo, sparse, layout, names, bounds_check, optimizer, optimizer_impl, impl = ctx.args
+    psw_needs = ctx.needs_input_grad[first + 3]
+    psw_grad = [bool(p.numel()) and want for p, want in zip(psw, psw_needs)]
+    grad, lookup = grad.contiguous(), (weights, indices, offsets, psw, pooling, padding_idx, ilo)
     grads_in = [[None] * n if n is not False else None for n in ctx.tensor_lists]
-    grads_in[0], grads_in[3] = weight_grads, psw_grads
+    grads = [None] * (2 * num)
+    if not ctx.fused or any(psw_grad):
+        grads = torch.ops.recompile.grouped_embedding_bag_backward(grad, *lookup, psw_grad, layout, names, bounds_check, impl)
+    if ctx.fused:
+        grads_in[0] = torch.ops.recompile.embedding_optimizer_step(
+            grad, *lookup, layout, names, bounds_check, optimizer, optimizer_impl
+        )
+    else:
+        ids = [table_ids(i, w.shape[0], bounds_check) for i, w in zip(indices, weights)]
+        grads_in[0] = [
+            torch.sparse_coo_tensor(i[None], g, w.shape, check_invariants=False)  # ids were checked by the forward
+            if is_sparse else torch.zeros_like(w).index_add_(0, i, g)
+            for w, i, g, is_sparse in zip(weights, ids, grads[:num], sparse)
+        ]
+    # An empty tensor is "no weights" to the op, but a weight tensor over no ids still gets its (empty) gradient.
+    grads_in[first + 3] = [g if want else (torch.zeros_like(p) if asked else None)
+                           for g, want, p, asked in zip(grads[num:], psw_grad, psw, psw_needs)]
     return tuple(grads_in)
 
 
 grouped_embedding_bag.register_autograd(_backward, setup_context=_setup_context)
+grouped_embedding_bag_fused.register_autograd(_backward, setup_context=_setup_context)

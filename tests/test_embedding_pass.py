@@ -4,7 +4,6 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import recompile
@@ -134,3 +133,22 @@ def test_batch_size_changes_compile_at_most_twice():
         torch.testing.assert_close(out, model(*args), rtol=1e-5, atol=1e-6)
         out.sum().backward()
     assert counter.frame_count <= 2
+
+
+@pytest.mark.parametrize("target, kind", [("cpu", "cpu_kernel"), ("npu", "triton"), ("cuda", "triton")])
+def test_lowering_plan_per_target(target, kind):
+    report = recompile.explain(DLRM(SMALL), *synthetic_batch(SMALL, 4), options={"target": target}).to_dict()
+    (region,) = report["regions"]
+    assert region["kernel_kind"] == kind and region["target"] == target
+
+
+def test_sparse_tables_get_sparse_gradients_equal_to_eager():
+    model = DLRM(SMALL)
+    for emb in model.embeddings:
+        emb.sparse = True
+    eager, args = copy.deepcopy(model), synthetic_batch(SMALL, 8)
+    torch.compile(model, backend="rec_ascend")(*args).sum().backward()
+    eager(*args).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert p.grad.is_sparse == q.grad.is_sparse, name
+        torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), msg=name)

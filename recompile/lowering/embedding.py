@@ -12,3 +12,12 @@ register_lowering(
     Impl("cpu", "cpu_kernel", on_cpu, "ATen embedding_bag per table (FBGEMM EmbeddingSpMDM) in one op"),
     reference("runtime.embedding.grouped_embedding_bag_reference"),
 )
+
+# The fused optimizer's step: FBGEMM's CPU exact-SGD op per table where it applies (SUM pooling, fp32, no
+# per-sample weights or padding), else deduplication and row updates in torch.
+register_lowering(
+    "recompile::embedding_optimizer_step",
+    Impl("fbgemm", "library", lambda target: on_cpu(target) and target.has_fbgemm("split_embedding_backward_codegen_sgd_cpu"),
+         "torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu per table (exact_sgd)"),
+    reference("runtime.embedding_optimizer: unique ids, summed gradients, row updates"),
+)

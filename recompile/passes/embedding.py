@@ -4,6 +4,9 @@ Patterns (a *lookup*), each on its own table:
 - ``F.embedding_bag(ids, weight, offsets, mode="sum"|"mean", per_sample_weights=..., include_last_offset=...,
   padding_idx=..., sparse=...)`` with 1-D ids + offsets or 2-D ids (how Dynamo records ``nn.EmbeddingBag``);
 - ``torch.sum|mean(F.embedding(ids2d, weight), 1)`` (a bag of fixed size written by hand);
+- either followed by a no-op ``.float()`` on a float32 table (how Dynamo records TorchRec's
+  ``EmbeddingBagCollection`` fed a ``KeyedJaggedTensor``: one ``F.embedding_bag`` per feature with
+  ``include_last_offset=True``, cast, then ``torch.cat(..., dim=1)`` into the KeyedTensor's values);
 feeding one consumer ``torch.stack(items, dim=1)`` or ``torch.cat(items, dim=1)`` of 2-D items.
 
 Replacement: every run of two or more consecutive lookups of ``items`` (distinct tables, one dtype)
@@ -12,12 +15,17 @@ becomes one ``recompile.grouped_embedding_bag`` written in the consumer's layout
 otherwise a stack becomes ``torch.cat([x.unsqueeze(1), grouped, ...], 1)`` (DLRM's
 ``stack([x] + embs, 1)``) and a cat keeps its other items around the grouped output.
 
+Unpooled lookups ``F.embedding(ids1d, weight)`` (and their no-op ``.float()``: TorchRec's
+``EmbeddingCollection``) on distinct tables of one dtype and dim become one ``"sequence"`` call
+``[sum(len(ids)), D]``; each lookup's value is its slice ``torch.narrow(grouped, 0, start, len(ids))``.
+
 Lookups left alone are reported as notes in ``ctx.fallbacks`` with the reason (``max`` pooling,
 ``max_norm``, ``scale_grad_by_freq``, a lookup with other users, no stack/cat consumer, ...).
 """
 from __future__ import annotations
 
 import inspect
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -27,15 +35,21 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from recompile.options import embedding_optimizer_spec
 from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
 from recompile.pipeline import Fallback, PassContext, register_pass
-from runtime.embedding import MEAN, POOLING_NAMES, SUM
+from runtime.embedding import MEAN, NONE, POOLING_NAMES, SUM
+
+# TorchRec's modules must be traced, not skipped, for their lookups to reach this pass; the backend
+# imports this module before Dynamo traces anything.
+torch._dynamo.config.skip_torchrec = False
 
 OP = "recompile::grouped_embedding_bag"
 EMBEDDING_BAG = (F.embedding_bag,)
 EMBEDDING = (F.embedding,)
 BAG_REDUCTIONS = {torch.sum: SUM, torch.mean: MEAN}
 CONSUMERS = {torch.stack: "stack", torch.cat: "concat"}
+NOOP_CASTS = {"float": torch.float32}
 _SIGNATURES = {fn: inspect.signature(fn) for fn in (*EMBEDDING_BAG, *EMBEDDING)}
 
 
@@ -45,8 +59,7 @@ class NotGroupable(Exception):
 
 @dataclass
 class Lookup:
-    node: fx.Node  # the node whose value the consumer uses
-    erased: list[fx.Node]  # the nodes the grouped call replaces, consumer-side first
+    erased: list[fx.Node]  # the nodes the grouped call replaces, the one the consumer uses first
     weight: fx.Node
     indices: fx.Node
     offsets: Optional[fx.Node]
@@ -95,7 +108,7 @@ def _embedding_bag(node: fx.Node) -> Lookup:
     ids = tensor_meta(a["input"])
     if ids is None or ids.dim() != (1 if a["offsets"] is not None else 2):
         raise NotGroupable("ids are neither 1-D with offsets nor 2-D")
-    return Lookup(node, [node], a["weight"], a["input"], a["offsets"], a["per_sample_weights"], POOLING_NAMES[a["mode"]],
+    return Lookup([node], a["weight"], a["input"], a["offsets"], a["per_sample_weights"], POOLING_NAMES[a["mode"]],
                   _padding(a, weight.shape[0]), bool(a["include_last_offset"]), bool(a["sparse"]))
 
 
@@ -114,12 +127,23 @@ def _embedding_then_reduce(node: fx.Node) -> Lookup:
         raise NotGroupable("the reduction is not over the bag dimension")
     if len(embedding.users) != 1:
         raise NotGroupable("the F.embedding output has other users")
-    return Lookup(node, [node, embedding], a["weight"], a["input"], None, None, BAG_REDUCTIONS[node.target], -1, False,
+    return Lookup([node, embedding], a["weight"], a["input"], None, None, BAG_REDUCTIONS[node.target], -1, False,
                   bool(a["sparse"]))
+
+
+def _is_noop_cast(node: Any) -> bool:
+    """``x.float()`` on a float32 ``x`` (TorchRec's EmbeddingBagCollection casts every pooled lookup)."""
+    return (isinstance(node, fx.Node) and node.op == "call_method" and node.target in NOOP_CASTS and len(node.args) == 1
+            and not node.kwargs and getattr(tensor_meta(node.args[0]), "dtype", None) == NOOP_CASTS[node.target])
 
 
 def _lookup(node: Any) -> Lookup | None:
     """The lookup ``node`` computes, None when it is none; raises NotGroupable for one left alone."""
+    if _is_noop_cast(node) and len(node.args[0].users) == 1:
+        lookup = _lookup(node.args[0])
+        if lookup is not None:
+            lookup.erased = [node, *lookup.erased]
+        return lookup
     if is_call(node, *EMBEDDING_BAG):
         return _embedding_bag(node)
     if is_call(node, *BAG_REDUCTIONS) and is_call(node.args[0], *EMBEDDING):
@@ -184,16 +208,32 @@ def _no_weights(graph: fx.Graph, table: torch.Tensor) -> fx.Node:
     return _call(graph, torch.empty, (0,), {"dtype": table.dtype, "device": table.device})
 
 
+def _trigger(gm: fx.GraphModule, table: torch.Tensor) -> fx.Node:
+    """A scalar parameter of ``gm`` whose gradient carries the fused optimizer step (see grouped_embedding_bag_fused)."""
+    name = f"_embedding_optimizer_trigger_{sum(1 for n, _ in gm.named_parameters() if 'trigger' in n)}"
+    gm.register_parameter(name, torch.nn.Parameter(torch.zeros((), device=table.device)))
+    node = gm.graph.get_attr(name)
+    node.meta["example_value"] = _fake_mode(gm.graph).from_tensor(getattr(gm, name))
+    return node
+
+
 def _grouped_call(gm: fx.GraphModule, ctx: PassContext, run: list[Lookup], layout: str) -> fx.Node:
     graph = gm.graph
     impl = ctx.lower(OP)
-    psw = [x.per_sample_weights or _no_weights(graph, x.table) for x in run]
-    args = (
-        [x.weight for x in run], [x.indices for x in run], [x.offsets for x in run], psw,
-        [x.pooling for x in run], [x.padding_idx for x in run], [x.include_last_offset for x in run],
-        [x.sparse for x in run], layout, ",".join(feature_name(x.weight) for x in run), ctx.options.bounds_check, impl.impl,
-    )
-    grouped = _call(graph, torch.ops.recompile.grouped_embedding_bag.default, args)
+    no_weights = _no_weights(graph, run[0].table)
+    psw = [x.per_sample_weights or no_weights for x in run]
+    names = ",".join(feature_name(x.weight) for x in run)
+    lookup = ([x.weight for x in run], [x.indices for x in run], [x.offsets for x in run], psw,
+              [x.pooling for x in run], [x.padding_idx for x in run], [x.include_last_offset for x in run])
+    optimizer = ctx.options.embedding_optimizer
+    if optimizer is None:
+        args = (*lookup, [x.sparse for x in run], layout, names, ctx.options.bounds_check, impl.impl)
+        grouped = _call(graph, torch.ops.recompile.grouped_embedding_bag.default, args)
+    else:
+        step = ctx.lower("recompile::embedding_optimizer_step")
+        args = (_trigger(gm, run[0].table), *lookup, layout, names, ctx.options.bounds_check,
+                embedding_optimizer_spec(optimizer), step.impl, impl.impl)
+        grouped = _call(graph, torch.ops.recompile.grouped_embedding_bag_fused.default, args)
     ctx.record_region("embedding", [n for x in run for n in x.erased], OP, impl)
     return grouped
 
@@ -201,6 +241,11 @@ def _grouped_call(gm: fx.GraphModule, ctx: PassContext, run: list[Lookup], layou
 def _rewrite_consumer(gm: fx.GraphModule, ctx: PassContext, consumer: fx.Node, layout: str, lookups: dict) -> None:
     items = list(consumer.args[0])
     runs = _runs(items, lookups)
+    grouped = {item for start, end in runs for item in items[start:end]}
+    for item in items:
+        if item in lookups and item not in grouped:
+            why = "no neighbouring lookup on another table of its dtype in its stack/cat to group with"
+            ctx.fallbacks.append(Fallback("embedding", f"lookup {item.name} left alone: {why}"))
     if not runs:
         return
     graph = gm.graph
@@ -226,6 +271,64 @@ def _as_part(graph: fx.Graph, item: fx.Node, layout: str) -> fx.Node:
     return _call(graph, torch.unsqueeze, (item, 1)) if layout == "stack" else item
 
 
+def _unpooled(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(output, nodes) of ``F.embedding(ids1d, weight)`` (and its no-op cast) that nothing pools."""
+    if not is_call(node, *EMBEDDING):
+        return None
+    a = _bound(node)
+    ids = tensor_meta(a["input"])
+    if ids is None or ids.dim() != 1 or a["max_norm"] is not None or a["scale_grad_by_freq"]:
+        return None
+    cast = next(iter(node.users)) if len(node.users) == 1 else None
+    return (cast, [cast, node]) if _is_noop_cast(cast) else (node, [node])
+
+
+def _group_unpooled(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Group unpooled 1-D lookups of one dtype and dim (TorchRec's EmbeddingCollection) into one
+    ``"sequence"`` call; each lookup becomes its slice ``torch.narrow(grouped, 0, start, len(ids))``."""
+    groups: dict[tuple, dict[fx.Node, tuple]] = {}
+    for node in list(gm.graph.nodes):
+        found = _unpooled(node)
+        if found is not None:
+            weight = _bound(node)["weight"]
+            table = tensor_meta(weight)
+            groups.setdefault((table.dtype, table.shape[1], table.device), {}).setdefault(weight, (node, *found))
+    for members in groups.values():
+        if len(members) >= 2:
+            _rewrite_unpooled(gm, ctx, list(members.values()))
+
+
+def _rewrite_unpooled(gm: fx.GraphModule, ctx: PassContext, members: list[tuple]) -> None:
+    graph, order = gm.graph, {n: i for i, n in enumerate(gm.graph.nodes)}
+    inputs = [x for lookup, _, _ in members for x in (_bound(lookup)["input"], _bound(lookup)["weight"])]
+    users = [u for _, out, _ in members for u in out.users]
+    last_input = max(inputs, key=order.__getitem__)
+    if users and min(order[u] for u in users) <= order[last_input]:
+        ctx.fallbacks.append(Fallback("embedding", "unpooled lookups left alone: their ids are made after their outputs are used"))
+        return
+    run = []
+    for lookup, _, erased in members:
+        a = _bound(lookup)
+        run.append(Lookup(erased, a["weight"], a["input"], None, None, NONE, _padding(a, tensor_meta(a["weight"]).shape[0]),
+                          False, bool(a["sparse"])))
+    with graph.inserting_before(last_input.next):
+        grouped = _grouped_call(gm, ctx, run, "sequence")
+        start: Any = 0
+        for (_, out, _), x in zip(members, run):
+            length = graph.call_method("size", (x.indices, 0))
+            length.meta["example_value"] = tensor_meta(x.indices).shape[0]
+            part = _call(graph, torch.narrow, (grouped, 0, start, length))
+            out.replace_all_uses_with(part)
+            if start == 0:
+                start = length
+            else:
+                start = graph.call_function(operator.add, (start, length))
+                start.meta["example_value"] = meta_value(start.args[0]) + meta_value(length)
+    for _, _, erased in members:
+        for node in erased:
+            graph.erase_node(node)
+
+
 @register_pass("embedding")
 def embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     lookups: dict[fx.Node, Lookup] = {}
@@ -235,8 +338,8 @@ def embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         except NotGroupable as why:
             ctx.fallbacks.append(Fallback("embedding", f"lookup {node.name} left alone: {why}"))
             continue
-        if lookup is None:
-            continue
+        if lookup is None or (len(node.users) == 1 and _is_noop_cast(next(iter(node.users)))):
+            continue  # not a lookup, or one whose cast is matched instead
         consumer = next(iter(node.users), None)
         if len(node.users) != 1 or _consumer_layout(consumer) is None:
             ctx.fallbacks.append(Fallback("embedding", f"lookup {node.name} left alone: it does not feed one stack/cat along dim 1"))
@@ -245,4 +348,5 @@ def embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     consumers = {next(iter(node.users)) for node in lookups}
     for consumer in [n for n in gm.graph.nodes if n in consumers]:
         _rewrite_consumer(gm, ctx, consumer, _consumer_layout(consumer), lookups)
+    _group_unpooled(gm, ctx)
     return gm

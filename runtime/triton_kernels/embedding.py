@@ -45,7 +45,7 @@ def _check_size(weight: torch.Tensor) -> None:
 
 
 def grouped_embedding_bag_forward(weights, features, scales, layout: str) -> torch.Tensor:
-    """The grouped output; ``scales[t]`` is table t's factor per id, None for NONE pooling (factor 1, one id per row)."""
+    """The grouped output; ``scales[t]`` is table t's factor per id (None: all 1; NONE pooling: one id per row)."""
     w0 = weights[0]
     if layout == "sequence":
         out = w0.new_empty(sum(f.ids.numel() for f in features), w0.shape[1])
@@ -59,9 +59,10 @@ def grouped_embedding_bag_forward(weights, features, scales, layout: str) -> tor
         _check_size(w)
         w = w.contiguous()
         dim, n = w.shape[1], f.ids.numel()
+        scale = torch.ones(n, device=w.device) if scale is None else scale
         if layout == "sequence":
             target, bounds = out[row:row + n], torch.arange(n + 1, device=w.device, dtype=torch.int32)
-            scale, row = torch.ones(n, device=w.device), row + n
+            row += n
         else:
             target, bounds = (out[:, t] if layout == "stack" else out[:, column:column + dim]), f.bounds
             column += dim

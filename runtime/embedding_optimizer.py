@@ -1,0 +1,151 @@
+"""Fused embedding optimizers: ``torch.ops.recompile.embedding_optimizer_step``.
+
+The backward of ``grouped_embedding_bag_fused`` hands every table's ids and per-id gradients here
+instead of materialising dense table gradients. The step deduplicates the ids (a row looked up
+twice gets the sum of its gradients once, as a dense gradient would: summing first keeps the
+rounding of eager's dense update), then updates only the touched rows in place, the way FBGEMM TBE's exact optimizers and TorchRec's ``apply_optimizer_in_backward`` do:
+
+- ``exact_sgd``: ``w -= lr * g`` (equal to ``torch.optim.SGD`` on the dense gradient);
+- ``exact_adagrad``: ``s += g*g; w -= lr * g / (sqrt(s) + eps)`` (``torch.optim.Adagrad``);
+- ``exact_rowwise_adagrad``: one accumulator per row, ``s += mean(g*g)`` (FBGEMM's rowwise Adagrad);
+- ``adam``: moments of the touched rows only, bias correction by the table's step count
+  (``torch.optim.SparseAdam``; dense ``Adam`` would also move rows that got no gradient).
+
+Optimizer state lives per table in ``STATES``, keyed by the table's storage, created on first use.
+The op is declared without mutated arguments: like an optimizer step it changes the parameters after
+the last read of them in the step, and its (scalar) result is the gradient of the fused lookup's
+``trigger`` so that the backward graph keeps it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from runtime.embedding import BACKWARD_OP, LOOKUP_SCHEMA, SUM, Feature, feature_names, features_of, output_slices, present
+from runtime.fbgemm import fbgemm_op
+from runtime.kernels import get_kernel
+
+OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad", "adam")
+DEFAULTS = {"lr": 0.01, "eps": 1e-8, "beta1": 0.9, "beta2": 0.999}
+
+# (storage address, storage offset, shape, optimizer) -> that table's optimizer state.
+STATES: dict[tuple, dict] = {}
+
+
+def format_optimizer(kind: str, **params: float) -> str:
+    """The op's spelling of an optimizer: ``"exact_sgd lr=0.01 eps=1e-08 ..."``."""
+    return " ".join([kind, *(f"{k}={float(v)!r}" for k, v in sorted({**DEFAULTS, **params}.items()))])
+
+
+def parse_optimizer(spec: str) -> tuple[str, dict[str, float]]:
+    kind, *fields = spec.split()
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"recompile.embedding_optimizer_step: optimizer {kind!r} is not one of {OPTIMIZERS}")
+    return kind, {**DEFAULTS, **{k: float(v) for k, v in (f.split("=") for f in fields)}}
+
+
+def table_state(weight: Tensor, kind: str) -> dict:
+    key = (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), kind)
+    state = STATES.get(key)
+    if state is None:
+        rows, dim = weight.shape
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=weight.device)  # noqa: E731
+        state = STATES[key] = {
+            "exact_sgd": lambda: {},
+            "exact_adagrad": lambda: {"sum": zeros(rows, dim)},
+            "exact_rowwise_adagrad": lambda: {"sum": zeros(rows)},
+            "adam": lambda: {"step": 0, "exp_avg": zeros(rows, dim), "exp_avg_sq": zeros(rows, dim)},
+        }[kind]()
+    return state
+
+
+def _sgd(w, rows, g, state, p):
+    w.index_add_(0, rows, (g * -p["lr"]).to(w.dtype))
+
+
+def _adagrad(w, rows, g, state, p):
+    s = state["sum"].index_add_(0, rows, g * g)[rows]
+    w.index_add_(0, rows, (g / (s.sqrt() + p["eps"]) * -p["lr"]).to(w.dtype))
+
+
+def _rowwise_adagrad(w, rows, g, state, p):
+    s = state["sum"].index_add_(0, rows, (g * g).mean(1))[rows]
+    w.index_add_(0, rows, (g / (s.sqrt() + p["eps"])[:, None] * -p["lr"]).to(w.dtype))
+
+
+def _adam(w, rows, g, state, p):
+    state["step"] += 1
+    b1, b2, step = p["beta1"], p["beta2"], state["step"]
+    m = state["exp_avg"][rows].mul_(b1).add_(g, alpha=1 - b1)
+    v = state["exp_avg_sq"][rows].mul_(b2).addcmul_(g, g, value=1 - b2)
+    state["exp_avg"][rows], state["exp_avg_sq"][rows] = m, v
+    step_size = p["lr"] * math.sqrt(1 - b2**step) / (1 - b1**step)
+    w.index_add_(0, rows, (m / (v.sqrt() + p["eps"]) * -step_size).to(w.dtype))
+
+
+UPDATES: dict[str, Callable] = {
+    "exact_sgd": _sgd, "exact_adagrad": _adagrad, "exact_rowwise_adagrad": _rowwise_adagrad, "adam": _adam,
+}
+
+
+def _fbgemm_sgd(grad: Tensor, weight: Tensor, feature: Feature, pooling: int, params: dict) -> None:
+    """FBGEMM's CPU exact SGD on one table: deduplicates and updates the rows from the pooled gradient itself."""
+    rows, dim = weight.shape
+    n = feature.ids.numel()
+    fbgemm_op(FBGEMM_UPDATES["exact_sgd"])(
+        grad.contiguous(), weight.view(-1), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+        torch.tensor([0, dim], dtype=torch.int32), dim, torch.tensor([0, rows]), rows.bit_length(), feature.ids.long(),
+        feature.bounds.long(), pooling, torch.ones(n), False, torch.tensor(params["lr"]), 0,
+    )
+
+
+# FBGEMM's CPU ops for the optimizers they compute like ours, and when one applies to a table.
+FBGEMM_UPDATES = {"exact_sgd": "split_embedding_backward_codegen_sgd_cpu"}
+FBGEMM_KERNELS = {"exact_sgd": _fbgemm_sgd}
+
+
+def _fbgemm_applies(kind: str, weight: Tensor, psw, pooling: int, padding_idx: int) -> bool:
+    return (kind in FBGEMM_KERNELS and pooling == SUM and psw is None and padding_idx < 0
+            and weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu")
+
+
+def _step_rows(grad, weight, feature, psw, pooling, padding_idx, layout, kind, params) -> None:
+    """Our kernel: the ids' gradients, summed per touched row, then the optimizer's row update."""
+    single = "sequence" if layout == "sequence" else "concat"
+    id_grad = get_kernel(BACKWARD_OP, "reference")(grad, [weight], [feature], [psw], [pooling], [padding_idx], single, [False])[0]
+    rows, inverse = torch.unique(feature.ids, return_inverse=True)
+    summed = torch.zeros(rows.numel(), weight.shape[1], dtype=torch.float32, device=weight.device)
+    summed.index_add_(0, inverse, id_grad.float())
+    UPDATES[kind](weight, rows, summed, table_state(weight, kind), params)
+
+
+@torch.library.custom_op(
+    "recompile::embedding_optimizer_step", mutates_args=(),
+    schema=f"(Tensor grad, {LOOKUP_SCHEMA}, str layout, str names, str bounds_check, str optimizer, str impl) -> Tensor",
+)
+def embedding_optimizer_step(grad, weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset,
+                             layout, names, bounds_check, optimizer, impl) -> Tensor:
+    """Apply ``optimizer`` to the rows of every table the lookup touched, from the gradient of the grouped
+    output ``grad``; returns a zero scalar. ``impl="fbgemm"`` runs FBGEMM's CPU op where it applies."""
+    kind, params = parse_optimizer(optimizer)
+    names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
+    features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, check=False)
+    parts = output_slices(grad, [w.shape[1] for w in weights], [f.ids.numel() for f in features], layout)
+    with torch.no_grad():
+        for g, w, f, psw, mode, pad in zip(parts, weights, features, per_sample_weights, pooling, padding_idx):
+            if f.ids.numel() == 0:
+                continue
+            if impl == "fbgemm" and _fbgemm_applies(kind, w, psw, mode, pad):
+                FBGEMM_KERNELS[kind](g, w, f, mode, params)
+            else:
+                _step_rows(g, w, f, psw, mode, pad, layout, kind, params)
+    return grad.new_zeros((), dtype=torch.float32)
+
+
+@embedding_optimizer_step.register_fake
+def _(grad, weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
+      bounds_check, optimizer, impl):
+    return grad.new_empty((), dtype=torch.float32)
