@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from recompile.lowering import candidates
 from recompile.passes.utils import meta_value
+from recompile.pipeline import concrete_inputs
 
 BUDGET_S = 3.0  # timing budget of one graph (regions, then the whole graph); compiles excluded
 MIN_ROUNDS, MAX_ROUNDS = 3, 50
@@ -329,7 +330,7 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
         return builders[cached.choice]()
     decision = Decision("eager", mode="training" if training else "inference", key=key)
     start = time.perf_counter()
-    tune_regions(rewritten, example_inputs, ctx.target, training, decision, start + BUDGET_S / 2)
+    tune_regions(rewritten, concrete_inputs(example_inputs), ctx.target, training, decision, start + BUDGET_S / 2)
     ctx.tuning = decision.to_dict()
     budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
     return GraphChooser({name: build() for name, build in builders.items()}, decision, budget)

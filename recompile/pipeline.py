@@ -149,15 +149,15 @@ def _run_pass(name: str, fn: PassFn, gm: fx.GraphModule, ctx: PassContext) -> fx
     return result
 
 
-def _concrete(value):
-    """A symbolic size Dynamo passes for a dynamic dimension, as the int it stands for now."""
-    return value.node.hint if isinstance(value, torch.SymInt) else value
+def concrete_inputs(example_inputs: Sequence) -> list:
+    """The example inputs with each symbolic size Dynamo passes for a dynamic dimension as the int it stands for."""
+    return [x.node.hint if isinstance(x, torch.SymInt) else x for x in example_inputs]
 
 
 def _verify(name: str, before: fx.GraphModule, after: fx.GraphModule, ctx: PassContext) -> None:
     if ctx.example_inputs is None:
         return
-    inputs = [_concrete(x) for x in ctx.example_inputs]
+    inputs = concrete_inputs(ctx.example_inputs)
     with torch.no_grad(), torch.random.fork_rng():
         torch.manual_seed(0)
         expected = before(*inputs)
