@@ -1,7 +1,8 @@
 """normalize: one spelling per operation, so that later passes match a single form.
 
 Pattern and replacement:
-- ``call_method`` ``x.name(*args)`` for a method in ``METHOD_FUNCTIONS`` -> ``torch.name(x, *args)``.
+- ``call_method`` ``x.name(*args)`` for a method in ``METHOD_FUNCTIONS`` -> ``torch.name(x, *args)``;
+  the varargs shape of ``x.reshape(a, b)`` / ``x.permute(0, 2, 1)`` becomes ``torch.reshape(x, (a, b))``.
 - ``operator.add/sub/mul/truediv/matmul(x, y)`` with a tensor ``x`` -> ``torch.add/sub/mul/div/matmul``.
 Nothing else changes; the computation is the same call under another name.
 """
@@ -28,6 +29,9 @@ METHOD_FUNCTIONS = {
     )
 }
 
+# Methods taking a shape as varargs whose torch function takes one sequence.
+VARARG_SHAPE_METHODS = ("reshape", "permute")
+
 OPERATOR_FUNCTIONS = {
     operator.add: torch.add,
     operator.sub: torch.sub,
@@ -45,10 +49,21 @@ def _function_for(node: fx.Node):
     return None
 
 
+def _varargs_shape(args: tuple) -> bool:
+    """True for ``(a, b, ...)`` or a single size ``(a,)``; False for one sequence ``((a, b),)``."""
+    if len(args) != 1:
+        return len(args) > 1
+    shape = args[0].meta.get("example_value") if isinstance(args[0], fx.Node) else args[0]
+    return not isinstance(shape, (list, tuple))
+
+
 @register_pass("normalize")
 def normalize(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         fn = _function_for(node)
-        if fn is not None:
-            node.op, node.target = "call_function", fn
+        if fn is None:
+            continue
+        if node.op == "call_method" and node.target in VARARG_SHAPE_METHODS and _varargs_shape(node.args[1:]):
+            node.args = (node.args[0], tuple(node.args[1:]))
+        node.op, node.target = "call_function", fn
     return gm
