@@ -79,6 +79,14 @@ class SASRecBlock(nn.Module):
         return (x + self.ffn(x)) * keep
 
 
+def init_embeddings(*embeddings: nn.Embedding) -> None:
+    """Truncated normal, std 0.02, as generative-recommenders initialises its item and position tables."""
+    for emb in embeddings:
+        nn.init.trunc_normal_(emb.weight, std=0.02)
+        if emb.padding_idx is not None:
+            nn.init.zeros_(emb.weight[emb.padding_idx])
+
+
 class SASRec(nn.Module):
     input_format = "padded"
 
@@ -91,6 +99,7 @@ class SASRec(nn.Module):
         self.blocks = nn.ModuleList(SASRecBlock(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.LayerNorm(cfg.dim)
         self.register_buffer("causal", torch.ones(cfg.max_len, cfg.max_len).tril().bool(), persistent=False)
+        init_embeddings(self.item_emb, self.pos_emb)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, L] right-padded with 0 -> hidden states [B, L, D]."""
@@ -153,6 +162,7 @@ class HSTU(nn.Module):
         pos = torch.arange(L)
         self.register_buffer("rel_pos", pos[None, :] - pos[:, None] + L - 1, persistent=False)
         self.register_buffer("causal", torch.ones(L, L).tril(), persistent=False)
+        init_embeddings(self.item_emb, self.pos_emb)
 
     def forward(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Jagged histories: ids and timestamps [T], lengths [B] (each <= max_len) -> hidden states [T, D]."""

@@ -119,9 +119,9 @@ def _seq_workload(name: str, size: str, g: torch.Generator, encoder: nn.Module) 
     return Workload(name, NextItemTask(encoder), (targets, negatives, *inputs), lambda loss: loss, dynamic)
 
 
-def _seq_cfg(cls, size: str):
+def _seq_encoder(name: str, size: str) -> nn.Module:
     spec = SEQ_SIZES[size]
-    return cls(num_items=spec["num_items"], dim=spec["dim"], max_len=spec["max_len"])
+    return sequential_encoder(name, spec["num_items"], dim=spec["dim"], max_len=spec["max_len"])
 
 
 # -- two-tower retrieval: InBatchSoftmaxTask(users, history, offsets, positives, negatives) -> loss -----------
@@ -132,10 +132,9 @@ TWO_TOWER_SIZES = {
 }
 
 
-def _two_tower_workload(name: str, size: str, g: torch.Generator, head: str) -> Workload:
+def _two_tower_workload(name: str, size: str, g: torch.Generator) -> Workload:
     spec = TWO_TOWER_SIZES[size]
     dim, n_items = spec["dim"], spec["num_items"]
-    cfg = TwoTowerConfig(num_users=spec["num_users"], num_items=n_items, dim=dim, tower=[2 * dim, dim], head=head)
     batch = spec["batch"]
     lengths = torch.randint(1, spec["history"] + 1, (batch,), generator=g)
     history = torch.randint(1, n_items + 1, (int(lengths.sum()),), generator=g)
@@ -144,7 +143,7 @@ def _two_tower_workload(name: str, size: str, g: torch.Generator, head: str) -> 
         torch.randint(1, n_items + 1, (batch,), generator=g),
         torch.randint(1, n_items + 1, (spec["negatives"],), generator=g),
     )
-    return Workload(name, InBatchSoftmaxTask(TwoTower(cfg)), inputs, lambda loss: loss, [(0, 0), (1, 0), (2, 0), (3, 0)])
+    return Workload(name, InBatchSoftmaxTask(two_tower(name, spec["num_users"], n_items, dim)), inputs, lambda loss: loss, [(0, 0), (1, 0), (2, 0), (3, 0)])
 
 
 def _entry(name: str, description: str, build: Callable[[str, torch.Generator], Workload]) -> ZooEntry:
@@ -167,11 +166,29 @@ MODELS: dict[str, ZooEntry] = {e.name: e for e in [
     _entry("wide_deep", "Wide & Deep",
            lambda s, g: _ctr_workload("wide_deep", s, g, lambda c: WideDeep(_ctr_cfg(CTRConfig, c)))),
     _entry("two_tower", "two-tower retrieval, dot-product head, in-batch + sampled softmax",
-           lambda s, g: _two_tower_workload("two_tower", s, g, "dot")),
+           lambda s, g: _two_tower_workload("two_tower", s, g)),
     _entry("two_tower_mol", "two-tower retrieval, mixture-of-logits head",
-           lambda s, g: _two_tower_workload("two_tower_mol", s, g, "mol")),
+           lambda s, g: _two_tower_workload("two_tower_mol", s, g)),
     _entry("sasrec", "SASRec, causal softmax attention over padded histories, sampled softmax",
-           lambda s, g: _seq_workload("sasrec", s, g, SASRec(_seq_cfg(SASRecConfig, s)))),
+           lambda s, g: _seq_workload("sasrec", s, g, _seq_encoder("sasrec", s))),
     _entry("hstu", "HSTU generative recommender, STU layers over jagged histories, sampled softmax",
-           lambda s, g: _seq_workload("hstu", s, g, HSTU(_seq_cfg(HSTUConfig, s)))),
+           lambda s, g: _seq_workload("hstu", s, g, _seq_encoder("hstu", s))),
 ]}
+
+
+# -- models sized for a dataset (models.train) ---------------------------------------------------------------
+
+SEQUENTIAL = {"hstu": (HSTU, HSTUConfig), "sasrec": (SASRec, SASRecConfig)}
+TWO_TOWER_HEADS = {"two_tower": "dot", "two_tower_mol": "mol"}
+CTR_MODELS = ("dlrm", "dlrm_cat", "dlrm_torchrec", "dcn_v2", "dcn_v2_lowrank_parallel", "deepfm", "wide_deep")
+
+
+def sequential_encoder(name: str, num_items: int, **config) -> nn.Module:
+    """HSTU or SASRec over ``num_items`` items; ``config`` overrides fields of its config (dim, max_len, ...)."""
+    model_cls, config_cls = SEQUENTIAL[name]
+    return model_cls(replace(config_cls(num_items=num_items), **config))
+
+
+def two_tower(name: str, num_users: int, num_items: int, dim: int) -> TwoTower:
+    return TwoTower(TwoTowerConfig(num_users=num_users, num_items=num_items, dim=dim, tower=[2 * dim, dim],
+                                   head=TWO_TOWER_HEADS[name]))
