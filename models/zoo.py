@@ -36,22 +36,32 @@ class Workload:
         inputs = self.inputs if inputs is None else inputs
         for index, dim in self.dynamic_dims:
             arg = inputs[index]
-            for tensor in arg if isinstance(arg, (list, tuple)) else [arg]:
+            for tensor in _tensors(arg):
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
         return inputs
+
+
+def _tensors(arg) -> list[torch.Tensor]:
+    """The tensors of an input: itself, a list's items, or a KeyedJaggedTensor's values and lengths."""
+    if isinstance(arg, (list, tuple)):
+        return list(arg)
+    if isinstance(arg, torch.Tensor):
+        return [arg]
+    return [arg.values(), arg.lengths()]
 
 
 @dataclass(frozen=True)
 class ZooEntry:
     name: str
     description: str
-    build_fn: Callable[[str, torch.Generator], Workload]
+    build_fn: Callable[[str, torch.Generator, int | None], Workload]
 
-    def __call__(self, size: str = "small", seed: int = 0) -> Workload:
+    def __call__(self, size: str = "small", seed: int = 0, batch: int | None = None) -> Workload:
+        """The model (parameters drawn from ``seed``) and example inputs of ``batch`` rows (default: the size's)."""
         if size not in SIZES:
             raise ValueError(f"model size {size!r} for {self.name!r}; valid sizes: {', '.join(SIZES)}")
         torch.manual_seed(seed)
-        return self.build_fn(size, torch.Generator().manual_seed(seed))
+        return self.build_fn(size, torch.Generator().manual_seed(seed), batch)
 
 
 # -- CTR models: (dense, indices, offsets) -> logits; synthetic labels for the loss ---------------------------
@@ -62,15 +72,16 @@ CTR_SIZES = {
 }
 
 
-def _ctr_workload(name: str, size: str, g: torch.Generator, make: Callable[[dict], nn.Module], kjt: bool = False):
+def _ctr_workload(name, size, g, batch, make: Callable[[dict], nn.Module], kjt: bool = False):
     spec = dict(CTR_SIZES[size])
-    batch = spec.pop("batch")
+    batch = spec.pop("batch") if batch is None else batch
+    spec.pop("batch", None)
     model = make(spec)
     dense, indices, offsets = synthetic_batch(model.cfg, batch, g)
     labels = torch.randint(0, 2, (batch,), generator=g).float()
     loss = lambda logits: F.binary_cross_entropy_with_logits(logits, labels)  # noqa: E731
     if kjt:
-        return Workload(name, model, (dense, to_kjt(model.cfg, indices, offsets)), loss, [(0, 0)])
+        return Workload(name, model, (dense, to_kjt(model.cfg, indices, offsets)), loss, [(0, 0), (1, 0)])
     return Workload(name, model, (dense, indices, offsets), loss, [(0, 0), (1, 0), (2, 0)])
 
 
@@ -102,10 +113,11 @@ def synthetic_histories(num_items: int, max_len: int, batch: int, g: torch.Gener
     return ids, timestamps, lengths
 
 
-def _seq_workload(name: str, size: str, g: torch.Generator, encoder: nn.Module) -> Workload:
+def _seq_workload(name: str, size: str, g: torch.Generator, batch: int | None) -> Workload:
     spec = SEQ_SIZES[size]
     L = spec["max_len"]
-    ids, timestamps, lengths = synthetic_histories(spec["num_items"], L, spec["batch"], g)
+    encoder = sequential_encoder(name, spec["num_items"], dim=spec["dim"], max_len=L)
+    ids, timestamps, lengths = synthetic_histories(spec["num_items"], L, batch or spec["batch"], g)
     targets = torch.randint(1, spec["num_items"] + 1, ids.shape, generator=g)
     negatives = torch.randint(1, spec["num_items"] + 1, (spec["negatives"],), generator=g)
     if encoder.input_format == "jagged":
@@ -119,11 +131,6 @@ def _seq_workload(name: str, size: str, g: torch.Generator, encoder: nn.Module) 
     return Workload(name, NextItemTask(encoder), (targets, negatives, *inputs), lambda loss: loss, dynamic)
 
 
-def _seq_encoder(name: str, size: str) -> nn.Module:
-    spec = SEQ_SIZES[size]
-    return sequential_encoder(name, spec["num_items"], dim=spec["dim"], max_len=spec["max_len"])
-
-
 # -- two-tower retrieval: InBatchSoftmaxTask(users, history, offsets, positives, negatives) -> loss -----------
 
 TWO_TOWER_SIZES = {
@@ -132,10 +139,10 @@ TWO_TOWER_SIZES = {
 }
 
 
-def _two_tower_workload(name: str, size: str, g: torch.Generator) -> Workload:
+def _two_tower_workload(name: str, size: str, g: torch.Generator, batch: int | None) -> Workload:
     spec = TWO_TOWER_SIZES[size]
     dim, n_items = spec["dim"], spec["num_items"]
-    batch = spec["batch"]
+    batch = batch or spec["batch"]
     lengths = torch.randint(1, spec["history"] + 1, (batch,), generator=g)
     history = torch.randint(1, n_items + 1, (int(lengths.sum()),), generator=g)
     inputs = (
@@ -152,27 +159,27 @@ def _entry(name: str, description: str, build: Callable[[str, torch.Generator], 
 
 MODELS: dict[str, ZooEntry] = {e.name: e for e in [
     _entry("dlrm", "DLRM, dot interaction, nn.EmbeddingBag per table",
-           lambda s, g: _ctr_workload("dlrm", s, g, lambda c: DLRM(_dlrm_cfg(c, "dot")))),
+           lambda s, g, b: _ctr_workload("dlrm", s, g, b, lambda c: DLRM(_dlrm_cfg(c, "dot")))),
     _entry("dlrm_cat", "DLRM, concat interaction",
-           lambda s, g: _ctr_workload("dlrm_cat", s, g, lambda c: DLRM(_dlrm_cfg(c, "cat")))),
+           lambda s, g, b: _ctr_workload("dlrm_cat", s, g, b, lambda c: DLRM(_dlrm_cfg(c, "cat")))),
     _entry("dlrm_torchrec", "DLRM over a TorchRec EmbeddingBagCollection fed a KeyedJaggedTensor",
-           lambda s, g: _ctr_workload("dlrm_torchrec", s, g, lambda c: TorchRecDLRM(_dlrm_cfg(c, "dot")), kjt=True)),
+           lambda s, g, b: _ctr_workload("dlrm_torchrec", s, g, b, lambda c: TorchRecDLRM(_dlrm_cfg(c, "dot")), kjt=True)),
     _entry("dcn_v2", "DCN-v2, full-rank cross, stacked",
-           lambda s, g: _ctr_workload("dcn_v2", s, g, lambda c: DCNv2(_ctr_cfg(DCNConfig, c)))),
+           lambda s, g, b: _ctr_workload("dcn_v2", s, g, b, lambda c: DCNv2(_ctr_cfg(DCNConfig, c)))),
     _entry("dcn_v2_lowrank_parallel", "DCN-v2, low-rank cross (r=dim/2), parallel",
-           lambda s, g: _ctr_workload("dcn_v2_lowrank_parallel", s, g, lambda c: DCNv2(
+           lambda s, g, b: _ctr_workload("dcn_v2_lowrank_parallel", s, g, b, lambda c: DCNv2(
                _ctr_cfg(DCNConfig, c, low_rank=max(1, c["dim"] // 2), structure="parallel")))),
-    _entry("deepfm", "DeepFM", lambda s, g: _ctr_workload("deepfm", s, g, lambda c: DeepFM(_ctr_cfg(CTRConfig, c)))),
+    _entry("deepfm", "DeepFM", lambda s, g, b: _ctr_workload("deepfm", s, g, b, lambda c: DeepFM(_ctr_cfg(CTRConfig, c)))),
     _entry("wide_deep", "Wide & Deep",
-           lambda s, g: _ctr_workload("wide_deep", s, g, lambda c: WideDeep(_ctr_cfg(CTRConfig, c)))),
+           lambda s, g, b: _ctr_workload("wide_deep", s, g, b, lambda c: WideDeep(_ctr_cfg(CTRConfig, c)))),
     _entry("two_tower", "two-tower retrieval, dot-product head, in-batch + sampled softmax",
-           lambda s, g: _two_tower_workload("two_tower", s, g)),
+           lambda s, g, b: _two_tower_workload("two_tower", s, g, b)),
     _entry("two_tower_mol", "two-tower retrieval, mixture-of-logits head",
-           lambda s, g: _two_tower_workload("two_tower_mol", s, g)),
+           lambda s, g, b: _two_tower_workload("two_tower_mol", s, g, b)),
     _entry("sasrec", "SASRec, causal softmax attention over padded histories, sampled softmax",
-           lambda s, g: _seq_workload("sasrec", s, g, _seq_encoder("sasrec", s))),
+           lambda s, g, b: _seq_workload("sasrec", s, g, b)),
     _entry("hstu", "HSTU generative recommender, STU layers over jagged histories, sampled softmax",
-           lambda s, g: _seq_workload("hstu", s, g, _seq_encoder("hstu", s))),
+           lambda s, g, b: _seq_workload("hstu", s, g, b)),
 ]}
 
 
