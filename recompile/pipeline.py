@@ -21,7 +21,7 @@ from recompile.options import RecompileOptions
 PassFn = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
 
 # The order passes run in. A pass module adds its name here and registers its function.
-PASS_ORDER: list[str] = ["normalize", "jagged"]
+PASS_ORDER: list[str] = ["normalize", "dynamic_embedding", "jagged"]
 PASSES: dict[str, PassFn] = {}
 REGION_KINDS = ("embedding", "dynamic_embedding", "jagged", "attention", "interaction")
 

@@ -1,0 +1,649 @@
+"""hkv.HashTable: HierarchicalKV's embedding hash table on torch tensors.
+
+Layout (as HierarchicalKV): ``capacity = num_buckets * bucket_size`` slots; a key hashes to one
+bucket and a home position in it, and is stored at the first free slot probing linearly (wrapping)
+from its home; keys and scores live in flat int64 tensors, values in a separate store (``storage``).
+Erasing leaves a tombstone (``RECLAIM_KEY``) so probe chains stay intact. A full bucket evicts its
+lowest-scoring keys; a new key scoring below every key of its full bucket is refused and reported.
+
+Every batched method is vectorised: probing advances all keys of a batch one slot per round, and
+conflicts inside a batch are resolved deterministically (two new keys claiming one free slot: the
+later in the batch wins the slot, the other probes on; duplicate keys: the last occurrence's value
+is stored, as if the batch were applied in order; LFU increments of duplicates add up).
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import threading
+from typing import Callable
+
+import torch
+
+from hkv import kernels
+from hkv.storage import TierLimits, make_values
+
+# HierarchicalKV's reserved keys (as uint64: 0xFFFFFFFFFFFFFFFF, ...FE, ...FD): never stored.
+EMPTY_KEY = -1
+RECLAIM_KEY = -2
+LOCKED_KEY = -3
+RESERVED_KEYS = (EMPTY_KEY, RECLAIM_KEY, LOCKED_KEY)
+
+# Linear-probe rounds a lookup takes before scanning the rest of the bucket at once.
+PROBE_ROUNDS = 4
+# Keys per chunk when scanning whole buckets ([chunk, bucket_size] comparisons at a time).
+SCAN_CHUNK = 1 << 16
+LOW32 = 0xFFFFFFFF
+INT64_MIN = torch.iinfo(torch.int64).min
+
+
+class EvictStrategy(enum.Enum):
+    """HierarchicalKV's eviction strategies: how a key's score is set; the lowest score is evicted first."""
+
+    LRU = "lru"  # score = the table clock at the last insert/update
+    LFU = "lfu"  # score += the given increment (default 1) at each insert/update
+    EPOCH_LRU = "epoch_lru"  # high 32 bits: global epoch, low 32 bits: the clock
+    EPOCH_LFU = "epoch_lfu"  # high 32 bits: global epoch, low 32 bits: frequency (saturating)
+    CUSTOMIZED = "customized"  # score = the caller's score
+
+
+SCORES_ARE_INCREMENTS = (EvictStrategy.LFU, EvictStrategy.EPOCH_LFU)
+CLOCK_STRATEGIES = (EvictStrategy.LRU, EvictStrategy.EPOCH_LRU)
+
+
+def mix64(keys: torch.Tensor) -> torch.Tensor:
+    """A 64-bit finaliser (MurmurHash3 fmix64) on int64 tensors; shifts are logical."""
+    k = keys ^ ((keys >> 33) & 0x7FFFFFFF)
+    k = k * -49064778989728563  # 0xff51afd7ed558ccd
+    k = k ^ ((k >> 33) & 0x7FFFFFFF)
+    k = k * -4265267296055464877  # 0xc4ceb9fe1a85ec53
+    return k ^ ((k >> 33) & 0x7FFFFFFF)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _locked(fn):
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return fn(self, *args, **kwargs)
+
+    return wrapper
+
+
+class HashTable:
+    """A key -> (value row, score) hash table with HierarchicalKV's API and eviction semantics."""
+
+    def __init__(
+        self,
+        dim: int,
+        init_capacity: int,
+        max_capacity: int,
+        max_load_factor: float = 0.5,
+        bucket_size: int = 128,
+        evict_strategy: EvictStrategy = EvictStrategy.LRU,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        device_memory_bytes: int | None = None,
+        host_memory_bytes: int | None = None,
+        disk_path: str | None = None,
+        admission=None,
+        name: str = "hkv.HashTable",
+        kernel: str | None = None,
+    ):
+        if dim < 0:
+            raise ValueError(f"{name}: dim must be >= 0, got {dim}")
+        if not 0 < max_load_factor <= 1:
+            raise ValueError(f"{name}: max_load_factor must be in (0, 1], got {max_load_factor}")
+        if bucket_size < 1 or bucket_size & (bucket_size - 1):
+            raise ValueError(f"{name}: bucket_size must be a power of two, got {bucket_size}")
+        if init_capacity < 1 or max_capacity < init_capacity:
+            raise ValueError(f"{name}: need 1 <= init_capacity <= max_capacity, got {init_capacity}, {max_capacity}")
+        self.name = name
+        self.dim = dim
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.evict_strategy = EvictStrategy(evict_strategy)
+        self.max_load_factor = float(max_load_factor)
+        self.bucket_size = min(bucket_size, _pow2_at_least(init_capacity))
+        self.max_capacity = self._round_capacity(max_capacity)
+        self.tier_limits = TierLimits(device_memory_bytes, host_memory_bytes, disk_path)
+        self.admission = admission
+        self.global_epoch = 0
+        self._clock = 0
+        # The kernel that probes the table (hkv.kernels): the CPU kernel where it runs, else vectorised torch.
+        self.kernel = kernels.default_kernel(self.device) if kernel is None else kernels.check_kernel(kernel, self.device)
+        self._lock = threading.RLock()
+        self._allocate(self._round_capacity(init_capacity))
+
+    # ---------------------------------------------------------------- layout
+    def _round_capacity(self, capacity: int) -> int:
+        return self.bucket_size * _pow2_at_least(-(-int(capacity) // self.bucket_size))
+
+    def _allocate(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._num_buckets = capacity // self.bucket_size
+        self._keys = torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=self.device)
+        self._scores = torch.zeros(capacity, dtype=torch.int64, device=self.device)
+        self._values = make_values(capacity, self.dim, self.dtype, self.device, self.tier_limits)
+        self._size = 0
+        # Per-slot scratch, -1 between uses: resolving conflicts touches only the slots of a batch.
+        self._scratch = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+
+    def _last_per_slot(self, slots: torch.Tensor, batch_pos: torch.Tensor) -> torch.Tensor:
+        """For each entry, the largest batch position among the entries sharing its slot."""
+        self._scratch.scatter_reduce_(0, slots, batch_pos, "amax")
+        last = self._scratch[slots]
+        self._scratch[slots] = -1
+        return last
+
+    def _home(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """First slot of each key's bucket, and its home position in the bucket."""
+        h = mix64(keys)
+        base = (h & (self._num_buckets - 1)) * self.bucket_size
+        return base, (h >> 40) & (self.bucket_size - 1)
+
+    def _occupied(self) -> torch.Tensor:
+        return (self._keys != EMPTY_KEY) & (self._keys != RECLAIM_KEY)
+
+    # ---------------------------------------------------------------- checks
+    def _check_keys(self, keys: torch.Tensor, what: str = "keys") -> torch.Tensor:
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 1:
+            raise ValueError(f"{self.name}: {what} must be a 1-D tensor, got {getattr(keys, 'shape', type(keys))}")
+        if keys.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{self.name}: {what} must be int64 (or int32), got {keys.dtype}")
+        keys = keys.to(self.device, torch.int64)
+        reserved = (keys < 0) & (keys >= LOCKED_KEY)
+        if bool(reserved.any()):
+            bad = keys[reserved][:4].tolist()
+            raise ValueError(
+                f"{self.name}: {what} contain reserved key(s) {bad}: -1, -2, -3 (0xFFFFFFFFFFFFFFFF, ...FE, ...FD) "
+                f"mark empty, erased and locked slots and cannot be stored"
+            )
+        return keys
+
+    def _check_values(self, values: torch.Tensor, n: int, what: str = "values") -> torch.Tensor:
+        if not isinstance(values, torch.Tensor) or tuple(values.shape) != (n, self.dim):
+            raise ValueError(
+                f"{self.name}: {what} must have shape ({n}, {self.dim}), got {tuple(getattr(values, 'shape', ()))}"
+            )
+        return values.to(self.device, self.dtype)
+
+    def _check_scores(self, scores: torch.Tensor | None, n: int) -> torch.Tensor:
+        """Per-key score input: the increment (LFU), the score (CUSTOMIZED); the clock strategies take none."""
+        strategy = self.evict_strategy
+        if scores is None:
+            if strategy is EvictStrategy.CUSTOMIZED:
+                raise ValueError(f"{self.name}: evict_strategy CUSTOMIZED needs scores for every key")
+            return torch.ones(n, dtype=torch.int64, device=self.device)
+        if strategy in CLOCK_STRATEGIES:
+            raise ValueError(f"{self.name}: evict_strategy {strategy.name} sets scores itself; pass scores=None")
+        if scores.shape != (n,):
+            raise ValueError(f"{self.name}: scores must have shape ({n},), got {tuple(scores.shape)}")
+        return scores.to(self.device, torch.int64)
+
+    # ---------------------------------------------------------------- scores
+    def _clock_score(self) -> int:
+        if self.evict_strategy is EvictStrategy.EPOCH_LRU:
+            return (self.global_epoch << 32) | (self._clock & LOW32)
+        return self._clock
+
+    def _new_scores(self, old: torch.Tensor | None, given: torch.Tensor) -> torch.Tensor:
+        """Scores after an insert (``old`` None) or update, by strategy; ``given`` is aggregated per key."""
+        strategy = self.evict_strategy
+        if strategy in CLOCK_STRATEGIES:
+            return torch.full_like(given, self._clock_score())
+        if strategy is EvictStrategy.LFU:
+            return given if old is None else old + given
+        if strategy is EvictStrategy.EPOCH_LFU:
+            freq = given if old is None else (old & LOW32) + given
+            return (self.global_epoch << 32) | freq.clamp(max=LOW32)
+        return given
+
+    def _aggregate(self, given: torch.Tensor, members: torch.Tensor, group: torch.Tensor, last: torch.Tensor):
+        """One score input per group of duplicate keys (batch positions ``members``, group ids ``group``):
+        summed increments (LFU) or the last occurrence's (batch position ``last`` of each group)."""
+        if self.evict_strategy in SCORES_ARE_INCREMENTS:
+            return torch.zeros(last.numel(), dtype=torch.int64, device=self.device).index_add_(0, group, given[members])
+        return given[last]
+
+    # ---------------------------------------------------------------- probing
+    def _locate(self, keys: torch.Tensor) -> torch.Tensor:
+        """The slot holding each key, -1 where absent."""
+        return kernels.LOCATE[self.kernel](self, keys)
+
+    def _probe(self, keys: torch.Tensor) -> torch.Tensor:
+        """``_locate`` in vectorised torch: all keys advance one slot per round, then whole-bucket scans."""
+        B = self.bucket_size
+        base, pos = self._home(keys)
+        s = base + pos
+        k = self._keys[s]
+        slot = torch.where(k == keys, s, -1)
+        idx = ((k != keys) & (k != EMPTY_KEY)).nonzero().squeeze(1)
+        keys, base, pos = keys[idx], base[idx], pos[idx]
+        for r in range(1, min(PROBE_ROUNDS, B)):
+            if not idx.numel():
+                return slot
+            s = base + ((pos + r) & (B - 1))
+            k = self._keys[s]
+            hit = k == keys
+            slot[idx[hit]] = s[hit]
+            more = (~hit & (k != EMPTY_KEY)).nonzero().squeeze(1)
+            idx, keys, base, pos = idx[more], keys[more], base[more], pos[more]
+        if idx.numel() and B > PROBE_ROUNDS:  # long chains: compare against the whole bucket at once
+            buckets = self._keys.view(self._num_buckets, B)
+            for c in range(0, idx.numel(), SCAN_CHUNK):
+                part = slice(c, c + SCAN_CHUNK)
+                eq = buckets[base[part] // B] == keys[part, None]
+                hit = eq.any(1)
+                col = eq.to(torch.int8).argmax(1)
+                slot[idx[part][hit]] = (base[part] + col)[hit]
+        return slot
+
+    def _claim(self, keys: torch.Tensor, scores: torch.Tensor):
+        """Store new unique ``keys`` with ``scores``; returns (slot per key or -1, evicted, refused).
+
+        Keys take the first free slot of their probe (``kernels.CLAIM``); keys whose bucket is full go
+        to ``_evict``. ``evicted`` is (keys, values, scores) of replaced entries; ``refused`` indexes ``keys``.
+        """
+        slot = kernels.CLAIM[self.kernel](self, keys, scores)
+        self._size += int((slot >= 0).sum())
+        return slot, *self._evict(keys, scores, (slot < 0).nonzero().squeeze(1), slot)
+
+    def _claim_rounds(self, keys: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """``_claim``'s placement in vectorised torch: each round every unplaced key looks at the next
+        slot of its chain; a free slot wanted by several goes to the latest in the batch, the others
+        probe on; keys whose bucket has no free slot left stop (slot -1)."""
+        B, m = self.bucket_size, keys.numel()
+        base, pos = self._home(keys)
+        bucket = base // B
+        free_count = (~self._occupied()).view(self._num_buckets, B).sum(1)
+        slot = torch.full((m,), -1, dtype=torch.int64, device=self.device)
+        idx = torch.arange(m, device=self.device)
+        for r in range(B):
+            idx = idx[free_count[bucket[idx]] > 0]
+            if not idx.numel():
+                break
+            s = base[idx] + ((pos[idx] + r) & (B - 1))
+            k = self._keys[s]
+            cand = ((k == EMPTY_KEY) | (k == RECLAIM_KEY)).nonzero().squeeze(1)
+            if cand.numel():
+                cs, ci = s[cand], idx[cand]
+                won = self._last_per_slot(cs, ci) == ci
+                ws, wi = cs[won], ci[won]
+                self._keys[ws] = keys[wi]
+                self._scores[ws] = scores[wi]
+                slot[wi] = ws
+                free_count.index_add_(0, ws // B, torch.full_like(ws, -1))
+                placed = torch.zeros(idx.numel(), dtype=torch.bool, device=self.device)
+                placed[cand[won]] = True
+                idx = idx[~placed]
+        return slot
+
+    def _evict(self, keys, scores, idx, slot):
+        """Place keys ``idx`` (all in full buckets) over the lowest-scoring entries, HierarchicalKV-style.
+
+        Equivalent to inserting the candidates of a bucket in descending score order, each replacing
+        the bucket's minimum if its score is not lower: candidate ``r`` (rank in its bucket) meets
+        the ``r``-th lowest original entry, since earlier candidates score at least as high.
+        """
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        if not idx.numel():
+            return (empty, torch.empty(0, self.dim, dtype=self.dtype, device=self.device), empty), empty
+        B = self.bucket_size
+        bucket = self._home(keys)[0] // B
+        by_score = idx[torch.argsort(scores[idx], descending=True, stable=True)]
+        order = by_score[torch.argsort(bucket[by_score], stable=True)]
+        ub, row, counts = torch.unique_consecutive(bucket[order], return_inverse=True, return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(order.numel(), device=self.device) - starts[row]
+        bucket_scores, slot_order = self._scores.view(self._num_buckets, B)[ub].sort(dim=1, stable=True)
+        r = rank.clamp(max=B - 1)
+        accept = (rank < B) & (scores[order] >= bucket_scores[row, r])
+        won, target = order[accept], ub[row[accept]] * B + slot_order[row[accept], r[accept]]
+        # An entry this same batch placed earlier has no value stored yet: it counts as refused.
+        placed = (slot >= 0).nonzero().squeeze(1)
+        displaced = placed[torch.isin(slot[placed], target)]
+        old = target[~torch.isin(target, slot[displaced])]
+        evicted = (self._keys[old], self._values.gather(old), self._scores[old])
+        slot[displaced] = -1
+        self._keys[target] = keys[won]
+        self._scores[target] = scores[won]
+        slot[won] = target
+        return evicted, torch.cat([order[~accept], displaced])
+
+    # ---------------------------------------------------------------- growth
+    def _grow_for(self, new_keys: torch.Tensor) -> bool:
+        """Double the capacity (up to max_capacity) until ``new_keys`` fit: under max_load_factor and
+        with no bucket overflowing, so that no key is evicted while the table may still grow."""
+        capacity = self._capacity
+        while capacity < self.max_capacity and not self._fits(capacity, new_keys):
+            capacity *= 2
+        if capacity == self._capacity:
+            return False
+        lost = self._rehash(capacity)
+        if lost:
+            raise RuntimeError(f"{self.name}: growing to {capacity} slots lost {lost} keys")
+        return True
+
+    def _fits(self, capacity: int, new_keys: torch.Tensor) -> bool:
+        if self._size + new_keys.numel() > self.max_load_factor * capacity:
+            return False
+        num_buckets, B = capacity // self.bucket_size, self.bucket_size
+        buckets, incoming = torch.unique(mix64(new_keys) & (num_buckets - 1), return_counts=True)
+        if capacity == self._capacity and buckets.numel() * B < capacity:  # only the buckets the keys go to
+            rows = self._keys.view(num_buckets, B)[buckets]
+            present = ((rows != EMPTY_KEY) & (rows != RECLAIM_KEY)).sum(1)
+        else:
+            held = self._keys[self._occupied()]
+            present = torch.bincount(mix64(held) & (num_buckets - 1), minlength=num_buckets)[buckets]
+        return not buckets.numel() or int((present + incoming).max()) <= B
+
+    def _rehash(self, capacity: int) -> int:
+        """Move every entry into a fresh layout of ``capacity`` slots; returns how many did not fit."""
+        occupied = self._occupied().nonzero().squeeze(1)
+        keys, scores = self._keys[occupied], self._scores[occupied]
+        values = self._values.gather(occupied)
+        self._values.close()
+        self._allocate(capacity)
+        lost = self._restore_entries(keys, values, scores)
+        self._values.migrate(self._scores, self._occupied())
+        return lost
+
+    def _restore_entries(self, keys, values, scores) -> int:
+        """Store unique entries with their scores as they are; returns how many full buckets refused."""
+        self._grow_for(keys)
+        slot, _, refused = self._claim(keys, scores)
+        placed = slot >= 0
+        self._values.scatter(slot[placed], values[placed])
+        return refused.numel()
+
+    # ---------------------------------------------------------------- upsert core
+    def _upsert(self, keys, values, scores, insert: bool, admit: bool = False):
+        """Assign existing keys and insert missing ones (``insert``).
+
+        ``values``: an (n, dim) tensor written for every stored key (the last occurrence of a duplicate
+        wins), or a function ``rows(positions) -> (len(positions), dim)`` giving only new keys' values.
+        Returns (slot per key or -1, new-key positions, evicted (keys, values, scores), refused keys).
+        """
+        n = keys.numel()
+        self._clock += 1
+        given = self._check_scores(scores, n)
+        slot = self._locate(keys)
+        missing = (slot < 0).nonzero().squeeze(1)
+        evicted, refused = self._no_rows(), keys[:0]
+        if not missing.numel() and not isinstance(values, torch.Tensor) and self.evict_strategy in CLOCK_STRATEGIES:
+            self._scores[slot] = self._clock_score()  # all present, no values to write: only touch the clock
+            return slot, missing, evicted, refused
+        if insert and missing.numel():
+            uniq, inv = torch.unique(keys[missing], return_inverse=True)
+            if admit and self.admission is not None:
+                admitted = self.admission.admit(uniq)
+                keep = admitted[inv]
+                missing, uniq = missing[keep], uniq[admitted]
+                inv = (torch.cumsum(admitted, 0) - 1)[inv[keep]]
+            last = torch.full((uniq.numel(),), -1, dtype=torch.int64, device=self.device)
+            last.scatter_reduce_(0, inv, missing, "amax")
+            if self._grow_for(uniq):
+                slot = self._locate(keys)
+            new_scores = self._new_scores(None, self._aggregate(given, missing, inv, last))
+            uslot, evicted, refused_idx = self._claim(uniq, new_scores)
+            slot[missing] = uslot[inv]
+            refused = uniq[refused_idx]
+            if refused.numel():
+                refused_values = values[last[refused_idx]] if isinstance(values, torch.Tensor) else None
+                evicted = self._with_refused(evicted, refused, refused_values, new_scores[refused_idx])
+            is_new = torch.zeros(n, dtype=torch.bool, device=self.device)
+            is_new[missing] = True
+        else:
+            missing = missing[:0]
+            is_new = torch.zeros(n, dtype=torch.bool, device=self.device)
+        self._write(values, given, slot, is_new, missing)
+        return slot, missing, evicted, refused
+
+    def _no_rows(self):
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        return empty, torch.empty(0, self.dim, dtype=self.dtype, device=self.device), empty
+
+    def _with_refused(self, evicted, keys, values, scores):
+        if values is None:
+            values = torch.zeros(keys.numel(), self.dim, dtype=self.dtype, device=self.device)
+        return tuple(torch.cat([a, b]) for a, b in zip(evicted, (keys, values, scores)))
+
+    def _write(self, values, given, slot, is_new, missing) -> None:
+        """Values of stored keys (last occurrence wins) and updated scores of keys that existed."""
+        valid = (slot >= 0).nonzero().squeeze(1)
+        vs = slot[valid]
+        last = self._last_per_slot(vs, valid)
+        winners = valid[last == valid]
+        if isinstance(values, torch.Tensor):
+            self._values.scatter(slot[winners], values[winners])
+        elif missing.numel():
+            new_winners = winners[is_new[winners]]
+            if new_winners.numel():
+                self._values.scatter(slot[new_winners], values(new_winners))
+        old = winners[~is_new[winners]]
+        if old.numel():
+            os_ = slot[old]
+            if self.evict_strategy in SCORES_ARE_INCREMENTS:  # duplicates' increments add up
+                was = ~is_new[valid]
+                total = torch.zeros(slot.numel(), dtype=torch.int64, device=self.device)
+                agg = total.index_add_(0, last[was], given[valid[was]])[old]
+            else:
+                agg = given[old]
+            self._scores[os_] = self._new_scores(self._scores[os_], agg)
+
+    # ---------------------------------------------------------------- the HierarchicalKV API
+    @_locked
+    def insert_or_assign(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None = None):
+        """Insert or overwrite ``keys``; returns the keys refused by full buckets (empty when all stored)."""
+        keys = self._check_keys(keys)
+        values = self._check_values(values, keys.numel())
+        return self._upsert(keys, values, scores, insert=True)[3]
+
+    @_locked
+    def insert_and_evict(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None = None):
+        """Insert or overwrite; returns (keys, values, scores) evicted, including new keys that were refused."""
+        keys = self._check_keys(keys)
+        values = self._check_values(values, keys.numel())
+        return self._upsert(keys, values, scores, insert=True)[2]
+
+    @_locked
+    def find(self, keys: torch.Tensor, return_scores: bool = False):
+        """(values, found) for ``keys``; rows of missing keys are zero. Scores are not updated."""
+        keys = self._check_keys(keys)
+        if return_scores:
+            slot = self._locate(keys)
+            found = slot >= 0
+            return self._gather(slot, found), found, torch.where(found, self._scores[slot.clamp(min=0)], 0)
+        return kernels.FIND[self.kernel](self, keys)
+
+    def _gather(self, slot: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
+        values = self._values.gather(slot.clamp(min=0))
+        missing = (~found).nonzero().squeeze(1)
+        if missing.numel():
+            values[missing] = 0
+        return values
+
+    @_locked
+    def find_or_insert(self, keys: torch.Tensor, init=None, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """Values of ``keys``, inserting missing ones with ``init``.
+
+        ``init``: None (zeros), a number, a (dim,) or (n, dim) tensor, or ``fn(rows, dim, dtype, device)``.
+        With admission, a key not yet admitted is not stored and gets its ``init`` value.
+        """
+        keys = self._check_keys(keys)
+        rows = self._init_rows(init, keys.numel())
+        slot, missing, _, _ = self._upsert(keys, rows, scores, insert=True, admit=True)
+        found = slot >= 0
+        values = self._gather(slot, found)
+        unstored = (~found).nonzero().squeeze(1)
+        if unstored.numel():
+            values[unstored] = rows(unstored)
+        return values
+
+    def _init_rows(self, init, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``rows(positions)``: the initial values of the keys at ``positions`` of the batch."""
+        shape = (self.dim,)
+        if callable(init):
+            return lambda pos: init(pos.numel(), self.dim, self.dtype, self.device)
+        if init is None or isinstance(init, (int, float)):
+            fill = 0.0 if init is None else float(init)
+            return lambda pos: torch.full((pos.numel(), self.dim), fill, dtype=self.dtype, device=self.device)
+        init = init.to(self.device, self.dtype)
+        if tuple(init.shape) == shape:
+            return lambda pos: init.expand(pos.numel(), self.dim)
+        self._check_values(init, n, "init")
+        return lambda pos: init[pos]
+
+    @_locked
+    def assign(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """Overwrite values (and scores) of keys present; absent keys are ignored. Returns the found mask."""
+        keys = self._check_keys(keys)
+        values = self._check_values(values, keys.numel())
+        return self._upsert(keys, values, scores, insert=False)[0] >= 0
+
+    @_locked
+    def assign_scores(self, keys: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """Update the scores of keys present (by strategy); returns the found mask."""
+        keys = self._check_keys(keys)
+        return self._upsert(keys, None, scores, insert=False)[0] >= 0
+
+    @_locked
+    def accum_or_assign(self, keys: torch.Tensor, values_or_deltas: torch.Tensor, accum_flags: torch.Tensor,
+                        scores: torch.Tensor | None = None) -> torch.Tensor:
+        """Add deltas to present keys whose flag is set; insert or assign keys whose flag is clear.
+
+        As HierarchicalKV: a set flag on an absent key is ignored; a clear flag on a present key assigns.
+        Returns the mask of keys applied (False: flag set and key absent, or refused by a full bucket).
+        """
+        keys = self._check_keys(keys)
+        values = self._check_values(values_or_deltas, keys.numel(), "values_or_deltas")
+        flags = accum_flags.to(self.device, torch.bool)
+        if flags.shape != keys.shape:
+            raise ValueError(f"{self.name}: accum_flags must have shape {tuple(keys.shape)}, got {tuple(flags.shape)}")
+        applied = torch.zeros(keys.numel(), dtype=torch.bool, device=self.device)
+        acc = flags.nonzero().squeeze(1)
+        if acc.numel():
+            slot = self._locate(keys[acc])
+            hit = slot >= 0
+            self._values.add(slot[hit], values[acc[hit]])
+            applied[acc[hit]] = True
+        assign = (~flags).nonzero().squeeze(1)
+        if assign.numel():
+            given = None if scores is None else scores[assign]
+            applied[assign] = self._upsert(keys[assign], values[assign], given, insert=True)[0] >= 0
+        return applied
+
+    @_locked
+    def update_rows(self, keys: torch.Tensor, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Replace the value rows of present (unique) ``keys`` by ``fn(rows, positions)`` in one probe; scores
+        are left as they are (an hkv extension: the fused optimizer step). Returns the found mask."""
+        slot = self._locate(self._check_keys(keys))
+        hit = (slot >= 0).nonzero().squeeze(1)
+        s = slot[hit]
+        self._values.scatter(s, fn(self._values.gather(s), hit))
+        return slot >= 0
+
+    @_locked
+    def contains(self, keys: torch.Tensor) -> torch.Tensor:
+        return self._locate(self._check_keys(keys)) >= 0
+
+    @_locked
+    def erase(self, keys: torch.Tensor) -> int:
+        """Remove ``keys`` (absent ones are ignored); returns how many were removed."""
+        slot = self._locate(self._check_keys(keys))
+        slot = torch.unique(slot[slot >= 0])
+        self._erase_slots(slot)
+        return slot.numel()
+
+    def _erase_slots(self, slot: torch.Tensor) -> None:
+        self._keys[slot] = RECLAIM_KEY
+        self._scores[slot] = 0
+        self._size -= slot.numel()
+
+    @_locked
+    def erase_if(self, predicate_or_score_threshold) -> int:
+        """Remove entries with score < threshold, or where ``predicate(keys, scores)`` is True; returns the count."""
+        occupied = self._occupied().nonzero().squeeze(1)
+        mask = self._select(predicate_or_score_threshold, occupied, below=True)
+        self._erase_slots(occupied[mask])
+        return int(mask.sum())
+
+    def _select(self, predicate_or_threshold, slots: torch.Tensor, below: bool) -> torch.Tensor:
+        keys, scores = self._keys[slots], self._scores[slots]
+        if callable(predicate_or_threshold):
+            return predicate_or_threshold(keys, scores).to(torch.bool)
+        threshold = int(predicate_or_threshold)
+        return scores < threshold if below else scores >= threshold
+
+    @_locked
+    def clear(self) -> None:
+        self._keys.fill_(EMPTY_KEY)
+        self._scores.zero_()
+        self._size = 0
+
+    @_locked
+    def export_batch(self, n: int, offset: int = 0):
+        """(keys, values, scores) of the entries in slots ``[offset, offset + n)``."""
+        slots = torch.arange(offset, min(offset + n, self._capacity), device=self.device)
+        slots = slots[self._occupied()[slots]]
+        return self._keys[slots], self._values.gather(slots), self._scores[slots]
+
+    @_locked
+    def export_batch_if(self, predicate_or_score_threshold, n: int | None = None, offset: int = 0):
+        """Entries in slots ``[offset, offset + n)`` with score >= threshold (or where ``predicate`` holds)."""
+        end = self._capacity if n is None else min(offset + n, self._capacity)
+        slots = torch.arange(offset, end, device=self.device)
+        slots = slots[self._occupied()[slots]]
+        slots = slots[self._select(predicate_or_score_threshold, slots, below=False)]
+        return self._keys[slots], self._values.gather(slots), self._scores[slots]
+
+    def size(self) -> int:
+        return self._size
+
+    def capacity(self) -> int:
+        return self._capacity
+
+    def load_factor(self) -> float:
+        return self._size / self._capacity
+
+    @_locked
+    def reserve(self, capacity: int) -> None:
+        """Rehash into at least ``capacity`` slots (never fewer than now, never above max_capacity)."""
+        capacity = min(self._round_capacity(capacity), self.max_capacity)
+        if capacity > self._capacity:
+            self._rehash(capacity)
+
+    @_locked
+    def set_global_epoch(self, epoch: int) -> None:
+        if not 0 <= epoch <= 0x7FFFFFFF:
+            raise ValueError(f"{self.name}: global epoch must be in [0, 2**31), got {epoch}")
+        self.global_epoch = int(epoch)
+
+    @_locked
+    def migrate(self) -> None:
+        """Move the highest-scoring rows to the fastest storage tier."""
+        self._values.migrate(self._scores, self._occupied())
+
+    def tier_rows(self) -> dict[str, int]:
+        return self._values.tier_rows()
+
+    def save(self, path: str) -> None:
+        from hkv.checkpoint import save
+
+        with self._lock:
+            save(self, path)
+
+    @classmethod
+    def load(cls, path: str, **overrides) -> "HashTable":
+        """A new table from a checkpoint; ``overrides`` (init_capacity, device, ...) replace saved settings."""
+        from hkv.checkpoint import load
+
+        return load(path, **overrides)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(dim={self.dim}, size={self._size}, capacity={self._capacity}, "
+                f"evict_strategy={self.evict_strategy.name}, dtype={self.dtype}, device={self.device})")

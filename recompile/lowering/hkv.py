@@ -1,0 +1,15 @@
+"""Lowering of the hkv table ops: the kernel that probes the hash table (``hkv.kernels``)."""
+from hkv import kernels
+from recompile.lowering.registry import Impl, has_triton, reference, register_lowering
+
+
+def cpu_kernel_runs(target) -> bool:
+    return target.name == "cpu" and kernels.runs_on("cpu", target.device)
+
+
+register_lowering(
+    "hkv::lookup",
+    Impl("triton", "triton", has_triton, "hkv.triton_kernels.locate (probe) + gather"),
+    Impl("cpu", "cpu_kernel", cpu_kernel_runs, "hkv/csrc/probe.c: hash, probe and row copy in one pass (OpenMP)"),
+    reference("hkv.table: vectorised torch probing (any device)"),
+)

@@ -1,0 +1,154 @@
+"""hkv.DynamicEmbedding(Bag): training against dense embeddings with torch's optimizers, eval, state_dict."""
+import pytest
+import torch
+import torch.nn as nn
+
+import hkv
+
+DIM = 4
+POOL = torch.tensor([3, 2**40 + 1, 17, 2**62 + 5, 99, 123456789, 5, 2**33])
+
+
+def options(**kw):
+    args = dict(dim=DIM, max_capacity=256, init_capacity=64, bucket_capacity=16)
+    args.update(kw)
+    return hkv.DynamicEmbTableOptions(**args)
+
+
+def batches(steps=4, bags=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        lengths = torch.randint(0, 4, (bags,), generator=gen)  # empty bags included
+        ids = POOL[torch.randint(0, len(POOL), (int(lengths.sum()),), generator=gen)]
+        yield ids, torch.cumsum(lengths, 0) - lengths
+
+
+class RowWiseAdagradRef:
+    """FBGEMM's exact row-wise Adagrad on a dense weight with sparse gradients."""
+
+    def __init__(self, weight, lr, eps):
+        self.weight, self.lr, self.eps = weight, lr, eps
+        self.acc = torch.zeros(weight.shape[0], 1)
+
+    def step(self):
+        g = self.weight.grad.coalesce()
+        rows, vals = g.indices()[0], g.values()
+        self.acc[rows] += (vals * vals).mean(1, keepdim=True)
+        with torch.no_grad():
+            self.weight[rows] -= self.lr * vals / (self.acc[rows].sqrt() + self.eps)
+
+    def zero_grad(self):
+        self.weight.grad = None
+
+
+OPTIMIZERS = {
+    "sgd": (hkv.SGD(0.1), lambda w: torch.optim.SGD([w], lr=0.1)),
+    "adagrad": (hkv.Adagrad(0.1, eps=1e-10), lambda w: torch.optim.Adagrad([w], lr=0.1, eps=1e-10)),
+    "rowwise_adagrad": (hkv.RowWiseAdagrad(0.1, eps=1e-10), lambda w: RowWiseAdagradRef(w, 0.1, 1e-10)),
+    "adam": (hkv.Adam(0.05), lambda w: torch.optim.SparseAdam([w], lr=0.05)),
+}
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "none"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_training_matches_dense_embedding_with_torch_optimizer(name, mode):
+    ours, make_ref = OPTIMIZERS[name]
+    dyn = hkv.DynamicEmbeddingBag(options(), mode=mode, optimizer=ours)
+    dyn.table.find_or_insert(POOL, init=dyn.runtime._init_rows)  # same starting rows for both
+    ref = nn.EmbeddingBag(len(POOL), DIM, mode=mode if mode != "none" else "sum", sparse=True)
+    with torch.no_grad():
+        ref.weight.copy_(dyn.table.find(POOL)[0][:, :DIM])
+    ref_opt = make_ref(ref.weight)
+    row = {int(k): i for i, k in enumerate(POOL)}
+    for ids, offsets in batches():
+        dense = torch.tensor([row[int(k)] for k in ids], dtype=torch.int64)
+        out = dyn(ids, offsets) if mode != "none" else dyn(ids)
+        expect = ref(dense, offsets) if mode != "none" else ref(dense, torch.arange(len(dense)))
+        torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)
+        target = torch.randn_like(out)
+        (out * target).sum().backward()
+        ref_opt.zero_grad()
+        (expect * target).sum().backward()
+        ref_opt.step()
+    torch.testing.assert_close(dyn.table.find(POOL)[0][:, :DIM], ref.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_eval_never_inserts_and_uses_eval_initializer():
+    dyn = hkv.DynamicEmbedding(options(eval_initializer_args=hkv.DynamicEmbInitializerArgs(
+        mode=hkv.DynamicEmbInitializerMode.CONSTANT, value=0.25)))
+    seen = dyn(POOL[:3])
+    dyn.eval()
+    out = dyn(POOL[:5])
+    assert dyn.table.size() == 3
+    torch.testing.assert_close(out[:3], seen)
+    torch.testing.assert_close(out[3:], torch.full((2, DIM), 0.25))
+
+
+@pytest.mark.parametrize("args, lo, hi", [
+    (dict(mode=hkv.DynamicEmbInitializerMode.UNIFORM, lower=-0.1, upper=0.2), -0.1, 0.2),
+    (dict(mode=hkv.DynamicEmbInitializerMode.TRUNCATED_NORMAL, mean=1.0, std_dev=0.5), 0.0, 2.0),
+    (dict(mode=hkv.DynamicEmbInitializerMode.CONSTANT, value=0.3), 0.3, 0.3),
+])
+def test_initializers(args, lo, hi):
+    dyn = hkv.DynamicEmbedding(options(max_capacity=4096, initializer_args=hkv.DynamicEmbInitializerArgs(**args)))
+    out = dyn(torch.arange(1000)).detach()
+    assert lo - 1e-6 <= float(out.min()) and float(out.max()) <= hi + 1e-6
+    assert (out.unique().numel() > 1000) == (lo != hi)
+
+
+def test_state_dict_round_trip_continues_training_identically():
+    a = hkv.DynamicEmbeddingBag(options(), optimizer=hkv.Adam(0.05))
+    data = list(batches(steps=4))
+    for ids, offsets in data[:2]:
+        a(ids, offsets).sum().backward()
+    b = hkv.DynamicEmbeddingBag(options(), optimizer=hkv.Adam(0.05))
+    b.load_state_dict(a.state_dict())
+    for step, (ids, offsets) in enumerate(data[2:]):
+        torch.manual_seed(step)  # ids first seen now get the same random initial rows in both
+        oa = a(ids, offsets)
+        torch.manual_seed(step)
+        ob = b(ids, offsets)
+        torch.testing.assert_close(oa, ob)
+        oa.sum().backward()
+        ob.sum().backward()
+    torch.testing.assert_close(a.table.find(POOL)[0], b.table.find(POOL)[0])
+    corrupt = a.state_dict()
+    corrupt["table"][-1] ^= 1
+    with pytest.raises(hkv.CheckpointError, match="checksum mismatch"):
+        b.load_state_dict(corrupt)
+
+
+def test_admission_in_training():
+    dyn = hkv.DynamicEmbedding(options(admit_strategy=hkv.CounterFilter(2), initializer_args=
+                                       hkv.DynamicEmbInitializerArgs(mode=hkv.DynamicEmbInitializerMode.CONSTANT,
+                                                                     value=1.0)), optimizer=hkv.SGD(0.5))
+    ids = torch.tensor([42])
+    dyn(ids).sum().backward()  # not admitted yet: initial value, no row, no update
+    assert dyn.table.size() == 0
+    out = dyn(ids)
+    torch.testing.assert_close(out, torch.ones(1, DIM))
+    out.sum().backward()
+    torch.testing.assert_close(dyn(ids), torch.full((1, DIM), 0.5))
+
+
+def test_bad_mode_and_missing_offsets():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        hkv.DynamicEmbeddingBag(options(), mode="max")
+    with pytest.raises(ValueError, match="needs offsets"):
+        hkv.DynamicEmbeddingBag(options())(POOL)
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu", "triton"])
+def test_lowered_ops_with_each_kernel(impl):
+    dyn = hkv.DynamicEmbedding(options(), optimizer=hkv.SGD(0.1))
+    ids = POOL[torch.tensor([0, 1, 2, 0, 1])]
+    uniq, inverse, n = torch.ops.hkv.unique(ids, True)
+    assert int(n) == 3 and torch.equal(uniq[inverse], ids)
+    rows = torch.ops.hkv.lookup(dyn.weight, uniq, n, dyn.table_id, True, impl)
+    assert dyn.table.size() == 3
+    torch.testing.assert_close(rows[:3], dyn.table.find(uniq[:3])[0])
+    assert not rows[3:].any()
+    torch.ops.hkv.update(torch.ones_like(rows), uniq, n, dyn.table_id, impl)
+    torch.testing.assert_close(dyn.table.find(uniq[:3])[0], rows[:3] - 0.1)
+    with pytest.raises(ValueError, match="unknown kernel 'nosuch'"):
+        torch.ops.hkv.lookup(dyn.weight, uniq, n, dyn.table_id, True, "nosuch")
