@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from models.dlrm import mlp
+from models.dlrm import embedding_bags, mlp
 
 DCN_STRUCTURES = ("stacked", "parallel")
 
@@ -22,6 +22,8 @@ class CTRConfig:
     dim: int = 16
     max_ids_per_bag: int = 4
     deep: list[int] = field(default_factory=lambda: [64, 32])
+    # Sparse tables as hkv.DynamicEmbeddingBag hash tables over raw ids (fused SGD row updates).
+    dynamic_embeddings: bool = False
 
 
 @dataclass
@@ -34,10 +36,6 @@ class DCNConfig(CTRConfig):
     def __post_init__(self):
         if self.structure not in DCN_STRUCTURES:
             raise ValueError(f"DCNConfig.structure got {self.structure!r}; valid values: {', '.join(DCN_STRUCTURES)}")
-
-
-def embedding_bags(rows: list[int], dim: int) -> nn.ModuleList:
-    return nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum") for n in rows)
 
 
 class CrossLayer(nn.Module):
@@ -58,7 +56,7 @@ class DCNv2(nn.Module):
     def __init__(self, cfg: DCNConfig):
         super().__init__()
         self.cfg = cfg
-        self.embeddings = embedding_bags(cfg.table_rows, cfg.dim)
+        self.embeddings = embedding_bags(cfg.table_rows, cfg.dim, cfg.dynamic_embeddings)
         width = cfg.num_dense + cfg.dim * len(cfg.table_rows)
         self.cross = nn.ModuleList(CrossLayer(width, cfg.low_rank) for _ in range(cfg.num_cross))
         self.deep = mlp([width, *cfg.deep])
@@ -84,8 +82,8 @@ class DeepFM(nn.Module):
     def __init__(self, cfg: CTRConfig):
         super().__init__()
         self.cfg = cfg
-        self.embeddings = embedding_bags(cfg.table_rows, cfg.dim)
-        self.first_order = embedding_bags(cfg.table_rows, 1)
+        self.embeddings = embedding_bags(cfg.table_rows, cfg.dim, cfg.dynamic_embeddings)
+        self.first_order = embedding_bags(cfg.table_rows, 1, cfg.dynamic_embeddings)
         self.dense_linear = nn.Linear(cfg.num_dense, 1)
         self.dense_field = nn.Linear(cfg.num_dense, cfg.dim)
         self.deep = mlp([cfg.dim * (len(cfg.table_rows) + 1), *cfg.deep, 1], last_activation=False)
@@ -106,8 +104,8 @@ class WideDeep(nn.Module):
     def __init__(self, cfg: CTRConfig):
         super().__init__()
         self.cfg = cfg
-        self.embeddings = embedding_bags(cfg.table_rows, cfg.dim)
-        self.wide_sparse = embedding_bags(cfg.table_rows, 1)
+        self.embeddings = embedding_bags(cfg.table_rows, cfg.dim, cfg.dynamic_embeddings)
+        self.wide_sparse = embedding_bags(cfg.table_rows, 1, cfg.dynamic_embeddings)
         self.wide_dense = nn.Linear(cfg.num_dense, 1)
         self.deep = mlp([cfg.num_dense + cfg.dim * len(cfg.table_rows), *cfg.deep, 1], last_activation=False)
 

@@ -22,6 +22,8 @@ class DLRMConfig:
     max_ids_per_bag: int = 4
     # "dot": pairwise dot products of the feature vectors (DLRM); "cat": their concatenation.
     interaction: str = "dot"
+    # Sparse tables as hkv.DynamicEmbeddingBag hash tables over raw ids (fused SGD row updates).
+    dynamic_embeddings: bool = False
 
     def __post_init__(self):
         if self.interaction not in INTERACTIONS:
@@ -37,6 +39,20 @@ def mlp(sizes: list[int], last_activation: bool = True) -> nn.Sequential:
         if last_activation or i < len(sizes) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
+
+
+def embedding_bags(rows: list[int], dim: int, dynamic: bool = False) -> nn.ModuleList:
+    """One sum-pooled bag table per sparse feature: nn.EmbeddingBag, or an hkv hash table over raw ids."""
+    if not dynamic:
+        return nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum") for n in rows)
+    from hkv import DynamicEmbeddingBag, DynamicEmbInitializerArgs, DynamicEmbTableOptions
+
+    init = DynamicEmbInitializerArgs(std_dev=dim ** -0.5)
+    return nn.ModuleList(
+        DynamicEmbeddingBag(DynamicEmbTableOptions(dim=dim, max_capacity=2 * n, initializer_args=init), mode="sum",
+                            name=f"table_{t}")
+        for t, n in enumerate(rows)
+    )
 
 
 class DLRMInteraction(nn.Module):
@@ -66,7 +82,7 @@ class DLRM(nn.Module):
     def __init__(self, cfg: DLRMConfig):
         super().__init__()
         self.cfg = cfg
-        self.embeddings = nn.ModuleList(nn.EmbeddingBag(rows, cfg.dim, mode="sum") for rows in cfg.table_rows)
+        self.embeddings = embedding_bags(cfg.table_rows, cfg.dim, cfg.dynamic_embeddings)
         self.bottom = mlp([cfg.num_dense, *cfg.bottom])
         self.interaction = DLRMInteraction(len(cfg.table_rows) + 1, cfg.dim, cfg.interaction)
         self.top = mlp([self.interaction.out_dim, *cfg.top], last_activation=False)
@@ -89,6 +105,8 @@ class TorchRecDLRM(nn.Module):
         from torchrec import EmbeddingBagCollection
         from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
+        if cfg.dynamic_embeddings:
+            raise ValueError("TorchRecDLRM: dynamic embeddings are hkv tables, not an EmbeddingBagCollection; use DLRM")
         self.cfg = cfg
         self.keys = feature_names(cfg)
         tables = [

@@ -23,7 +23,7 @@ def popularity_metrics(split: D.LeaveOneOut) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m models.main", description=__doc__.split("\n\n")[0])
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--eager-steps", type=int, default=10, help="HSTU training steps timed under eager")
     p.add_argument("--json", help="write the results here")
     args, train_argv = p.parse_known_args(argv)

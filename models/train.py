@@ -177,7 +177,7 @@ def evaluate_two_tower(model, split: D.LeaveOneOut, history_len: int) -> dict:
 
 
 def train_ctr(args, run: Run) -> tuple[nn.Module, dict]:
-    workload = MODELS[args.model](args.size, seed=args.seed)
+    workload = MODELS[args.model](args.size, seed=args.seed, dynamic_embeddings=args.dynamic_embeddings)
     model, cfg = workload.model, workload.model.cfg
     n_test = args.ctr_rows // 10
     rows = D.criteo_synthetic(args.ctr_rows + n_test, cfg.table_rows, cfg.num_dense, cfg.max_ids_per_bag,
@@ -213,6 +213,9 @@ def D_to_kjt(cfg, batch):
 def run_training(args) -> dict:
     torch.manual_seed(args.seed)
     run = Run(max_steps=args.max_steps)
+    if args.dynamic_embeddings and not MODELS[args.model].dynamic_embeddings:
+        raise ValueError(f"--dynamic-embeddings: model {args.model!r} has no dynamic-embedding variant; models with "
+                         f"one: {', '.join(n for n, e in MODELS.items() if e.dynamic_embeddings)}")
     if args.model in CTR_MODELS:
         if args.data != "criteo-synthetic":
             raise ValueError(f"CTR model {args.model!r} trains on --data criteo-synthetic, not {args.data!r}")
@@ -228,7 +231,7 @@ def run_training(args) -> dict:
         data_desc = f"{args.data} ({len(ratings)} ratings, {ratings.num_users} users, {ratings.num_items} items)"
     return {
         "model": args.model, "data": data_desc, "backend": args.backend, "epochs": args.epochs, "dim": args.dim,
-        "seed": args.seed, "metrics": metrics, **run.summary(),
+        "seed": args.seed, "dynamic_embeddings": args.dynamic_embeddings, "metrics": metrics, **run.summary(),
     }
 
 
@@ -239,8 +242,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data-path", help="GroupLens ratings.dat (ML-1M) or ratings.csv (ML-20M)")
     p.add_argument("--backend", default="rec_ascend", choices=BACKENDS)
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dim", type=int, default=64, help="embedding size (sequential and two-tower models)")
     p.add_argument("--max-len", type=int, default=50, help="history length (sequential and two-tower models)")
     p.add_argument("--num-layers", type=int, default=2)
@@ -249,6 +252,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sampled-negatives", type=int, default=128)
     p.add_argument("--size", default="small", choices=("small", "bench"), help="CTR model size")
     p.add_argument("--ctr-rows", type=int, default=50_000, help="synthetic CTR training rows")
+    p.add_argument("--dynamic-embeddings", action="store_true",
+                   help="CTR models: sparse tables as hkv.DynamicEmbeddingBag hash tables (fused SGD row updates)")
     p.add_argument("--max-steps", type=int, help="stop after this many steps (no evaluation)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")

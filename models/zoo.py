@@ -54,14 +54,23 @@ def _tensors(arg) -> list[torch.Tensor]:
 class ZooEntry:
     name: str
     description: str
-    build_fn: Callable[[str, torch.Generator, int | None], Workload]
+    build_fn: Callable[..., Workload]
+    # Whether the sparse tables can be hkv.DynamicEmbeddingBag hash tables (CTR models).
+    dynamic_embeddings: bool = False
 
-    def __call__(self, size: str = "small", seed: int = 0, batch: int | None = None) -> Workload:
+    def __call__(self, size: str = "small", seed: int = 0, batch: int | None = None,
+                 dynamic_embeddings: bool = False) -> Workload:
         """The model (parameters drawn from ``seed``) and example inputs of ``batch`` rows (default: the size's)."""
         if size not in SIZES:
             raise ValueError(f"model size {size!r} for {self.name!r}; valid sizes: {', '.join(SIZES)}")
         torch.manual_seed(seed)
-        return self.build_fn(size, torch.Generator().manual_seed(seed), batch)
+        g = torch.Generator().manual_seed(seed)
+        if not dynamic_embeddings:
+            return self.build_fn(size, g, batch)
+        if not self.dynamic_embeddings:
+            raise ValueError(f"model {self.name!r} has no dynamic-embedding variant; models with one: "
+                             f"{', '.join(n for n, e in MODELS.items() if e.dynamic_embeddings)}")
+        return self.build_fn(size, g, batch, dynamic_embeddings=True)
 
 
 # -- CTR models: (dense, indices, offsets) -> logits; synthetic labels for the loss ---------------------------
@@ -72,8 +81,8 @@ CTR_SIZES = {
 }
 
 
-def _ctr_workload(name, size, g, batch, make: Callable[[dict], nn.Module], kjt: bool = False):
-    spec = dict(CTR_SIZES[size])
+def _ctr_workload(name, size, g, batch, make: Callable[[dict], nn.Module], kjt=False, dynamic_embeddings=False):
+    spec = dict(CTR_SIZES[size], dynamic_embeddings=dynamic_embeddings)
     batch = spec.pop("batch") if batch is None else batch
     spec.pop("batch", None)
     model = make(spec)
@@ -88,11 +97,12 @@ def _ctr_workload(name, size, g, batch, make: Callable[[dict], nn.Module], kjt: 
 def _dlrm_cfg(spec: dict, interaction: str) -> DLRMConfig:
     dim = spec["dim"]
     return DLRMConfig(table_rows=spec["table_rows"], dim=dim, bottom=[4 * dim, dim], top=[8 * dim, 4 * dim, 1],
-                      interaction=interaction)
+                      interaction=interaction, dynamic_embeddings=spec["dynamic_embeddings"])
 
 
 def _ctr_cfg(cls, spec: dict, **kw):
-    return cls(table_rows=spec["table_rows"], dim=spec["dim"], deep=[8 * spec["dim"], 4 * spec["dim"]], **kw)
+    return cls(table_rows=spec["table_rows"], dim=spec["dim"], deep=[8 * spec["dim"], 4 * spec["dim"]],
+               dynamic_embeddings=spec["dynamic_embeddings"], **kw)
 
 
 # -- sequential models: NextItemTask(encoder)(targets, negatives, *inputs) -> loss ----------------------------
@@ -153,25 +163,24 @@ def _two_tower_workload(name: str, size: str, g: torch.Generator, batch: int | N
     return Workload(name, InBatchSoftmaxTask(two_tower(name, spec["num_users"], n_items, dim)), inputs, lambda loss: loss, [(0, 0), (1, 0), (2, 0), (3, 0)])
 
 
-def _entry(name: str, description: str, build: Callable[[str, torch.Generator], Workload]) -> ZooEntry:
+def _entry(name: str, description: str, build: Callable[..., Workload]) -> ZooEntry:
     return ZooEntry(name, description, build)
 
 
+def _ctr_entry(name: str, description: str, make: Callable[[dict], nn.Module]) -> ZooEntry:
+    return ZooEntry(name, description, lambda s, g, b, **kw: _ctr_workload(name, s, g, b, make, **kw), True)
+
+
 MODELS: dict[str, ZooEntry] = {e.name: e for e in [
-    _entry("dlrm", "DLRM, dot interaction, nn.EmbeddingBag per table",
-           lambda s, g, b: _ctr_workload("dlrm", s, g, b, lambda c: DLRM(_dlrm_cfg(c, "dot")))),
-    _entry("dlrm_cat", "DLRM, concat interaction",
-           lambda s, g, b: _ctr_workload("dlrm_cat", s, g, b, lambda c: DLRM(_dlrm_cfg(c, "cat")))),
+    _ctr_entry("dlrm", "DLRM, dot interaction, nn.EmbeddingBag per table", lambda c: DLRM(_dlrm_cfg(c, "dot"))),
+    _ctr_entry("dlrm_cat", "DLRM, concat interaction", lambda c: DLRM(_dlrm_cfg(c, "cat"))),
     _entry("dlrm_torchrec", "DLRM over a TorchRec EmbeddingBagCollection fed a KeyedJaggedTensor",
-           lambda s, g, b: _ctr_workload("dlrm_torchrec", s, g, b, lambda c: TorchRecDLRM(_dlrm_cfg(c, "dot")), kjt=True)),
-    _entry("dcn_v2", "DCN-v2, full-rank cross, stacked",
-           lambda s, g, b: _ctr_workload("dcn_v2", s, g, b, lambda c: DCNv2(_ctr_cfg(DCNConfig, c)))),
-    _entry("dcn_v2_lowrank_parallel", "DCN-v2, low-rank cross (r=dim/2), parallel",
-           lambda s, g, b: _ctr_workload("dcn_v2_lowrank_parallel", s, g, b, lambda c: DCNv2(
-               _ctr_cfg(DCNConfig, c, low_rank=max(1, c["dim"] // 2), structure="parallel")))),
-    _entry("deepfm", "DeepFM", lambda s, g, b: _ctr_workload("deepfm", s, g, b, lambda c: DeepFM(_ctr_cfg(CTRConfig, c)))),
-    _entry("wide_deep", "Wide & Deep",
-           lambda s, g, b: _ctr_workload("wide_deep", s, g, b, lambda c: WideDeep(_ctr_cfg(CTRConfig, c)))),
+           lambda s, g, b: _ctr_workload("dlrm_torchrec", s, g, b, lambda c: TorchRecDLRM(_dlrm_cfg(c, "dot")), True)),
+    _ctr_entry("dcn_v2", "DCN-v2, full-rank cross, stacked", lambda c: DCNv2(_ctr_cfg(DCNConfig, c))),
+    _ctr_entry("dcn_v2_lowrank_parallel", "DCN-v2, low-rank cross (r=dim/2), parallel", lambda c: DCNv2(
+        _ctr_cfg(DCNConfig, c, low_rank=max(1, c["dim"] // 2), structure="parallel"))),
+    _ctr_entry("deepfm", "DeepFM", lambda c: DeepFM(_ctr_cfg(CTRConfig, c))),
+    _ctr_entry("wide_deep", "Wide & Deep", lambda c: WideDeep(_ctr_cfg(CTRConfig, c))),
     _entry("two_tower", "two-tower retrieval, dot-product head, in-batch + sampled softmax",
            lambda s, g, b: _two_tower_workload("two_tower", s, g, b)),
     _entry("two_tower_mol", "two-tower retrieval, mixture-of-logits head",
