@@ -56,7 +56,8 @@ def run(models: list[str], size: str, train: bool, warmup: int, iters: int, prog
             "data": "synthetic example inputs", "threads": torch.get_num_threads(), "rows": rows}
 
 
-HEADER = f"{'model':26s} {'eager ms':>10s} {'inductor ms':>12s} {'rec_ascend ms':>14s} {'eager/rec':>10s} {'inductor/rec':>13s}"
+HEADER = (f"{'model':26s} {'eager ms':>10s} {'inductor ms':>12s} {'rec_ascend ms':>14s} {'eager/rec':>10s} "
+          f"{'inductor/rec':>13s}")
 
 
 def format_row(row: dict) -> str:

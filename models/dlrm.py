@@ -27,9 +27,11 @@ class DLRMConfig:
 
     def __post_init__(self):
         if self.interaction not in INTERACTIONS:
-            raise ValueError(f"DLRMConfig.interaction got {self.interaction!r}; valid values: {', '.join(INTERACTIONS)}")
+            raise ValueError(f"DLRMConfig.interaction got {self.interaction!r}; "
+                             f"valid values: {', '.join(INTERACTIONS)}")
         if self.bottom[-1] != self.dim:
-            raise ValueError(f"DLRMConfig.bottom must end in dim={self.dim} (got {self.bottom}) to interact with the embeddings")
+            raise ValueError(f"DLRMConfig.bottom must end in dim={self.dim} (got {self.bottom}) "
+                             "to interact with the embeddings")
 
 
 def mlp(sizes: list[int], last_activation: bool = True) -> nn.Sequential:

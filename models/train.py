@@ -23,10 +23,11 @@ import torch
 import torch.nn as nn
 
 from models import data as D
+from models.dlrm import to_kjt
 from models.metrics import auc, log_loss, ranking_metrics, target_ranks
 from models.retrieval import InBatchSoftmaxTask
 from models.sequential import NextItemTask
-from models.zoo import CTR_MODELS, MODELS, SEQUENTIAL, TWO_TOWER_HEADS, sequential_encoder, two_tower
+from models.zoo import CTR_MODELS, MODELS, SEQUENTIAL, sequential_encoder, two_tower
 
 BACKENDS = ("eager", "inductor", "rec_ascend")
 DATASETS = ("ml-100k", "ml-1m", "ml-20m", "criteo-synthetic")
@@ -87,7 +88,7 @@ class Run:
         }
 
 
-def optimizer_step(module: nn.Module, optimizer: torch.optim.Optimizer, compute_loss) -> float:
+def optimizer_step(optimizer: torch.optim.Optimizer, compute_loss) -> float:
     optimizer.zero_grad()
     loss = compute_loss()
     loss.backward()
@@ -113,7 +114,7 @@ def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, d
             negatives = D.sample_negatives(targets.flatten(), args.in_batch_negatives, split.num_items,
                                            args.sampled_negatives, g)
             batch = mark_sequence_dynamic((targets, negatives, *inputs))
-            bar.update(run.step(lambda: optimizer_step(task, optimizer, lambda: step_fn(*batch)), len(rows)))
+            bar.update(run.step(lambda: optimizer_step(optimizer, lambda: step_fn(*batch)), len(rows)))
             if run.finished:
                 return task, {}
     return task, evaluate_sequential(task, split, fmt, args.max_len)
@@ -158,7 +159,7 @@ def train_two_tower(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, di
             batch = (pairs.users[rows], history, offsets, positives, negatives)
             for tensor in batch[:4]:
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
-            bar.update(run.step(lambda: optimizer_step(task, optimizer, lambda: step_fn(*batch)), len(rows)))
+            bar.update(run.step(lambda: optimizer_step(optimizer, lambda: step_fn(*batch)), len(rows)))
             if run.finished:
                 return task, {}
     return task, evaluate_two_tower(model, split, args.max_len)
@@ -182,7 +183,7 @@ def train_ctr(args, run: Run) -> tuple[nn.Module, dict]:
     n_test = args.ctr_rows // 10
     rows = D.criteo_synthetic(args.ctr_rows + n_test, cfg.table_rows, cfg.num_dense, cfg.max_ids_per_bag,
                               seed=args.seed)
-    as_inputs = (lambda b: (b[0], D_to_kjt(cfg, b))) if args.model == "dlrm_torchrec" else (lambda b: b[:3])
+    as_inputs = (lambda b: (b[0], to_kjt(cfg, b[1], b[2]))) if args.model == "dlrm_torchrec" else (lambda b: b[:3])
     step_fn = compile_for(model, args.backend)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(args.seed)
@@ -194,7 +195,7 @@ def train_ctr(args, run: Run) -> tuple[nn.Module, dict]:
             batch = rows.batch(index)
             inputs = workload.mark_dynamic(as_inputs(batch))
             loss = lambda: nn.functional.binary_cross_entropy_with_logits(step_fn(*inputs), batch[3])  # noqa: E731
-            bar.update(run.step(lambda: optimizer_step(model, optimizer, loss), len(index)))
+            bar.update(run.step(lambda: optimizer_step(optimizer, loss), len(index)))
             if run.finished:
                 return model, {}
     model.eval()
@@ -202,12 +203,6 @@ def train_ctr(args, run: Run) -> tuple[nn.Module, dict]:
         test = rows.batch(np.arange(args.ctr_rows, args.ctr_rows + n_test))
         logits = model(*as_inputs(test))
     return model, {"AUC": auc(test[3], logits), "log_loss": log_loss(test[3], logits), "data_note": rows.note}
-
-
-def D_to_kjt(cfg, batch):
-    from models.dlrm import to_kjt
-
-    return to_kjt(cfg, batch[1], batch[2])
 
 
 def run_training(args) -> dict:

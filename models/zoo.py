@@ -160,11 +160,8 @@ def _two_tower_workload(name: str, size: str, g: torch.Generator, batch: int | N
         torch.randint(1, n_items + 1, (batch,), generator=g),
         torch.randint(1, n_items + 1, (spec["negatives"],), generator=g),
     )
-    return Workload(name, InBatchSoftmaxTask(two_tower(name, spec["num_users"], n_items, dim)), inputs, lambda loss: loss, [(0, 0), (1, 0), (2, 0), (3, 0)])
-
-
-def _entry(name: str, description: str, build: Callable[..., Workload]) -> ZooEntry:
-    return ZooEntry(name, description, build)
+    model = InBatchSoftmaxTask(two_tower(name, spec["num_users"], n_items, dim))
+    return Workload(name, model, inputs, lambda loss: loss, [(0, 0), (1, 0), (2, 0), (3, 0)])
 
 
 def _ctr_entry(name: str, description: str, make: Callable[[dict], nn.Module]) -> ZooEntry:
@@ -174,20 +171,20 @@ def _ctr_entry(name: str, description: str, make: Callable[[dict], nn.Module]) -
 MODELS: dict[str, ZooEntry] = {e.name: e for e in [
     _ctr_entry("dlrm", "DLRM, dot interaction, nn.EmbeddingBag per table", lambda c: DLRM(_dlrm_cfg(c, "dot"))),
     _ctr_entry("dlrm_cat", "DLRM, concat interaction", lambda c: DLRM(_dlrm_cfg(c, "cat"))),
-    _entry("dlrm_torchrec", "DLRM over a TorchRec EmbeddingBagCollection fed a KeyedJaggedTensor",
+    ZooEntry("dlrm_torchrec", "DLRM over a TorchRec EmbeddingBagCollection fed a KeyedJaggedTensor",
            lambda s, g, b: _ctr_workload("dlrm_torchrec", s, g, b, lambda c: TorchRecDLRM(_dlrm_cfg(c, "dot")), True)),
     _ctr_entry("dcn_v2", "DCN-v2, full-rank cross, stacked", lambda c: DCNv2(_ctr_cfg(DCNConfig, c))),
     _ctr_entry("dcn_v2_lowrank_parallel", "DCN-v2, low-rank cross (r=dim/2), parallel", lambda c: DCNv2(
         _ctr_cfg(DCNConfig, c, low_rank=max(1, c["dim"] // 2), structure="parallel"))),
     _ctr_entry("deepfm", "DeepFM", lambda c: DeepFM(_ctr_cfg(CTRConfig, c))),
     _ctr_entry("wide_deep", "Wide & Deep", lambda c: WideDeep(_ctr_cfg(CTRConfig, c))),
-    _entry("two_tower", "two-tower retrieval, dot-product head, in-batch + sampled softmax",
+    ZooEntry("two_tower", "two-tower retrieval, dot-product head, in-batch + sampled softmax",
            lambda s, g, b: _two_tower_workload("two_tower", s, g, b)),
-    _entry("two_tower_mol", "two-tower retrieval, mixture-of-logits head",
+    ZooEntry("two_tower_mol", "two-tower retrieval, mixture-of-logits head",
            lambda s, g, b: _two_tower_workload("two_tower_mol", s, g, b)),
-    _entry("sasrec", "SASRec, causal softmax attention over padded histories, sampled softmax",
+    ZooEntry("sasrec", "SASRec, causal softmax attention over padded histories, sampled softmax",
            lambda s, g, b: _seq_workload("sasrec", s, g, b)),
-    _entry("hstu", "HSTU generative recommender, STU layers over jagged histories, sampled softmax",
+    ZooEntry("hstu", "HSTU generative recommender, STU layers over jagged histories, sampled softmax",
            lambda s, g, b: _seq_workload("hstu", s, g, b)),
 ]}
 
