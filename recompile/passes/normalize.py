@@ -49,9 +49,14 @@ def _function_for(node: fx.Node):
     return None
 
 
+def _is_sequence(arg) -> bool:
+    value = arg.meta.get("example_value") if isinstance(arg, fx.Node) else arg
+    return isinstance(value, (list, tuple))
+
+
 def _function_args(node: fx.Node) -> tuple:
     self_arg, *rest = node.args
-    if node.target in SIZE_VARARG_METHODS and not (len(rest) == 1 and isinstance(rest[0], (list, tuple))):
+    if node.target in SIZE_VARARG_METHODS and not (len(rest) == 1 and _is_sequence(rest[0])):
         return (self_arg, tuple(rest))
     return node.args
 

@@ -1,0 +1,118 @@
+"""ms/step of every zoo model under eager, Inductor and rec_ascend, measured side by side in one run.
+
+    python -m models.bench [--models hstu sasrec ...] [--train] [--quick] [--json bench.json] [--png bench.png]
+
+Inputs are the zoo's synthetic example inputs (labelled so). ``--train`` times forward + backward of the
+training loss; otherwise a forward pass under ``torch.no_grad``. Each backend gets a fresh model built from
+the same seed, a warm-up (which compiles), then the median of timed steps.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from models.train import BACKENDS, compile_for, write_json
+from models.zoo import MODELS, SIZES
+
+
+def time_backend(name: str, size: str, backend: str, train: bool, warmup: int, iters: int) -> float:
+    torch._dynamo.reset()
+    workload = MODELS[name](size)
+    model = workload.model.train(train)
+    fn = compile_for(model, backend)
+    inputs = workload.mark_dynamic()
+
+    def step():
+        if train:
+            model.zero_grad(set_to_none=True)
+            workload.loss(fn(*inputs)).backward()
+        else:
+            with torch.no_grad():
+                fn(*inputs)
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def run(models: list[str], size: str, train: bool, warmup: int, iters: int, progress=print) -> dict:
+    rows = []
+    for name in models:
+        ms = {backend: time_backend(name, size, backend, train, warmup, iters) for backend in BACKENDS}
+        row = {"model": name, "ms": ms, "eager_over_rec_ascend": ms["eager"] / ms["rec_ascend"],
+               "inductor_over_rec_ascend": ms["inductor"] / ms["rec_ascend"]}
+        progress(format_row(row))
+        rows.append(row)
+    return {"mode": "train (forward + backward)" if train else "inference (forward)", "size": size,
+            "data": "synthetic example inputs", "threads": torch.get_num_threads(), "rows": rows}
+
+
+HEADER = (f"{'model':26s} {'eager ms':>10s} {'inductor ms':>12s} {'rec_ascend ms':>14s} {'eager/rec':>10s} "
+          f"{'inductor/rec':>13s}")
+
+
+def format_row(row: dict) -> str:
+    ms = row["ms"]
+    return (f"{row['model']:26s} {ms['eager']:10.2f} {ms['inductor']:12.2f} {ms['rec_ascend']:14.2f} "
+            f"{row['eager_over_rec_ascend']:9.2f}x {row['inductor_over_rec_ascend']:12.2f}x")
+
+
+def write_chart(result: dict, path: str) -> None:
+    """Grouped bars of ms/step per model and backend (matplotlib, the `bench` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
+    width = 0.8 / len(BACKENDS)
+    for i, backend in enumerate(BACKENDS):
+        ax.bar([r + i * width for r in range(len(rows))], [row["ms"][backend] for row in rows], width, label=backend)
+    ax.set_xticks([r + width for r in range(len(rows))], [row["model"] for row in rows], rotation=30, ha="right")
+    ax.set_ylabel("ms / step")
+    ax.set_yscale("log")
+    ax.set_title(f"{result['mode']}, {result['size']} configs, {result['data']}")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m models.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=sorted(MODELS), choices=sorted(MODELS), metavar="MODEL")
+    p.add_argument("--train", action="store_true", help="time forward + backward of the training loss")
+    p.add_argument("--size", default="bench", choices=SIZES)
+    p.add_argument("--quick", action="store_true", help="small configs, 1 warm-up and 5 timed steps")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json", default="bench.json")
+    p.add_argument("--png", default="bench.png")
+    args = p.parse_args(argv)
+    size, warmup, iters = ("small", 1, 5) if args.quick else (args.size, 3, args.iters)
+    print(f"{'train' if args.train else 'forward'} ms/step, {size} configs, synthetic example inputs, "
+          f"{torch.get_num_threads()} threads")
+    print(HEADER)
+    result = run(args.models, size, args.train, warmup, iters)
+    write_json(args.json, result)
+    try:
+        write_chart(result, args.png)
+        print(f"wrote {args.json} and {args.png}")
+    except ImportError:
+        print(f"wrote {args.json}; no chart: matplotlib is not installed (pip install '.[bench]')")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""CTR models over dense + multi-hot sparse features, written as practitioners write them.
+
+Every model takes ``(dense [B, num_dense], indices: list[Tensor], offsets: list[Tensor])`` (one bag per row and
+table, the input of ``nn.EmbeddingBag``), like ``models.dlrm.DLRM``, and returns one logit per row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from models.dlrm import embedding_bags, mlp
+
+DCN_STRUCTURES = ("stacked", "parallel")
+
+
+@dataclass
+class CTRConfig:
+    num_dense: int = 13
+    table_rows: list[int] = field(default_factory=lambda: [1000] * 8)
+    dim: int = 16
+    max_ids_per_bag: int = 4
+    deep: list[int] = field(default_factory=lambda: [64, 32])
+    # Sparse tables as hkv.DynamicEmbeddingBag hash tables over raw ids (fused SGD row updates).
+    dynamic_embeddings: bool = False
+
+
+@dataclass
+class DCNConfig(CTRConfig):
+    num_cross: int = 3
+    # None: full-rank cross weights (D x D); an int r: low-rank W = U V^T with U, V of shape D x r.
+    low_rank: int | None = None
+    structure: str = "stacked"
+
+    def __post_init__(self):
+        if self.structure not in DCN_STRUCTURES:
+            raise ValueError(f"DCNConfig.structure got {self.structure!r}; valid values: {', '.join(DCN_STRUCTURES)}")
+
+
+class CrossLayer(nn.Module):
+    """DCN-v2 cross layer: x_{l+1} = x_0 * (W x_l + b) + x_l, W full-rank or U V^T."""
+
+    def __init__(self, width: int, low_rank: int | None):
+        super().__init__()
+        if low_rank is None:
+            self.proj = nn.Linear(width, width)
+        else:
+            self.proj = nn.Sequential(nn.Linear(width, low_rank, bias=False), nn.Linear(low_rank, width))
+
+    def forward(self, x0: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x0 * self.proj(x) + x
+
+
+class DCNv2(nn.Module):
+    def __init__(self, cfg: DCNConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = embedding_bags(cfg.table_rows, cfg.dim, cfg.dynamic_embeddings)
+        width = cfg.num_dense + cfg.dim * len(cfg.table_rows)
+        self.cross = nn.ModuleList(CrossLayer(width, cfg.low_rank) for _ in range(cfg.num_cross))
+        self.deep = mlp([width, *cfg.deep])
+        head_in = cfg.deep[-1] if cfg.structure == "stacked" else width + cfg.deep[-1]
+        self.head = nn.Linear(head_in, 1)
+
+    def forward(self, dense: torch.Tensor, indices: list[torch.Tensor], offsets: list[torch.Tensor]) -> torch.Tensor:
+        embs = [emb(ids, offs) for emb, ids, offs in zip(self.embeddings, indices, offsets)]
+        x0 = torch.cat([dense] + embs, dim=1)
+        x = x0
+        for layer in self.cross:
+            x = layer(x0, x)
+        if self.cfg.structure == "stacked":
+            out = self.deep(x)
+        else:
+            out = torch.cat([x, self.deep(x0)], dim=1)
+        return self.head(out).squeeze(1)
+
+
+class DeepFM(nn.Module):
+    """First-order terms + factorization machine over the field embeddings + a deep MLP, summed."""
+
+    def __init__(self, cfg: CTRConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = embedding_bags(cfg.table_rows, cfg.dim, cfg.dynamic_embeddings)
+        self.first_order = embedding_bags(cfg.table_rows, 1, cfg.dynamic_embeddings)
+        self.dense_linear = nn.Linear(cfg.num_dense, 1)
+        self.dense_field = nn.Linear(cfg.num_dense, cfg.dim)
+        self.deep = mlp([cfg.dim * (len(cfg.table_rows) + 1), *cfg.deep, 1], last_activation=False)
+
+    def forward(self, dense: torch.Tensor, indices: list[torch.Tensor], offsets: list[torch.Tensor]) -> torch.Tensor:
+        embs = [emb(ids, offs) for emb, ids, offs in zip(self.embeddings, indices, offsets)]
+        weights = [w(ids, offs) for w, ids, offs in zip(self.first_order, indices, offsets)]
+        first = self.dense_linear(dense) + torch.cat(weights, dim=1).sum(dim=1, keepdim=True)
+        fields = torch.stack([self.dense_field(dense)] + embs, dim=1)
+        second = 0.5 * (fields.sum(dim=1).pow(2) - fields.pow(2).sum(dim=1)).sum(dim=1, keepdim=True)
+        deep = self.deep(fields.flatten(1))
+        return (first + second + deep).squeeze(1)
+
+
+class WideDeep(nn.Module):
+    """Wide: a linear model over dense values and sparse ids; deep: an MLP over dense + embeddings."""
+
+    def __init__(self, cfg: CTRConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = embedding_bags(cfg.table_rows, cfg.dim, cfg.dynamic_embeddings)
+        self.wide_sparse = embedding_bags(cfg.table_rows, 1, cfg.dynamic_embeddings)
+        self.wide_dense = nn.Linear(cfg.num_dense, 1)
+        self.deep = mlp([cfg.num_dense + cfg.dim * len(cfg.table_rows), *cfg.deep, 1], last_activation=False)
+
+    def forward(self, dense: torch.Tensor, indices: list[torch.Tensor], offsets: list[torch.Tensor]) -> torch.Tensor:
+        wide = self.wide_dense(dense) + sum(w(ids, offs) for w, ids, offs in zip(self.wide_sparse, indices, offsets))
+        embs = [emb(ids, offs) for emb, ids, offs in zip(self.embeddings, indices, offsets)]
+        deep = self.deep(torch.cat([dense] + embs, dim=1))
+        return (wide + deep).squeeze(1)
