@@ -123,8 +123,15 @@ def cached_decision(rewritten: fx.GraphModule, target: str) -> dict | None:
 # running and timing
 
 
-# Ops whose backward updates the user's tables in place (the fused embedding optimizer): timing them would train.
+# Ops that change state the graph does not own, so every timing run would train or fill a table: hash-table
+# lookups (they insert, and their backward applies the optimizer) and the fused embedding optimizer.
+STATEFUL_NAMESPACES = frozenset({"hkv"})
 UPDATES_IN_BACKWARD = frozenset({"recompile::grouped_embedding_bag_fused"})
+# Ops that check what the code they replaced did not (ids within their table, sequences within the padding):
+# the captured graph is no candidate where they stand, or bad input would pass silently or name no table.
+CHECKS_INPUTS = frozenset({
+    "recompile::grouped_embedding_bag", "recompile::grouped_embedding_bag_fused", "recompile::jagged_within",
+})
 
 
 def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> bool:
@@ -139,8 +146,10 @@ def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> bool:
             return False
         if node.kwargs.get("inplace") is True:
             return False
-        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
-            return False  # e.g. a hash-table insert: every timing run would change the table
+        if isinstance(node.target, torch._ops.OpOverload) and (
+            node.target._schema.is_mutable or node.target.namespace in STATEFUL_NAMESPACES
+        ):
+            return False
         if _op_name(node) in UPDATES_IN_BACKWARD:
             return False
     return True
@@ -282,19 +291,24 @@ class GraphChooser:
     compile, so that no timing run touches Dynamo's shape environment), keeps the fastest correct one,
     stores the decision, and from then on is that candidate."""
 
-    def __init__(self, candidates: dict[str, Callable], decision: Decision, budget_s: float):
-        self.candidates, self.decision, self.budget_s = candidates, decision, budget_s
+    def __init__(self, candidates: dict[str, Callable], oracle: Callable, decision: Decision, budget_s: float):
+        self.candidates, self.oracle, self.decision, self.budget_s = candidates, oracle, decision, budget_s
         self.chosen: Callable | None = None
 
     @torch._dynamo.disable
     def __call__(self, *args: Any) -> Any:
         if self.chosen is None:
-            self.chosen = self.choose(args)
+            try:
+                want = run_step(self.oracle, args, self.decision.mode == "training")
+            except Exception:
+                # Bad input: nothing to compare against. The preferred candidate raises its own error, which
+                # names the table or op at fault; the choice waits for a call that runs.
+                return next(iter(self.candidates.values()))(*args)
+            self.chosen = self.choose(args, want)
         return self.chosen(*args)
 
-    def choose(self, args: Sequence[Any]) -> Callable:
+    def choose(self, args: Sequence[Any], want: list[torch.Tensor]) -> Callable:
         decision, training = self.decision, self.decision.mode == "training"
-        want = run_step(self.candidates["eager"], args, training)
         steps = {}
         for name, fn in self.candidates.items():
             try:
@@ -308,7 +322,7 @@ class GraphChooser:
         decision.timings_ms.update(race(steps, self.budget_s))
         decision.choice = min(steps, key=decision.timings_ms.get) if steps else "eager"
         store(decision)
-        return self.candidates[decision.choice]
+        return self.candidates.get(decision.choice, self.oracle)  # no candidate correct: the captured graph
 
 
 def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[Any], ctx,
@@ -321,8 +335,11 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
         "rec+eager": lambda: rewritten.forward,
         "eager": lambda: original.forward,
     }
-    if not any(_op_name(node) for node in rewritten.graph.nodes):
+    ops = {_op_name(node) for node in rewritten.graph.nodes} - {None}
+    if not ops:
         del builders["rec+eager"]  # no rec region: the same graph as "eager"
+    if ops & CHECKS_INPUTS:
+        del builders["eager"]  # the captured graph would not raise the rec ops' errors on bad input
     cached = load(key)
     if cached is not None and cached.choice in builders:
         apply_regions(rewritten, cached.regions)
@@ -333,4 +350,4 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     tune_regions(rewritten, concrete_inputs(example_inputs), ctx.target, training, decision, start + BUDGET_S / 2)
     ctx.tuning = decision.to_dict()
     budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
-    return GraphChooser({name: build() for name, build in builders.items()}, decision, budget)
+    return GraphChooser({name: build() for name, build in builders.items()}, original.forward, decision, budget)

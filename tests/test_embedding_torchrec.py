@@ -42,7 +42,7 @@ def test_ebc_lookups_grouped_and_equal_to_eager(pooling):
     model, kjt = Ranker(pooling), _kjt(6, gen)
     report = recompile.explain(model, kjt).to_dict()
     (region,) = [r for r in report["regions"] if r["kind"] == "embedding"]
-    assert len(region["replaced"]) == 2 * len(FEATURES)  # each lookup and its .float()
+    assert len(region["replaced"]) == 2 * len(FEATURES) + 1  # each lookup and its .float(), and the cat
     compiled = torch.compile(model, backend="rec_ascend")
     out_c, grads_c = _step(compiled, kjt)
     out_e, grads_e = _step(model, kjt)

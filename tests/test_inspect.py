@@ -16,7 +16,7 @@ import recompile
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 from recompile import cli, loader
 from recompile.lowering import Impl, choose, detect_target
-from recompile.pipeline import Region
+from recompile.pipeline import PASS_ORDER, Region
 from recompile.report import runs_as
 
 HERE = os.path.abspath(__file__)
@@ -118,8 +118,8 @@ def test_inspect_hstu_npu_plan(tmp_path, capsys):
     assert region["runs_as"] == "fbgemm-ascend op"  # asynchronous_complete_cumsum is in the A3 table
     assert any("F.pad(torch.cumsum(lengths, 0), (1, 0))" in s for s in region["source"])
     check_regions_consistent(data)
-    assert [p["pass"] for p in data["passes"]] == ["normalize", "jagged"]
-    jagged = data["passes"][1]
+    assert [p["pass"] for p in data["passes"]] == PASS_ORDER
+    jagged = data["passes"][PASS_ORDER.index("jagged")]
     assert jagged["num_nodes_after"] == jagged["num_nodes_before"] - 1 and jagged["regions"] == 1
     assert data["plan"]["fbgemm-ascend op"] == [f"#0 recompile::complete_cumsum via {impl.describe}"]
     assert data["plan"]["Triton kernel (triton-ascend)"] == [] and data["plan"]["HKV call"] == []
@@ -231,16 +231,17 @@ def test_tf_graph_without_frontend_is_one_line(tmp_path, monkeypatch, capsys):
 def test_dump_writes_every_stage(tmp_path, capsys):
     out = tmp_path / "dump"
     assert cli.main(["dump", f"{HERE}:hstu_model", str(out)]) == 0
-    assert "3 stage(s) written" in capsys.readouterr().out
-    for i, name in enumerate(["captured", "normalize", "jagged"]):
+    assert f"{len(PASS_ORDER) + 1} stage(s) written" in capsys.readouterr().out
+    for i, name in enumerate(["captured", *PASS_ORDER]):
         code = (out / f"graph0_{i:02d}_{name}.py").read_text()
         compile(code, name, "exec")
         assert "def forward" in code
         graph = json.loads((out / f"graph0_{i:02d}_{name}.json").read_text())
         assert graph["nodes"][0]["op"] == "placeholder"
-    assert "recompile.complete_cumsum" in (out / "graph0_02_jagged.py").read_text()
+    jagged = 1 + PASS_ORDER.index("jagged")
+    assert "recompile.complete_cumsum" in (out / f"graph0_{jagged:02d}_jagged.py").read_text()
     report = json.loads((out / "report.json").read_text())
-    assert [s["name"] for s in report["stages"]] == ["captured", "normalize", "jagged"]
+    assert [s["name"] for s in report["stages"]] == ["captured", *PASS_ORDER]
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
 
 

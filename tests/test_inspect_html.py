@@ -9,6 +9,7 @@ from html.parser import HTMLParser
 import pytest
 
 from recompile import cli
+from recompile.pipeline import PASS_ORDER
 from test_inspect import HERE
 
 CHROMIUM_FLAGS = [
@@ -70,11 +71,12 @@ def test_report_renders_regions_stages_and_profile(tmp_path):
         assert forbidden not in text
     [region] = dom.find("tr", "region")
     assert region["id"] == "region-0" and region["data-kind"] == "jagged"
-    assert [s["data-stage"] for s in dom.find("div", "stage")] == ["captured", "normalize", "jagged"]
+    assert [s["data-stage"] for s in dom.find("div", "stage")] == ["captured", *PASS_ORDER]
     marked = {(n["id"].split("-node-")[0], n["data-node"]) for n in dom.find("g", "region-node")}
     # the replaced code in the stage the jagged pass started from, the op it became in the stage after
-    assert {("g0-s1", "cumsum"), ("g0-s1", "offsets")} <= marked
-    assert any(prefix == "g0-s2" and name.startswith("complete_cumsum") for prefix, name in marked)
+    jagged = 1 + PASS_ORDER.index("jagged")
+    assert {(f"g0-s{jagged - 1}", "cumsum"), (f"g0-s{jagged - 1}", "offsets")} <= marked
+    assert any(prefix == f"g0-s{jagged}" and name.startswith("complete_cumsum") for prefix, name in marked)
     assert {a["data-region"] for a in dom.find("span", "region-line")} == {"0"}
     ids = {a["id"] for _, a in dom.elements if "id" in a}
     links = [a["href"][1:] for a in dom.find("a") if a.get("href", "").startswith("#")]

@@ -217,7 +217,9 @@ def _trigger(gm: fx.GraphModule, table: torch.Tensor) -> fx.Node:
     return node
 
 
-def _grouped_call(gm: fx.GraphModule, ctx: PassContext, run: list[Lookup], layout: str) -> fx.Node:
+def _grouped_call(gm: fx.GraphModule, ctx: PassContext, run: list[Lookup], layout: str,
+                  consumer: fx.Node | None = None) -> fx.Node:
+    """One grouped call for ``run``; the region it records replaces the lookups and the ``consumer`` they fed."""
     graph = gm.graph
     impl = ctx.lower(OP)
     no_weights = _no_weights(graph, run[0].table)
@@ -234,7 +236,8 @@ def _grouped_call(gm: fx.GraphModule, ctx: PassContext, run: list[Lookup], layou
         args = (_trigger(gm, run[0].table), *lookup, layout, names, ctx.options.bounds_check,
                 embedding_optimizer_spec(optimizer), step.impl, impl.impl)
         grouped = _call(graph, torch.ops.recompile.grouped_embedding_bag_fused.default, args)
-    ctx.record_region("embedding", [n for x in run for n in x.erased], OP, impl)
+    replaced = [n for x in run for n in x.erased] + ([consumer] if consumer is not None else [])
+    ctx.record_region("embedding", replaced, OP, impl)
     return grouped
 
 
@@ -254,7 +257,7 @@ def _rewrite_consumer(gm: fx.GraphModule, ctx: PassContext, consumer: fx.Node, l
         position = 0
         for start, end in runs:
             parts += [_as_part(graph, x, layout) for x in items[position:start]]
-            parts.append(_grouped_call(gm, ctx, [lookups[x] for x in items[start:end]], layout))
+            parts.append(_grouped_call(gm, ctx, [lookups[x] for x in items[start:end]], layout, consumer))
             position = end
         parts += [_as_part(graph, x, layout) for x in items[position:]]
         new = parts[0] if len(parts) == 1 else _call(graph, torch.cat, (parts,), {"dim": 1})
