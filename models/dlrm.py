@@ -144,7 +144,7 @@ def synthetic_batch(cfg, batch: int, generator: torch.Generator | None = None):
     indices, offsets = [], []
     for rows in cfg.table_rows:
         lengths = torch.randint(1, cfg.max_ids_per_bag + 1, (batch,), generator=generator)
-        indices.append(_ids(rows, int(lengths.sum()), cfg.id_alpha, generator))
+        indices.append(_ids(rows, int(lengths.sum()), getattr(cfg, "id_alpha", None), generator))  # any CTR config
         offsets.append(torch.cumsum(lengths, 0) - lengths)
     return dense, indices, offsets
 
