@@ -127,11 +127,9 @@ def cached_decision(rewritten: fx.GraphModule, target: str) -> dict | None:
 # lookups (they insert, and their backward applies the optimizer) and the fused embedding optimizer.
 STATEFUL_NAMESPACES = frozenset({"hkv"})
 UPDATES_IN_BACKWARD = frozenset({"recompile::grouped_embedding_bag_fused"})
-# Ops that check what the code they replaced did not (ids within their table, sequences within the padding):
-# the captured graph is no candidate where they stand, or bad input would pass silently or name no table.
-CHECKS_INPUTS = frozenset({
-    "recompile::grouped_embedding_bag", "recompile::grouped_embedding_bag_fused", "recompile::jagged_within",
-})
+# Lookups whose bounds_check "warning"/"ignore" clamps or skips ids the captured graph would raise on:
+# with those modes the captured graph is no candidate.
+BOUNDS_CHECKED = frozenset({"recompile::grouped_embedding_bag", "recompile::grouped_embedding_bag_fused"})
 
 
 def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> bool:
@@ -304,7 +302,7 @@ class GraphChooser:
                 # Bad input: nothing to compare against. The preferred candidate raises its own error, which
                 # names the table or op at fault; the choice waits for a call that runs.
                 return next(iter(self.candidates.values()))(*args)
-            self.chosen = self.choose(args, want)
+            self.chosen = with_rec_errors(self.choose(args, want), self.candidates.get("rec+eager"))
         return self.chosen(*args)
 
     def choose(self, args: Sequence[Any], want: list[torch.Tensor]) -> Callable:
@@ -325,6 +323,22 @@ class GraphChooser:
         return self.candidates.get(decision.choice, self.oracle)  # no candidate correct: the captured graph
 
 
+def with_rec_errors(chosen: Callable, rec: Callable | None) -> Callable:
+    """``chosen``, except that a call it fails is run again through the rec ops, whose errors name the table,
+    feature or op at fault (the captured graph's ATen errors do not)."""
+    if rec is None or chosen is rec:
+        return chosen
+
+    @torch._dynamo.disable
+    def run(*args: Any) -> Any:
+        try:
+            return chosen(*args)
+        except Exception:
+            return rec(*args)
+
+    return run
+
+
 def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[Any], ctx,
              compile_inductor: Callable[[fx.GraphModule], Callable]) -> Callable:
     """The compiled callable for ``rewritten``: the cached decision, or a GraphChooser over the candidates."""
@@ -338,13 +352,13 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     ops = {_op_name(node) for node in rewritten.graph.nodes} - {None}
     if not ops:
         del builders["rec+eager"]  # no rec region: the same graph as "eager"
-    if ops & CHECKS_INPUTS:
-        del builders["eager"]  # the captured graph would not raise the rec ops' errors on bad input
+    if ops & BOUNDS_CHECKED and ctx.options.bounds_check != "fatal":
+        del builders["eager"]
     cached = load(key)
     if cached is not None and cached.choice in builders:
         apply_regions(rewritten, cached.regions)
         ctx.tuning = cached.to_dict()
-        return builders[cached.choice]()
+        return with_rec_errors(builders[cached.choice](), rewritten.forward if ops else None)
     decision = Decision("eager", mode="training" if training else "inference", key=key)
     start = time.perf_counter()
     tune_regions(rewritten, concrete_inputs(example_inputs), ctx.target, training, decision, start + BUDGET_S / 2)
