@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from models.dcn_bench import DCNConfig, DCNv2
+from models.ctr import DCNConfig, DCNv2
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 
 BACKENDS = ("eager", "inductor", "rec_ascend")
