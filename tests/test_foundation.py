@@ -220,3 +220,13 @@ def test_verify_with_dynamic_batch():
     for n in (5, 9, 17):
         lengths, x = torch.randint(0, 4, (n,)), torch.randn(n, 3)
         torch.testing.assert_close(compiled(lengths, x), offsets(lengths, x))
+
+
+def test_full_reductions_leave_pattern_matching_unambiguous():
+    def loss(x, y):
+        weight = (y > 0).to(torch.float32)
+        return torch.sum(x * weight) / torch.sum(weight) + x.mean()  # a masked mean, as a loss is written
+
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    assert recompile.explain(loss, x, y).to_dict()["fallbacks"] == []
+    torch.testing.assert_close(torch.compile(loss, backend="rec_ascend")(x, y), loss(x, y))

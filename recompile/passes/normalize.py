@@ -4,6 +4,8 @@ Pattern and replacement:
 - ``call_method`` ``x.name(*args)`` for a method in ``METHOD_FUNCTIONS`` -> ``torch.name(x, *args)``;
   sizes a method takes as varargs (``x.reshape(2, -1)``) become the one tuple its function takes.
 - ``operator.add/sub/mul/truediv/matmul(x, y)`` with a tensor ``x`` -> ``torch.add/sub/mul/div/matmul``.
+- a full reduction ``torch.sum(x)`` / ``torch.mean(x)`` -> ``torch.sum(x, dtype=None)``: the same call, bound to
+  one overload (bare, it also matches ``sum(List[int])``, which leaves pattern matching ambiguous).
 Nothing else changes; the computation is the same call under another name.
 """
 from __future__ import annotations
@@ -31,6 +33,9 @@ METHOD_FUNCTIONS = {
 
 # Methods that accept sizes as separate arguments where their torch function takes one sequence.
 SIZE_VARARG_METHODS = frozenset({"reshape", "permute"})
+
+# Reductions whose bare one-argument call matches several overloads.
+FULL_REDUCTIONS = (torch.sum, torch.mean)
 
 OPERATOR_FUNCTIONS = {
     operator.add: torch.add,
@@ -69,4 +74,6 @@ def normalize(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if node.op == "call_method":
                 node.args = _function_args(node)
             node.op, node.target = "call_function", fn
+        if node.op == "call_function" and node.target in FULL_REDUCTIONS and len(node.args) == 1 and not node.kwargs:
+            node.kwargs = {"dtype": None}
     return gm
