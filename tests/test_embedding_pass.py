@@ -7,30 +7,10 @@ import torch.nn as nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import recompile
+from checks import assert_compiled_equals_eager
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 
 SMALL = DLRMConfig(table_rows=[50, 80, 120, 30], dim=8, bottom=[16, 8], top=[16, 1])
-
-
-def _grads(model):
-    return {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _step(model, args):
-    model.zero_grad()
-    out = model(*args)
-    out.float().pow(2).mean().backward()
-    return out.detach(), _grads(model)
-
-
-def _assert_compiled_equals_eager(model, args, options=None):
-    compiled = torch.compile(model, backend="rec_ascend", options=options)
-    out_c, grads_c = _step(compiled, args)
-    out_e, grads_e = _step(model, args)
-    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
-    assert grads_c.keys() == grads_e.keys() and grads_e
-    for name in grads_e:
-        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _embedding_stage(report):
@@ -46,7 +26,7 @@ def test_dlrm_lookups_become_one_stacked_call_and_cat():
     assert code.count("torch.ops.recompile.grouped_embedding_bag.default(") == 1 and "'stack'" in code
     assert "torch.stack" not in code and "functional.embedding_bag(" not in code
     assert "torch.cat([unsqueeze, grouped_embedding_bag" in code
-    _assert_compiled_equals_eager(model, args)
+    assert_compiled_equals_eager(model, args)
 
 
 class Forms(nn.Module):
@@ -87,7 +67,7 @@ def test_every_form_grouped_into_concat_layout():
     assert len(region["replaced"]) == 8  # five lookups, two of them embedding + reduction, and the cat
     code = _embedding_stage(report)
     assert "'concat'" in code and "torch.cat" not in code
-    _assert_compiled_equals_eager(model, args)
+    assert_compiled_equals_eager(model, args)
 
 
 class LeftAlone(nn.Module):

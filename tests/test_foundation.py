@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import recompile
+from checks import assert_compiled_equals_eager
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 from recompile import pipeline
 from recompile.lowering import LOWERINGS, detect_target
@@ -22,30 +23,13 @@ def small_mlp():
     return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
-def _grads(model):
-    return {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _train_step(model, args):
-    model.zero_grad()
-    out = model(*args)
-    out.float().pow(2).mean().backward()
-    return out.detach(), _grads(model)
-
-
 @pytest.mark.parametrize("make", ["mlp", "dlrm"])
 def test_compiled_forward_and_grads_equal_eager(make):
     if make == "mlp":
         model, args = small_mlp(), (torch.randn(16, 12),)
     else:
         model, args = DLRM(SMALL), synthetic_batch(SMALL, 16)
-    compiled = torch.compile(model, backend="rec_ascend")
-    out_c, grads_c = _train_step(compiled, args)
-    out_e, grads_e = _train_step(model, args)
-    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
-    assert grads_c.keys() == grads_e.keys() and grads_e
-    for name in grads_e:
-        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert_compiled_equals_eager(model, args)
 
 
 def test_entry_point_resolves_in_fresh_process():
