@@ -133,7 +133,8 @@ BOUNDS_CHECKED = frozenset({"recompile::grouped_embedding_bag", "recompile::grou
 
 
 def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> bool:
-    """Repeatable runs only: real inputs, no random ops, no in-place or mutating ops."""
+    """Repeatable runs only: real inputs, no random ops, no in-place or mutating ops, no op that changes state
+    outside the graph (``STATEFUL_NAMESPACES``, ``UPDATES_IN_BACKWARD``)."""
     if example_inputs is None or any(isinstance(x, torch.Tensor) and x.is_meta for x in example_inputs):
         return False
     for node in gm.graph.nodes:
@@ -292,6 +293,8 @@ class GraphChooser:
     def __init__(self, candidates: dict[str, Callable], oracle: Callable, decision: Decision, budget_s: float):
         self.candidates, self.oracle, self.decision, self.budget_s = candidates, oracle, decision, budget_s
         self.chosen: Callable | None = None
+        # Runs a call that fails, for its error: the rec ops name the table or op at fault.
+        self.rec = candidates.get("rec+eager")
 
     @torch._dynamo.disable
     def __call__(self, *args: Any) -> Any:
@@ -299,10 +302,11 @@ class GraphChooser:
             try:
                 want = run_step(self.oracle, args, self.decision.mode == "training")
             except Exception:
-                # Bad input: nothing to compare against. The preferred candidate raises its own error, which
-                # names the table or op at fault; the choice waits for a call that runs.
-                return next(iter(self.candidates.values()))(*args)
-            self.chosen = with_rec_errors(self.choose(args, want), self.candidates.get("rec+eager"))
+                # Bad input: nothing to compare against; the choice waits for a call that runs.
+                if self.rec is None:
+                    raise
+                return self.rec(*args)
+            self.chosen = with_rec_errors(self.choose(args, want), self.rec)
         return self.chosen(*args)
 
     def choose(self, args: Sequence[Any], want: list[torch.Tensor]) -> Callable:
