@@ -1,0 +1,67 @@
+"""Build plain-C kernels on first use, cache the shared library, and load it through ctypes.
+
+The CPU kernels of hkv (``hkv/csrc``) and of the runtime ops (``runtime/csrc``; runtime imports hkv)
+are plain C with pthreads or OpenMP and no torch headers, so a build takes about a second. Libraries
+are cached under ``$HKV_CACHE_DIR`` (default ``~/.cache/hkv``), keyed by the source, the flags and
+this CPU's feature flags (the code is built with ``-march=native``), and written by rename so
+concurrent builders never see half a file. Without a C compiler (or when the build fails) ``load``
+returns None and callers keep their torch code path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+
+CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-fopenmp", "-std=gnu11")
+i64 = ctypes.c_int64
+f32 = ctypes.c_float
+ptr = ctypes.c_void_p
+i32 = ctypes.c_int
+
+
+def cache_dir() -> str:
+    return os.environ.get("HKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hkv")
+
+
+def _cpu_flags() -> bytes:
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
+
+
+def _build(source: str, path: str, compiler: str) -> bool:
+    os.makedirs(cache_dir(), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *CFLAGS, source, "-o", tmp, "-lm"], check=True, capture_output=True)
+        os.replace(tmp, path)
+        return True
+    except (OSError, subprocess.CalledProcessError):
+        os.path.exists(tmp) and os.remove(tmp)
+        return False
+
+
+@functools.cache
+def load(source: str, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | None:
+    """The library built from ``source`` with ``signatures`` ((symbol, argtypes), ...) declared; None without a compiler."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    with open(source, "rb") as f:
+        digest = hashlib.sha256(f.read() + " ".join(CFLAGS).encode() + _cpu_flags()).hexdigest()[:16]
+    stem = os.path.splitext(os.path.basename(source))[0]
+    path = os.path.join(cache_dir(), f"{stem}_{digest}.so")
+    if not os.path.exists(path) and not _build(source, path, compiler):
+        return None
+    lib = ctypes.CDLL(path)
+    for name, argtypes in signatures:
+        getattr(lib, name).argtypes = list(argtypes)
+    return lib
