@@ -129,10 +129,11 @@ class DynamicTable:
         emb = self.initializer(rows, self.dim, dtype, device)
         return torch.cat([emb, emb.new_zeros(rows, width - self.dim)], 1)
 
-    def lookup(self, unique_ids: torch.Tensor, train: bool) -> torch.Tensor:
-        """Embeddings of unique ids; training inserts unseen ids, eval gives them the eval initialiser."""
+    def lookup(self, unique_ids: torch.Tensor, train: bool, grouping: int = 0) -> torch.Tensor:
+        """Embeddings of unique ids; training inserts unseen ids, eval gives them the eval initialiser.
+        ``grouping``: the ids are grouped by bucket of a table with that many buckets (0: not grouped)."""
         if train:
-            return self.table.find_or_insert(unique_ids, init=self._init_rows)[:, :self.dim]
+            return self.table.find_or_insert(unique_ids, init=self._init_rows, grouping=grouping)[:, :self.dim]
         values, found = self.table.find(unique_ids)
         emb = values[:, :self.dim]
         missing = (~found).nonzero().squeeze(1)
@@ -148,7 +149,8 @@ class DynamicTable:
             step = self.step
             self.table.update_rows(
                 unique_ids,
-                lambda rows, hit: self.optimizer.update(rows.float(), grad[hit].float(), self.dim, step).to(rows.dtype),
+                lambda rows, hit: self.optimizer.update(rows.float(), (grad if hit is None else grad[hit]).float(), self.dim,
+                                                        step).to(rows.dtype),
             )
 
 

@@ -51,7 +51,8 @@ def _build(source: str, path: str, compiler: str) -> bool:
 
 @functools.cache
 def load(source: str, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | None:
-    """The library built from ``source`` with ``signatures`` ((symbol, argtypes), ...) declared; None without a compiler."""
+    """The library built from ``source`` with ``signatures`` ((symbol, argtypes[, restype]), ...) declared; None
+    without a compiler."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
@@ -62,6 +63,8 @@ def load(source: str, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL 
     if not os.path.exists(path) and not _build(source, path, compiler):
         return None
     lib = ctypes.CDLL(path)
-    for name, argtypes in signatures:
+    for name, argtypes, *restype in signatures:
         getattr(lib, name).argtypes = list(argtypes)
+        if restype:
+            getattr(lib, name).restype = restype[0]
     return lib

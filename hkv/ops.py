@@ -3,9 +3,12 @@
 - ``embedding_lookup(weight, ids, offsets, table_id, mode, train)``: what the modules call; one op for
   dedup, lookup (insert when training) and pooling. Its backward is ``embedding_lookup_backward``.
 - The lowered form (``recompile/passes/dynamic_embedding.py`` rewrites the former into it):
-  ``unique(ids, on_host) -> (unique_ids, inverse, num_unique)``; ``lookup(weight, unique_ids,
-  num_unique, table_id, train)`` -> rows, whose backward ``update`` applies the optimizer; then an ATen
-  ``embedding_bag`` / ``embedding`` over ``inverse`` expands and pools the rows.
+  ``unique(ids, on_host, table_id) -> (unique_ids, inverse, num_unique, grouping)``; ``lookup(weight,
+  unique_ids, num_unique, grouping, table_id, train)`` -> rows, whose backward ``update`` applies the
+  optimizer; then an ATen ``embedding_bag`` / ``embedding`` over ``inverse`` expands and pools the rows.
+  With ``on_host`` (partial offload) ``unique`` hashes, deduplicates and buckets the ids on the host:
+  the unique ids come grouped by the table's bucket (``grouping``: the bucket count used), which the
+  CPU kernel then splits over threads by bucket without scanning the batch.
 A table is named by its integer id (``hkv.embedding.TABLES``); ``weight`` is the module's empty
 parameter, through which autograd reaches the fused optimizer update. ``impl`` names the kernel
 probing the table (``hkv.kernels``); ``"auto"`` keeps the table's own.
@@ -15,16 +18,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hkv import cpu
 from hkv.embedding import get_table
 from hkv.kernels import using_kernel
 
 LIB = "hkv"
 
 
-def unique_ids(ids: torch.Tensor, on_host: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dedup ids once per batch; ``on_host``: on the CPU (Rec SDK's partial offload), results moved back."""
+def unique_ids(ids: torch.Tensor, on_host: bool, num_buckets: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dedup ids once per batch; ``on_host``: on the CPU (Rec SDK's partial offload), results moved back.
+
+    CPU ids are hashed by the C kernel (``hkv.cpu.unique``; grouped by bucket when ``num_buckets`` > 0),
+    others sorted by ``torch.unique``.
+    """
     where = ids.cpu() if on_host else ids
-    uniq, inverse = torch.unique(where.to(torch.int64), return_inverse=True)
+    if where.device.type == "cpu" and cpu.available():
+        uniq, inverse = cpu.unique(where, num_buckets)
+    else:
+        uniq, inverse = torch.unique(where.to(torch.int64), return_inverse=True)
     return uniq.to(ids.device), inverse.to(ids.device)
 
 
@@ -38,45 +49,52 @@ def pool(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor | None
 def pool_backward(grad: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor | None, mode: str,
                   num_rows: int) -> torch.Tensor:
     """The gradient of ``pool`` with respect to ``rows``: output gradients summed per unique row."""
+    if mode != "none" and grad.device.type == "cpu" and grad.dtype == torch.float32 and cpu.available():
+        return cpu.pool_backward(grad, offsets, inverse, mode == "mean", num_rows)
     if mode != "none":
         lengths = torch.diff(offsets, append=offsets.new_tensor([inverse.numel()]))
         bag = torch.repeat_interleave(torch.arange(offsets.numel(), device=grad.device), lengths)
         grad = grad[bag] if mode == "sum" else grad[bag] / lengths[bag, None].to(grad.dtype)
-    return grad.new_zeros(num_rows, grad.shape[1]).index_add_(0, inverse, grad)
+    return grad.new_zeros(num_rows, grad.shape[1]).index_put_((inverse,), grad, accumulate=True)
 
 
 @torch.library.custom_op("hkv::unique", mutates_args=())
-def unique(ids: torch.Tensor, on_host: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(unique ids padded to len(ids), inverse, number of unique ids as a 1-element tensor).
+def unique(ids: torch.Tensor, on_host: bool, table_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor]:
+    """(unique ids padded to len(ids), inverse, number of unique ids, grouping), the last two 1-element tensors.
 
-    Padding keeps every shape a function of the input's, so graphs need no data-dependent sizes.
+    ``on_host``: the unique ids are grouped by bucket of table ``table_id`` and ``grouping`` holds its
+    bucket count (0 otherwise). Padding keeps every shape a function of the input's, so graphs need
+    no data-dependent sizes.
     """
-    uniq, inverse = unique_ids(ids, on_host)
+    num_buckets = get_table(table_id).table.num_buckets() if on_host and cpu.available() else 0
+    uniq, inverse = unique_ids(ids, on_host, num_buckets)
     padded = torch.zeros_like(inverse)
     padded[:uniq.numel()] = uniq
-    return padded, inverse, inverse.new_full((1,), uniq.numel())
+    return padded, inverse, inverse.new_full((1,), uniq.numel()), inverse.new_full((1,), num_buckets)
 
 
 @unique.register_fake
-def _(ids, on_host):
-    return ids.new_empty(ids.shape, dtype=torch.int64), ids.new_empty(ids.shape, dtype=torch.int64), ids.new_empty(
-        1, dtype=torch.int64)
+def _(ids, on_host, table_id):
+    flat = ids.new_empty(ids.shape, dtype=torch.int64)
+    return flat, torch.empty_like(flat), ids.new_empty(1, dtype=torch.int64), ids.new_empty(1, dtype=torch.int64)
 
 
 @torch.library.custom_op("hkv::lookup", mutates_args=())
-def lookup(weight: torch.Tensor, unique_ids: torch.Tensor, num_unique: torch.Tensor, table_id: int, train: bool,
-           impl: str = "reference") -> torch.Tensor:
-    """Rows of the first ``num_unique`` ids (found, or inserted when training); padding rows are zero."""
+def lookup(weight: torch.Tensor, unique_ids: torch.Tensor, num_unique: torch.Tensor, grouping: torch.Tensor,
+           table_id: int, train: bool, impl: str = "reference") -> torch.Tensor:
+    """Rows of the first ``num_unique`` ids (found, or inserted when training); padding rows are zero.
+    ``grouping``: the bucket count the ids are grouped by (``unique``), 0 when not grouped."""
     table = get_table(table_id)
     n = int(num_unique)
     rows = unique_ids.new_zeros(unique_ids.shape[0], table.dim, dtype=table.table.dtype)
     with using_kernel(table.table, impl):
-        rows[:n] = table.lookup(unique_ids[:n], train)
+        rows[:n] = table.lookup(unique_ids[:n], train, int(grouping))
     return rows
 
 
 @lookup.register_fake
-def _(weight, unique_ids, num_unique, table_id, train, impl="reference"):
+def _(weight, unique_ids, num_unique, grouping, table_id, train, impl="reference"):
     table = get_table(table_id)
     return unique_ids.new_empty(unique_ids.shape[0], table.dim, dtype=table.table.dtype)
 
@@ -98,12 +116,12 @@ def _(grad, unique_ids, num_unique, table_id, impl="reference"):
 
 
 def _lookup_setup(ctx, inputs, output):
-    _, ctx.unique_ids, ctx.num_unique, ctx.table_id, _, ctx.impl = inputs
+    _, ctx.unique_ids, ctx.num_unique, _, ctx.table_id, _, ctx.impl = inputs
 
 
 def _lookup_backward(ctx, grad):
     weight_grad = torch.ops.hkv.update(grad, ctx.unique_ids, ctx.num_unique, ctx.table_id, ctx.impl)
-    return weight_grad, None, None, None, None, None
+    return weight_grad, None, None, None, None, None, None
 
 
 lookup.register_autograd(_lookup_backward, setup_context=_lookup_setup)

@@ -3,7 +3,9 @@
 A table addresses values by slot (bucket * bucket_size + position). ``DenseValues`` keeps row ``slot``
 of one tensor. ``TieredValues`` keeps a slot -> row map over three tiers laid end to end: rows
 ``[0, device_rows)`` on the table's device, the next ``host_rows`` in host memory, the rest in a file
-mapped from ``disk_path``. ``migrate`` moves the highest-scoring rows to the fastest tiers (MTrainS).
+mapped from ``disk_path``. ``migrate`` moves the highest-scoring rows to the fastest tiers (MTrainS);
+``promote``, run by the table after every write of scores, swaps each touched row of a slower tier
+whose score now exceeds the lowest scores of the device tier with those rows (hot rows move up).
 """
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ class DenseValues:
         return {"device": self.rows, "host": 0, "disk": 0}
 
     def migrate(self, scores: torch.Tensor, occupied: torch.Tensor) -> None:
+        """One tier: nothing to move."""
+
+    def promote(self, slots: torch.Tensor, score_of) -> None:
         """One tier: nothing to move."""
 
     def close(self) -> None:
@@ -82,6 +87,7 @@ class TieredValues:
         self.disk_path = limits.disk_path if disk_rows else None
         self.starts = torch.tensor([0, device_rows, device_rows + host_rows], device=device)
         self.row_of_slot = torch.arange(rows, device=device)
+        self.slot_of_row = torch.arange(rows, device=device)
 
     @staticmethod
     def _disk_tensor(path: str | None, rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -131,7 +137,33 @@ class TieredValues:
         order = torch.argsort(torch.where(occupied, scores, torch.iinfo(torch.int64).min), descending=True, stable=True)
         values = self.gather(order)  # the value of every slot, hottest first
         self.row_of_slot[order] = torch.arange(order.numel(), device=self.device)
+        self.slot_of_row = order
         self.scatter(order, values)
+
+    def promote(self, slots: torch.Tensor, score_of) -> None:
+        """Swap rows between the device tier and the touched ``slots`` of slower tiers: the i-th highest
+        scoring of those takes the row of the i-th lowest scoring device-tier slot while its score is
+        higher. ``score_of(slots)``: the scores of slots, the lowest int64 for free ones."""
+        device_rows = self.sizes[0]
+        slots = torch.unique(slots[slots >= 0])
+        slow = slots[self.row_of_slot[slots] >= device_rows]
+        if not slow.numel() or not device_rows:
+            return
+        slow_scores, order = score_of(slow).sort(descending=True)
+        k = min(slow.numel(), device_rows)
+        slow, slow_scores = slow[order[:k]], slow_scores[:k]
+        fast_slots = self.slot_of_row[:device_rows]
+        fast_scores, pick = torch.topk(score_of(fast_slots), k, largest=False)
+        move = slow_scores > fast_scores  # a prefix: slow descending, fast ascending
+        up, down = slow[move], fast_slots[pick[move]]
+        if not up.numel():
+            return
+        up_values, down_values = self.gather(up), self.gather(down)
+        up_rows, down_rows = self.row_of_slot[up], self.row_of_slot[down]
+        self.row_of_slot[up], self.row_of_slot[down] = down_rows, up_rows
+        self.slot_of_row[down_rows], self.slot_of_row[up_rows] = up, down
+        self.scatter(up, up_values)
+        self.scatter(down, down_values)
 
     def close(self) -> None:
         if self.disk_path is not None:

@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from hkv import kernels
-from hkv.storage import TierLimits, make_values
+from hkv import cpu, kernels
+from hkv.storage import DenseValues, TierLimits, make_values
 
 # HierarchicalKV's reserved keys (as uint64: 0xFFFFFFFFFFFFFFFF, ...FE, ...FD): never stored.
 EMPTY_KEY = -1
@@ -50,6 +50,9 @@ class EvictStrategy(enum.Enum):
 
 SCORES_ARE_INCREMENTS = (EvictStrategy.LFU, EvictStrategy.EPOCH_LFU)
 CLOCK_STRATEGIES = (EvictStrategy.LRU, EvictStrategy.EPOCH_LRU)
+# How the CPU kernel's one-pass upsert sets scores (csrc/probe.c SCORE_*): the clock, +=, epoch | freq, as given.
+KERNEL_SCORING = {EvictStrategy.LRU: 0, EvictStrategy.EPOCH_LRU: 0, EvictStrategy.LFU: 1, EvictStrategy.EPOCH_LFU: 2,
+                  EvictStrategy.CUSTOMIZED: 3}
 
 
 def mix64(keys: torch.Tensor) -> torch.Tensor:
@@ -132,6 +135,7 @@ class HashTable:
         self._size = 0
         # Per-slot scratch, -1 between uses: resolving conflicts touches only the slots of a batch.
         self._scratch = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+        self._fresh = torch.zeros(capacity, dtype=torch.uint8) if self.device.type == "cpu" else None  # for cpu.upsert
 
     def _last_per_slot(self, slots: torch.Tensor, batch_pos: torch.Tensor) -> torch.Tensor:
         """For each entry, the largest batch position among the entries sharing its slot."""
@@ -319,8 +323,11 @@ class HashTable:
     def _grow_for(self, new_keys: torch.Tensor) -> bool:
         """Double the capacity (up to max_capacity) until ``new_keys`` fit: under max_load_factor and
         with no bucket overflowing, so that no key is evicted while the table may still grow."""
-        capacity = self._capacity
-        while capacity < self.max_capacity and not self._fits(capacity, new_keys):
+        return self._grow(self._capacity, lambda capacity: self._fits(capacity, new_keys))
+
+    def _grow(self, capacity: int, fits: Callable[[int], bool]) -> bool:
+        """Rehash into the first doubling of ``capacity`` (up to max_capacity) that ``fits``; whether it grew."""
+        while capacity < self.max_capacity and not fits(capacity):
             capacity *= 2
         if capacity == self._capacity:
             return False
@@ -362,16 +369,71 @@ class HashTable:
         return refused.numel()
 
     # ---------------------------------------------------------------- upsert core
-    def _upsert(self, keys, values, scores, insert: bool, admit: bool = False):
+    def _upsert(self, keys, values, scores, insert: bool, admit: bool = False, grouping: int = 0):
         """Assign existing keys and insert missing ones (``insert``).
 
         ``values``: an (n, dim) tensor written for every stored key (the last occurrence of a duplicate
-        wins), or a function ``rows(positions) -> (len(positions), dim)`` giving only new keys' values.
-        Returns (slot per key or -1, new-key positions, evicted (keys, values, scores), refused keys).
+        wins), or a function ``rows(positions) -> (len(positions), dim)`` giving only new keys' values
+        (then the stored rows of all keys are returned as ``out``), or None (scores only).
+        ``grouping``: the keys are grouped by bucket for a table of that many buckets (0: not grouped).
+        Returns (slot per key or -1, new-key positions, evicted (keys, values, scores), refused keys, out or None).
         """
-        n = keys.numel()
         self._clock += 1
-        given = self._check_scores(scores, n)
+        given = self._check_scores(scores, keys.numel())
+        if self._runs_native(admit):
+            return self._upsert_native(keys, values, given, insert, grouping == self._num_buckets)
+        result = self._upsert_rounds(keys, values, given, insert, admit)
+        self._values.promote(result[0], self._score_or_lowest)
+        return *result, None
+
+    def _score_or_lowest(self, slots: torch.Tensor) -> torch.Tensor:
+        """Scores of ``slots``, the lowest int64 for free slots."""
+        keys = self._keys[slots]
+        return torch.where((keys == EMPTY_KEY) | (keys == RECLAIM_KEY), INT64_MIN, self._scores[slots])
+
+    def _runs_native(self, admit: bool) -> bool:
+        """Whether the CPU kernel's one-pass upsert applies: dense values and no admission. It only fills
+        free slots; keys of full buckets then take the general path (which grows or evicts), and the
+        table grows afterwards if the load factor went above its maximum."""
+        return (self.kernel == "cpu" and isinstance(self._values, DenseValues)
+                and not (admit and self.admission is not None))
+
+    def _upsert_native(self, keys, values, given, insert: bool, grouped: bool):
+        """``_upsert`` by ``cpu.upsert`` (probe, claim, score and value in one pass); keys of full buckets
+        are then placed by ``_upsert_rounds`` (growth or eviction)."""
+        new_rows = values if isinstance(values, torch.Tensor) else None
+        copy_out = callable(values)
+        slot, status, counts, out = cpu.upsert(
+            self._keys, self._scores, self._num_buckets, self.bucket_size, self._values.data, keys, new_rows, given,
+            KERNEL_SCORING[self.evict_strategy], insert, self._clock_score(), self.global_epoch, copy_out, grouped,
+            self._fresh)
+        self._size += counts[cpu.INSERTED]
+        missing = (status == cpu.INSERTED).nonzero().squeeze(1) if counts[cpu.INSERTED] else keys[:0]
+        if copy_out and counts[cpu.INSERTED]:  # new keys: the last occurrence's initial value, read by every one
+            pending = ((status == cpu.INSERTED) | (status == cpu.FOUND_NEW)).nonzero().squeeze(1)
+            if pending.numel():
+                ps = slot[pending]
+                winners = pending[self._last_per_slot(ps, pending) == pending]
+                self._values.scatter(slot[winners], values(winners))
+                out[pending] = self._values.gather(ps)
+        evicted, refused = self._no_rows(), keys[:0]
+        capacity = self._capacity
+        if counts[cpu.FULL]:
+            full = (status == cpu.FULL).nonzero().squeeze(1)
+            rows = values[full] if new_rows is not None else (lambda pos: values(full[pos])) if copy_out else None
+            full_slot, full_new, evicted, refused = self._upsert_rounds(keys[full], rows, given[full], insert, False)
+            slot[full] = full_slot
+            missing = torch.sort(torch.cat([missing, full[full_new]]))[0]
+            if copy_out:
+                out[full] = self._gather(full_slot, full_slot >= 0)
+        self._grow(self._capacity, lambda c: self._size <= self.max_load_factor * c)
+        if self._capacity != capacity:  # grown: every slot moved
+            slot = self._locate(keys)
+        return slot, missing, evicted, refused, out
+
+    def _upsert_rounds(self, keys, values, given, insert: bool, admit: bool):
+        """``_upsert`` in vectorised torch over the table's probe kernel (any device)."""
+        n = keys.numel()
         slot = self._locate(keys)
         missing = (slot < 0).nonzero().squeeze(1)
         evicted, refused = self._no_rows(), keys[:0]
@@ -473,17 +535,21 @@ class HashTable:
         return values
 
     @_locked
-    def find_or_insert(self, keys: torch.Tensor, init=None, scores: torch.Tensor | None = None) -> torch.Tensor:
+    def find_or_insert(self, keys: torch.Tensor, init=None, scores: torch.Tensor | None = None,
+                       grouping: int = 0) -> torch.Tensor:
         """Values of ``keys``, inserting missing ones with ``init``.
 
         ``init``: None (zeros), a number, a (dim,) or (n, dim) tensor, or ``fn(rows, dim, dtype, device)``.
+        ``grouping``: ``num_buckets()`` when the keys come grouped by bucket (``hkv.cpu.unique``), so the
+        CPU kernel splits them over threads without scanning; a table grown since then ignores it.
         With admission, a key not yet admitted is not stored and gets its ``init`` value.
         """
         keys = self._check_keys(keys)
         rows = self._init_rows(init, keys.numel())
-        slot, missing, _, _ = self._upsert(keys, rows, scores, insert=True, admit=True)
+        slot, _, _, _, values = self._upsert(keys, rows, scores, insert=True, admit=True, grouping=grouping)
         found = slot >= 0
-        values = self._gather(slot, found)
+        if values is None:
+            values = self._gather(slot, found)
         unstored = (~found).nonzero().squeeze(1)
         if unstored.numel():
             values[unstored] = rows(unstored)
@@ -544,13 +610,18 @@ class HashTable:
 
     @_locked
     def update_rows(self, keys: torch.Tensor, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Replace the value rows of present (unique) ``keys`` by ``fn(rows, positions)`` in one probe; scores
-        are left as they are (an hkv extension: the fused optimizer step). Returns the found mask."""
+        """Replace the value rows of present (unique) ``keys`` by ``fn(rows, positions)`` in one probe
+        (``positions`` None: all keys are present); scores are left as they are (an hkv extension: the
+        fused optimizer step). Returns the found mask."""
         slot = self._locate(self._check_keys(keys))
-        hit = (slot >= 0).nonzero().squeeze(1)
+        found = slot >= 0
+        if bool(found.all()):  # the common case: no subset to build
+            self._values.scatter(slot, fn(self._values.gather(slot), None))
+            return found
+        hit = found.nonzero().squeeze(1)
         s = slot[hit]
         self._values.scatter(s, fn(self._values.gather(s), hit))
-        return slot >= 0
+        return found
 
     @_locked
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
@@ -609,6 +680,9 @@ class HashTable:
     def size(self) -> int:
         return self._size
 
+    def num_buckets(self) -> int:
+        return self._num_buckets
+
     def capacity(self) -> int:
         return self._capacity
 
@@ -657,7 +731,7 @@ class HashTable:
             new = copy.copy(self)
             memo[id(self)] = new
             new._lock = threading.RLock()
-            for name in ("_keys", "_scores", "_scratch", "_values", "admission"):
+            for name in ("_keys", "_scores", "_scratch", "_fresh", "_values", "admission"):
                 setattr(new, name, copy.deepcopy(getattr(self, name), memo))
             return new
 

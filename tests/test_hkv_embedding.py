@@ -142,16 +142,16 @@ def test_bad_mode_and_missing_offsets():
 def test_lowered_ops_with_each_kernel(impl):
     dyn = hkv.DynamicEmbedding(options(), optimizer=hkv.SGD(0.1))
     ids = POOL[torch.tensor([0, 1, 2, 0, 1])]
-    uniq, inverse, n = torch.ops.hkv.unique(ids, True)
+    uniq, inverse, n, grouping = torch.ops.hkv.unique(ids, True, dyn.table_id)
     assert int(n) == 3 and torch.equal(uniq[inverse], ids)
-    rows = torch.ops.hkv.lookup(dyn.weight, uniq, n, dyn.table_id, True, impl)
+    rows = torch.ops.hkv.lookup(dyn.weight, uniq, n, grouping, dyn.table_id, True, impl)
     assert dyn.table.size() == 3
     torch.testing.assert_close(rows[:3], dyn.table.find(uniq[:3])[0])
     assert not rows[3:].any()
     torch.ops.hkv.update(torch.ones_like(rows), uniq, n, dyn.table_id, impl)
     torch.testing.assert_close(dyn.table.find(uniq[:3])[0], rows[:3] - 0.1)
     with pytest.raises(ValueError, match="unknown kernel 'nosuch'"):
-        torch.ops.hkv.lookup(dyn.weight, uniq, n, dyn.table_id, True, "nosuch")
+        torch.ops.hkv.lookup(dyn.weight, uniq, n, grouping, dyn.table_id, True, "nosuch")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

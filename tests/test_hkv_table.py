@@ -255,3 +255,104 @@ def test_admission_stores_key_after_threshold(make):
             assert t.admission.count(ks).tolist() == [seen, seen]
     t.insert_or_assign(keys_of([33]), torch.ones(1, DIM))  # explicit inserts are not filtered
     assert bool(t.contains(keys_of([33])).all())
+
+
+def test_hot_rows_move_to_the_device_tier_automatically(tmp_path):
+    row_bytes = DIM * 4
+    t = table(init_capacity=64, max_capacity=64, bucket_size=64, max_load_factor=1.0,
+              device_memory_bytes=8 * row_bytes, host_memory_bytes=16 * row_bytes, disk_path=str(tmp_path / "v.bin"),
+              evict_strategy=hkv.EvictStrategy.CUSTOMIZED)
+    ks = torch.arange(1000, 1040)
+    vals = torch.randn(40, DIM)
+    t.insert_or_assign(ks, vals, scores=torch.arange(40))
+    tier = lambda keys: t._values.tier_of_slots(t._locate(keys))  # noqa: E731
+    # the device tier holds the 8 highest scores; every value is where its slot says
+    assert sorted(ks[tier(ks) == 0].tolist()) == ks[-8:].tolist()
+    torch.testing.assert_close(t.find(ks)[0], vals)
+    # raising cold keys' scores above the device tier's lowest moves them up, no migrate() call
+    cold = ks[:3]
+    assert bool((tier(cold) > 0).all())
+    t.assign(cold, vals[:3] + 1, scores=torch.tensor([100, 101, 36]))
+    assert tier(cold).tolist() == [0, 0, 0]
+    vals[:3] += 1
+    torch.testing.assert_close(t.find(ks)[0], vals)
+    assert sorted(ks[tier(ks) == 0].tolist()) == sorted(cold.tolist() + ks[-5:].tolist())
+    # a score below the device tier's lowest stays where it is
+    t.assign_scores(ks[10:11], torch.tensor([5]))
+    assert int(tier(ks[10:11])) > 0
+
+
+@pytest.mark.parametrize("strategy", list(hkv.EvictStrategy))
+def test_one_pass_cpu_upsert_matches_reference(strategy):
+    """The CPU kernel's one-pass upsert against the vectorised torch path: values, scores, sizes and
+    growth, with duplicates, erased slots and keys of full buckets (which take the torch path to grow).
+    Eviction order among a batch's keys may differ; test_full_bucket_evicts_lowest_and_refuses_lower
+    checks both kernels' eviction semantics."""
+    gen = torch.Generator().manual_seed(0)
+    tables = [table(init_capacity=64, max_capacity=4096, bucket_size=8, evict_strategy=strategy, kernel=k)
+              for k in ("reference", "cpu")]
+    for t in tables:
+        t.set_global_epoch(2)
+    pool = torch.randint(0, 2**62, (300,), generator=gen)
+    for step in range(12):
+        ks = pool[torch.randint(0, 60 + 20 * step, (40,), generator=gen)]
+        vals = torch.randn(40, DIM, generator=gen)
+        scores = None if strategy in (hkv.EvictStrategy.LRU, hkv.EvictStrategy.EPOCH_LRU) else \
+            torch.randint(1, 50, (40,), generator=gen)
+        outs = []
+        for t in tables:
+            if step % 4 == 3:
+                outs.append(t.find_or_insert(ks, init=vals, scores=scores))
+            elif step % 4 == 2:
+                outs.append(t.assign(ks, vals, scores=scores))
+                t.erase(ks[:3])
+            else:
+                outs.append(t.insert_and_evict(ks, vals, scores=scores)[0])
+        torch.testing.assert_close(outs[1], outs[0], msg=f"step {step}")
+        ref, fast = tables
+        assert (fast.size(), fast.capacity()) == (ref.size(), ref.capacity())
+        stored = ref.export_batch(ref.capacity())[0]
+        for t in tables:
+            assert bool(t.contains(stored).all())
+        v_ref, _, s_ref = ref.find(stored, return_scores=True)
+        v_fast, _, s_fast = fast.find(stored, return_scores=True)
+        torch.testing.assert_close(v_fast, v_ref)
+        assert torch.equal(s_fast, s_ref)
+
+
+def test_grouped_keys_split_over_threads_by_bucket():
+    """Keys grouped by bucket on the host (hkv.cpu.unique) take the kernel's grouped path, on two threads."""
+    from hkv import cpu
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        n = 40000  # two threads' worth of keys
+        raw = torch.randint(0, 2**40, (n,))
+        t, plain = (table(init_capacity=1 << 17, max_capacity=1 << 17, bucket_size=64) for _ in range(2))
+        uniq, inverse = cpu.unique(raw, t.num_buckets())
+        assert torch.equal(uniq[inverse], raw) and uniq.numel() == torch.unique(raw).numel()
+        buckets = mix64(uniq) & (t.num_buckets() - 1)
+        assert bool((buckets[1:] >= buckets[:-1]).all())
+        init = torch.randn(uniq.numel(), DIM)
+        out = t.find_or_insert(uniq, init=init, grouping=t.num_buckets())
+        torch.testing.assert_close(out, init)
+        torch.testing.assert_close(plain.find_or_insert(uniq, init=init), init)
+        assert t.size() == plain.size() == uniq.numel()
+        torch.testing.assert_close(t.find(raw)[0], init[inverse])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@settings(max_examples=30, deadline=None)
+@given(xs=st.lists(st.sampled_from(POOL), max_size=30), buckets=st.sampled_from([0, 1, 4, 64]))
+def test_host_unique_matches_torch_unique(xs, buckets):
+    from hkv import cpu
+
+    ids = keys_of(xs)
+    uniq, inverse = cpu.unique(ids, buckets)
+    assert sorted(uniq.tolist()) == sorted(set(xs))
+    assert torch.equal(uniq[inverse], ids)
+    if buckets:
+        b = mix64(uniq) & (buckets - 1)
+        assert bool((b[1:] >= b[:-1]).all())

@@ -3,13 +3,14 @@
 Pattern: ``torch.ops.hkv.embedding_lookup(weight, ids, offsets, table_id, mode, train)`` (what
 ``hkv.DynamicEmbedding`` / ``hkv.DynamicEmbeddingBag`` call), one or more per table in a graph.
 Replacement, per table:
-    unique_ids, inverse, n = hkv.unique(cat(ids of every lookup), on_host)   # dedup once per batch
-    rows = hkv.lookup(weight, unique_ids, n, table_id, train, impl)          # find (or insert) once
+    unique_ids, inverse, n, grouping = hkv.unique(cat(ids of every lookup), on_host, table_id)  # dedup once
+    rows = hkv.lookup(weight, unique_ids, n, grouping, table_id, train, impl)  # find (or insert) once
     out = embedding_bag(inverse, rows, cat(offsets_i + ids before i), mode) | embedding(inverse, rows)
     out_i = split(out, bags of each lookup)                                   # expand back, as TBE
 ``unique_ids`` is padded to the length of the ids (``n`` of them are real), so no shape depends on
-data. ``on_host`` is ``options.offload == "partial"`` (Rec SDK's non-fully-offloaded mode: dedup on the host);
-``"full"`` keeps it on the device. The backward of ``hkv.lookup`` applies the table's optimizer once
+data. ``on_host`` is ``options.offload == "partial"`` (Rec SDK's non-fully-offloaded mode: hashing, dedup
+and bucketing on the host; the unique ids come grouped by the table's bucket, ``grouping`` its bucket
+count, and the device-side lookup consumes them bucket by bucket); ``"full"`` keeps all of it on the device. The backward of ``hkv.lookup`` applies the table's optimizer once
 per unique row (``hkv.update``); the expansion's backward, which Inductor compiles, sums the gradients.
 Lookups of one table with different ``train`` flags are lowered separately. Sharing one update per
 table per batch is the exact (deduplicated) semantics; eager calls of the module update once per call.
@@ -75,10 +76,11 @@ def _lower_table(graph: fx.Graph, table_id: int, train: bool, weight: fx.Node, l
     with graph.inserting_before(lookups[0][0]):
         ids = [args["ids"] for _, args in lookups]
         all_ids = ids[0] if len(ids) == 1 else graph.call_function(torch.cat, (ids,))
-        unique = graph.call_function(torch.ops.hkv.unique.default, (all_ids, on_host))
-        unique_ids, inverse, num_unique = (graph.call_function(operator.getitem, (unique, i)) for i in range(3))
+        unique = graph.call_function(torch.ops.hkv.unique.default, (all_ids, on_host, table_id))
+        unique_ids, inverse, num_unique, grouping = (graph.call_function(operator.getitem, (unique, i))
+                                                     for i in range(4))
         rows = graph.call_function(torch.ops.hkv.lookup.default,
-                                   (weight, unique_ids, num_unique, table_id, train, impl.impl))
+                                   (weight, unique_ids, num_unique, grouping, table_id, train, impl.impl))
         sizes = [graph.call_method("size", (i, 0)) for i in ids]
     by_mode: dict[str, list[int]] = defaultdict(list)
     for k, (_, args) in enumerate(lookups):
