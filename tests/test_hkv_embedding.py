@@ -195,3 +195,20 @@ def test_prefetcher_inserts_next_batch_and_keeps_training_identical():
         assert bool(fetched.table.contains(ids).all())  # inserted before the step
         fetched(ids, offsets).pow(2).sum().backward()
     torch.testing.assert_close(fetched.table.find(POOL)[0], plain.table.find(POOL)[0])
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "none"])
+def test_pool_backward_matches_autograd(mode):
+    """hkv.ops.pool_backward (the C kernel for float32 bags, torch otherwise) against autograd of pool."""
+    from hkv import ops
+
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([2, 0, 3, 1, 0, 4])  # empty bags included
+    inverse = torch.randint(0, 5, (int(lengths.sum()),), generator=gen)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    for dtype in (torch.float32, torch.float64):
+        rows = torch.randn(5, DIM, dtype=dtype, generator=gen, requires_grad=True)
+        out = ops.pool(rows, inverse, offsets, mode)
+        grad = torch.randn(out.shape, dtype=dtype, generator=gen)
+        out.backward(grad)
+        torch.testing.assert_close(ops.pool_backward(grad, inverse, offsets, mode, 5), rows.grad)

@@ -14,9 +14,9 @@ POOL = torch.tensor([1, 5, 2**40 + 7, 2**62 + 1, 33, 77, 1000, 123456789012])
 class Model(nn.Module):
     """Two sparse features sharing one table, one feature with its own table, one unpooled sequence."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, **options):
         super().__init__()
-        opts = dict(dim=DIM, max_capacity=512, init_capacity=64, bucket_capacity=16)
+        opts = dict(dim=DIM, max_capacity=512, init_capacity=64, bucket_capacity=16, **options)
         # Eager applies one optimizer step per call, the lowered graph one per table per batch: the two
         # agree for SGD only, so the shared table uses SGD.
         self.shared = hkv.DynamicEmbeddingBag(hkv.DynamicEmbTableOptions(**opts), "sum", hkv.SGD(0.05))
@@ -33,9 +33,9 @@ class Model(nn.Module):
         return [self.shared, self.own, self.seq]
 
 
-def make_model(optimizer):
+def make_model(optimizer, **options):
     torch.manual_seed(0)
-    model = Model(optimizer)
+    model = Model(optimizer, **options)
     for emb in model.tables():
         emb.table.find_or_insert(POOL, init=emb.runtime._init_rows)
     return model
@@ -114,3 +114,63 @@ def test_plans_pick_kernel_per_target():
     for target, impl in (("npu", "triton"), ("cpu", "cpu")):
         regions = recompile.explain(model, *args, options={"target": target}).to_dict()["regions"]
         assert {r["impl"] for r in regions if r["kind"] == "dynamic_embedding"} == {impl}, target
+
+
+@pytest.mark.parametrize("offload", ["partial", "full"])
+def test_partial_offload_buckets_ids_on_the_host(offload, monkeypatch):
+    """partial: hkv.unique groups each table's unique ids by bucket on the host and the lookup takes
+    them grouped (the bucket count reaches find_or_insert); full: nothing is grouped."""
+    model = make_model(hkv.SGD(0.1))
+    seen = []
+    find_or_insert = hkv.HashTable.find_or_insert
+
+    def spy(table, keys, init=None, scores=None, grouping=0):
+        seen.append((table.num_buckets(), grouping, keys.clone()))
+        return find_or_insert(table, keys, init, scores, grouping)
+
+    monkeypatch.setattr(hkv.HashTable, "find_or_insert", spy)
+    compiled = torch.compile(model, backend="rec_ascend", options={"offload": offload})
+    args = batch(6, torch.Generator().manual_seed(6))
+    compiled(*args).sum().backward()
+    assert len(seen) == 3
+    for num_buckets, grouping, keys in seen:
+        assert grouping == (num_buckets if offload == "partial" else 0)
+        if offload == "partial":
+            buckets = hkv.table.mix64(keys) & (num_buckets - 1)
+            assert bool((buckets[1:] >= buckets[:-1]).all())
+
+
+@pytest.mark.parametrize("offload", ["partial", "full"])
+def test_prefetch_with_compiled_model_trains_identically(offload):
+    """hkv.Prefetcher inserts the next batch's new ids while the compiled model trains on the current
+    one; training with and without it gives the same outputs and tables (constant initialiser: the
+    rows new ids start from do not depend on when they are inserted)."""
+    const = hkv.DynamicEmbInitializerArgs(mode=hkv.DynamicEmbInitializerMode.CONSTANT, value=0.1)
+    gen = torch.Generator().manual_seed(8)
+    data = []
+    for step in range(4):  # a few never-seen ids in every batch
+        a, a_off, b, b_off, c, c_off, s = batch(5 + step, gen)
+        data.append((a + 10**12 * (step % 2), a_off, b, b_off, c + 10**13 * step, c_off, s + 10**14))
+    results = []
+    for prefetch in (False, True):
+        model = make_model(hkv.SGD(0.1), initializer_args=const)
+        compiled = torch.compile(model, backend="rec_ascend", options={"offload": offload})
+        opt = torch.optim.SGD(model.top.parameters(), lr=0.1)
+
+        def ids_of(args):
+            return [(model.shared, args[0]), (model.shared, args[2]), (model.own, args[4]), (model.seq, args[6])]
+
+        outs = []
+        for args in hkv.Prefetcher(data, ids_of) if prefetch else data:
+            if prefetch:
+                assert all(bool(emb.table.contains(ids).all()) for emb, ids in ids_of(args))
+            opt.zero_grad()
+            out = compiled(*args)
+            out.pow(2).mean().backward()
+            opt.step()
+            outs.append(out.detach())
+        keys = torch.cat([args[i] for args in data for i in (0, 2, 4, 6)])
+        results.append((outs, [emb.table.find(keys)[0] for emb in model.tables()]))
+    for got, want in zip(results[1], results[0]):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
