@@ -187,7 +187,11 @@ class DynamicEmbeddingBag(nn.Module):
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         if self.mode != "none" and offsets is None:
             raise ValueError(f"hkv {self.runtime.name!r}: mode {self.mode!r} needs offsets")
-        return torch.ops.hkv.embedding_lookup(self.weight, ids, offsets, self.table_id, self.mode, self.training)
+        if torch.compiler.is_compiling():
+            return torch.ops.hkv.embedding_lookup(self.weight, ids, offsets, self.table_id, self.mode, self.training)
+        from hkv.ops import EagerEmbeddingLookup
+
+        return EagerEmbeddingLookup.apply(self.weight, ids, offsets, self.table_id, self.mode, self.training)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
