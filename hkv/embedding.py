@@ -147,11 +147,11 @@ class DynamicTable:
         with self.table._lock:
             self.step += 1
             step = self.step
-            self.table.update_rows(
-                unique_ids,
-                lambda rows, hit: self.optimizer.update(rows.float(), (grad if hit is None else grad[hit]).float(), self.dim,
-                                                        step).to(rows.dtype),
-            )
+            def step_rows(rows: torch.Tensor, hit: torch.Tensor | None) -> torch.Tensor:
+                g = grad if hit is None else grad[hit]
+                return self.optimizer.update(rows.float(), g.float(), self.dim, step).to(rows.dtype)
+
+            self.table.update_rows(unique_ids, step_rows)
 
 
 def get_table(table_id: int) -> DynamicTable:

@@ -291,6 +291,8 @@ void hkv_upsert(int64_t *table_keys, int64_t *table_scores, int64_t num_buckets,
                             n,          in_values,    given,       strategy,    insert,  clock_score,
                             epoch,      out,          grouped,     fresh,       slots,   status, counts};
     for (int c = 0; c < UPSERT_OUTCOMES; ++c) counts[c] = 0;
+    for (int64_t i = 1; a.grouped && i < n; ++i) /* not grouped after all: threads would share buckets */
+        if (bucket_of(&a, i) < bucket_of(&a, i - 1)) a.grouped = 0;
     run_team(team_size(n, threads), upsert_part, &a);
     if (counts[UPSERT_INSERTED])
         for (int64_t i = 0; i < n; ++i)

@@ -10,6 +10,7 @@ def cpu_kernel_runs(target) -> bool:
 register_lowering(
     "hkv::lookup",
     Impl("triton", "triton", has_triton, "hkv.triton_kernels.locate (probe) + gather"),
-    Impl("cpu", "cpu_kernel", cpu_kernel_runs, "hkv/csrc/probe.c: hash, probe and row copy in one pass (OpenMP)"),
+    Impl("cpu", "cpu_kernel", cpu_kernel_runs,
+         "hkv/csrc/probe.c: one pass per key (hash, probe, claim, score, row), threads over bucket ranges"),
     reference("hkv.table: vectorised torch probing (any device)"),
 )

@@ -10,10 +10,11 @@ Replacement, per table:
 ``unique_ids`` is padded to the length of the ids (``n`` of them are real), so no shape depends on
 data. ``on_host`` is ``options.offload == "partial"`` (Rec SDK's non-fully-offloaded mode: hashing, dedup
 and bucketing on the host; the unique ids come grouped by the table's bucket, ``grouping`` its bucket
-count, and the device-side lookup consumes them bucket by bucket); ``"full"`` keeps all of it on the device. The backward of ``hkv.lookup`` applies the table's optimizer once
-per unique row (``hkv.update``); the expansion's backward, which Inductor compiles, sums the gradients.
-Lookups of one table with different ``train`` flags are lowered separately. Sharing one update per
-table per batch is the exact (deduplicated) semantics; eager calls of the module update once per call.
+count, and the device-side lookup consumes them bucket by bucket); ``"full"`` keeps all of it on the
+device. The backward of ``hkv.lookup`` applies the table's optimizer once per unique row
+(``hkv.update``); the expansion's backward, which Inductor compiles, sums the gradients. Lookups of
+one table with different ``train`` flags are lowered separately. Sharing one update per table per batch
+is the exact (deduplicated) semantics; eager calls of the module update once per call.
 """
 from __future__ import annotations
 
