@@ -90,6 +90,21 @@ static inline uint64_t mix64(uint64_t k) {
     return k;
 }
 
+/* Keys ahead of the current one whose home slot is prefetched: probes of a batch miss the cache
+ * independently, so their loads can overlap. */
+#define PREFETCH_AHEAD 8
+
+static inline int64_t home_slot(int64_t num_buckets, int64_t bucket_size, int64_t key) {
+    uint64_t h = mix64((uint64_t)key);
+    return (int64_t)(h & (uint64_t)(num_buckets - 1)) * bucket_size + ((int64_t)(h >> 40) & (bucket_size - 1));
+}
+
+static inline void prefetch_home(const int64_t *table_keys, int64_t num_buckets, int64_t bucket_size,
+                                 const int64_t *keys, int64_t i, int64_t end) {
+    if (i + PREFETCH_AHEAD < end)
+        __builtin_prefetch(table_keys + home_slot(num_buckets, bucket_size, keys[i + PREFETCH_AHEAD]));
+}
+
 static inline int64_t probe(const int64_t *table_keys, int64_t num_buckets, int64_t bucket_size, int64_t key) {
     uint64_t h = mix64((uint64_t)key);
     const int64_t *bucket = table_keys + (int64_t)(h & (uint64_t)(num_buckets - 1)) * bucket_size;
@@ -116,7 +131,10 @@ struct probe_args {
 
 static void locate_range(void *p, int64_t begin, int64_t end) {
     struct probe_args *a = (struct probe_args *)p;
-    for (int64_t i = begin; i < end; ++i) a->slots[i] = probe(a->table_keys, a->num_buckets, a->bucket_size, a->keys[i]);
+    for (int64_t i = begin; i < end; ++i) {
+        prefetch_home(a->table_keys, a->num_buckets, a->bucket_size, a->keys, i, end);
+        a->slots[i] = probe(a->table_keys, a->num_buckets, a->bucket_size, a->keys[i]);
+    }
 }
 
 /* slots[i]: the slot holding keys[i], or -1. */
@@ -129,6 +147,7 @@ void hkv_locate(int64_t *table_keys, int64_t num_buckets, int64_t bucket_size, c
 static void find_range(void *p, int64_t begin, int64_t end) {
     struct probe_args *a = (struct probe_args *)p;
     for (int64_t i = begin; i < end; ++i) {
+        prefetch_home(a->table_keys, a->num_buckets, a->bucket_size, a->keys, i, end);
         int64_t s = probe(a->table_keys, a->num_buckets, a->bucket_size, a->keys[i]);
         a->slots[i] = s;
         a->found[i] = s >= 0;
@@ -268,10 +287,14 @@ static void upsert_part(void *p, int64_t t, int64_t T) {
         int64_t begin = a->n * t / T, end = a->n * (t + 1) / T;
         while (begin > 0 && begin < a->n && bucket_of(a, begin) == bucket_of(a, begin - 1)) ++begin;
         while (end < a->n && end > 0 && bucket_of(a, end) == bucket_of(a, end - 1)) ++end;
-        for (int64_t i = begin; i < end; ++i) ++counts[upsert_one(a, i, bucket_of(a, i))];
+        for (int64_t i = begin; i < end; ++i) {
+            prefetch_home(a->table_keys, a->num_buckets, a->bucket_size, a->keys, i, end);
+            ++counts[upsert_one(a, i, bucket_of(a, i))];
+        }
     } else {
         int64_t lo = a->num_buckets * t / T, hi = a->num_buckets * (t + 1) / T;
         for (int64_t i = 0; i < a->n; ++i) {
+            if (T == 1) prefetch_home(a->table_keys, a->num_buckets, a->bucket_size, a->keys, i, a->n);
             int64_t b = bucket_of(a, i);
             if (b >= lo && b < hi) ++counts[upsert_one(a, i, b)];
         }
