@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from hkv import checkpoint
 from hkv.optim import SGD
-from hkv.table import EvictStrategy, HashTable
+from hkv.table import CLOCK_STRATEGIES, EvictStrategy, HashTable
 
 
 class DynamicEmbInitializerMode(enum.Enum):
@@ -140,6 +140,20 @@ class DynamicTable:
         if missing.numel():
             emb[missing] = self.eval_initializer(missing.numel(), self.dim, emb.dtype, emb.device)
         return emb
+
+    def prefetch(self, unique_ids: torch.Tensor, grouping: int = 0) -> None:
+        """Insert the unseen ids among ``unique_ids`` (initialised) ahead of the training lookup of the
+        same batch, leaving the table as that lookup will: keys present are not touched, new keys are
+        scored as never seen (an increment of 0; the lookup then counts them). Tables with admission
+        insert nothing here (a prefetch is no sighting)."""
+        table = self.table
+        if table.admission is not None:
+            return
+        with table._lock:
+            new = unique_ids[~table.contains(unique_ids)]
+            if new.numel():
+                scores = None if table.evict_strategy in CLOCK_STRATEGIES else torch.zeros_like(new)
+                table.find_or_insert(new, init=self._init_rows, scores=scores, grouping=grouping)
 
     def update(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
         """One optimizer step on the rows of ``unique_ids`` with their summed gradients (ids refused by

@@ -39,6 +39,13 @@ def unique_ids(ids: torch.Tensor, on_host: bool, num_buckets: int = 0) -> tuple[
     return uniq.to(ids.device), inverse.to(ids.device)
 
 
+def host_unique(ids: torch.Tensor, table) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Partial offload's host side: (unique ids, inverse, grouping), the unique ids grouped by bucket of
+    ``table`` (a DynamicTable) and ``grouping`` its bucket count (0 where no CPU kernel groups them)."""
+    num_buckets = table.table.num_buckets() if cpu.available() else 0
+    return *unique_ids(ids, True, num_buckets), num_buckets
+
+
 def pool(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor | None, mode: str) -> torch.Tensor:
     """Expand unique rows back to the ids and pool them per bag."""
     if mode == "none":
@@ -67,8 +74,7 @@ def unique(ids: torch.Tensor, on_host: bool, table_id: int) -> tuple[torch.Tenso
     bucket count (0 otherwise). Padding keeps every shape a function of the input's, so graphs need
     no data-dependent sizes.
     """
-    num_buckets = get_table(table_id).table.num_buckets() if on_host and cpu.available() else 0
-    uniq, inverse = unique_ids(ids, on_host, num_buckets)
+    uniq, inverse, num_buckets = host_unique(ids, get_table(table_id)) if on_host else (*unique_ids(ids, False), 0)
     padded = torch.zeros_like(inverse)
     padded[:uniq.numel()] = uniq
     return padded, inverse, inverse.new_full((1,), uniq.numel()), inverse.new_full((1,), num_buckets)

@@ -184,17 +184,33 @@ def test_deepcopy_gives_an_independent_table():
         copy.deepcopy(tiered)
 
 
-def test_prefetcher_inserts_next_batch_and_keeps_training_identical():
+@pytest.mark.parametrize("strategy", [hkv.EvictStrategy.LRU, hkv.EvictStrategy.LFU])
+def test_prefetcher_inserts_next_batch_and_keeps_training_identical(strategy):
     const = hkv.DynamicEmbInitializerArgs(mode=hkv.DynamicEmbInitializerMode.CONSTANT, value=0.1)
-    plain, fetched = (hkv.DynamicEmbeddingBag(options(initializer_args=const), optimizer=hkv.Adagrad(0.1))
-                      for _ in range(2))
+    plain, fetched = (hkv.DynamicEmbeddingBag(options(initializer_args=const, evict_strategy=strategy),
+                                              optimizer=hkv.Adagrad(0.1)) for _ in range(2))
     data = list(batches(steps=5, seed=7))
     for ids, offsets in data:
         plain(ids, offsets).pow(2).sum().backward()
     for ids, offsets in hkv.Prefetcher(data, lambda b: [(fetched, b[0])]):
         assert bool(fetched.table.contains(ids).all())  # inserted before the step
         fetched(ids, offsets).pow(2).sum().backward()
-    torch.testing.assert_close(fetched.table.find(POOL)[0], plain.table.find(POOL)[0])
+    got, want = fetched.table.find(POOL, return_scores=True), plain.table.find(POOL, return_scores=True)
+    torch.testing.assert_close(got[:2], want[:2])
+    if strategy is hkv.EvictStrategy.LFU:  # a prefetch is no use: the counts are the lookups'
+        assert torch.equal(got[2], want[2])
+
+
+def test_prefetcher_leaves_tables_with_admission_alone():
+    plain, fetched = (hkv.DynamicEmbeddingBag(options(admit_strategy=hkv.CounterFilter(2))) for _ in range(2))
+    data = list(batches(steps=3, seed=5))
+    for ids, offsets in hkv.Prefetcher(data, lambda b: [(fetched, b[0])]):
+        fetched(ids, offsets)
+    for ids, offsets in data:
+        plain(ids, offsets)
+    batches_with = {k: sum(k in ids.tolist() for ids, _ in data) for k in POOL.tolist()}
+    assert 0 < fetched.table.size() == sum(n >= 2 for n in batches_with.values()) < len(POOL)
+    assert torch.equal(fetched.table.contains(POOL), plain.table.contains(POOL))
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "none"])
