@@ -102,7 +102,6 @@ def unique(ids: torch.Tensor, num_buckets: int = 0) -> tuple[torch.Tensor, torch
     return uniq[:m], inverse
 
 
-
 def pool_backward(grad: torch.Tensor, offsets: torch.Tensor, inverse: torch.Tensor, mean: bool,
                   num_rows: int) -> torch.Tensor:
     """The gradient of sum / mean pooling with respect to the pooled unique rows (float32 CPU tensors)."""

@@ -161,6 +161,7 @@ class DynamicTable:
         with self.table._lock:
             self.step += 1
             step = self.step
+
             def step_rows(rows: torch.Tensor, hit: torch.Tensor | None) -> torch.Tensor:
                 g = grad if hit is None else grad[hit]
                 return self.optimizer.update(rows.float(), g.float(), self.dim, step).to(rows.dtype)

@@ -411,11 +411,10 @@ class HashTable:
         missing = (status == cpu.INSERTED).nonzero().squeeze(1) if counts[cpu.INSERTED] else keys[:0]
         if copy_out and counts[cpu.INSERTED]:  # new keys: the last occurrence's initial value, read by every one
             pending = ((status == cpu.INSERTED) | (status == cpu.FOUND_NEW)).nonzero().squeeze(1)
-            if pending.numel():
-                ps = slot[pending]
-                winners = pending[self._last_per_slot(ps, pending) == pending]
-                self._values.scatter(slot[winners], values(winners))
-                out[pending] = self._values.gather(ps)
+            ps = slot[pending]
+            winners = pending[self._last_per_slot(ps, pending) == pending]
+            self._values.scatter(slot[winners], values(winners))
+            out[pending] = self._values.gather(ps)
         evicted, refused = self._no_rows(), keys[:0]
         capacity = self._capacity
         if counts[cpu.FULL]:
