@@ -11,6 +11,7 @@
  * order: duplicates in a batch behave as if the batch were applied key by key.
  * ``hkv_unique`` deduplicates ids with an open-addressing set (first-occurrence order, O(n)) and can
  * order the unique ids by table bucket: the host-side half of a partially offloaded lookup.
+ * ``hkv_pool_backward`` sums pooled gradients per unique row (the backward of hkv.ops.pool).
  */
 #include <pthread.h>
 #include <stdint.h>
