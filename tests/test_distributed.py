@@ -54,8 +54,8 @@ def test_table_wise_dlrm_on_two_ranks_matches_one_process_and_reshards_row_wise(
 def test_prefetched_lookups_one_round_per_step_same_parameters():
     results = _ok(*run_ranks(prefetched_training, 2, 3, 16))
     _assert_same(assemble([r["state"] for r in results]), reference_state(3, 16))
-    for r in results:  # one exchange of counts, ids, rows and gradients per step for all 4 tables
-        assert r["calls"] == {"counts": 3, "ids": 3, "rows": 3, "grads": 3}, r["calls"]
+    for r in results:  # one exchange of counts, ids, bags, pooled results and gradients per step for all 4 tables
+        assert r["calls"] == {"counts": 3, "ids": 3, "bags": 3, "pooled": 3, "grads": 3}, r["calls"]
 
 
 @pytest.mark.parametrize("world_size", [1, 4])

@@ -20,7 +20,8 @@ class CollectiveError(RuntimeError):
 
 
 class CommStats:
-    """Bytes this rank sent to other ranks, and all-to-alls it took part in, per kind ("ids", "rows", "grads")."""
+    """Bytes this rank sent to other ranks, and all-to-alls it took part in, per kind ("counts", "ids", "bags",
+    "pooled", "grads")."""
 
     def __init__(self):
         self.bytes = Counter()
@@ -67,12 +68,12 @@ def exchange_counts(counts: torch.Tensor) -> torch.Tensor:
 
 
 class _AllToAllRows(torch.autograd.Function):
-    """Forward sends rows by ``send_splits``; backward sends their gradients back by the reverse splits."""
+    """Forward sends pooled rows by ``send_splits``; backward sends their gradients back by the reverse splits."""
 
     @staticmethod
     def forward(ctx, rows, send_splits, recv_splits, grad_scale):
         ctx.splits, ctx.grad_scale = (send_splits, recv_splits), grad_scale
-        return all_to_all(rows, send_splits, recv_splits, "rows")
+        return all_to_all(rows, send_splits, recv_splits, "pooled")
 
     @staticmethod
     def backward(ctx, grad):

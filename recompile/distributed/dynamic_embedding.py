@@ -4,7 +4,7 @@
 ``ShardedDynamicEmbeddingBag`` that keeps its runtime (hash table, initialiser, row-resident optimizer):
 on each rank the table holds exactly the keys with ``hash_owner(key) == rank``. ``sharded_lookup`` sends
 every key to its owner, which looks the keys it received up (inserting unseen ones in training; eval
-never inserts). Training stays fused as in hkv: the gradients of each key, summed over every rank that
+never inserts) and pools them into the requesters' bags. Training stays fused as in hkv: the gradients of each key, summed over every rank that
 asked for it, come back to the owner, which applies the table's optimizer to its rows in the backward.
 
 New rows come from the table's initialiser on the owner; with a random initialiser a key's first value
@@ -68,6 +68,9 @@ class ShardedDynamicEmbeddingBag(nn.Module):
 
     def owner_of(self, keys: torch.Tensor, world_size: int) -> torch.Tensor:
         return self.sharding.owner_of(keys, 0, world_size)
+
+    def holders(self, world_size: int) -> list[int]:
+        return self.sharding.holders(0, world_size)
 
     def lookup_local(self, keys: torch.Tensor) -> torch.Tensor:
         return _OwnerRows.apply(self.weight, keys, self.runtime, self.training)

@@ -6,7 +6,8 @@ holding this rank's rows under the plan, and every ``hkv.DynamicEmbeddingBag`` b
 ``torch.nn.parallel.DistributedDataParallel`` with the shards in its ignore list, so DDP all-reduces only
 the dense gradients. ``torch.compile(distributed_model, backend="rec_ascend")`` then compiles the dense
 graphs (Dynamo's DDP optimizer splits them at DDP's bucket boundaries) and the table lookups run between
-them (see ``sharded_embedding``); ``compile_lookups`` compiles the owners' grouped lookups too.
+them (see ``sharded_embedding``); ``compile_lookups`` compiles the owners' pooling too, grouped by the
+embedding pass.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from hkv import DynamicEmbeddingBag
 from recompile.distributed.dynamic_embedding import ShardedDynamicEmbeddingBag
 from recompile.distributed.env import world
 from recompile.distributed.planner import ShardingPlan, plan as make_plan, table_specs
-from recompile.distributed.sharded_embedding import ShardedEmbeddingBag, lookup_rows, prefetch
+from recompile.distributed.sharded_embedding import ShardedEmbeddingBag, pool_local, prefetch
 
 STATIC_TABLES = (nn.EmbeddingBag, nn.Embedding)
 SHARDED_TABLES = (ShardedEmbeddingBag, ShardedDynamicEmbeddingBag)
@@ -77,9 +78,9 @@ def distribute(model: nn.Module, plan: ShardingPlan | None = None, *, batch: int
 
 def compile_lookups(model: nn.Module, backend: str | Callable = "rec_ascend",
                     options: Mapping[str, Any] | None = None) -> None:
-    """Compile the owner side of the sharded lookups (``lookup_rows``: the rows of every table a lookup covers)
-    with ``backend``."""
-    compiled = torch.compile(lookup_rows, backend=backend, options=options, dynamic=True)
+    """Compile the owner side of the sharded lookups (``pool_local``: every local table's bags of a round)
+    with ``backend``; rec_ascend's embedding pass groups them into one ``recompile::grouped_embedding_bag``."""
+    compiled = torch.compile(pool_local, backend=backend, options=options, dynamic=True)
     for _, table in sharded_tables(model):
         if isinstance(table, ShardedEmbeddingBag):
             table.lookup_fn = compiled
