@@ -13,11 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Callable
 
 import torch
 
 from models.dlrm import DLRM, DLRMConfig
-from recompile.distributed import STATS, Hardware, TableSpec, distribute, plan, table_specs
+from models.zoo import CTR_MODELS
+from recompile.distributed import (
+    STATS, Hardware, TableSpec, compile_lookups, distribute, embedding_tables, init_distributed, plan, table_specs, world,
+)
 from recompile.launch import spawn
 
 # Per-feature distinct values of the 26 categorical features of Criteo 1TB (no hashing), as counted by
@@ -27,6 +31,7 @@ CRITEO_1TB_ROWS = [227605432, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 1302
 # An accelerator rank: 64 GB for tables (Ascend 910B HBM), 25 GB/s all-to-all (200 Gb/s), 1.5 TB/s HBM.
 ACCELERATOR = Hardware(memory_bytes=64e9, network_gbps=25.0, memory_gbps=1500.0)
 POWER_LAW_ALPHA = 1.05
+DISTRIBUTED_MODELS = tuple(m for m in CTR_MODELS if m != "dlrm_torchrec")  # nn.EmbeddingBag / hkv tables
 
 
 def bench_config(quick: bool) -> DLRMConfig:
@@ -35,9 +40,32 @@ def bench_config(quick: bool) -> DLRMConfig:
                       top=[64, 1], max_ids_per_bag=8)
 
 
-def dlrm_features(dense, indices, offsets) -> dict:
-    """The ids DLRM passes to each of its tables (``distribute(features=...)``: one lookup round per step)."""
-    return {f"embeddings.{i}": (ids, offs) for i, (ids, offs) in enumerate(zip(indices, offsets))}
+def ctr_features(model: torch.nn.Module) -> Callable[..., dict]:
+    """The ids a zoo CTR model (``forward(dense, indices, offsets)``) passes to each of its tables: every list of
+    tables (DLRM's ``embeddings``, DeepFM's ``first_order``...) gets ``indices[i], offsets[i]`` in table i
+    (``distribute(features=...)``: one lookup round per step)."""
+    lists = [name for name, child in model.named_children()
+             if isinstance(child, torch.nn.ModuleList) and any(True for _ in embedding_tables(child))]
+
+    def features(dense, indices, offsets) -> dict:
+        return {f"{name}.{i}": (ids, offs) for name in lists for i, (ids, offs) in enumerate(zip(indices, offsets))}
+
+    return features
+
+
+def shard_ctr_model(name: str, model: torch.nn.Module, global_batch: int, backend: str):
+    """In a worker started by torch's launcher (``python -m models.train --nproc N``): zoo CTR model ``name``'s
+    tables sharded as the planner chooses, its dense layers data-parallel, the owners' pooling compiled unless
+    ``backend`` is eager. Returns (the wrapped model, rank, world size)."""
+    if name not in DISTRIBUTED_MODELS:
+        raise ValueError(f"--nproc: model {name!r} is not trained distributed; models that are: "
+                         f"{', '.join(DISTRIBUTED_MODELS)}")
+    init_distributed()
+    rank, world_size = world()
+    sharded = distribute(model, batch=global_batch // world_size, features=ctr_features(model))
+    if backend != "eager":  # one grouped lookup per round under rec_ascend
+        compile_lookups(model, backend)
+    return sharded, rank, world_size
 
 
 def power_law_ids(rows: int, n: int, gen: torch.Generator, permutation: torch.Tensor) -> torch.Tensor:
@@ -73,7 +101,7 @@ def measure(rank: int, world_size: int, quick: bool, batch: int, steps: int) -> 
         model = DLRM(cfg)
         sharding_plan = plan(table_specs(model, pooling=(1 + cfg.max_ids_per_bag) / 2), world_size, batch,
                              dedup=dedup)
-        dmp = distribute(model, sharding_plan, dedup=dedup, features=dlrm_features if one_round else None)
+        dmp = distribute(model, sharding_plan, dedup=dedup, features=ctr_features(model) if one_round else None)
         opt = torch.optim.SGD(dmp.parameters(), lr=0.01)
         for step, (dense, ids, offs, labels) in enumerate(batches(cfg, steps + 1, batch, seed=rank)):
             if step == 1:  # the first step warms up

@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from models.bench_distributed import dlrm_features
+from models.bench_distributed import ctr_features
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 from recompile.launch import spawn
 
@@ -88,27 +88,27 @@ def compiled_training(rank, world_size, kinds, steps, batch):
 
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    dmp = _sharded_dlrm(world_size, kinds, batch, features=dlrm_features)
+    dmp = _sharded_dlrm(world_size, kinds, batch, features=True)
     lookups, dense = CompileCounterWithBackend("rec_ascend"), CompileCounterWithBackend("rec_ascend")
     compile_lookups(dmp.module, backend=lookups)
     train(torch.compile(dmp, backend=dense), global_batches(steps, batch), rank, world_size)
     return {"state": full_state(dmp), "lookup_graphs": lookups.frame_count, "dense_graphs": dense.frame_count}
 
 
-def _sharded_dlrm(world_size: int, kinds, batch: int, features=None):
+def _sharded_dlrm(world_size: int, kinds, batch: int, features: bool = False):
     from recompile.distributed import distribute, plan, table_specs
 
     torch.manual_seed(0)
     model = DLRM(CFG)
     sharding = plan(table_specs(model, pooling=2.0), world_size, batch // world_size, kinds=kinds)
-    return distribute(model, sharding, features=features)
+    return distribute(model, sharding, features=ctr_features(model) if features else None)
 
 
 def prefetched_training(rank, world_size, steps, batch):
     """Row-wise DLRM whose tables are looked up in one round per step; returns the state and all-to-all counts."""
     from recompile.distributed import STATS
 
-    dmp = _sharded_dlrm(world_size, ("row_wise",), batch, features=dlrm_features)
+    dmp = _sharded_dlrm(world_size, ("row_wise",), batch, features=True)
     STATS.reset()
     train(dmp, global_batches(steps, batch), rank, world_size)
     return {"state": full_state(dmp), "calls": dict(STATS.calls)}

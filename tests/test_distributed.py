@@ -1,6 +1,10 @@
 """Distributed training on 1, 2 and 4 spawned processes (gloo on 127.0.0.1), every run bounded in time."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -119,3 +123,19 @@ def test_torchrec_has_no_row_wise_sharding_on_cpu():
     model = torchrec_model()
     with pytest.raises(RuntimeError, match="No available sharding type and compute kernel combination"):
         torchrec_plan(model, 2, "row_wise").plan(model, get_default_sharders())
+
+
+@pytest.mark.slow
+def test_models_train_with_nproc_trains_a_zoo_dlrm_on_two_ranks(tmp_path):
+    """``python -m models.train --nproc 2`` starts two workers through torch's launcher; rank 0 reports."""
+    out = tmp_path / "result.json"
+    command = [sys.executable, "-m", "models.train", "--model", "dlrm", "--data", "criteo-synthetic", "--nproc", "2",
+               "--epochs", "1", "--ctr-rows", "1024", "--batch-size", "128", "--backend", "eager", "--quiet",
+               "--json", str(out)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("sharding plan: 4 tables on 2 ranks") == 1, proc.stdout  # printed by rank 0 only
+    assert proc.stdout.count("dlrm on criteo-synthetic") == 1, proc.stdout
+    result = json.loads(out.read_text())
+    assert result["steps"] == 8 and 0.0 < result["metrics"]["AUC"] < 1.0

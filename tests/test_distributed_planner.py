@@ -7,7 +7,7 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 import recompile
-from models.bench_distributed import dlrm_features
+from models.bench_distributed import ctr_features
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 from recompile.distributed import (
     Hardware, Sharding, ShardedEmbeddingBag, TableSpec, backend_for, compile_lookups, distribute, plan, table_specs,
@@ -157,7 +157,8 @@ def test_owner_pooling_is_one_grouped_lookup_under_rec_ascend():
     torch.manual_seed(0)
     ref = DLRM(cfg)
     torch.manual_seed(0)
-    model = distribute(DLRM(cfg), features=dlrm_features)
+    model = DLRM(cfg)
+    model = distribute(model, features=ctr_features(model))
     rounds = []
     for table in model.embeddings:
         table.lookup_fn = lambda *args: rounds.append(args) or pool_local(*args)

@@ -45,16 +45,19 @@ def sharded_tables(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 def distribute(model: nn.Module, plan: ShardingPlan | None = None, *, batch: int = 1024, dedup: bool = True,
                features: Callable[..., Mapping[str, tuple]] | None = None,
                device: torch.device | str | None = None, **ddp_kwargs: Any) -> nn.Module:
-    """Shard ``model``'s tables by ``plan`` (planned here when None) and make the rest data-parallel.
+    """Shard ``model``'s tables by ``plan`` (planned here for ``batch`` bags per rank when None, and printed by
+    rank 0) and make the rest data-parallel.
 
     Every rank must call this with the same model (same seed or weights): each keeps only its rows.
     ``features(*forward_args, **forward_kwargs) -> {table path: (ids, offsets)}``, when given, names the ids
     each table will be called with, so that one round of all-to-alls serves them all (see ``prefetch``).
     Returns the DDP-wrapped model, or the model itself when no process group is initialised.
     """
-    _, world_size = world()
-    if plan is None:
+    rank, world_size = world()
+    if plan is None:  # planned here: printed once, as TorchRec's planner logs its plan
         plan = make_plan(table_specs(model), world_size, batch, dedup=dedup)
+        if rank == 0 and world_size > 1:
+            print(plan)
     elif plan.world_size != world_size:
         raise ValueError(f"the sharding plan is for {plan.world_size} ranks, this process group has {world_size}")
     tables = [(n, m) for n, m in embedding_tables(model) if isinstance(m, STATIC_TABLES)]
