@@ -96,11 +96,14 @@ def compiled_training(rank, world_size, kinds, steps, batch):
 
 
 def _sharded_dlrm(world_size: int, kinds, batch: int, features: bool = False):
+    """DLRM planned with sharding ``kinds``, or with the shardings ``kinds`` maps table names to."""
     from recompile.distributed import distribute, plan, table_specs
 
     torch.manual_seed(0)
     model = DLRM(CFG)
-    sharding = plan(table_specs(model, pooling=2.0), world_size, batch // world_size, kinds=kinds)
+    fixed = kinds if isinstance(kinds, dict) else None
+    sharding = plan(table_specs(model, pooling=2.0), world_size, batch // world_size,
+                    kinds=("table_wise", "row_wise") if fixed else kinds, fixed=fixed)
     return distribute(model, sharding, features=ctr_features(model) if features else None)
 
 
@@ -198,6 +201,57 @@ def dynamic_restored(path):
     model = distribute(DynamicModel())
     checkpoint.load(model, path)
     return table_contents(model)
+
+
+class MixedTables(torch.nn.Module):
+    """An unpooled table fed 2-D ids, mean bags with an empty bag, weighted sum bags with a last offset."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(23, 4)
+        self.mean = torch.nn.EmbeddingBag(17, 3, mode="mean")
+        self.weighted = torch.nn.EmbeddingBag(29, 5, mode="sum", include_last_offset=True)
+        self.head = torch.nn.Linear(1, 1)  # DDP wants a dense parameter
+
+    def lookups(self, gen: torch.Generator) -> dict:
+        n = int(torch.randint(10, 16, (), generator=gen))
+        hot = torch.randperm(29, generator=gen)[:4]  # few distinct ids: sent once each, with positions
+        return {"emb": self.emb(torch.randint(0, 23, (5, 3), generator=gen)),
+                "mean": self.mean(torch.randint(0, 17, (n,), generator=gen), torch.tensor([0, 2, 2, 5])),
+                "weighted": self.weighted(hot[torch.randint(0, 4, (n,), generator=gen)], torch.tensor([0, 3, n]),
+                                          per_sample_weights=torch.rand(n, generator=gen))}
+
+
+def mixed_tables(rank, world_size, shardings):
+    """Every pooling mode sharded by ``shardings``: outputs equal the unsharded tables', gradients their sum over
+    the ranks (divided by the world size)."""
+    import copy
+
+    import torch.distributed as dist
+    from recompile.distributed import ShardingPlan, distribute
+
+    torch.manual_seed(0)
+    ref = MixedTables()
+    dmp = distribute(copy.deepcopy(ref), ShardingPlan(shardings, world_size=world_size))
+    gen_ref, gen = (torch.Generator().manual_seed(rank) for _ in range(2))
+    got, want = dmp.module.lookups(gen), ref.lookups(gen_ref)
+    errors = {}
+    for name in want:
+        weights = torch.randn(want[name].shape, generator=gen)
+        (got[name] * weights).sum().backward()
+        (want[name] * weights).sum().backward()
+        errors[f"{name} output"] = _max_abs(got[name] - want[name])
+    for name in want:
+        full = getattr(ref, name).weight.grad
+        dist.all_reduce(full)
+        shard = getattr(dmp.module, name)
+        grad = shard.weight.grad if shard.weight.grad is not None else torch.zeros_like(shard.weight)
+        errors[f"{name} grad"] = _max_abs(grad * world_size - full[shard.row_start:shard.row_end])
+    return errors
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    return float(t.detach().abs().max()) if t.numel() else 0.0
 
 
 def dead_rank(rank, world_size):

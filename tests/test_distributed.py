@@ -10,10 +10,11 @@ import time
 import pytest
 import torch
 
+from recompile.distributed import Sharding
 from recompile.distributed.sharding import hash_owner
 from tests.distributed_workers import (
-    assemble, checkpoint_continue, compiled_training, dead_rank, dynamic_restored, dynamic_training, reference_state,
-    prefetched_training, run_ranks, torchrec_dmp_compiled, torchrec_model, torchrec_plan,
+    assemble, checkpoint_continue, compiled_training, dead_rank, dynamic_restored, dynamic_training, mixed_tables,
+    reference_state, prefetched_training, run_ranks, torchrec_dmp_compiled, torchrec_model, torchrec_plan,
 )
 
 STEPS, SAVE_AFTER = 4, 2
@@ -62,12 +63,25 @@ def test_prefetched_lookups_one_round_per_step_same_parameters():
         assert r["calls"] == {"counts": 3, "ids": 3, "bags": 3, "pooled": 3, "grads": 3}, r["calls"]
 
 
-@pytest.mark.parametrize("world_size", [1, 4])
-def test_checkpoint_from_two_ranks_continues_on_other_world_sizes(two_rank_checkpoint, tmp_path, world_size):
+# On 4 ranks: every kind of placement, row-wise over a group of 2 ranks among them.
+GROUPED = {"embeddings.0": Sharding("table_wise", 3), "embeddings.1": Sharding("row_wise", 0, 2),
+           "embeddings.2": Sharding("row_wise", 2, 2), "embeddings.3": Sharding("row_wise")}
+
+
+@pytest.mark.parametrize("world_size, kinds", [(1, ("row_wise",)), (4, GROUPED)])
+def test_checkpoint_from_two_ranks_continues_on_other_world_sizes(two_rank_checkpoint, tmp_path, world_size, kinds):
     path, continued_on_two = two_rank_checkpoint
-    results = _ok(*run_ranks(checkpoint_continue, world_size, ("row_wise",), path, SAVE_AFTER,
-                             STEPS, True))
+    results = _ok(*run_ranks(checkpoint_continue, world_size, kinds, path, SAVE_AFTER, STEPS, True))
     _assert_same(assemble(results), continued_on_two)
+
+
+@pytest.mark.parametrize("shardings", [
+    {"emb": Sharding("row_wise"), "mean": Sharding("table_wise", 1), "weighted": Sharding("row_wise")},
+    {"emb": Sharding("table_wise", 0), "mean": Sharding("row_wise"), "weighted": Sharding("table_wise", 1)},
+], ids=["row_wise", "table_wise"])
+def test_unpooled_mean_and_weighted_tables_on_two_ranks_equal_torch(shardings):
+    for rank, errors in enumerate(_ok(*run_ranks(mixed_tables, 2, shardings))):
+        assert max(errors.values()) < 1e-5, (rank, errors)
 
 
 def test_dynamic_tables_each_key_on_its_owner_and_union_equals_one_process(tmp_path):
