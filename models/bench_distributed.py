@@ -2,7 +2,9 @@
 
 1. Measured: a Criteo-shaped DLRM (26 tables of 1k-26k rows, dim 64, 1-8 ids per bag, power-law ids with
    alpha 1.05; synthetic data) trained on N local ranks (gloo); the bytes each rank sends per step in
-   all-to-all (ids, rows, gradients, counts), with and without per-rank deduplication, and ms/step.
+   all-to-all (counts, ids, bag structure, pooled results, their gradients) and ms/step, for the planner's plan
+   (one round of collectives for all tables per step, or one per table) and for all tables table-wise or
+   row-wise, with and without per-rank deduplication of the ids.
 2. Estimated, by the sharding planner's cost model: a Criteo-1TB-sized DLRM (26 tables, 882M rows, dim 128)
    on 8, 64 and 512 ranks.
 
@@ -88,19 +90,24 @@ def batches(cfg: DLRMConfig, steps: int, batch: int, seed: int):
         yield torch.randn(batch, cfg.num_dense, generator=gen), indices, offsets, torch.rand(batch, generator=gen)
 
 
-# (name, dedup, one lookup round per step for all tables rather than one per table)
-VARIANTS = (("dedup", True, True), ("no dedup", False, True), ("dedup, per table", True, False))
+# What an all-to-all carries (``recompile.distributed.STATS`` kinds).
+KINDS = ("counts", "ids", "bags", "pooled", "grads")
+# (name, sharding kinds the planner may use, dedup, one lookup round per step for all tables rather than one per table)
+VARIANTS = (("planned", ("table_wise", "row_wise"), True, True),
+            ("planned, per table", ("table_wise", "row_wise"), True, False),
+            ("table-wise", ("table_wise",), True, True), ("table-wise, no dedup", ("table_wise",), False, True),
+            ("row-wise", ("row_wise",), True, True), ("row-wise, no dedup", ("row_wise",), False, True))
 
 
 def measure(rank: int, world_size: int, quick: bool, batch: int, steps: int) -> dict:
     """Bytes sent per step by this rank, by kind, and ms/step, for each of VARIANTS."""
     cfg = bench_config(quick)
     out = {}
-    for name, dedup, one_round in VARIANTS:
+    for name, kinds, dedup, one_round in VARIANTS:
         torch.manual_seed(0)
         model = DLRM(cfg)
         sharding_plan = plan(table_specs(model, pooling=(1 + cfg.max_ids_per_bag) / 2), world_size, batch,
-                             dedup=dedup)
+                             dedup=dedup, kinds=kinds)
         dmp = distribute(model, sharding_plan, dedup=dedup, features=ctr_features(model) if one_round else None)
         opt = torch.optim.SGD(dmp.parameters(), lr=0.01)
         for step, (dense, ids, offs, labels) in enumerate(batches(cfg, steps + 1, batch, seed=rank)):
@@ -112,8 +119,9 @@ def measure(rank: int, world_size: int, quick: bool, batch: int, steps: int) -> 
             loss.backward()
             opt.step()
         elapsed = time.perf_counter() - start
-        out[name] = {"calls": STATS.calls["ids"] / steps, "bytes": {k: v / steps for k, v in STATS.bytes.items()}, "ms": elapsed / steps * 1e3,
-                      "plan": str(sharding_plan), "estimate": sharding_plan.loads()[rank].comm_bytes}
+        out[name] = {"calls": STATS.calls["ids"] / steps, "bytes": {k: v / steps for k, v in STATS.bytes.items()},
+                     "ms": elapsed / steps * 1e3, "plan": str(sharding_plan),
+                     "estimate": sharding_plan.loads()[rank].comm_bytes}
     return out
 
 
@@ -153,20 +161,19 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"DLRM, {len(cfg.table_rows)} tables of {cfg.table_rows[0]}-{cfg.table_rows[-1]} rows, dim {cfg.dim}, "
           f"1-{cfg.max_ids_per_bag} ids per bag, power-law ids (alpha {POWER_LAW_ALPHA}), synthetic data; "
           f"{args.nproc} ranks (gloo, CPU), batch {batch} per rank, mean over {steps} steps")
-    print(results[0]["dedup"]["plan"])
-    print(f"  {'rank':<6}{'variant':<18}{'rounds':>7}{'ids KB':>10}{'rows KB':>10}{'grads KB':>10}{'total KB':>10}"
-          f"{'model est KB':>14}{'ms/step':>10}")
+    print(results[0]["planned"]["plan"])
+    print(f"  {'rank':<6}{'variant':<22}{'rounds':>7}" + "".join(f"{kind + ' KB':>11}" for kind in KINDS) +
+          f"{'total KB':>10}{'model est KB':>14}{'ms/step':>10}")
     for rank, result in enumerate(results):
-        for name, _, _ in VARIANTS:
+        for name, *_ in VARIANTS:
             r = result[name]
             b = r["bytes"]
-            print(f"  {rank:<6}{name:<18}{r['calls']:>7.0f}{b.get('ids', 0) / 1e3:>10.1f}{b.get('rows', 0) / 1e3:>10.1f}"
-                  f"{b.get('grads', 0) / 1e3:>10.1f}{sum(b.values()) / 1e3:>10.1f}{r['estimate'] / 2e3:>14.1f}"
-                  f"{r['ms']:>10.2f}")
-        on, off = sum(result["dedup"]["bytes"].values()), sum(result["no dedup"]["bytes"].values())
-        print(f"  rank {rank}: dedup sends {on / off:.2f}x the bytes, step {result['no dedup']['ms'] / result['dedup']['ms']:.2f}x"
-              f" as fast; one round for all tables {result['dedup, per table']['ms'] / result['dedup']['ms']:.2f}x "
-              f"as fast as one per table")
+            print(f"  {rank:<6}{name:<22}{r['calls']:>7.0f}" + "".join(f"{b.get(k, 0) / 1e3:>11.1f}" for k in KINDS) +
+                  f"{sum(b.values()) / 1e3:>10.1f}{r['estimate'] / 2e3:>14.1f}{r['ms']:>10.2f}")
+        total = {name: sum(r["bytes"].values()) for name, r in result.items()}
+        print(f"  rank {rank}: dedup sends {total['table-wise'] / total['table-wise, no dedup']:.2f}x the bytes "
+              f"table-wise, {total['row-wise'] / total['row-wise, no dedup']:.2f}x row-wise; one round for all "
+              f"tables {result['planned, per table']['ms'] / result['planned']['ms']:.2f}x as fast as one per table")
     print("  (model est: the planner's estimate of bytes sent, half of sent + received, uniform ids: an upper bound)")
     estimates = criteo_1tb_estimates(8192)
     print(f"\nCriteo-1TB-sized DLRM, planner estimate: 26 tables, {sum(CRITEO_1TB_ROWS) / 1e6:.1f}M rows, dim 128, "
