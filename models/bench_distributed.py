@@ -6,9 +6,10 @@
    (one round of collectives for all tables per step, or one per table) and for all tables table-wise or
    row-wise, with and without per-rank deduplication of the ids.
 2. Estimated, by the sharding planner's cost model: a Criteo-1TB-sized DLRM (26 tables, 882M rows, dim 128)
-   on 8, 64 and 512 ranks.
+   on 8, 64 and 512 ranks sharing one global batch.
 
     python -m models.bench_distributed [--quick] [--nproc 2] [--batch 2048] [--steps 5] [--json out.json]
+                                       [--criteo-batch 65536] [--estimate-only]
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from recompile.launch import spawn
 CRITEO_1TB_ROWS = [227605432, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 130229467, 3067956, 405282, 10, 2209,
                    11938, 155, 4, 976, 14, 292775614, 40790948, 187188510, 590152, 12973, 108, 36]
 # An accelerator rank: 64 GB for tables (Ascend 910B HBM), 25 GB/s all-to-all (200 Gb/s), 1.5 TB/s HBM.
-ACCELERATOR = Hardware(memory_bytes=64e9, network_gbps=25.0, memory_gbps=1500.0)
+ACCELERATOR = Hardware(memory_bytes=64e9)
 POWER_LAW_ALPHA = 1.05
 DISTRIBUTED_MODELS = tuple(m for m in CTR_MODELS if m != "dlrm_torchrec")  # nn.EmbeddingBag / hkv tables
 
@@ -125,18 +126,20 @@ def measure(rank: int, world_size: int, quick: bool, batch: int, steps: int) -> 
     return out
 
 
-def criteo_1tb_estimates(batch: int) -> list[dict]:
+def criteo_1tb_estimates(global_batch: int) -> list[dict]:
+    """The planner's plan and estimate on 8, 64 and 512 ranks for one global batch split over the ranks."""
     specs = [TableSpec(f"cat{i}", rows, 128, pooling=1.0, optimizer_slots=1 / 128)  # row-wise Adagrad
              for i, rows in enumerate(CRITEO_1TB_ROWS)]
     rows = []
     for world_size in (8, 64, 512):
         for dedup in (True, False):
-            p = plan(specs, world_size, batch, ACCELERATOR, dedup=dedup)
+            p = plan(specs, world_size, global_batch // world_size, ACCELERATOR, dedup=dedup)
             loads = p.loads()
-            kinds = [s.kind for s in p.shardings.values()]
-            rows.append({"ranks": world_size, "dedup": dedup, "row_wise": kinds.count("row_wise"),
-                         "table_wise": kinds.count("table_wise"),
-                         "max_memory_gb": max(l.memory for l in loads) / 1e9,
+            spans = [s.span(world_size) for s in p.shardings.values()]
+            rows.append({"ranks": world_size, "batch_per_rank": global_batch // world_size, "dedup": dedup,
+                         "table_wise": spans.count(1),
+                         "row_wise_group": sum(1 < s < world_size for s in spans),
+                         "row_wise": spans.count(world_size), "max_memory_gb": max(l.memory for l in loads) / 1e9,
                          "max_all_to_all_mb": max(l.comm_bytes for l in loads) / 1e6,
                          "est_ms": max(l.time_ms(ACCELERATOR) for l in loads)})
     return rows
@@ -149,7 +152,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, help="bags per rank per step (default 2048, 256 with --quick)")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--json")
+    parser.add_argument("--criteo-batch", type=int, default=65536, help="global batch of the Criteo-1TB estimate")
+    parser.add_argument("--estimate-only", action="store_true", help="only the Criteo-1TB estimate")
     args = parser.parse_args(argv)
+    report = {} if args.estimate_only else measured(args)
+    report["criteo_1tb"] = criteo_1tb_estimates(args.criteo_batch)
+    print_estimates(report["criteo_1tb"], args.criteo_batch)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return report
+
+
+def measured(args) -> dict:
     batch = args.batch or (256 if args.quick else 2048)
     steps = args.steps or (2 if args.quick else 5)
     outcomes, hung = spawn(measure, args.nproc, args.quick, batch, steps, timeout_s=600)
@@ -175,19 +190,19 @@ def main(argv: list[str] | None = None) -> dict:
               f"table-wise, {total['row-wise'] / total['row-wise, no dedup']:.2f}x row-wise; one round for all "
               f"tables {result['planned, per table']['ms'] / result['planned']['ms']:.2f}x as fast as one per table")
     print("  (model est: the planner's estimate of bytes sent, half of sent + received, uniform ids: an upper bound)")
-    estimates = criteo_1tb_estimates(8192)
+    return {"measured": [{str(k): v for k, v in r.items()} for r in results]}
+
+
+def print_estimates(estimates: list[dict], global_batch: int) -> None:
     print(f"\nCriteo-1TB-sized DLRM, planner estimate: 26 tables, {sum(CRITEO_1TB_ROWS) / 1e6:.1f}M rows, dim 128, "
-          f"fp32 + row-wise Adagrad, batch 8192 per rank, 1 id per bag; rank = 64 GB, 25 GB/s all-to-all, 1.5 TB/s")
-    print(f"  {'ranks':>6}{'dedup':>7}{'row-wise':>10}{'table-wise':>12}{'GB/rank':>10}{'all-to-all MB/step':>20}"
-          f"{'est. ms/step':>14}")
+          f"fp32 + row-wise Adagrad, global batch {global_batch}, 1 id per bag; rank = 64 GB, 25 GB/s all-to-all, "
+          f"1.5 TB/s")
+    print(f"  {'ranks':>6}{'batch/rank':>11}{'dedup':>7}{'table-wise':>12}{'row-wise (group)':>18}"
+          f"{'row-wise (all)':>16}{'GB/rank':>10}{'all-to-all MB/step':>20}{'est. ms/step':>14}")
     for e in estimates:
-        print(f"  {e['ranks']:>6}{'on' if e['dedup'] else 'off':>7}{e['row_wise']:>10}{e['table_wise']:>12}"
-              f"{e['max_memory_gb']:>10.2f}{e['max_all_to_all_mb']:>20.1f}{e['est_ms']:>14.2f}")
-    report = {"measured": [{str(k): v for k, v in r.items()} for r in results], "criteo_1tb": estimates}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
-    return report
+        print(f"  {e['ranks']:>6}{e['batch_per_rank']:>11}{'on' if e['dedup'] else 'off':>7}{e['table_wise']:>12}"
+              f"{e['row_wise_group']:>18}{e['row_wise']:>16}{e['max_memory_gb']:>10.2f}{e['max_all_to_all_mb']:>20.1f}"
+              f"{e['est_ms']:>14.2f}")
 
 
 if __name__ == "__main__":

@@ -58,9 +58,11 @@ class TableSpec:
 
 @dataclass(frozen=True)
 class Hardware:
+    """One rank; the defaults are an accelerator's (200 Gb/s between ranks, HBM), recompile's target."""
+
     memory_bytes: float = float("inf")  # per-rank budget for tables and their optimizer state
     network_gbps: float = 25.0  # all-to-all bandwidth per rank, GB/s
-    memory_gbps: float = 100.0  # embedding gather/update bandwidth per rank, GB/s
+    memory_gbps: float = 1500.0  # embedding gather/update bandwidth per rank, GB/s
 
 
 @dataclass
