@@ -84,15 +84,24 @@ def reference_state(steps: int, batch: int, momentum: float = 0.0) -> dict:
 
 
 def compiled_training(rank, world_size, kinds, steps, batch):
+    """Dense layers and owners' pooling compiled by rec_ascend; the tables the embedding pass groups in a round."""
+    import recompile
     from recompile.distributed import compile_lookups
+    from recompile.distributed.sharded_embedding import pool_local
 
     from torch._dynamo.testing import CompileCounterWithBackend
 
     dmp = _sharded_dlrm(world_size, kinds, batch, features=True)
     lookups, dense = CompileCounterWithBackend("rec_ascend"), CompileCounterWithBackend("rec_ascend")
     compile_lookups(dmp.module, backend=lookups)
+    compiled, rounds = dmp.module.embeddings[0].lookup_fn, []
+    for table in dmp.module.embeddings:
+        table.lookup_fn = lambda *args: rounds.append(args) or compiled(*args)
     train(torch.compile(dmp, backend=dense), global_batches(steps, batch), rank, world_size)
-    return {"state": full_state(dmp), "lookup_graphs": lookups.frame_count, "dense_graphs": dense.frame_count}
+    regions = recompile.explain(pool_local, *rounds[-1]).to_dict()["regions"]
+    grouped = [len(r["replaced"]) - 1 for r in regions if r["op"] == "recompile::grouped_embedding_bag"]  # less the cat
+    return {"state": full_state(dmp), "lookup_graphs": lookups.frame_count, "dense_graphs": dense.frame_count,
+            "local_tables": len(rounds[-1][0]), "grouped": grouped}
 
 
 def _sharded_dlrm(world_size: int, kinds, batch: int, features: bool = False):

@@ -117,8 +117,9 @@ def test_rank_dying_mid_step_makes_the_others_fail_with_a_clear_error():
 def test_compiled_sharded_dlrm_matches_one_process():
     results = _ok(*run_ranks(compiled_training, 2, ("row_wise",), 2, 16, timeout_s=400))
     _assert_same(assemble([r["state"] for r in results]), reference_state(2, 16))
-    for r in results:  # the owners' lookups and the dense layers both ran compiled by rec_ascend
+    for r in results:  # the owners' pooling (all 4 local tables: one grouped lookup) and the dense layers compiled
         assert 1 <= r["lookup_graphs"] <= 2 and r["dense_graphs"] >= 1, r
+        assert r["local_tables"] == 4 and r["grouped"] == [4], r
 
 
 @pytest.mark.slow
