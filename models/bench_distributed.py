@@ -23,7 +23,8 @@ import torch
 from models.dlrm import DLRM, DLRMConfig
 from models.zoo import CTR_MODELS
 from recompile.distributed import (
-    STATS, Hardware, TableSpec, compile_lookups, distribute, embedding_tables, init_distributed, plan, table_specs, world,
+    STATS, Hardware, TableSpec, compile_lookups, distribute, embedding_tables, init_distributed, plan, table_specs,
+    world,
 )
 from recompile.launch import spawn
 

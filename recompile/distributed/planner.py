@@ -152,7 +152,8 @@ def plan(specs: Sequence[TableSpec], world_size: int, batch: int, hardware: Hard
     kinds, fixed = tuple(kinds), dict(fixed or {})
     unknown = sorted(set(fixed) - {s.name for s in specs})
     if unknown:
-        raise ValueError(f"fixed shardings for tables {unknown} that are not planned; tables: {[s.name for s in specs]}")
+        raise ValueError(f"fixed shardings for tables {unknown} that are not planned; "
+                         f"tables: {[s.name for s in specs]}")
     loads = [RankLoad() for _ in range(world_size)]
     chosen: dict[str, Sharding] = {}
     ordered = sorted(specs, key=lambda s: (s.name not in fixed, -s.rows * s.bytes_per_row()))

@@ -63,6 +63,9 @@ class ShardedEmbeddingBag(nn.Module):
             raise ValueError(f"table {name!r}: pooling mode {mode!r} is not supported when sharded; "
                              f"supported: {POOLING_MODES}")
         rank, world_size = world()
+        if sharding.rank + sharding.span(world_size) > world_size:
+            raise ValueError(f"table {name!r}: sharding {sharding.describe()} needs ranks up to "
+                             f"{sharding.rank + sharding.span(world_size) - 1}, the process group has {world_size}")
         self.name, self.num_embeddings, self.embedding_dim = name, num_embeddings, embedding_dim
         self.sharding, self.mode, self.include_last_offset, self.dedup = sharding, mode, include_last_offset, dedup
         self.grad_scale = 1.0 / world_size if grad_scale is None else grad_scale
