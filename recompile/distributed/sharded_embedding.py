@@ -172,9 +172,10 @@ def _request(table: nn.Module, feature: tuple, world_size: int) -> Request:
     owners = table.owner_of(flat, world_size)
     order = torch.argsort(owners, stable=True)  # by owner, each bag's ids still together and in bag order
     sent = torch.bincount(owners, minlength=world_size)
-    keys, positions, key_counts = _dedup(flat[order], owners[order], world_size, table.dedup)
+    # Unpooled ids are distinct already (with dedup).
+    keys, positions, key_counts = _dedup(flat[order], owners[order], sent, table.dedup and bag_lengths is not None)
     if bag_lengths is None:  # unpooled: the owner returns one row per id, in the order sent
-        per_owner_lengths = [torch.ones(int(n), dtype=torch.long) for n in sent]
+        per_owner_lengths = [torch.ones(int(n), dtype=torch.long, device=flat.device) for n in sent]
         slots, size = order, flat.numel()
     else:
         bag_of = torch.repeat_interleave(torch.arange(bag_lengths.numel(), device=flat.device), bag_lengths)
@@ -189,15 +190,14 @@ def _request(table: nn.Module, feature: tuple, world_size: int) -> Request:
     counts = torch.stack([key_counts, sent if positions is not None else torch.zeros_like(sent), bags,
                           sent if weights is not None else torch.zeros_like(sent)], dim=1)
     structure = torch.cat([piece.to(torch.int32) for r in range(world_size) for piece in (
-        _slice(positions, sent, r), per_owner_lengths[r], _slice(_bits(weights), sent, r))])
+        _slice(positions, sent, r, flat.device), per_owner_lengths[r], _slice(_bits(weights), sent, r, flat.device))])
     return Request(table, counts, keys, structure, slots, size, bag_lengths, inverse, tuple(ids.shape))
 
 
-def _dedup(ids: torch.Tensor, owners: torch.Tensor, world_size: int, dedup: bool):
-    """(keys, positions of the ids among them or None, keys per owner) for ids ordered by owner. With ``dedup``,
-    the distinct ids of each owner go, with each id's position among them, when that is fewer bytes (8 per key,
-    4 per position) than the ids alone (8 per id)."""
-    sent = torch.bincount(owners, minlength=world_size)
+def _dedup(ids: torch.Tensor, owners: torch.Tensor, sent: torch.Tensor, dedup: bool):
+    """(keys, positions of the ids among them or None, keys per owner) for ids ordered by owner (``sent`` per
+    owner). With ``dedup``, the distinct ids of each owner go, with each id's position among them, when that is
+    fewer bytes (8 per key, 4 per position) than the ids alone (8 per id)."""
     if not dedup or ids.numel() == 0:
         return ids, None, sent
     unique, inverse = torch.unique(ids, return_inverse=True)
@@ -205,7 +205,7 @@ def _dedup(ids: torch.Tensor, owners: torch.Tensor, world_size: int, dedup: bool
         return ids, None, sent
     unique_owners = owners.new_empty(unique.numel()).scatter_(0, inverse, owners)
     order = torch.argsort(unique_owners, stable=True)
-    key_counts = torch.bincount(unique_owners, minlength=world_size)
+    key_counts = torch.bincount(unique_owners, minlength=sent.numel())
     starts = torch.cumsum(key_counts, 0) - key_counts
     positions = torch.argsort(order)[inverse] - starts[owners]
     return unique[order], positions, key_counts
@@ -215,9 +215,9 @@ def _bits(weights: torch.Tensor | None) -> torch.Tensor | None:
     return weights.to(torch.float32).view(torch.int32) if weights is not None else None
 
 
-def _slice(t: torch.Tensor | None, counts: torch.Tensor, rank: int) -> torch.Tensor:
+def _slice(t: torch.Tensor | None, counts: torch.Tensor, rank: int, device: torch.device) -> torch.Tensor:
     if t is None:
-        return torch.empty(0, dtype=torch.int32)
+        return torch.empty(0, dtype=torch.int32, device=device)
     start = int(counts[:rank].sum())
     return t[start:start + int(counts[rank])]
 
@@ -278,9 +278,9 @@ def _received_bags(keys: list[torch.Tensor], structure: list[torch.Tensor], coun
     positions, lengths, weights, start = [], [], [], 0
     for k, s, (n_keys, n_positions, n_bags, n_weights) in zip(keys, structure, counts.tolist()):
         pos, bag_lengths, bits = torch.split(s, [n_positions, n_bags, n_weights])
-        positions.append((pos.long() if n_positions else torch.arange(n_keys)) + start)
+        positions.append((pos.long() if n_positions else torch.arange(n_keys, device=s.device)) + start)
         lengths.append(bag_lengths.long())
-        weights.append(bits.view(torch.float32) if n_weights else torch.ones(int(bag_lengths.sum())))
+        weights.append(bits.view(torch.float32) if n_weights else torch.ones(int(bag_lengths.sum()), device=s.device))
         start += n_keys
     lengths = torch.cat(lengths)
     has_weights = bool(counts[:, WEIGHTS].any())
