@@ -263,6 +263,14 @@ def _max_abs(t: torch.Tensor) -> float:
     return float(t.detach().abs().max()) if t.numel() else 0.0
 
 
+def out_of_step(rank, world_size):
+    """Rank 1 skips table 0's lookup: both ranks must fail, naming the rounds, not pool each other's tables."""
+    dmp = _sharded_dlrm(world_size, ("row_wise",), 16)
+    dense, ids, offs, _ = local_part(global_batches(1, 16)[0], rank, world_size)
+    tables = dmp.module.embeddings
+    return [tables[t](ids[t], offs[t]) for t in ((0, 1) if rank == 0 else (1,))]
+
+
 def dead_rank(rank, world_size):
     """Rank 1 exits inside the second step's lookup of table 1; the others must fail, not hang."""
     dmp = _sharded_dlrm(world_size, ("row_wise",), 16)

@@ -14,7 +14,7 @@ from recompile.distributed import Sharding
 from recompile.distributed.sharding import hash_owner
 from tests.distributed_workers import (
     assemble, checkpoint_continue, compiled_training, dead_rank, dynamic_restored, dynamic_training, mixed_tables,
-    reference_state, prefetched_training, run_ranks, torchrec_dmp_compiled, torchrec_model, torchrec_plan,
+    out_of_step, reference_state, prefetched_training, run_ranks, torchrec_dmp_compiled, torchrec_model, torchrec_plan,
 )
 
 STEPS, SAVE_AFTER = 4, 2
@@ -111,6 +111,14 @@ def test_rank_dying_mid_step_makes_the_others_fail_with_a_clear_error():
     assert results[1] is None  # it exited without a word
     error = results[0].error
     assert error and error.startswith("CollectiveError") and "a peer rank died" in error, results[0]
+
+
+def test_ranks_calling_tables_out_of_step_fail_naming_the_round():
+    results, hung = run_ranks(out_of_step, 2, timeout_s=90, collective_timeout_s=15)
+    assert not hung
+    for rank, result in enumerate(results):
+        assert result.error and result.error.startswith("CollectiveError"), (rank, result)
+        assert "lookup round 0 of tables ['embeddings." in result.error and "different orders" in result.error
 
 
 @pytest.mark.slow

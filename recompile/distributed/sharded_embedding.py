@@ -229,7 +229,8 @@ def sharded_lookup(tables: Sequence[nn.Module], features: Sequence[tuple]) -> li
     requests = [_request(table, feature, world_size) for table, feature in zip(tables, features)]
     sent = torch.stack([r.counts for r in requests], dim=1)  # [W, T, 4], what this rank sends each rank
     # [W, T, 4]: what each rank sends here; the split arithmetic runs on the host.
-    received = exchange_counts(sent.reshape(world_size, -1)).view(world_size, len(tables), 4).cpu()
+    tag = f"tables {[t.name for t in tables]}"
+    received = exchange_counts(sent.reshape(world_size, -1), tag).view(world_size, len(tables), 4).cpu()
     sent = sent.cpu()
     key_sizes, recv_key_sizes = sent[..., KEYS], received[..., KEYS]
     keys = all_to_all(_by_rank_then_table([r.keys for r in requests], key_sizes), key_sizes.sum(1).tolist(),
