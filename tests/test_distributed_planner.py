@@ -13,7 +13,7 @@ from recompile.distributed import (
     Hardware, Sharding, ShardedEmbeddingBag, TableSpec, backend_for, compile_lookups, distribute, plan, table_specs,
 )
 from recompile.distributed.planner import placement
-from recompile.distributed.sharded_embedding import pool_local
+from recompile.distributed.sharded_embedding import _dedup, pool_local
 from recompile.distributed.sharding import hash_owner
 from recompile.launch import torchrun_args
 
@@ -94,6 +94,29 @@ def test_row_wise_ownership_covers_every_row_once(rows, world_size, data):
     owners = sharding.owner_of(torch.arange(rows), rows, world_size)
     for r, (lo, hi) in enumerate(ranges):
         assert bool((owners[lo:hi] == r).all())
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 200), rows=st.integers(1, 60), world_size=st.integers(1, 5), hashed=st.booleans())
+def test_dedup_sends_each_owner_its_distinct_ids_and_every_id_its_position(n, rows, world_size, hashed):
+    ids = torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(n * 61 + rows))
+    sharding = Sharding("hash_row_wise") if hashed else Sharding("row_wise")
+    if hashed:
+        ids = ids * 7919 - (1 << 40)  # raw keys, negative too
+    owners = sharding.owner_of(ids, rows, world_size)
+    order = torch.argsort(owners, stable=True)
+    ids, owners = ids[order], owners[order]
+    sent = torch.bincount(owners, minlength=world_size)
+    keys, positions, key_counts = _dedup(ids, owners, sent, True, None if hashed else rows)
+    if positions is None:  # not fewer bytes: the ids go as they are
+        assert 2 * ids.unique().numel() >= n and torch.equal(keys, ids) and torch.equal(key_counts, sent)
+        return
+    key_owners = sharding.owner_of(keys, rows, world_size)
+    assert torch.equal(torch.bincount(key_owners, minlength=world_size), key_counts)
+    assert bool((key_owners[:-1] <= key_owners[1:]).all()) and keys.unique().numel() == keys.numel()
+    starts = torch.cumsum(key_counts, 0) - key_counts
+    assert bool((positions >= 0).all()) and bool((positions < key_counts[owners]).all())
+    assert torch.equal(keys[positions + starts[owners]], ids)
 
 
 def test_hash_owner_spreads_keys_and_is_deterministic():

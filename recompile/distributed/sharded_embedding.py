@@ -173,7 +173,9 @@ def _request(table: nn.Module, feature: tuple, world_size: int) -> Request:
     order = torch.argsort(owners, stable=True)  # by owner, each bag's ids still together and in bag order
     sent = torch.bincount(owners, minlength=world_size)
     # Unpooled ids are distinct already (with dedup).
-    keys, positions, key_counts = _dedup(flat[order], owners[order], sent, table.dedup and bag_lengths is not None)
+    static_rows = table.num_embeddings if isinstance(table, ShardedEmbeddingBag) else None
+    keys, positions, key_counts = _dedup(flat[order], owners[order], sent, table.dedup and bag_lengths is not None,
+                                         static_rows)
     if bag_lengths is None:  # unpooled: the owner returns one row per id, in the order sent
         per_owner_lengths = [torch.ones(int(n), dtype=torch.long, device=flat.device) for n in sent]
         slots, size = order, flat.numel()
@@ -194,21 +196,36 @@ def _request(table: nn.Module, feature: tuple, world_size: int) -> Request:
     return Request(table, counts, keys, structure, slots, size, bag_lengths, inverse, tuple(ids.shape))
 
 
-def _dedup(ids: torch.Tensor, owners: torch.Tensor, sent: torch.Tensor, dedup: bool):
+def _dedup(ids: torch.Tensor, owners: torch.Tensor, sent: torch.Tensor, dedup: bool, rows: int | None):
     """(keys, positions of the ids among them or None, keys per owner) for ids ordered by owner (``sent`` per
     owner). With ``dedup``, the distinct ids of each owner go, with each id's position among them, when that is
-    fewer bytes (8 per key, 4 per position) than the ids alone (8 per id)."""
+    fewer bytes (8 per key, 4 per position) than the ids alone (8 per id). ``rows``: a static table's rows (its
+    owners are row blocks, so sorted ids are in owner order); None for a dynamic table's hashed keys."""
     if not dedup or ids.numel() == 0:
         return ids, None, sent
-    unique, inverse = torch.unique(ids, return_inverse=True)
+    unique, inverse = _unique(ids, rows)
     if 2 * unique.numel() >= ids.numel():
         return ids, None, sent
     unique_owners = owners.new_empty(unique.numel()).scatter_(0, inverse, owners)
-    order = torch.argsort(unique_owners, stable=True)
+    if rows is None:  # hashed keys: order the distinct keys by owner
+        order = torch.argsort(unique_owners, stable=True)
+        unique, unique_owners, inverse = unique[order], unique_owners[order], torch.argsort(order)[inverse]
     key_counts = torch.bincount(unique_owners, minlength=sent.numel())
     starts = torch.cumsum(key_counts, 0) - key_counts
-    positions = torch.argsort(order)[inverse] - starts[owners]
-    return unique[order], positions, key_counts
+    return unique, inverse - starts[owners], key_counts
+
+
+def _unique(ids: torch.Tensor, rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted distinct ids and each id's index among them: through a presence table over the rows when that is
+    not much larger than the ids (3x faster than sorting on CPU), else ``torch.unique``."""
+    if rows is None or rows > 8 * ids.numel():
+        return torch.unique(ids, return_inverse=True)
+    present = torch.zeros(rows, dtype=torch.bool, device=ids.device)
+    present[ids] = True
+    unique = present.nonzero().squeeze(1)
+    index = torch.empty(rows, dtype=torch.long, device=ids.device)
+    index[unique] = torch.arange(unique.numel(), device=ids.device)
+    return unique, index[ids]
 
 
 def _bits(weights: torch.Tensor | None) -> torch.Tensor | None:
