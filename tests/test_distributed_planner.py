@@ -161,8 +161,11 @@ def test_bad_ids_and_unsupported_tables_name_the_table():
         ShardedEmbeddingBag.from_module("m", nn.EmbeddingBag(10, 4, mode="max"), Sharding("row_wise"))
     with pytest.raises(ValueError, match="table 'far': sharding table_wise@3 needs ranks up to 3, the process group"):
         ShardedEmbeddingBag.from_module("far", nn.EmbeddingBag(10, 4), Sharding("table_wise", 3))
-    with pytest.raises(ValueError, match="table 'clicks': per_sample_weights that require grad"):
+    with pytest.raises(ValueError, match="table 'clicks': per_sample_weights need mode 'sum'.*no gradient"):
         table(torch.tensor([1, 2]), torch.tensor([0]), torch.rand(2, requires_grad=True))
+    mean = ShardedEmbeddingBag.from_module("avg", nn.EmbeddingBag(10, 4, mode="mean"), Sharding("row_wise"))
+    with pytest.raises(ValueError, match="table 'avg': per_sample_weights need mode 'sum' \\(the table's is 'mean'\\)"):
+        mean(torch.tensor([1, 2]), torch.tensor([0]), torch.rand(2))
 
 
 def test_table_specs_of_a_dlrm():

@@ -156,8 +156,9 @@ def _lengths(table: nn.Module, ids: torch.Tensor, offsets: torch.Tensor | None) 
 
 def _request(table: nn.Module, feature: tuple, world_size: int) -> Request:
     ids, offsets, psw = (*feature, None)[:3]
-    if psw is not None and psw.requires_grad:
-        raise ValueError(f"table {table.name!r}: per_sample_weights that require grad are not supported when sharded")
+    if psw is not None and (psw.requires_grad or table.mode != "sum"):
+        raise ValueError(f"table {table.name!r}: per_sample_weights need mode 'sum' (the table's is {table.mode!r}) "
+                         f"and no gradient when sharded")
     flat = ids.reshape(-1).long()
     if hasattr(table, "check_ids"):
         table.check_ids(flat)
