@@ -88,7 +88,7 @@ class Placement:
 def placement(spec: TableSpec, sharding: Sharding, world_size: int, batch: int, dedup: bool) -> Placement:
     """Per-rank memory, bytes moved and bytes of memory traffic per step for ``spec`` under ``sharding``."""
     span = sharding.span(world_size)
-    holders = range(world_size) if sharding.kind == "hash_row_wise" else range(sharding.rank, sharding.rank + span)
+    holders = range(sharding.rank, sharding.rank + span)
     n = batch * spec.pooling
     ids = ID_BYTES * n / span
     if dedup:
