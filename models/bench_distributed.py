@@ -66,7 +66,8 @@ def shard_ctr_model(name: str, model: torch.nn.Module, global_batch: int, backen
                          f"{', '.join(DISTRIBUTED_MODELS)}")
     init_distributed()
     rank, world_size = world()
-    sharded = distribute(model, batch=global_batch // world_size, features=ctr_features(model))
+    sharded = distribute(model, batch=global_batch // world_size, pooling=(1 + model.cfg.max_ids_per_bag) / 2,
+                         features=ctr_features(model))
     if backend != "eager":  # one grouped lookup per round under rec_ascend
         compile_lookups(model, backend)
     return sharded, rank, world_size

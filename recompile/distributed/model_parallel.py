@@ -42,11 +42,12 @@ def sharded_tables(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def distribute(model: nn.Module, plan: ShardingPlan | None = None, *, batch: int = 1024, dedup: bool = True,
+def distribute(model: nn.Module, plan: ShardingPlan | None = None, *, batch: int = 1024,
+               pooling: Mapping[str, float] | float = 1.0, dedup: bool = True,
                features: Callable[..., Mapping[str, tuple]] | None = None,
                device: torch.device | str | None = None, **ddp_kwargs: Any) -> nn.Module:
-    """Shard ``model``'s tables by ``plan`` (planned here for ``batch`` bags per rank when None, and printed by
-    rank 0) and make the rest data-parallel.
+    """Shard ``model``'s tables by ``plan`` (when None, planned here for ``batch`` bags per rank of ``pooling`` ids
+    each, by table or for all, and printed by rank 0) and make the rest data-parallel.
 
     Every rank must call this with the same model (same seed or weights): each keeps only its rows.
     ``features(*forward_args, **forward_kwargs) -> {table path: (ids, offsets)}``, when given, names the ids
@@ -55,7 +56,7 @@ def distribute(model: nn.Module, plan: ShardingPlan | None = None, *, batch: int
     """
     rank, world_size = world()
     if plan is None:  # planned here: printed once, as TorchRec's planner logs its plan
-        plan = make_plan(table_specs(model), world_size, batch, dedup=dedup)
+        plan = make_plan(table_specs(model, pooling), world_size, batch, dedup=dedup)
         if rank == 0 and world_size > 1:
             print(plan)
     elif plan.world_size != world_size:
