@@ -2,22 +2,30 @@
 
 1. Measured: a Criteo-shaped DLRM (26 tables of 1k-26k rows, dim 64, 1-8 ids per bag, power-law ids with
    alpha 1.05; synthetic data) trained on N local ranks (gloo); the bytes each rank sends per step in
-   all-to-all (ids, rows, gradients, counts), with and without per-rank deduplication, and ms/step.
+   all-to-all (counts, ids, bag structure, pooled results, their gradients) and ms/step, for the planner's plan
+   (one round of collectives for all tables per step, or one per table) and for all tables table-wise or
+   row-wise, with and without per-rank deduplication of the ids.
 2. Estimated, by the sharding planner's cost model: a Criteo-1TB-sized DLRM (26 tables, 882M rows, dim 128)
-   on 8, 64 and 512 ranks.
+   on 8, 64 and 512 ranks sharing one global batch.
 
     python -m models.bench_distributed [--quick] [--nproc 2] [--batch 2048] [--steps 5] [--json out.json]
+                                       [--criteo-batch 65536] [--estimate-only]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from typing import Callable
 
 import torch
 
 from models.dlrm import DLRM, DLRMConfig
-from recompile.distributed import STATS, Hardware, TableSpec, distribute, plan, table_specs
+from models.zoo import CTR_MODELS
+from recompile.distributed import (
+    STATS, Hardware, TableSpec, compile_lookups, distribute, embedding_tables, init_distributed, plan, table_specs,
+    world,
+)
 from recompile.launch import spawn
 
 # Per-feature distinct values of the 26 categorical features of Criteo 1TB (no hashing), as counted by
@@ -25,8 +33,9 @@ from recompile.launch import spawn
 CRITEO_1TB_ROWS = [227605432, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 130229467, 3067956, 405282, 10, 2209,
                    11938, 155, 4, 976, 14, 292775614, 40790948, 187188510, 590152, 12973, 108, 36]
 # An accelerator rank: 64 GB for tables (Ascend 910B HBM), 25 GB/s all-to-all (200 Gb/s), 1.5 TB/s HBM.
-ACCELERATOR = Hardware(memory_bytes=64e9, network_gbps=25.0, memory_gbps=1500.0)
+ACCELERATOR = Hardware(memory_bytes=64e9)
 POWER_LAW_ALPHA = 1.05
+DISTRIBUTED_MODELS = tuple(m for m in CTR_MODELS if m != "dlrm_torchrec")  # nn.EmbeddingBag / hkv tables
 
 
 def bench_config(quick: bool) -> DLRMConfig:
@@ -35,9 +44,33 @@ def bench_config(quick: bool) -> DLRMConfig:
                       top=[64, 1], max_ids_per_bag=8)
 
 
-def dlrm_features(dense, indices, offsets) -> dict:
-    """The ids DLRM passes to each of its tables (``distribute(features=...)``: one lookup round per step)."""
-    return {f"embeddings.{i}": (ids, offs) for i, (ids, offs) in enumerate(zip(indices, offsets))}
+def ctr_features(model: torch.nn.Module) -> Callable[..., dict]:
+    """The ids a zoo CTR model (``forward(dense, indices, offsets)``) passes to each of its tables: every list of
+    tables (DLRM's ``embeddings``, DeepFM's ``first_order``...) gets ``indices[i], offsets[i]`` in table i
+    (``distribute(features=...)``: one lookup round per step)."""
+    lists = [name for name, child in model.named_children()
+             if isinstance(child, torch.nn.ModuleList) and any(True for _ in embedding_tables(child))]
+
+    def features(dense, indices, offsets) -> dict:
+        return {f"{name}.{i}": (ids, offs) for name in lists for i, (ids, offs) in enumerate(zip(indices, offsets))}
+
+    return features
+
+
+def shard_ctr_model(name: str, model: torch.nn.Module, global_batch: int, backend: str):
+    """In a worker started by torch's launcher (``python -m models.train --nproc N``): zoo CTR model ``name``'s
+    tables sharded as the planner chooses, its dense layers data-parallel, the owners' pooling compiled unless
+    ``backend`` is eager. Returns (the wrapped model, rank, world size)."""
+    if name not in DISTRIBUTED_MODELS:
+        raise ValueError(f"--nproc: model {name!r} is not trained distributed; models that are: "
+                         f"{', '.join(DISTRIBUTED_MODELS)}")
+    init_distributed()
+    rank, world_size = world()
+    sharded = distribute(model, batch=global_batch // world_size, pooling=(1 + model.cfg.max_ids_per_bag) / 2,
+                         features=ctr_features(model))
+    if backend != "eager":  # one grouped lookup per round under rec_ascend
+        compile_lookups(model, backend)
+    return sharded, rank, world_size
 
 
 def power_law_ids(rows: int, n: int, gen: torch.Generator, permutation: torch.Tensor) -> torch.Tensor:
@@ -60,20 +93,25 @@ def batches(cfg: DLRMConfig, steps: int, batch: int, seed: int):
         yield torch.randn(batch, cfg.num_dense, generator=gen), indices, offsets, torch.rand(batch, generator=gen)
 
 
-# (name, dedup, one lookup round per step for all tables rather than one per table)
-VARIANTS = (("dedup", True, True), ("no dedup", False, True), ("dedup, per table", True, False))
+# What an all-to-all carries (``recompile.distributed.STATS`` kinds).
+KINDS = ("counts", "ids", "bags", "pooled", "grads")
+# (name, sharding kinds the planner may use, dedup, one lookup round per step for all tables rather than one per table)
+VARIANTS = (("planned", ("table_wise", "row_wise"), True, True),
+            ("planned, per table", ("table_wise", "row_wise"), True, False),
+            ("table-wise", ("table_wise",), True, True), ("table-wise, no dedup", ("table_wise",), False, True),
+            ("row-wise", ("row_wise",), True, True), ("row-wise, no dedup", ("row_wise",), False, True))
 
 
 def measure(rank: int, world_size: int, quick: bool, batch: int, steps: int) -> dict:
     """Bytes sent per step by this rank, by kind, and ms/step, for each of VARIANTS."""
     cfg = bench_config(quick)
     out = {}
-    for name, dedup, one_round in VARIANTS:
+    for name, kinds, dedup, one_round in VARIANTS:
         torch.manual_seed(0)
         model = DLRM(cfg)
         sharding_plan = plan(table_specs(model, pooling=(1 + cfg.max_ids_per_bag) / 2), world_size, batch,
-                             dedup=dedup)
-        dmp = distribute(model, sharding_plan, dedup=dedup, features=dlrm_features if one_round else None)
+                             dedup=dedup, kinds=kinds)
+        dmp = distribute(model, sharding_plan, dedup=dedup, features=ctr_features(model) if one_round else None)
         opt = torch.optim.SGD(dmp.parameters(), lr=0.01)
         for step, (dense, ids, offs, labels) in enumerate(batches(cfg, steps + 1, batch, seed=rank)):
             if step == 1:  # the first step warms up
@@ -84,23 +122,26 @@ def measure(rank: int, world_size: int, quick: bool, batch: int, steps: int) -> 
             loss.backward()
             opt.step()
         elapsed = time.perf_counter() - start
-        out[name] = {"calls": STATS.calls["ids"] / steps, "bytes": {k: v / steps for k, v in STATS.bytes.items()}, "ms": elapsed / steps * 1e3,
-                      "plan": str(sharding_plan), "estimate": sharding_plan.loads()[rank].comm_bytes}
+        out[name] = {"calls": STATS.calls["ids"] / steps, "bytes": {k: v / steps for k, v in STATS.bytes.items()},
+                     "ms": elapsed / steps * 1e3, "plan": str(sharding_plan),
+                     "estimate": sharding_plan.loads()[rank].comm_bytes}
     return out
 
 
-def criteo_1tb_estimates(batch: int) -> list[dict]:
+def criteo_1tb_estimates(global_batch: int) -> list[dict]:
+    """The planner's plan and estimate on 8, 64 and 512 ranks for one global batch split over the ranks."""
     specs = [TableSpec(f"cat{i}", rows, 128, pooling=1.0, optimizer_slots=1 / 128)  # row-wise Adagrad
              for i, rows in enumerate(CRITEO_1TB_ROWS)]
     rows = []
     for world_size in (8, 64, 512):
         for dedup in (True, False):
-            p = plan(specs, world_size, batch, ACCELERATOR, dedup=dedup)
+            p = plan(specs, world_size, global_batch // world_size, ACCELERATOR, dedup=dedup)
             loads = p.loads()
-            kinds = [s.kind for s in p.shardings.values()]
-            rows.append({"ranks": world_size, "dedup": dedup, "row_wise": kinds.count("row_wise"),
-                         "table_wise": kinds.count("table_wise"),
-                         "max_memory_gb": max(l.memory for l in loads) / 1e9,
+            spans = [s.span(world_size) for s in p.shardings.values()]
+            rows.append({"ranks": world_size, "batch_per_rank": global_batch // world_size, "dedup": dedup,
+                         "table_wise": spans.count(1),
+                         "row_wise_group": sum(1 < s < world_size for s in spans),
+                         "row_wise": spans.count(world_size), "max_memory_gb": max(l.memory for l in loads) / 1e9,
                          "max_all_to_all_mb": max(l.comm_bytes for l in loads) / 1e6,
                          "est_ms": max(l.time_ms(ACCELERATOR) for l in loads)})
     return rows
@@ -113,7 +154,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, help="bags per rank per step (default 2048, 256 with --quick)")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--json")
+    parser.add_argument("--criteo-batch", type=int, default=65536, help="global batch of the Criteo-1TB estimate")
+    parser.add_argument("--estimate-only", action="store_true", help="only the Criteo-1TB estimate")
     args = parser.parse_args(argv)
+    report = {} if args.estimate_only else measured(args)
+    report["criteo_1tb"] = criteo_1tb_estimates(args.criteo_batch)
+    print_estimates(report["criteo_1tb"], args.criteo_batch)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return report
+
+
+def measured(args) -> dict:
     batch = args.batch or (256 if args.quick else 2048)
     steps = args.steps or (2 if args.quick else 5)
     outcomes, hung = spawn(measure, args.nproc, args.quick, batch, steps, timeout_s=600)
@@ -125,34 +178,33 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"DLRM, {len(cfg.table_rows)} tables of {cfg.table_rows[0]}-{cfg.table_rows[-1]} rows, dim {cfg.dim}, "
           f"1-{cfg.max_ids_per_bag} ids per bag, power-law ids (alpha {POWER_LAW_ALPHA}), synthetic data; "
           f"{args.nproc} ranks (gloo, CPU), batch {batch} per rank, mean over {steps} steps")
-    print(results[0]["dedup"]["plan"])
-    print(f"  {'rank':<6}{'variant':<18}{'rounds':>7}{'ids KB':>10}{'rows KB':>10}{'grads KB':>10}{'total KB':>10}"
-          f"{'model est KB':>14}{'ms/step':>10}")
+    print(results[0]["planned"]["plan"])
+    print(f"  {'rank':<6}{'variant':<22}{'rounds':>7}" + "".join(f"{kind + ' KB':>11}" for kind in KINDS) +
+          f"{'total KB':>10}{'model est KB':>14}{'ms/step':>10}")
     for rank, result in enumerate(results):
-        for name, _, _ in VARIANTS:
+        for name, *_ in VARIANTS:
             r = result[name]
             b = r["bytes"]
-            print(f"  {rank:<6}{name:<18}{r['calls']:>7.0f}{b.get('ids', 0) / 1e3:>10.1f}{b.get('rows', 0) / 1e3:>10.1f}"
-                  f"{b.get('grads', 0) / 1e3:>10.1f}{sum(b.values()) / 1e3:>10.1f}{r['estimate'] / 2e3:>14.1f}"
-                  f"{r['ms']:>10.2f}")
-        on, off = sum(result["dedup"]["bytes"].values()), sum(result["no dedup"]["bytes"].values())
-        print(f"  rank {rank}: dedup sends {on / off:.2f}x the bytes, step {result['no dedup']['ms'] / result['dedup']['ms']:.2f}x"
-              f" as fast; one round for all tables {result['dedup, per table']['ms'] / result['dedup']['ms']:.2f}x "
-              f"as fast as one per table")
+            print(f"  {rank:<6}{name:<22}{r['calls']:>7.0f}" + "".join(f"{b.get(k, 0) / 1e3:>11.1f}" for k in KINDS) +
+                  f"{sum(b.values()) / 1e3:>10.1f}{r['estimate'] / 2e3:>14.1f}{r['ms']:>10.2f}")
+        total = {name: sum(r["bytes"].values()) for name, r in result.items()}
+        print(f"  rank {rank}: dedup sends {total['table-wise'] / total['table-wise, no dedup']:.2f}x the bytes "
+              f"table-wise, {total['row-wise'] / total['row-wise, no dedup']:.2f}x row-wise; one round for all "
+              f"tables {result['planned, per table']['ms'] / result['planned']['ms']:.2f}x as fast as one per table")
     print("  (model est: the planner's estimate of bytes sent, half of sent + received, uniform ids: an upper bound)")
-    estimates = criteo_1tb_estimates(8192)
+    return {"measured": [{str(k): v for k, v in r.items()} for r in results]}
+
+
+def print_estimates(estimates: list[dict], global_batch: int) -> None:
     print(f"\nCriteo-1TB-sized DLRM, planner estimate: 26 tables, {sum(CRITEO_1TB_ROWS) / 1e6:.1f}M rows, dim 128, "
-          f"fp32 + row-wise Adagrad, batch 8192 per rank, 1 id per bag; rank = 64 GB, 25 GB/s all-to-all, 1.5 TB/s")
-    print(f"  {'ranks':>6}{'dedup':>7}{'row-wise':>10}{'table-wise':>12}{'GB/rank':>10}{'all-to-all MB/step':>20}"
-          f"{'est. ms/step':>14}")
+          f"fp32 + row-wise Adagrad, global batch {global_batch}, 1 id per bag; rank = 64 GB, 25 GB/s all-to-all, "
+          f"1.5 TB/s")
+    print(f"  {'ranks':>6}{'batch/rank':>11}{'dedup':>7}{'table-wise':>12}{'row-wise (group)':>18}"
+          f"{'row-wise (all)':>16}{'GB/rank':>10}{'all-to-all MB/step':>20}{'est. ms/step':>14}")
     for e in estimates:
-        print(f"  {e['ranks']:>6}{'on' if e['dedup'] else 'off':>7}{e['row_wise']:>10}{e['table_wise']:>12}"
-              f"{e['max_memory_gb']:>10.2f}{e['max_all_to_all_mb']:>20.1f}{e['est_ms']:>14.2f}")
-    report = {"measured": [{str(k): v for k, v in r.items()} for r in results], "criteo_1tb": estimates}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
-    return report
+        print(f"  {e['ranks']:>6}{e['batch_per_rank']:>11}{'on' if e['dedup'] else 'off':>7}{e['table_wise']:>12}"
+              f"{e['row_wise_group']:>18}{e['row_wise']:>16}{e['max_memory_gb']:>10.2f}{e['max_all_to_all_mb']:>20.1f}"
+              f"{e['est_ms']:>14.2f}")
 
 
 if __name__ == "__main__":

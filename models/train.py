@@ -184,15 +184,21 @@ def train_ctr(args, run: Run) -> tuple[nn.Module, dict]:
     rows = D.criteo_synthetic(args.ctr_rows + n_test, cfg.table_rows, cfg.num_dense, cfg.max_ids_per_bag,
                               seed=args.seed)
     as_inputs = (lambda b: (b[0], to_kjt(cfg, b[1], b[2]))) if args.model == "dlrm_torchrec" else (lambda b: b[:3])
+    distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1  # a worker of --nproc (or of torchrun)
+    from models.bench_distributed import shard_ctr_model
+    model, rank, world_size = shard_ctr_model(args.model, model, args.batch_size, args.backend) if distributed \
+        else (model, 0, 1)
     step_fn = compile_for(model, args.backend)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(args.seed)
     num_batches = math.ceil(args.ctr_rows / args.batch_size)
     for epoch in range(args.epochs):
         model.train()
-        bar = Progress(num_batches, f"{args.model} epoch {epoch + 1}/{args.epochs}", not args.quiet)
+        bar = Progress(num_batches, f"{args.model} epoch {epoch + 1}/{args.epochs}", not args.quiet and rank == 0)
         for index in D.batches(args.ctr_rows, args.batch_size, g):
-            batch = rows.batch(index)
+            if len(index) < world_size:
+                continue
+            batch = rows.batch(np.array_split(index, world_size)[rank])  # this rank's slice of the global batch
             inputs = workload.mark_dynamic(as_inputs(batch))
             loss = lambda: nn.functional.binary_cross_entropy_with_logits(step_fn(*inputs), batch[3])  # noqa: E731
             bar.update(run.step(lambda: optimizer_step(optimizer, loss), len(index)))
@@ -253,6 +259,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--nproc", type=int, default=1, help="CTR models: train on N local processes (torch's launcher, "
+                   "gloo on CPU): tables sharded, dense layers data-parallel, --batch-size split over the ranks")
     return p
 
 
@@ -273,7 +281,14 @@ def format_result(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # start N workers running this command, wait for them
+        from recompile.launch import relaunch
+
+        relaunch(args.nproc, "models.train", sys.argv[1:] if argv is None else argv)
+        return {}
     result = run_training(args)
+    if int(os.environ.get("RANK", 0)):
+        return result
     print(format_result(result))
     if args.json:
         write_json(args.json, result)

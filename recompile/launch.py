@@ -31,12 +31,27 @@ def torchrun_args(argv: Sequence[str]) -> list[str]:
     return argv
 
 
-def relaunch(nproc: int, module: str, args: Sequence[str]) -> None:
+def relaunch(nproc: int, module: str, args: Sequence[str], nproc_option: str = "--nproc") -> None:
     """Run ``python -m module *args`` on ``nproc`` local processes under torchrun; returns when all have exited
-    and raises ``ChildFailedError`` (naming the failed rank and its error) if any failed."""
+    and raises ``ChildFailedError`` (naming the failed rank and its error) if any failed. The script's own
+    ``nproc_option`` is left out of ``args``: the workers know their world from torchrun's environment (and
+    torchrun's parser would take ``--nproc`` for an abbreviation of its ``--nproc-per-node``)."""
     from torch.distributed.run import main as torchrun_main
 
-    torchrun_main(torchrun_args([f"--nproc-per-node={nproc}", "-m", module, *args]))
+    torchrun_main(torchrun_args([f"--nproc-per-node={nproc}", "-m", module, *without_option(args, nproc_option)]))
+
+
+def without_option(args: Sequence[str], option: str) -> list[str]:
+    """``args`` less ``option VALUE`` and ``option=VALUE``."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(option + "="):
+            out.append(a)
+    return out
 
 
 @dataclass

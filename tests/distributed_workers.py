@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from models.bench_distributed import dlrm_features
+from models.bench_distributed import ctr_features
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 from recompile.launch import spawn
 
@@ -84,31 +84,43 @@ def reference_state(steps: int, batch: int, momentum: float = 0.0) -> dict:
 
 
 def compiled_training(rank, world_size, kinds, steps, batch):
+    """Dense layers and owners' pooling compiled by rec_ascend; the tables the embedding pass groups in a round."""
+    import recompile
     from recompile.distributed import compile_lookups
+    from recompile.distributed.sharded_embedding import pool_local
 
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    dmp = _sharded_dlrm(world_size, kinds, batch, features=dlrm_features)
+    dmp = _sharded_dlrm(world_size, kinds, batch, features=True)
     lookups, dense = CompileCounterWithBackend("rec_ascend"), CompileCounterWithBackend("rec_ascend")
     compile_lookups(dmp.module, backend=lookups)
+    compiled, rounds = dmp.module.embeddings[0].lookup_fn, []
+    for table in dmp.module.embeddings:
+        table.lookup_fn = lambda *args: rounds.append(args) or compiled(*args)
     train(torch.compile(dmp, backend=dense), global_batches(steps, batch), rank, world_size)
-    return {"state": full_state(dmp), "lookup_graphs": lookups.frame_count, "dense_graphs": dense.frame_count}
+    regions = recompile.explain(pool_local, *rounds[-1]).to_dict()["regions"]
+    grouped = [len(r["replaced"]) - 1 for r in regions if r["op"] == "recompile::grouped_embedding_bag"]  # less the cat
+    return {"state": full_state(dmp), "lookup_graphs": lookups.frame_count, "dense_graphs": dense.frame_count,
+            "local_tables": len(rounds[-1][0]), "grouped": grouped}
 
 
-def _sharded_dlrm(world_size: int, kinds, batch: int, features=None):
+def _sharded_dlrm(world_size: int, kinds, batch: int, features: bool = False):
+    """DLRM planned with sharding ``kinds``, or with the shardings ``kinds`` maps table names to."""
     from recompile.distributed import distribute, plan, table_specs
 
     torch.manual_seed(0)
     model = DLRM(CFG)
-    sharding = plan(table_specs(model, pooling=2.0), world_size, batch // world_size, kinds=kinds)
-    return distribute(model, sharding, features=features)
+    fixed = kinds if isinstance(kinds, dict) else None
+    sharding = plan(table_specs(model, pooling=2.0), world_size, batch // world_size,
+                    kinds=("table_wise", "row_wise") if fixed else kinds, fixed=fixed)
+    return distribute(model, sharding, features=ctr_features(model) if features else None)
 
 
 def prefetched_training(rank, world_size, steps, batch):
     """Row-wise DLRM whose tables are looked up in one round per step; returns the state and all-to-all counts."""
     from recompile.distributed import STATS
 
-    dmp = _sharded_dlrm(world_size, ("row_wise",), batch, features=dlrm_features)
+    dmp = _sharded_dlrm(world_size, ("row_wise",), batch, features=True)
     STATS.reset()
     train(dmp, global_batches(steps, batch), rank, world_size)
     return {"state": full_state(dmp), "calls": dict(STATS.calls)}
@@ -198,6 +210,65 @@ def dynamic_restored(path):
     model = distribute(DynamicModel())
     checkpoint.load(model, path)
     return table_contents(model)
+
+
+class MixedTables(torch.nn.Module):
+    """An unpooled table fed 2-D ids, mean bags with an empty bag, weighted sum bags with a last offset."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(23, 4)
+        self.mean = torch.nn.EmbeddingBag(17, 3, mode="mean")
+        self.weighted = torch.nn.EmbeddingBag(29, 5, mode="sum", include_last_offset=True)
+        self.head = torch.nn.Linear(1, 1)  # DDP wants a dense parameter
+
+    def lookups(self, gen: torch.Generator) -> dict:
+        n = int(torch.randint(10, 16, (), generator=gen))
+        hot = torch.randperm(29, generator=gen)[:4]  # few distinct ids: sent once each, with positions
+        return {"emb": self.emb(torch.randint(0, 23, (5, 3), generator=gen)),
+                "mean": self.mean(torch.randint(0, 17, (n,), generator=gen), torch.tensor([0, 2, 2, 5])),
+                "weighted": self.weighted(hot[torch.randint(0, 4, (n,), generator=gen)], torch.tensor([0, 3, n]),
+                                          per_sample_weights=torch.rand(n, generator=gen))}
+
+
+def mixed_tables(rank, world_size, shardings):
+    """Every pooling mode sharded by ``shardings``: outputs equal the unsharded tables', gradients their sum over
+    the ranks (divided by the world size)."""
+    import copy
+
+    import torch.distributed as dist
+    from recompile.distributed import ShardingPlan, distribute
+
+    torch.manual_seed(0)
+    ref = MixedTables()
+    dmp = distribute(copy.deepcopy(ref), ShardingPlan(shardings, world_size=world_size))
+    gen_ref, gen = (torch.Generator().manual_seed(rank) for _ in range(2))
+    got, want = dmp.module.lookups(gen), ref.lookups(gen_ref)
+    errors = {}
+    for name in want:
+        weights = torch.randn(want[name].shape, generator=gen)
+        (got[name] * weights).sum().backward()
+        (want[name] * weights).sum().backward()
+        errors[f"{name} output"] = _max_abs(got[name] - want[name])
+    for name in want:
+        full = getattr(ref, name).weight.grad
+        dist.all_reduce(full)
+        shard = getattr(dmp.module, name)
+        grad = shard.weight.grad if shard.weight.grad is not None else torch.zeros_like(shard.weight)
+        errors[f"{name} grad"] = _max_abs(grad * world_size - full[shard.row_start:shard.row_end])
+    return errors
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    return float(t.detach().abs().max()) if t.numel() else 0.0
+
+
+def out_of_step(rank, world_size):
+    """Rank 1 skips table 0's lookup: both ranks must fail, naming the rounds, not pool each other's tables."""
+    dmp = _sharded_dlrm(world_size, ("row_wise",), 16)
+    dense, ids, offs, _ = local_part(global_batches(1, 16)[0], rank, world_size)
+    tables = dmp.module.embeddings
+    return [tables[t](ids[t], offs[t]) for t in ((0, 1) if rank == 0 else (1,))]
 
 
 def dead_rank(rank, world_size):

@@ -1,15 +1,20 @@
 """Distributed training on 1, 2 and 4 spawned processes (gloo on 127.0.0.1), every run bounded in time."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
+from recompile.distributed import Sharding
 from recompile.distributed.sharding import hash_owner
 from tests.distributed_workers import (
-    assemble, checkpoint_continue, compiled_training, dead_rank, dynamic_restored, dynamic_training, reference_state,
-    prefetched_training, run_ranks, torchrec_dmp_compiled, torchrec_model, torchrec_plan,
+    assemble, checkpoint_continue, compiled_training, dead_rank, dynamic_restored, dynamic_training, mixed_tables,
+    out_of_step, reference_state, prefetched_training, run_ranks, torchrec_dmp_compiled, torchrec_model, torchrec_plan,
 )
 
 STEPS, SAVE_AFTER = 4, 2
@@ -54,16 +59,29 @@ def test_table_wise_dlrm_on_two_ranks_matches_one_process_and_reshards_row_wise(
 def test_prefetched_lookups_one_round_per_step_same_parameters():
     results = _ok(*run_ranks(prefetched_training, 2, 3, 16))
     _assert_same(assemble([r["state"] for r in results]), reference_state(3, 16))
-    for r in results:  # one exchange of counts, ids, rows and gradients per step for all 4 tables
-        assert r["calls"] == {"counts": 3, "ids": 3, "rows": 3, "grads": 3}, r["calls"]
+    for r in results:  # one exchange of counts, ids, bags, pooled results and gradients per step for all 4 tables
+        assert r["calls"] == {"counts": 3, "ids": 3, "bags": 3, "pooled": 3, "grads": 3}, r["calls"]
 
 
-@pytest.mark.parametrize("world_size", [1, 4])
-def test_checkpoint_from_two_ranks_continues_on_other_world_sizes(two_rank_checkpoint, tmp_path, world_size):
+# On 4 ranks: every kind of placement, row-wise over a group of 2 ranks among them.
+GROUPED = {"embeddings.0": Sharding("table_wise", 3), "embeddings.1": Sharding("row_wise", 0, 2),
+           "embeddings.2": Sharding("row_wise", 2, 2), "embeddings.3": Sharding("row_wise")}
+
+
+@pytest.mark.parametrize("world_size, kinds", [(1, ("row_wise",)), (4, GROUPED)])
+def test_checkpoint_from_two_ranks_continues_on_other_world_sizes(two_rank_checkpoint, tmp_path, world_size, kinds):
     path, continued_on_two = two_rank_checkpoint
-    results = _ok(*run_ranks(checkpoint_continue, world_size, ("row_wise",), path, SAVE_AFTER,
-                             STEPS, True))
+    results = _ok(*run_ranks(checkpoint_continue, world_size, kinds, path, SAVE_AFTER, STEPS, True))
     _assert_same(assemble(results), continued_on_two)
+
+
+@pytest.mark.parametrize("shardings", [
+    {"emb": Sharding("row_wise"), "mean": Sharding("table_wise", 1), "weighted": Sharding("row_wise")},
+    {"emb": Sharding("table_wise", 0), "mean": Sharding("row_wise"), "weighted": Sharding("table_wise", 1)},
+], ids=["row_wise", "table_wise"])
+def test_unpooled_mean_and_weighted_tables_on_two_ranks_equal_torch(shardings):
+    for rank, errors in enumerate(_ok(*run_ranks(mixed_tables, 2, shardings))):
+        assert max(errors.values()) < 1e-5, (rank, errors)
 
 
 def test_dynamic_tables_each_key_on_its_owner_and_union_equals_one_process(tmp_path):
@@ -95,12 +113,21 @@ def test_rank_dying_mid_step_makes_the_others_fail_with_a_clear_error():
     assert error and error.startswith("CollectiveError") and "a peer rank died" in error, results[0]
 
 
+def test_ranks_calling_tables_out_of_step_fail_naming_the_round():
+    results, hung = run_ranks(out_of_step, 2, timeout_s=90, collective_timeout_s=15)
+    assert not hung
+    for rank, result in enumerate(results):
+        assert result.error and result.error.startswith("CollectiveError"), (rank, result)
+        assert "lookup round 0 of tables ['embeddings." in result.error and "different orders" in result.error
+
+
 @pytest.mark.slow
 def test_compiled_sharded_dlrm_matches_one_process():
     results = _ok(*run_ranks(compiled_training, 2, ("row_wise",), 2, 16, timeout_s=400))
     _assert_same(assemble([r["state"] for r in results]), reference_state(2, 16))
-    for r in results:  # the owners' lookups and the dense layers both ran compiled by rec_ascend
+    for r in results:  # the owners' pooling (all 4 local tables: one grouped lookup) and the dense layers compiled
         assert 1 <= r["lookup_graphs"] <= 2 and r["dense_graphs"] >= 1, r
+        assert r["local_tables"] == 4 and r["grouped"] == [4], r
 
 
 @pytest.mark.slow
@@ -119,3 +146,19 @@ def test_torchrec_has_no_row_wise_sharding_on_cpu():
     model = torchrec_model()
     with pytest.raises(RuntimeError, match="No available sharding type and compute kernel combination"):
         torchrec_plan(model, 2, "row_wise").plan(model, get_default_sharders())
+
+
+@pytest.mark.slow
+def test_models_train_with_nproc_trains_a_zoo_dlrm_on_two_ranks(tmp_path):
+    """``python -m models.train --nproc 2`` starts two workers through torch's launcher; rank 0 reports."""
+    out = tmp_path / "result.json"
+    command = [sys.executable, "-m", "models.train", "--model", "dlrm", "--data", "criteo-synthetic", "--nproc", "2",
+               "--epochs", "1", "--ctr-rows", "1024", "--batch-size", "128", "--backend", "eager", "--quiet",
+               "--json", str(out)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("sharding plan: 4 tables on 2 ranks") == 1, proc.stdout  # printed by rank 0 only
+    assert proc.stdout.count("dlrm on criteo-synthetic") == 1, proc.stdout
+    result = json.loads(out.read_text())
+    assert result["steps"] == 8 and 0.0 < result["metrics"]["AUC"] < 1.0

@@ -6,6 +6,8 @@ group's timeout) raises ``CollectiveError`` naming the rank and the exchange, in
 """
 from __future__ import annotations
 
+import itertools
+import zlib
 from collections import Counter
 from typing import Sequence
 
@@ -20,7 +22,8 @@ class CollectiveError(RuntimeError):
 
 
 class CommStats:
-    """Bytes this rank sent to other ranks, and all-to-alls it took part in, per kind ("ids", "rows", "grads")."""
+    """Bytes this rank sent to other ranks, and all-to-alls it took part in, per kind ("counts", "ids", "bags",
+    "pooled", "grads")."""
 
     def __init__(self):
         self.bytes = Counter()
@@ -59,20 +62,36 @@ def all_to_all(tensor: torch.Tensor, send_splits: Sequence[int], recv_splits: Se
     return out
 
 
-def exchange_counts(counts: torch.Tensor) -> torch.Tensor:
-    """``counts`` is [world_size, k] (what this rank sends to each peer); returns [world_size, k] received."""
-    _, world_size = world()
-    flat = all_to_all(counts.reshape(-1), [counts.shape[1]] * world_size, [counts.shape[1]] * world_size, "counts")
-    return flat.reshape(world_size, -1)
+_ROUNDS = itertools.count()
+
+
+def exchange_counts(counts: torch.Tensor, tag: str) -> torch.Tensor:
+    """``counts`` is [world_size, k] (what this rank sends to each peer); returns [world_size, k] received.
+
+    Every rank stamps the exchange with its round number, ``k`` and a checksum of ``tag`` (what the round is
+    about: the tables' names): a peer in another round, or in this round for other tables (the ranks call the
+    sharded tables in different orders or numbers), raises ``CollectiveError`` instead of the ranks mixing
+    different rounds' data."""
+    rank, world_size = world()
+    stamp = counts.new_tensor([next(_ROUNDS), counts.shape[1], zlib.crc32(tag.encode())]).expand(world_size, 3)
+    width = counts.shape[1] + 3
+    got = all_to_all(torch.cat([counts, stamp], 1).reshape(-1), [width] * world_size, [width] * world_size, "counts")
+    got = got.reshape(world_size, -1)
+    if not torch.equal(got[:, -3:], stamp):
+        peers = [p for p in range(world_size) if not torch.equal(got[p, -3:], stamp[p])]
+        raise CollectiveError(f"recompile.distributed: rank {rank} is in lookup round {int(stamp[0, 0])} of {tag}, "
+                              f"ranks {peers} are not (round, counts, checksum {got[peers, -3:].tolist()} against "
+                              f"{stamp[0].tolist()}): the ranks call the sharded tables in different orders or numbers")
+    return got[:, :-3]
 
 
 class _AllToAllRows(torch.autograd.Function):
-    """Forward sends rows by ``send_splits``; backward sends their gradients back by the reverse splits."""
+    """Forward sends pooled rows by ``send_splits``; backward sends their gradients back by the reverse splits."""
 
     @staticmethod
     def forward(ctx, rows, send_splits, recv_splits, grad_scale):
         ctx.splits, ctx.grad_scale = (send_splits, recv_splits), grad_scale
-        return all_to_all(rows, send_splits, recv_splits, "rows")
+        return all_to_all(rows, send_splits, recv_splits, "pooled")
 
     @staticmethod
     def backward(ctx, grad):

@@ -3,9 +3,10 @@
 ``distribute`` replaces each ``hkv.DynamicEmbeddingBag`` / ``hkv.DynamicEmbedding`` with a
 ``ShardedDynamicEmbeddingBag`` that keeps its runtime (hash table, initialiser, row-resident optimizer):
 on each rank the table holds exactly the keys with ``hash_owner(key) == rank``. ``sharded_lookup`` sends
-every key to its owner, which looks the keys it received up (inserting unseen ones in training; eval
-never inserts). Training stays fused as in hkv: the gradients of each key, summed over every rank that
-asked for it, come back to the owner, which applies the table's optimizer to its rows in the backward.
+every key to its owner, which looks the distinct keys it received up (inserting unseen ones in training; eval
+never inserts) and pools them into the requesters' bags. Training stays fused as in hkv: the pooled gradients
+come back to the owner, whose pooling backward gives each key's gradient summed over every bag of every rank
+that asked for it, and the owner applies the table's optimizer to those rows in the backward.
 
 New rows come from the table's initialiser on the owner; with a random initialiser a key's first value
 depends on the order keys arrive, so only a deterministic one (constant) gives a table equal, key for key,
@@ -68,6 +69,9 @@ class ShardedDynamicEmbeddingBag(nn.Module):
 
     def owner_of(self, keys: torch.Tensor, world_size: int) -> torch.Tensor:
         return self.sharding.owner_of(keys, 0, world_size)
+
+    def holders(self, world_size: int) -> list[int]:
+        return self.sharding.holders(0, world_size)
 
     def lookup_local(self, keys: torch.Tensor) -> torch.Tensor:
         return _OwnerRows.apply(self.weight, keys, self.runtime, self.training)

@@ -6,7 +6,8 @@ holding this rank's rows under the plan, and every ``hkv.DynamicEmbeddingBag`` b
 ``torch.nn.parallel.DistributedDataParallel`` with the shards in its ignore list, so DDP all-reduces only
 the dense gradients. ``torch.compile(distributed_model, backend="rec_ascend")`` then compiles the dense
 graphs (Dynamo's DDP optimizer splits them at DDP's bucket boundaries) and the table lookups run between
-them (see ``sharded_embedding``); ``compile_lookups`` compiles the owners' grouped lookups too.
+them (see ``sharded_embedding``); ``compile_lookups`` compiles the owners' pooling too, grouped by the
+embedding pass.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from hkv import DynamicEmbeddingBag
 from recompile.distributed.dynamic_embedding import ShardedDynamicEmbeddingBag
 from recompile.distributed.env import world
 from recompile.distributed.planner import ShardingPlan, plan as make_plan, table_specs
-from recompile.distributed.sharded_embedding import ShardedEmbeddingBag, lookup_rows, prefetch
+from recompile.distributed.sharded_embedding import ShardedEmbeddingBag, pool_local, prefetch
 
 STATIC_TABLES = (nn.EmbeddingBag, nn.Embedding)
 SHARDED_TABLES = (ShardedEmbeddingBag, ShardedDynamicEmbeddingBag)
@@ -41,19 +42,23 @@ def sharded_tables(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def distribute(model: nn.Module, plan: ShardingPlan | None = None, *, batch: int = 1024, dedup: bool = True,
+def distribute(model: nn.Module, plan: ShardingPlan | None = None, *, batch: int = 1024,
+               pooling: Mapping[str, float] | float = 1.0, dedup: bool = True,
                features: Callable[..., Mapping[str, tuple]] | None = None,
                device: torch.device | str | None = None, **ddp_kwargs: Any) -> nn.Module:
-    """Shard ``model``'s tables by ``plan`` (planned here when None) and make the rest data-parallel.
+    """Shard ``model``'s tables by ``plan`` (when None, planned here for ``batch`` bags per rank of ``pooling`` ids
+    each, by table or for all, and printed by rank 0) and make the rest data-parallel.
 
     Every rank must call this with the same model (same seed or weights): each keeps only its rows.
     ``features(*forward_args, **forward_kwargs) -> {table path: (ids, offsets)}``, when given, names the ids
     each table will be called with, so that one round of all-to-alls serves them all (see ``prefetch``).
     Returns the DDP-wrapped model, or the model itself when no process group is initialised.
     """
-    _, world_size = world()
-    if plan is None:
-        plan = make_plan(table_specs(model), world_size, batch, dedup=dedup)
+    rank, world_size = world()
+    if plan is None:  # planned here: printed once, as TorchRec's planner logs its plan
+        plan = make_plan(table_specs(model, pooling), world_size, batch, dedup=dedup)
+        if rank == 0 and world_size > 1:
+            print(plan)
     elif plan.world_size != world_size:
         raise ValueError(f"the sharding plan is for {plan.world_size} ranks, this process group has {world_size}")
     tables = [(n, m) for n, m in embedding_tables(model) if isinstance(m, STATIC_TABLES)]
@@ -77,9 +82,9 @@ def distribute(model: nn.Module, plan: ShardingPlan | None = None, *, batch: int
 
 def compile_lookups(model: nn.Module, backend: str | Callable = "rec_ascend",
                     options: Mapping[str, Any] | None = None) -> None:
-    """Compile the owner side of the sharded lookups (``lookup_rows``: the rows of every table a lookup covers)
-    with ``backend``."""
-    compiled = torch.compile(lookup_rows, backend=backend, options=options, dynamic=True)
+    """Compile the owner side of the sharded lookups (``pool_local``: every local table's bags of a round)
+    with ``backend``; rec_ascend's embedding pass groups them into one ``recompile::grouped_embedding_bag``."""
+    compiled = torch.compile(pool_local, backend=backend, options=options, dynamic=True)
     for _, table in sharded_tables(model):
         if isinstance(table, ShardedEmbeddingBag):
             table.lookup_fn = compiled

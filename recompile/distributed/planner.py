@@ -1,24 +1,29 @@
 """The sharding planner: table sizes, dims, pooling factors and a per-rank memory budget -> a sharding plan.
 
-Cost model (per training step, per rank; ``B`` ids-bags per rank, ``W`` ranks, fp32 rows of ``d`` values,
-``b`` bytes per value, ``p`` ids per bag):
+Cost model (per training step, per rank; ``W`` ranks, ``B`` bags per rank and table, ``p`` ids per bag,
+rows of ``d`` values of ``b`` bytes; a table sharded over a group of ``s`` ranks: 1 table-wise, ``W`` row-wise
+over every rank, a divisor of ``W`` row-wise over a group; see ``sharded_embedding`` for the exchange):
 
-- ids per rank per table ``n = B * p``; after deduplication ``u = R * (1 - exp(-n / R))`` for a table of
-  ``R`` rows (the expected distinct count of ``n`` uniform draws; skewed real ids deduplicate further, so
-  this is an upper bound). Without dedup ``u = n``.
-- each unique id costs ``8`` bytes (int64) sent to its owner, ``d * b`` bytes of row coming back and
-  ``d * b`` bytes of gradient going to the owner again: ``c = 8 + 2 * d * b`` bytes.
-- table-wise on rank ``o``: the owner moves ``(W - 1) * u * c`` bytes, every other rank ``u * c``;
-  its lookups touch ``W * u`` rows on the owner.
-- row-wise (and hash row-wise): every rank moves ``2 * (W - 1) / W * u * c`` bytes (sent and received
-  ``(W - 1) / W`` of its ids' traffic) and touches ``u`` rows.
-- time = bytes moved / ``network_gbps`` + rows touched * ``3 * d * b`` (read forward, read and write in
-  the update) / ``memory_gbps``; memory = rows held * ``d * b * (1 + optimizer_slots)``.
+- a rank's ``n = B * p`` ids of a table of ``R`` rows hold ``u = R * (1 - exp(-n / R))`` distinct ids (the
+  expected distinct count of ``n`` uniform draws; skewed real ids deduplicate further, so this is an upper
+  bound); each holder gets ``n / s`` of them, ``u / s`` distinct.
+- one requester-holder pair moves ``X = ids + 4 B + 2 B d b`` bytes: the ids (``8 n/s``, or with dedup
+  ``min(8 u/s + 4 n/s, 8 n/s)``: distinct ids and each id's position among them when that is smaller), the bags'
+  lengths, the pooled ``[B, d]`` result coming back and its gradient going to the holder.
+- a holder moves ``(W - 1 + s - 1) * X`` bytes (every other rank's requests and its own to the other holders),
+  any other rank ``s * X`` (sent and received: what crosses its link).
+- a holder pools ``W n / s`` ids, each costing ``3 d b`` bytes of memory traffic (read forward, read and write
+  in the update); it holds ``ceil(R / s)`` rows of ``d b (1 + optimizer_slots)`` bytes.
+- time = bytes moved / ``network_gbps`` + lookup bytes / ``memory_gbps``.
 
-The planner places tables largest first; for each it takes the placement (row-wise, or table-wise on the
-least loaded rank) that fits every rank's budget and gives the smallest maximum per-rank time so far, ties
-broken by the smallest maximum memory. Dynamic (hkv) tables are always hash row-wise. A table that fits nowhere is
-an error naming it. This is TorchRec's planner in miniature: enumerate shardings, estimate, place greedily.
+Table-wise keeps a table's traffic off all but one rank but loads that rank with every rank's bags;
+row-wise spreads rows and lookups but every rank exchanges ``[B, d]`` partial sums with every holder, so
+it pays off for tables too large (or too hot) for one rank. The planner places tables largest first; for
+each it takes, among table-wise on the least loaded rank and row-wise over the least loaded group of each
+size (powers of two dividing ``W``, and ``W``), the placement that fits every rank's budget with the smallest
+maximum per-rank time, then total time, then maximum memory. Dynamic (hkv) tables are hash row-wise over every
+rank. ``fixed`` shardings are taken as given. A table that fits nowhere is an error naming it. This is
+TorchRec's planner in miniature: enumerate shardings, estimate, place greedily.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import torch.nn as nn
 from recompile.distributed.sharding import Sharding
 
 ID_BYTES = 8
+POSITION_BYTES = LENGTH_BYTES = 4  # int32
 
 
 @dataclass(frozen=True)
@@ -46,18 +52,17 @@ class TableSpec:
     def unique_ids(self, ids: float, dedup: bool) -> float:
         return self.rows * -math.expm1(-ids / self.rows) if dedup and self.rows else ids
 
-    def bytes_per_id(self) -> int:
-        return ID_BYTES + 2 * self.dim * self.value_bytes
-
     def bytes_per_row(self) -> float:
         return self.dim * self.value_bytes * (1 + self.optimizer_slots)
 
 
 @dataclass(frozen=True)
 class Hardware:
+    """One rank; the defaults are an accelerator's (200 Gb/s between ranks, HBM), recompile's target."""
+
     memory_bytes: float = float("inf")  # per-rank budget for tables and their optimizer state
     network_gbps: float = 25.0  # all-to-all bandwidth per rank, GB/s
-    memory_gbps: float = 100.0  # embedding gather/update bandwidth per rank, GB/s
+    memory_gbps: float = 1500.0  # embedding gather/update bandwidth per rank, GB/s
 
 
 @dataclass
@@ -81,20 +86,23 @@ class Placement:
 
 
 def placement(spec: TableSpec, sharding: Sharding, world_size: int, batch: int, dedup: bool) -> Placement:
-    """Per-rank memory, bytes moved and bytes of rows touched per step for ``spec`` under ``sharding``."""
-    u = spec.unique_ids(batch * spec.pooling, dedup)
-    per_id = spec.bytes_per_id()
-    if sharding.kind == "table_wise":
-        owner = sharding.rank
-        memory = [spec.rows * spec.bytes_per_row() if r == owner else 0.0 for r in range(world_size)]
-        comm = [(world_size - 1) * u * per_id if r == owner else u * per_id for r in range(world_size)]
-        touched = [world_size * u if r == owner else 0.0 for r in range(world_size)]
-    else:
-        memory = [math.ceil(spec.rows / world_size) * spec.bytes_per_row()] * world_size
-        comm = [2 * (world_size - 1) / world_size * u * per_id] * world_size
-        touched = [u] * world_size
-    row_traffic = 3 * spec.dim * spec.value_bytes
-    return Placement(sharding, [RankLoad(m, c, t * row_traffic) for m, c, t in zip(memory, comm, touched)])
+    """Per-rank memory, bytes moved and bytes of memory traffic per step for ``spec`` under ``sharding``."""
+    span = sharding.span(world_size)
+    holders = range(sharding.rank, sharding.rank + span)
+    n = batch * spec.pooling
+    ids = ID_BYTES * n / span
+    if dedup:
+        ids = min(ids, (ID_BYTES * spec.unique_ids(n, dedup) + POSITION_BYTES * n) / span)
+    pair = ids + LENGTH_BYTES * batch + 2 * batch * spec.dim * spec.value_bytes
+    per_rank = []
+    for r in range(world_size):
+        if r in holders:
+            per_rank.append(RankLoad(math.ceil(spec.rows / span) * spec.bytes_per_row(),
+                                     (world_size - 1 + span - 1) * pair,
+                                     world_size * n / span * 3 * spec.dim * spec.value_bytes))
+        else:
+            per_rank.append(RankLoad(0.0, span * pair, 0.0))
+    return Placement(sharding, per_rank)
 
 
 @dataclass
@@ -137,18 +145,27 @@ class ShardingPlan:
 
 
 def plan(specs: Sequence[TableSpec], world_size: int, batch: int, hardware: Hardware = Hardware(),
-         dedup: bool = True, kinds: Iterable[str] = ("table_wise", "row_wise")) -> ShardingPlan:
-    """Greedy placement, largest tables first (see the module docstring for the cost model)."""
-    kinds = tuple(kinds)
+         dedup: bool = True, kinds: Iterable[str] = ("table_wise", "row_wise"),
+         fixed: Mapping[str, Sharding] | None = None) -> ShardingPlan:
+    """Greedy placement, largest tables first (see the module docstring for the cost model); ``fixed`` forces
+    the sharding of the tables it names."""
+    kinds, fixed = tuple(kinds), dict(fixed or {})
+    unknown = sorted(set(fixed) - {s.name for s in specs})
+    if unknown:
+        raise ValueError(f"fixed shardings for tables {unknown} that are not planned; "
+                         f"tables: {[s.name for s in specs]}")
     loads = [RankLoad() for _ in range(world_size)]
     chosen: dict[str, Sharding] = {}
-    for spec in sorted(specs, key=lambda s: s.rows * s.bytes_per_row(), reverse=True):
+    ordered = sorted(specs, key=lambda s: (s.name not in fixed, -s.rows * s.bytes_per_row()))
+    for spec in ordered:
+        candidates = [fixed[spec.name]] if spec.name in fixed else _candidates(spec, world_size, kinds, loads, hardware)
         best = None
-        for sharding in _candidates(spec, world_size, kinds, loads, hardware):
+        for sharding in candidates:
             after = [a.plus(b) for a, b in zip(loads, placement(spec, sharding, world_size, batch, dedup).per_rank)]
             if max(load.memory for load in after) > hardware.memory_bytes:
                 continue
-            key = (max(load.time_ms(hardware) for load in after), max(load.memory for load in after))
+            times = [load.time_ms(hardware) for load in after]
+            key = (max(times), sum(times), max(load.memory for load in after))
             if best is None or key < best[0]:
                 best = (key, sharding, after)
         if best is None:
@@ -157,22 +174,32 @@ def plan(specs: Sequence[TableSpec], world_size: int, batch: int, hardware: Hard
                              f"{need / 1e9:.3f} GB on a rank beside the tables placed before it, the budget is "
                              f"{hardware.memory_bytes / 1e9:.3f} GB per rank")
         _, chosen[spec.name], loads = best
-    ordered = {s.name: chosen[s.name] for s in specs}
-    return ShardingPlan(ordered, {s.name: s for s in specs}, world_size, batch, dedup, hardware)
+    return ShardingPlan({s.name: chosen[s.name] for s in specs}, {s.name: s for s in specs}, world_size, batch, dedup,
+                        hardware)
 
 
 def _candidates(spec: TableSpec, world_size: int, kinds: tuple[str, ...], loads: list[RankLoad],
                 hardware: Hardware) -> list[Sharding]:
-    """Row-wise, and table-wise on the least loaded rank (a table-wise table adds the same cost to every other
-    rank and more to its owner, so no other owner gives a smaller maximum)."""
+    """Table-wise on the least loaded rank and row-wise over the least loaded group of each size (a placement adds
+    the same cost to every rank outside its group, so no other group of that size gives a smaller maximum)."""
     if spec.dynamic:
         return [Sharding("hash_row_wise")]
-    out = [Sharding("row_wise")] if "row_wise" in kinds else []
-    fits = [r for r in range(world_size) if loads[r].memory + spec.rows * spec.bytes_per_row() <= hardware.memory_bytes]
-    if "table_wise" in kinds and fits:
-        owner = min(fits, key=lambda r: (loads[r].time_ms(hardware), loads[r].memory, r))
-        out.append(Sharding("table_wise", owner))
+    sizes = ([1] if "table_wise" in kinds else []) + \
+        ([s for s in _powers_of_two(world_size) if world_size % s == 0] + [world_size] if "row_wise" in kinds else [])
+    out = []
+    for size in dict.fromkeys(sizes):
+        group = min(range(0, world_size, size), key=lambda start: _group_load(loads[start:start + size], hardware))
+        out.append(Sharding("table_wise", group) if size == 1 else
+                   Sharding("row_wise", group, None if size == world_size else size))
     return out
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << k for k in range(1, limit.bit_length()) if 1 << k < limit]
+
+
+def _group_load(loads: list[RankLoad], hardware: Hardware) -> tuple[float, float]:
+    return max(load.time_ms(hardware) for load in loads), max(load.memory for load in loads)
 
 
 def table_specs(model: nn.Module, pooling: Mapping[str, float] | float = 1.0) -> list[TableSpec]:
