@@ -45,7 +45,7 @@ from torch._inductor.pattern_matcher import (
 
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from recompile.passes.utils import meta_value, tensor_meta
+from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
 from recompile.pipeline import PassContext, register_pass
 from runtime.interaction import pair_indices
 
@@ -264,6 +264,29 @@ def _float_tensor(node: Any, dim: int) -> torch.Tensor | None:
     return meta if meta is not None and meta.dim() == dim and meta.is_floating_point() else None
 
 
+def _unsqueezed(node: Any) -> fx.Node | None:
+    """``a`` when ``node`` is ``unsqueeze(a, 1)`` of a 2-D ``a``."""
+    if is_call(node, torch.unsqueeze) and arg(node, 1, "dim") == 1 and _float_tensor(node.args[0], 2) is not None:
+        return node.args[0]
+    return None
+
+
+def feature_items(T: fx.Node, match_nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(items, absorbed): the [B, D] / [B, n, D] pieces ``T`` is stacked or concatenated from along dim 1, read
+    in place by the op instead of ``T``, and the stack/cat that then goes away; ``[T]`` when ``T`` has other
+    users or is built otherwise."""
+    joined = is_call(T, torch.stack, torch.cat) and arg(T, 1, "dim", 0) == 1
+    if not joined or any(user not in match_nodes for user in T.users):
+        return [T], []
+    tensors = arg(T, 0, "tensors")
+    if T.target is torch.stack:
+        return (list(tensors), [T]) if all(_float_tensor(t, 2) is not None for t in tensors) else ([T], [])
+    items = [_unsqueezed(t) or t for t in tensors]
+    if any(_float_tensor(t, 2 if t not in tensors else 3) is None for t in items):
+        return [T], []
+    return items, [T]
+
+
 def _dot_handler(ctx: PassContext) -> Callable:
     def handle(match: Match, T: fx.Node, rows: fx.Node, cols: fx.Node) -> None:
         features = _float_tensor(T, 3)
@@ -274,14 +297,15 @@ def _dot_handler(ctx: PassContext) -> Callable:
         order = None if flat is None else classify_pairs(num_features, flat)
         if order is None:
             return
+        items, absorbed = feature_items(T, match.nodes)
         pairs = match.output_node()
-        replaced = list(match.nodes)
+        replaced = list(match.nodes) + absorbed
         prefix = None
         fused = _fused_cat(pairs)
         if fused is not None:
             pairs, prefix = fused
             replaced.append(pairs)
-        _replace(ctx, match, pairs, "recompile::dot_interaction", (T, prefix, *order), replaced)
+        _replace(ctx, match, pairs, "recompile::dot_interaction", (items, prefix, *order), replaced)
 
     return handle
 
@@ -315,9 +339,7 @@ def _loop_handler(ctx: PassContext) -> Callable:
                 break
         else:
             return
-        with join.graph.inserting_before(join):
-            stacked = join.graph.call_function(torch.stack, (features, 1))
-        args = (stacked, prefix[0] if prefix else None, *order)
+        args = (features, prefix[0] if prefix else None, *order)
         _replace(ctx, match, join, "recompile::dot_interaction", args, list(match.nodes))
 
     return handle
