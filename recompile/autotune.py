@@ -286,28 +286,28 @@ def apply_regions(gm: fx.GraphModule, regions: dict[str, str]) -> None:
 
 
 class GraphChooser:
-    """The compiled graph: on its first call, races the candidates on that call's inputs (outside the
-    compile, so that no timing run touches Dynamo's shape environment), keeps the fastest correct one,
-    stores the decision, and from then on is that candidate."""
+    """The compiled graph: its first call races the candidates on that call's inputs (outside the compile, so
+    that no timing run touches Dynamo's shape environment), keeps the fastest correct one and stores the
+    decision; from then on ``run`` is that candidate itself, called with no wrapper of ours in between."""
 
-    def __init__(self, candidates: dict[str, Callable], oracle: Callable, decision: Decision, budget_s: float):
+    def __init__(self, candidates: dict[str, Callable], oracle: Callable, decision: Decision, budget_s: float,
+                 chosen: Callable | None = None):
         self.candidates, self.oracle, self.decision, self.budget_s = candidates, oracle, decision, budget_s
-        self.chosen: Callable | None = None
         # Runs a call that fails, for its error: the rec ops name the table or op at fault.
         self.rec = candidates.get("rec+eager")
+        self.run: Callable = chosen or self.first_call
 
     @torch._dynamo.disable
-    def __call__(self, *args: Any) -> Any:
-        if self.chosen is None:
-            try:
-                want = run_step(self.oracle, args, self.decision.mode == "training")
-            except Exception:
-                # Bad input: nothing to compare against; the choice waits for a call that runs.
-                if self.rec is None:
-                    raise
-                return self.rec(*args)
-            self.chosen = with_rec_errors(self.choose(args, want), self.rec)
-        return self.chosen(*args)
+    def first_call(self, *args: Any) -> Any:
+        try:
+            want = run_step(self.oracle, args, self.decision.mode == "training")
+        except Exception:
+            # Bad input: nothing to compare against; the choice waits for a call that runs.
+            if self.rec is None:
+                raise
+            return self.rec(*args)
+        self.run = self.choose(args, want)
+        return self.run(*args)
 
     def choose(self, args: Sequence[Any], want: list[torch.Tensor]) -> Callable:
         decision, training = self.decision, self.decision.mode == "training"
@@ -326,21 +326,25 @@ class GraphChooser:
         store(decision)
         return self.candidates.get(decision.choice, self.oracle)  # no candidate correct: the captured graph
 
+    def rerun_for_error(self, args: Sequence[Any]) -> Any:
+        """After the chosen candidate raised: run the call through the rec ops, whose errors name the table,
+        feature or op at fault (the captured graph's ATen errors do not); re-raise when that is what failed."""
+        if self.rec is None or self.run is self.rec or self.run == self.first_call:
+            raise
+        return self.rec(*args)
 
-def with_rec_errors(chosen: Callable, rec: Callable | None) -> Callable:
-    """``chosen``, except that a call it fails is run again through the rec ops, whose errors name the table,
-    feature or op at fault (the captured graph's ATen errors do not)."""
-    if rec is None or chosen is rec:
-        return chosen
 
-    @torch._dynamo.disable
-    def run(*args: Any) -> Any:
+def compiled_graph(chooser: GraphChooser) -> Callable:
+    """What Dynamo calls: the chooser's current ``run`` (the candidate once chosen), and the rec ops on error."""
+
+    def call(*args: Any) -> Any:
         try:
-            return chosen(*args)
+            return chooser.run(*args)
         except Exception:
-            return rec(*args)
+            return chooser.rerun_for_error(args)
 
-    return run
+    call.chooser = chooser  # for reports and tests
+    return call
 
 
 def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[Any], ctx,
@@ -362,10 +366,12 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     if cached is not None and cached.choice in builders:
         apply_regions(rewritten, cached.regions)
         ctx.tuning = cached.to_dict()
-        return with_rec_errors(builders[cached.choice](), rewritten.forward if ops else None)
+        rec = {"rec+eager": rewritten.forward} if ops else {}
+        return compiled_graph(GraphChooser(rec, original.forward, cached, 0.0, chosen=builders[cached.choice]()))
     decision = Decision("eager", mode="training" if training else "inference", key=key)
     start = time.perf_counter()
     tune_regions(rewritten, concrete_inputs(example_inputs), ctx.target, training, decision, start + BUDGET_S / 2)
     ctx.tuning = decision.to_dict()
     budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
-    return GraphChooser({name: build() for name, build in builders.items()}, original.forward, decision, budget)
+    return compiled_graph(GraphChooser({name: build() for name, build in builders.items()}, original.forward,
+                                       decision, budget))

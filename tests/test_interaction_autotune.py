@@ -103,7 +103,7 @@ def test_wrong_graph_candidate_is_rejected(_cache):
     with torch.no_grad():
         out = torch.compile(model, backend=backend)(x)
     torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
-    decision = captured["chooser"].decision
+    decision = captured["chooser"].chooser.decision
     assert "inductor" in decision.rejected and decision.choice in ("eager", "rec+eager")
 
 
@@ -133,3 +133,28 @@ def test_mutating_ops_are_not_tuned():
     gm = torch.fx.symbolic_trace(bump)
     assert not autotune.tunable(gm, (torch.randn(2), torch.zeros(1)))
     assert autotune.tunable(torch.fx.symbolic_trace(lambda x: x * 2), (torch.randn(2),))
+
+
+def test_chosen_candidate_is_called_directly_fresh_and_cached(_cache):
+    """After the first call (and with a cached decision, from the start) Dynamo's callable runs the chosen
+    candidate itself: no chooser or timing code on the call path."""
+    model, x = Cross(), torch.randn(8, 16)
+    compiled = []
+
+    def backend(gm, example_inputs):
+        from recompile.backend import rec_ascend
+
+        compiled.append(rec_ascend(gm, example_inputs))
+        return compiled[-1]
+
+    for attempt in range(2):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            fn = torch.compile(model, backend=backend)
+            torch.testing.assert_close(fn(x), model(x), rtol=1e-5, atol=1e-5)
+            fn(x)
+        chooser = compiled[-1].chooser
+        assert chooser.decision.cached == (attempt == 1)
+        assert chooser.run != chooser.first_call
+        if attempt == 0:
+            assert chooser.run is chooser.candidates[chooser.decision.choice]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -74,9 +75,12 @@ def _products(t: PatternExpr) -> list[PatternExpr]:
 
 
 def dot_patterns() -> Iterator[PatternExpr]:
-    """``D[:, rows, cols]`` with ``D = T @ T^T``."""
+    """``D[:, rows, cols]``, ``D[:, mask]`` and ``masked_select(D, mask)`` (the pairs of all samples, flat)
+    with ``D = T @ T^T``."""
     for dots in _products(KeywordArg("T")):
         yield CallFunction(operator.getitem, dots, (slice(None), KeywordArg("rows"), KeywordArg("cols")))
+        yield CallFunction(operator.getitem, dots, (slice(None), KeywordArg("mask")))
+        yield CallFunction(torch.masked_select, dots, KeywordArg("mask"))
 
 
 def _pair_products(keepdim: bool) -> list[PatternExpr]:
@@ -132,15 +136,27 @@ def _fm_differences(keepdim: bool) -> Iterator[PatternExpr]:
             yield CallFunction(SUB, square_of_sum, sum_of_square)
 
 
-def fm_patterns() -> Iterator[tuple[PatternExpr, bool]]:
-    """(pattern, flattened): per-dimension over [B, F, D], or TorchRec's over [B, N] with keepdim sums."""
+@dataclass(frozen=True)
+class FMForm:
+    """How an FM second-order pattern is written: the rank of ``v`` and whether the sum over D is inside."""
+
+    v_dim: int  # 3: fields [B, F, D]; 2: TorchRec's flattened [B, N] (v = x.unsqueeze(-1))
+    reduced: bool  # the pattern already sums over D (else a following keepdim sum is fused when present)
+
+
+def fm_patterns() -> Iterator[tuple[PatternExpr, FMForm]]:
+    """Per dimension over [B, F, D]; DeepFM's ``0.5 * (...).sum(1, keepdim=True)`` (the half outside the sum
+    over D); TorchRec's over [B, N] with keepdim sums."""
     for diff in _fm_differences(keepdim=False):
         for half in _halves(diff):
-            yield half, False
+            yield half, FMForm(3, reduced=False)
+        for outer in _sums(diff, keepdim=True, dim_name="outer_dim"):
+            for half in _halves(outer):
+                yield half, FMForm(3, reduced=True)
     for diff in _fm_differences(keepdim=True):
         for outer in _sums(diff, keepdim=True, dim_name="outer_dim"):
             for half in _halves(outer):
-                yield half, True
+                yield half, FMForm(2, reduced=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -217,6 +233,14 @@ def _selected_pairs(rows: fx.Node, cols: fx.Node, num_features: int, gm: fx.Grap
     return rows * num_features + cols
 
 
+def _masked_pairs(mask: fx.Node, num_features: int, gm: fx.GraphModule) -> torch.Tensor | None:
+    """Flat positions a constant [F, F] boolean mask selects, in row-major (output) order; None otherwise."""
+    mask = constant_value(mask, gm)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != (num_features, num_features):
+        return None
+    return mask.flatten().nonzero().flatten()
+
+
 # --------------------------------------------------------------------------------------------------
 # replacements
 
@@ -240,11 +264,15 @@ def _fused_cat(pairs: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return cat, tensors[0]
 
 
-def _replace(ctx: PassContext, match: Match, anchor: fx.Node, op: str, args: tuple, replaced: list[fx.Node]) -> None:
+def _replace(ctx: PassContext, match: Match, anchor: fx.Node, op: str, args: tuple, replaced: list[fx.Node],
+             then: Callable | None = None) -> None:
+    """Replace ``anchor`` by ``op(*args)`` (or ``then(op(*args))``) and erase the ``replaced`` nodes left unused."""
     impl = ctx.lower(op)
     graph = anchor.graph
     with graph.inserting_before(anchor):
         new = graph.call_function(getattr(torch.ops.recompile, op.split("::")[1]).default, (*args, impl.impl))
+        if then is not None:
+            new = graph.call_function(then, (new,))
     new.meta["example_value"] = meta_value(anchor)
     ctx.record_region("interaction", replaced, op, impl)
     anchor.replace_all_uses_with(new)
@@ -288,17 +316,25 @@ def feature_items(T: fx.Node, match_nodes: list[fx.Node]) -> tuple[list[fx.Node]
 
 
 def _dot_handler(ctx: PassContext) -> Callable:
-    def handle(match: Match, T: fx.Node, rows: fx.Node, cols: fx.Node) -> None:
+    def handle(match: Match, T: fx.Node, rows: Any = None, cols: Any = None, mask: Any = None) -> None:
         features = _float_tensor(T, 3)
         if features is None or not isinstance(features.shape[1], int):
             return
         num_features = features.shape[1]
-        flat = _selected_pairs(rows, cols, num_features, match.graph.owning_module)
+        gm = match.graph.owning_module
+        if mask is None:
+            flat = _selected_pairs(rows, cols, num_features, gm)
+        else:
+            flat = _masked_pairs(mask, num_features, gm)
         order = None if flat is None else classify_pairs(num_features, flat)
         if order is None:
             return
         items, absorbed = feature_items(T, match.nodes)
         pairs = match.output_node()
+        if pairs.target is torch.masked_select:  # [B * P], row-major: the op's pairs, flattened
+            _replace(ctx, match, pairs, "recompile::dot_interaction", (items, None, *order), list(match.nodes) + absorbed,
+                     then=torch.flatten)
+            return
         replaced = list(match.nodes) + absorbed
         prefix = None
         fused = _fused_cat(pairs)
@@ -359,20 +395,20 @@ def _cross_handler(ctx: PassContext) -> Callable:
     return handle
 
 
-def _fm_handler(ctx: PassContext, flattened: bool) -> Callable:
+def _fm_handler(ctx: PassContext, form: FMForm) -> Callable:
     def handle(match: Match, v: fx.Node, dim: int, outer_dim: int = 1) -> None:
-        meta = _float_tensor(v, 2 if flattened else 3)
+        meta = _float_tensor(v, form.v_dim)
         if meta is None or dim not in (1, -meta.dim() + 1) or outer_dim not in (1, -1):
             return
         out = match.output_node()
         replaced = list(match.nodes)
-        reduce = flattened
-        total = None if flattened else _only_user(out)
+        reduce = form.reduced
+        total = None if reduce else _only_user(out)
         if total is not None and _is_keepdim_sum(total):  # fuse the sum over D
             out, reduce = total, True
             replaced.append(total)
         graph = out.graph
-        if flattened:
+        if form.v_dim == 2:
             with graph.inserting_before(out):
                 v = graph.call_function(torch.unsqueeze, (v, -1))
         _replace(ctx, match, out, "recompile::fm_second_order", (v, reduce), replaced)
@@ -396,8 +432,8 @@ def build_matcher(ctx: PassContext) -> PatternMatcherPass:
         register_graph_pattern(pattern, pass_dict=matcher)(_loop_handler(ctx))
     for pattern in cross_patterns():
         register_graph_pattern(pattern, pass_dict=matcher)(_cross_handler(ctx))
-    for pattern, flattened in fm_patterns():
-        register_graph_pattern(pattern, pass_dict=matcher)(_fm_handler(ctx, flattened))
+    for pattern, form in fm_patterns():
+        register_graph_pattern(pattern, pass_dict=matcher)(_fm_handler(ctx, form))
     return matcher
 
 
