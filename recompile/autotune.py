@@ -36,7 +36,14 @@ from recompile.lowering import candidates
 from recompile.passes.utils import meta_value
 from recompile.pipeline import concrete_inputs
 
-BUDGET_S = 3.0  # timing budget of one graph (regions, then the whole graph); compiles excluded
+BUDGET_S = 1.5  # timing budget of one graph (regions, then the whole graph); compiles excluded
+# Inductor is compiled only when the nodes it can fuse away take at least this share of a call (see inductor_can_win).
+MIN_FUSABLE_SHARE = 0.05
+# Calls Inductor leaves as they are (library GEMMs, lookups): its gain is bounded by the time of the other nodes.
+LIBRARY_BOUND = frozenset({
+    torch._C._nn.linear, torch.nn.functional.linear, torch.addmm, torch.mm, torch.bmm, torch.matmul,
+    torch.nn.functional.embedding_bag, torch.nn.functional.embedding,
+})
 MIN_ROUNDS, MAX_ROUNDS = 3, 50
 CACHE_VERSION = 1
 GRAPH_CANDIDATES = ("inductor", "rec+eager", "eager")
@@ -285,6 +292,37 @@ def apply_regions(gm: fx.GraphModule, regions: dict[str, str]) -> None:
 # whole graph
 
 
+class _NodeTimer(fx.Interpreter):
+    """Runs the graph eagerly and adds up the wall time of the nodes Inductor leaves alone and of all nodes."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.fixed = self.total = 0.0
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op in ("placeholder", "output", "get_attr"):
+            return super().run_node(n)
+        t0 = time.perf_counter()
+        result = super().run_node(n)
+        elapsed = time.perf_counter() - t0
+        self.total += elapsed
+        if n.target in LIBRARY_BOUND or _op_name(n) is not None or n.op == "call_module":
+            self.fixed += elapsed
+        return result
+
+
+def inductor_can_win(rewritten: fx.GraphModule, args: Sequence[Any]) -> bool:
+    """Whether Inductor is worth compiling for this graph: it keeps GEMMs, lookups and our ops as they are,
+    so it can save at most the time of the other nodes (pointwise work, copies, per-op dispatch); when those
+    take under ``MIN_FUSABLE_SHARE`` of an eager call, it cannot beat running the graph eagerly."""
+    timer = _NodeTimer(rewritten)
+    with torch.no_grad():
+        timer.run(*args)  # warm-up
+        timer.fixed = timer.total = 0.0
+        timer.run(*args)
+    return timer.total - timer.fixed >= MIN_FUSABLE_SHARE * timer.total
+
+
 class GraphChooser:
     """The compiled graph: its first call races the candidates on that call's inputs (outside the compile, so
     that no timing run touches Dynamo's shape environment), keeps the fastest correct one and stores the
@@ -370,7 +408,11 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
         return compiled_graph(GraphChooser(rec, original.forward, cached, 0.0, chosen=builders[cached.choice]()))
     decision = Decision("eager", mode="training" if training else "inference", key=key)
     start = time.perf_counter()
-    tune_regions(rewritten, concrete_inputs(example_inputs), ctx.target, training, decision, start + BUDGET_S / 2)
+    args = concrete_inputs(example_inputs)
+    tune_regions(rewritten, args, ctx.target, training, decision, start + BUDGET_S / 2)
+    if not inductor_can_win(rewritten, args):
+        del builders["inductor"]
+        decision.rejected["inductor"] = f"not compiled: the nodes it could fuse take under {MIN_FUSABLE_SHARE:.0%} of a call"
     ctx.tuning = decision.to_dict()
     budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
     return compiled_graph(GraphChooser({name: build() for name, build in builders.items()}, original.forward,
