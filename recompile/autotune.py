@@ -312,9 +312,10 @@ class _NodeTimer(fx.Interpreter):
 
 
 def inductor_can_win(rewritten: fx.GraphModule, args: Sequence[Any]) -> bool:
-    """Whether Inductor is worth compiling for this graph: it keeps GEMMs, lookups and our ops as they are,
-    so it can save at most the time of the other nodes (pointwise work, copies, per-op dispatch); when those
-    take under ``MIN_FUSABLE_SHARE`` of an eager call, it cannot beat running the graph eagerly."""
+    """Whether Inductor is worth compiling for this inference graph: it keeps GEMMs, lookups and our ops as
+    they are, so it can save at most the time of the other nodes (pointwise work, copies, per-op dispatch);
+    when those take under ``MIN_FUSABLE_SHARE`` of an eager call, it cannot beat running the graph eagerly.
+    Training graphs always compile it: Inductor's backward (e.g. of lookups) can win where the forward cannot."""
     timer = _NodeTimer(rewritten)
     with torch.no_grad():
         timer.run(*args)  # warm-up
@@ -410,7 +411,7 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     start = time.perf_counter()
     args = concrete_inputs(example_inputs)
     tune_regions(rewritten, args, ctx.target, training, decision, start + BUDGET_S / 2)
-    if not inductor_can_win(rewritten, args):
+    if not training and not inductor_can_win(rewritten, args):  # (a backward's gains are not seen by the timer)
         del builders["inductor"]
         decision.rejected["inductor"] = f"not compiled: the nodes it could fuse take under {MIN_FUSABLE_SHARE:.0%} of a call"
     ctx.tuning = decision.to_dict()

@@ -282,22 +282,35 @@ def _epilogue_grads_torch(grad, x0, h, bias):
     return grad_h, grad * hb, None if bias is None else grad_h.sum(0)
 
 
-def _epilogue_grads(impl, grad, x0, h, bias):
+# The epilogue's backward is an op of its own so that aot_autograd traces it as one opaque call (the native
+# kernel reads data pointers, which fake tensors do not have).
+@torch.library.custom_op("recompile::cross_epilogue_backward", mutates_args=())
+def cross_epilogue_backward(
+    grad: torch.Tensor, x0: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None, impl: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_h, grad_x0, grad_bias) of ``x0 * (h + bias) + x``; grad_bias is empty without a bias."""
     if impl == "native" and native.supports(grad, x0, h, bias):
-        return native.cross_epilogue_backward(grad, x0, h, bias)
-    return _epilogue_grads_torch(grad, x0, h, bias)
+        grad_h, grad_x0, grad_bias = native.cross_epilogue_backward(grad, x0, h, bias)
+    else:
+        grad_h, grad_x0, grad_bias = _epilogue_grads_torch(grad, x0, h, bias)
+    return grad_h, grad_x0, grad.new_empty(0) if grad_bias is None else grad_bias
+
+
+@cross_epilogue_backward.register_fake
+def _(grad, x0, h, bias, impl):
+    return torch.empty_like(grad), torch.empty_like(grad), grad.new_empty(0) if bias is None else torch.empty_like(bias)
 
 
 def _cross_backward(ctx, grad):
     """out = x0 * (h + b) + x with h = z W^T, z = x V^T (or x): h is recomputed, not stored."""
     x0, x, weight, bias, down = ctx.saved_tensors
     z = x if down is None else torch.mm(x, down.t())
-    grad_h, grad_x0, grad_bias = _epilogue_grads(ctx.impl, grad, x0, torch.mm(z, weight.t()), bias)
+    grad_h, grad_x0, grad_bias = cross_epilogue_backward(grad, x0, torch.mm(z, weight.t()), bias, ctx.impl)
     grad_weight = torch.mm(grad_h.t(), z)
     grad_z = torch.mm(grad_h, weight)
     grad_down = None if down is None else torch.mm(grad_z.t(), x)
     grad_x = grad + (grad_z if down is None else torch.mm(grad_z, down))
-    return grad_x0, grad_x, grad_weight, grad_bias, grad_down, None
+    return grad_x0, grad_x, grad_weight, None if bias is None else grad_bias, grad_down, None
 
 
 cross_layer.register_autograd(_cross_backward, setup_context=_cross_setup)
@@ -359,13 +372,23 @@ def _fm_setup(ctx, inputs, output):
     ctx.reduce, ctx.impl = inputs[1], inputs[2]
 
 
-def _fm_backward(ctx, grad):
-    """d out_d / d v_fd = sum_f v_fd - v_fd."""
-    (v,) = ctx.saved_tensors
-    if ctx.impl == "native" and native.supports(grad, v):
-        return native.fm_second_order_backward(grad, v, ctx.reduce), None, None
+@torch.library.custom_op("recompile::fm_second_order_backward", mutates_args=())
+def fm_second_order_backward(grad: torch.Tensor, v: torch.Tensor, reduce: bool, impl: str) -> torch.Tensor:
+    """d out_d / d v_fd = sum_f v_fd - v_fd (an op, like the epilogue's: the native kernel reads pointers)."""
+    if impl == "native" and native.supports(grad, v):
+        return native.fm_second_order_backward(grad, v, reduce)
     g = grad.unsqueeze(1)  # [B, 1, D] or [B, 1, 1]
-    return g * (v.sum(1, keepdim=True) - v), None, None
+    return g * (v.sum(1, keepdim=True) - v)
+
+
+@fm_second_order_backward.register_fake
+def _(grad, v, reduce, impl):
+    return torch.empty_like(v)
+
+
+def _fm_backward(ctx, grad):
+    (v,) = ctx.saved_tensors
+    return fm_second_order_backward(grad, v, ctx.reduce, ctx.impl), None, None
 
 
 fm_second_order.register_autograd(_fm_backward, setup_context=_fm_setup)

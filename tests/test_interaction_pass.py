@@ -211,3 +211,18 @@ def test_batch_size_changes_compile_at_most_twice():
         args = _inputs(batch)
         torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-5, atol=1e-5)
     assert counter.frame_count <= 2
+
+
+def test_native_kernels_train_through_inductor():
+    """With autotune off the lowering's first CPU choice (the native kernels, when a C compiler is present)
+    goes through aot_autograd and Inductor: every backward is an opaque op, never traced into."""
+    import functools
+
+    from recompile.backend import rec_ascend
+
+    backend = functools.partial(rec_ascend, options={"autotune": False})
+    _assert_same_training(Interaction("triu_indices"), _inputs(), backend=backend)
+    _assert_same_training(CrossNet(), (torch.randn(9, 12, requires_grad=True),), backend=backend)
+    v, flat = torch.randn(5, 4, 6, requires_grad=True), torch.randn(5, 10, requires_grad=True)
+    got = torch.autograd.grad(torch.compile(FM(), backend=backend)(v, flat).sum(), (v, flat))
+    torch.testing.assert_close(got, torch.autograd.grad(FM()(v, flat).sum(), (v, flat)), rtol=1e-5, atol=1e-5)
