@@ -7,7 +7,8 @@ example inputs and within ``BUDGET_S`` seconds:
    kernel, reference = eager ATen), forward (and backward when the graph trains); the fastest whose
    result matches the reference kernel's is written into the op's ``impl`` argument;
 2. the whole graph: ``inductor`` (the rewritten graph through Inductor), ``rec+eager`` (the rewritten
-   graph with the rec ops and eager ATen for the rest) and ``eager`` (the captured graph as it was).
+   graph with the rec ops and eager ATen for the rest), ``rec+eager-<pass>`` (the same without one
+   pass's regions, when several passes replaced some) and ``eager`` (the captured graph as it was).
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
@@ -25,7 +26,7 @@ import os
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -34,7 +35,7 @@ import torch.fx as fx
 
 from recompile.lowering import candidates
 from recompile.passes.utils import meta_value
-from recompile.pipeline import concrete_inputs
+from recompile.pipeline import PassContext, concrete_inputs, run_pipeline
 
 BUDGET_S = 1.5  # timing budget of one graph (regions, then the whole graph); compiles excluded
 # Inductor is compiled only when the nodes it can fuse away take at least this share of a call (see inductor_can_win).
@@ -386,6 +387,23 @@ def compiled_graph(chooser: GraphChooser) -> Callable:
     return call
 
 
+def without_pass(original: fx.GraphModule, ctx, name: str, regions: dict[str, str]) -> Callable:
+    """The captured graph rewritten by every pass but ``name`` (with the kernels chosen for its regions), run eagerly."""
+    options = replace(ctx.options, passes={**ctx.options.passes, name: False}, verify=False, dump_dir=None)
+    gm = run_pipeline(original, PassContext(options, ctx.target, ctx.example_inputs, graph_id=ctx.graph_id))
+    apply_regions(gm, regions)
+    return gm.forward
+
+
+def ablation_builders(original: fx.GraphModule, ctx, decision: Decision) -> dict[str, Callable[[], Callable]]:
+    """``rec+eager-<pass>`` for each pass that replaced regions, when several did: the rewrite without that
+    pass's regions, so that one pass's gain is kept when another's regions measure slower than what they replaced."""
+    passes = list(dict.fromkeys(region.pass_name for region in ctx.regions))
+    if len(passes) < 2:
+        return {}
+    return {f"rec+eager-{name}": functools.partial(without_pass, original, ctx, name, decision.regions) for name in passes}
+
+
 def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[Any], ctx,
              compile_inductor: Callable[[fx.GraphModule], Callable]) -> Callable:
     """The compiled callable for ``rewritten``: the cached decision, or a GraphChooser over the candidates."""
@@ -402,6 +420,8 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     if ops & BOUNDS_CHECKED and ctx.options.bounds_check != "fatal":
         del builders["eager"]
     cached = load(key)
+    if cached is not None:
+        builders.update(ablation_builders(original, ctx, cached))
     if cached is not None and cached.choice in builders:
         apply_regions(rewritten, cached.regions)
         ctx.tuning = cached.to_dict()
@@ -414,6 +434,8 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     if not training and not inductor_can_win(rewritten, args):  # (a backward's gains are not seen by the timer)
         del builders["inductor"]
         decision.rejected["inductor"] = f"not compiled: the nodes it could fuse take under {MIN_FUSABLE_SHARE:.0%} of a call"
+    if "rec+eager" in builders:
+        builders.update(ablation_builders(original, ctx, decision))
     ctx.tuning = decision.to_dict()
     budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
     return compiled_graph(GraphChooser({name: build() for name, build in builders.items()}, original.forward,

@@ -168,3 +168,23 @@ def test_inductor_is_compiled_only_where_it_can_win():
     x, w = torch.randn(512, 512), torch.randn(512, 512)
     assert not autotune.inductor_can_win(gemm, [x, w])
     assert autotune.inductor_can_win(pointwise, [x, w])
+
+
+def test_each_pass_can_be_left_out(_cache):
+    """DLRM has embedding and interaction regions: the race also runs the rewrite without either pass, and a
+    cached choice of such a candidate is rebuilt without timing."""
+    from models.dlrm import DLRM, DLRMConfig, synthetic_batch
+
+    cfg = DLRMConfig(table_rows=[50, 80, 120], dim=8, bottom=[16, 8], top=[16, 1])
+    model, args = DLRM(cfg), synthetic_batch(cfg, 9)
+    with torch.no_grad():
+        want = model(*args)
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(model, backend="rec_ascend")(*args), want, rtol=1e-5, atol=1e-5)
+        [decision] = _decisions(_cache)
+        assert {"rec+eager-embedding", "rec+eager-interaction"} <= set(decision["timings_ms"])
+        decision["choice"] = "rec+eager-embedding"  # as if it had won
+        (_cache / "autotune" / f"{decision['key']}.json").write_text(json.dumps(decision))
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(model, backend="rec_ascend")(*args), want, rtol=1e-5, atol=1e-5)
+        assert [d["timings_ms"] for d in _decisions(_cache)] == [decision["timings_ms"]]  # applied, not re-timed
