@@ -9,6 +9,9 @@ example inputs and within ``BUDGET_S`` seconds:
 2. the whole graph: ``inductor`` (the rewritten graph through Inductor), ``rec+eager`` (the rewritten
    graph with the rec ops and eager ATen for the rest), ``rec+eager-<pass>`` (the same without one
    pass's regions, when several passes replaced some) and ``eager`` (the captured graph as it was).
+   Inference graphs where Inductor has little to fuse around our ops (``inductor_can_win``) compile
+   ``inductor-captured`` (plain Inductor on the captured graph) in place of ``inductor``, so that the race
+   still holds the Inductor a user would otherwise get, for one Inductor compile.
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
@@ -414,14 +417,18 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
         "rec+eager": lambda: rewritten.forward,
         "eager": lambda: original.forward,
     }
+    # Candidates that run the captured graph, as the user wrote it; not with lookups whose bounds_check
+    # clamps or skips ids the captured graph would raise on.
+    captured = {"inductor-captured": lambda: compile_inductor(original)}
     ops = {_op_name(node) for node in rewritten.graph.nodes} - {None}
     if not ops:
         del builders["rec+eager"]  # no rec region: the same graph as "eager"
     if ops & BOUNDS_CHECKED and ctx.options.bounds_check != "fatal":
         del builders["eager"]
+        captured = {}
     cached = load(key)
     if cached is not None:
-        builders.update(ablation_builders(original, ctx, cached))
+        builders.update(ablation_builders(original, ctx, cached), **captured)
     if cached is not None and cached.choice in builders:
         apply_regions(rewritten, cached.regions)
         ctx.tuning = cached.to_dict()
@@ -432,7 +439,9 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     args = concrete_inputs(example_inputs)
     tune_regions(rewritten, args, ctx.target, training, decision, start + BUDGET_S / 2)
     if not training and not inductor_can_win(rewritten, args):  # (a backward's gains are not seen by the timer)
+        # Inductor has little to fuse around our ops: its candidate is plain Inductor on the captured graph instead.
         del builders["inductor"]
+        builders.update(captured)
         decision.rejected["inductor"] = f"not compiled: the nodes it could fuse take under {MIN_FUSABLE_SHARE:.0%} of a call"
     if "rec+eager" in builders:
         builders.update(ablation_builders(original, ctx, decision))

@@ -188,3 +188,14 @@ def test_each_pass_can_be_left_out(_cache):
         torch._dynamo.reset()
         torch.testing.assert_close(torch.compile(model, backend="rec_ascend")(*args), want, rtol=1e-5, atol=1e-5)
         assert [d["timings_ms"] for d in _decisions(_cache)] == [decision["timings_ms"]]  # applied, not re-timed
+
+
+def test_plain_inductor_races_where_the_rewrite_leaves_it_nothing_to_fuse(_cache, monkeypatch):
+    monkeypatch.setattr(autotune, "MIN_FUSABLE_SHARE", 1.1)  # no inference graph is worth Inductor on the rewrite
+    model, x = Cross(), torch.randn(8, 16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="rec_ascend")(x), model(x), rtol=1e-5, atol=1e-5)
+    [decision] = _decisions(_cache)
+    assert "inductor-captured" in decision["timings_ms"] and "inductor" not in decision["timings_ms"]
+    assert decision["rejected"]["inductor"].startswith("not compiled")
