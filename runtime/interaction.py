@@ -1,7 +1,9 @@
 """Feature interactions: ``torch.ops.recompile.dot_interaction``, ``cross_layer`` and ``fm_second_order``.
 
-- ``dot_interaction(features, prefix, upper, self_interaction)``: the DLRM dot interaction. For
-  ``features`` ``[B, F, D]`` it computes only the needed pairwise dot products ``<f_r, f_c>``, in the
+- ``dot_interaction(features, prefix, upper, self_interaction)``: the DLRM dot interaction. ``features``
+  is a list of ``[B, D]`` (one feature each) and ``[B, n, D]`` tensors that together make the feature
+  matrix ``T`` ``[B, F, D]`` (``T`` itself, or the items a model stacks: kernels that can read them in
+  place never build ``T``). It computes only the needed pairwise dot products ``<f_r, f_c>``, in the
   order of ``triu_indices(F, F, 1)`` (``upper``, TorchRec) or ``tril_indices(F, F, -1)`` (the original
   DLRM), with the diagonal when ``self_interaction``; with a ``prefix`` ``[B, K]`` it writes the final
   ``cat([prefix, pairs], 1)`` layout directly.
@@ -10,6 +12,11 @@
 - ``fm_second_order(v, reduce)``: the factorisation-machine second order term over ``v`` ``[B, F, D]``,
   ``0.5 * ((sum_f v)^2 - sum_f v^2)`` per dimension ``[B, D]``, or summed over D to ``[B, 1]``
   (``reduce``; the flattened TorchRec ``FactorizationMachine`` is ``v = x.unsqueeze(-1)`` with ``reduce``).
+
+Kernels: ``reference`` (plain torch, the oracle), ``cpu`` (torch), ``native`` (C, ``csrc/interaction.c``
+through ``runtime.interaction_native``; the ``cpu`` kernel where it cannot run), ``triton``. Backward
+passes are ops of their own (``dot_interaction_backward``, ``cross_epilogue_backward``,
+``fm_second_order_backward``) taking the forward's ``impl``.
 """
 from __future__ import annotations
 

@@ -5,21 +5,25 @@ below; every commuted and respelled variant is generated, none is an if-chain) a
 
 - dot interaction: ``D = bmm(T, transpose(T, 1, 2))`` (or ``matmul``) with ``T`` ``[B, F, D]``, then the
   pairs ``D[:, rows, cols]`` (``rows, cols`` = ``triu_indices``/``tril_indices`` with offset ±1 or 0,
-  or the same pairs built by Python loops: ``torch.tensor([i for i ...])``)
-  -> ``recompile.dot_interaction(T, prefix, upper, self_interaction)``; a following
-  ``cat([prefix, pairs], 1)`` is fused into it (the op writes the final layout). The index tensors
-  must evaluate to constants (in-graph constructors or module buffers) and be exactly one of the four
-  orders, or the graph is left alone. ``T`` may come from anything (``stack([x] + embs, 1)``, or
-  ``cat([x.unsqueeze(1), E], 1)`` around a grouped lookup); it is read in place.
+  or the same pairs built by Python loops: ``torch.tensor([i for i ...])``), ``D[:, mask]`` or
+  ``masked_select(D, mask)`` (``mask`` a constant ``[F, F]`` bool triangle; Dynamo captures these only
+  with ``capture_dynamic_output_shape_ops``) -> ``recompile.dot_interaction(items, prefix, upper,
+  self_interaction)`` (flattened for ``masked_select``); a following ``cat([prefix, pairs], 1)`` is
+  fused into it (the op writes the final layout). The index tensors and masks must evaluate to
+  constants (in-graph constructors or module buffers) and select exactly one of the four orders, or the
+  graph is left alone. ``items`` are what ``T`` is joined from when only the pattern reads it
+  (``stack([x] + embs, 1)``, or ``cat([x.unsqueeze(1), E], 1)`` around a grouped lookup): the op reads
+  them in place and the join goes away; else ``[T]``.
 - Python pair loops over a feature list: ``cat([x, *[(f_i * f_j).sum(1, keepdim=True) for i, j in P]], 1)``
   (or ``stack([(f_i * f_j).sum(1) ...], 1)``) with ``P`` one of the four orders
-  -> ``recompile.dot_interaction(stack(features, 1), x, upper, self_interaction)``.
+  -> ``recompile.dot_interaction(features, x, upper, self_interaction)``.
 - DCN-v2 cross layer: ``x0 * linear(x, W, b) + x`` -> ``recompile.cross_layer(x0, x, W, b, None)``;
   low rank ``x0 * linear(linear(x, V), U, b) + x`` -> ``recompile.cross_layer(x0, x, U, b, V)``
   (the bias, the product with ``x0`` and the residual add are the matmul's fused epilogue).
 - FM second order, per dimension: ``0.5 * (sum(v, 1)^2 - sum(v * v, 1))`` for ``v`` ``[B, F, D]`` ->
   ``recompile.fm_second_order(v, False)``; a following ``sum(_, 1, keepdim=True)`` is fused
-  (``reduce=True``). The flattened TorchRec ``FactorizationMachine`` form
+  (``reduce=True``), and so is DeepFM's ``0.5 * sum(_, 1, keepdim=True)`` (the half outside the sum).
+  The flattened TorchRec ``FactorizationMachine`` form
   ``sum(sum(x, 1, keepdim=True)^2 - sum(x * x, 1, keepdim=True), 1, keepdim=True) * 0.5`` for ``x``
   ``[B, N]`` -> ``recompile.fm_second_order(x.unsqueeze(-1), True)``.
 """
