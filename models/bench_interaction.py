@@ -70,7 +70,7 @@ def measure(fns: dict, args, rounds: int) -> dict[str, float]:
 
 
 def run_steps(quick: bool, models: list[str], modes: list[str], batch: int | None) -> list[dict]:
-    default_batch, iters = (256, 10) if quick else (2048, 20)
+    default_batch, iters = (256, 30) if quick else (2048, 20)
     batch = batch or default_batch
     rows = []
     for name in models:
