@@ -1,9 +1,11 @@
 """Interaction benchmark: DLRM (26 tables of dim 64) and DCN-v2 (20 tables of dim 16, 3 cross layers),
 forward and training step, eager vs inductor vs rec_ascend side by side, and cold compile times.
 
-    python -m models.bench_interaction [--quick] [--no-compile-time]
+    python -m models.bench_interaction [--quick] [--no-compile-time] [--models dlrm dcn] [--modes forward train]
+                                       [--batch N] [--threads N]
 
-Cold compile time is measured in a fresh process per backend with empty Inductor and recompile caches
+Steps are timed with the wall clock (``time.perf_counter``), best of rounds that run every backend once in
+turn. Cold compile time is measured in a fresh process per backend with empty Inductor and recompile caches
 (first call minus the steady-state step), then once more for rec_ascend with its autotune cache warm.
 """
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,8 @@ from models.ctr import DCNConfig, DCNv2
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 
 BACKENDS = ("eager", "inductor", "rec_ascend")
+MODELS = ("dlrm", "dcn")
+MODES = ("forward", "train")
 
 
 def make(model: str, quick: bool):
@@ -51,26 +54,27 @@ def step_fn(model, mode: str):
     return train
 
 
-def measure(fns: dict, args, iters: int) -> dict[str, float]:
-    """Median ms per step of each function, timed in alternating rounds so that load from other
-    processes falls on all of them alike."""
+def measure(fns: dict, args, rounds: int) -> dict[str, float]:
+    """Best ms per step of each function over ``rounds`` rounds that run every function once in turn, so that
+    load from other processes falls on all of them alike."""
     for fn in fns.values():
         for _ in range(3):
             fn(*args)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(iters):
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn(*args)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: t * 1e3 for name, t in best.items()}
 
 
-def run_steps(quick: bool) -> list[dict]:
-    batch, iters = (256, 10) if quick else (2048, 20)
+def run_steps(quick: bool, models: list[str], modes: list[str], batch: int | None) -> list[dict]:
+    default_batch, iters = (256, 30) if quick else (2048, 20)
+    batch = batch or default_batch
     rows = []
-    for name in ("dlrm", "dcn"):
-        for mode in ("forward", "train"):
+    for name in models:
+        for mode in modes:
             torch._dynamo.reset()
             fns = {}
             for backend in BACKENDS:  # one model per backend: the training steps update their weights
@@ -92,12 +96,12 @@ def _format(row: dict) -> str:
             f"rec/min(eager,inductor) {best_other / row['rec_ascend']:5.2f}x")
 
 
-def cold_compile(model: str, backend: str, quick: bool, cache: str) -> float:
+def cold_compile(model: str, backend: str, quick: bool, cache: str, threads: int) -> float:
     """Seconds of the first training step beyond a steady one, in a fresh process."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                RECOMPILE_CACHE_DIR=os.path.join(cache, "recompile"))
     code = (
-        "import time, json, torch\n"
+        f"import time, json, torch; torch.set_num_threads({threads})\n"
         "from models.bench_interaction import make, step_fn, synthetic_batch\n"
         f"model, cfg = make({model!r}, {quick})\n"
         "args = synthetic_batch(cfg, 256, torch.Generator().manual_seed(1))\n"
@@ -110,12 +114,12 @@ def cold_compile(model: str, backend: str, quick: bool, cache: str) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_compile_times(quick: bool) -> None:
-    for name in ("dlrm", "dcn"):
+def run_compile_times(quick: bool, models: list[str], threads: int) -> None:
+    for name in models:
         with tempfile.TemporaryDirectory() as fresh_inductor, tempfile.TemporaryDirectory() as fresh_rec:
-            inductor = cold_compile(name, "inductor", quick, fresh_inductor)
-            rec = cold_compile(name, "rec_ascend", quick, fresh_rec)
-            rec_warm = cold_compile(name, "rec_ascend", quick, fresh_rec)  # autotune decision cached
+            inductor = cold_compile(name, "inductor", quick, fresh_inductor, threads)
+            rec = cold_compile(name, "rec_ascend", quick, fresh_rec, threads)
+            rec_warm = cold_compile(name, "rec_ascend", quick, fresh_rec, threads)  # autotune decision cached
         print(f"{name:5s} cold compile (train step): inductor {inductor:6.1f} s  rec_ascend {rec:6.1f} s "
               f"(ratio {rec / inductor:4.2f})  rec_ascend with cached decision {rec_warm:6.1f} s", flush=True)
 
@@ -124,12 +128,16 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small tables and batch, few iterations")
     parser.add_argument("--no-compile-time", action="store_true", help="skip the cold compile measurements")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--batch", type=int, help="batch size (default 256 with --quick, else 2048)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    run_steps(args.quick)
+    run_steps(args.quick, args.models, args.modes, args.batch)
     if not args.no_compile_time:
-        run_compile_times(args.quick)
+        run_compile_times(args.quick, args.models, args.threads)
 
 
 if __name__ == "__main__":

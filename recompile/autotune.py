@@ -7,7 +7,11 @@ example inputs and within ``BUDGET_S`` seconds:
    kernel, reference = eager ATen), forward (and backward when the graph trains); the fastest whose
    result matches the reference kernel's is written into the op's ``impl`` argument;
 2. the whole graph: ``inductor`` (the rewritten graph through Inductor), ``rec+eager`` (the rewritten
-   graph with the rec ops and eager ATen for the rest) and ``eager`` (the captured graph as it was).
+   graph with the rec ops and eager ATen for the rest), ``rec+eager-<pass>`` (the same without one
+   pass's regions, when several passes replaced some) and ``eager`` (the captured graph as it was).
+   Inference graphs where Inductor has little to fuse around our ops (``inductor_can_win``) compile
+   ``inductor-captured`` (plain Inductor on the captured graph) in place of ``inductor``, so that the race
+   still holds the Inductor a user would otherwise get, for one Inductor compile.
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
@@ -25,7 +29,7 @@ import os
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -34,9 +38,16 @@ import torch.fx as fx
 
 from recompile.lowering import candidates
 from recompile.passes.utils import meta_value
-from recompile.pipeline import concrete_inputs
+from recompile.pipeline import PassContext, concrete_inputs, run_pipeline
 
-BUDGET_S = 3.0  # timing budget of one graph (regions, then the whole graph); compiles excluded
+BUDGET_S = 1.5  # timing budget of one graph (regions, then the whole graph); compiles excluded
+# Inductor is compiled only when the nodes it can fuse away take at least this share of a call (see inductor_can_win).
+MIN_FUSABLE_SHARE = 0.05
+# Calls Inductor leaves as they are (library GEMMs, lookups): its gain is bounded by the time of the other nodes.
+LIBRARY_BOUND = frozenset({
+    torch._C._nn.linear, torch.nn.functional.linear, torch.addmm, torch.mm, torch.bmm, torch.matmul,
+    torch.nn.functional.embedding_bag, torch.nn.functional.embedding,
+})
 MIN_ROUNDS, MAX_ROUNDS = 3, 50
 CACHE_VERSION = 1
 GRAPH_CANDIDATES = ("inductor", "rec+eager", "eager")
@@ -285,29 +296,61 @@ def apply_regions(gm: fx.GraphModule, regions: dict[str, str]) -> None:
 # whole graph
 
 
-class GraphChooser:
-    """The compiled graph: on its first call, races the candidates on that call's inputs (outside the
-    compile, so that no timing run touches Dynamo's shape environment), keeps the fastest correct one,
-    stores the decision, and from then on is that candidate."""
+class _NodeTimer(fx.Interpreter):
+    """Runs the graph eagerly and adds up the wall time of the nodes Inductor leaves alone and of all nodes."""
 
-    def __init__(self, candidates: dict[str, Callable], oracle: Callable, decision: Decision, budget_s: float):
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.fixed = self.total = 0.0
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op in ("placeholder", "output", "get_attr"):
+            return super().run_node(n)
+        t0 = time.perf_counter()
+        result = super().run_node(n)
+        elapsed = time.perf_counter() - t0
+        self.total += elapsed
+        if n.target in LIBRARY_BOUND or _op_name(n) is not None or n.op == "call_module":
+            self.fixed += elapsed
+        return result
+
+
+def inductor_can_win(rewritten: fx.GraphModule, args: Sequence[Any]) -> bool:
+    """Whether Inductor is worth compiling for this inference graph: it keeps GEMMs, lookups and our ops as
+    they are, so it can save at most the time of the other nodes (pointwise work, copies, per-op dispatch);
+    when those take under ``MIN_FUSABLE_SHARE`` of an eager call, it cannot beat running the graph eagerly.
+    Training graphs always compile it: Inductor's backward (e.g. of lookups) can win where the forward cannot."""
+    timer = _NodeTimer(rewritten)
+    with torch.no_grad():
+        timer.run(*args)  # warm-up
+        timer.fixed = timer.total = 0.0
+        timer.run(*args)
+    return timer.total - timer.fixed >= MIN_FUSABLE_SHARE * timer.total
+
+
+class GraphChooser:
+    """The compiled graph: its first call races the candidates on that call's inputs (outside the compile, so
+    that no timing run touches Dynamo's shape environment), keeps the fastest correct one and stores the
+    decision; from then on ``run`` is that candidate itself, called with no wrapper of ours in between."""
+
+    def __init__(self, candidates: dict[str, Callable], oracle: Callable, decision: Decision, budget_s: float,
+                 chosen: Callable | None = None):
         self.candidates, self.oracle, self.decision, self.budget_s = candidates, oracle, decision, budget_s
-        self.chosen: Callable | None = None
         # Runs a call that fails, for its error: the rec ops name the table or op at fault.
         self.rec = candidates.get("rec+eager")
+        self.run: Callable = chosen or self.first_call
 
     @torch._dynamo.disable
-    def __call__(self, *args: Any) -> Any:
-        if self.chosen is None:
-            try:
-                want = run_step(self.oracle, args, self.decision.mode == "training")
-            except Exception:
-                # Bad input: nothing to compare against; the choice waits for a call that runs.
-                if self.rec is None:
-                    raise
-                return self.rec(*args)
-            self.chosen = with_rec_errors(self.choose(args, want), self.rec)
-        return self.chosen(*args)
+    def first_call(self, *args: Any) -> Any:
+        try:
+            want = run_step(self.oracle, args, self.decision.mode == "training")
+        except Exception:
+            # Bad input: nothing to compare against; the choice waits for a call that runs.
+            if self.rec is None:
+                raise
+            return self.rec(*args)
+        self.run = self.choose(args, want)
+        return self.run(*args)
 
     def choose(self, args: Sequence[Any], want: list[torch.Tensor]) -> Callable:
         decision, training = self.decision, self.decision.mode == "training"
@@ -326,21 +369,42 @@ class GraphChooser:
         store(decision)
         return self.candidates.get(decision.choice, self.oracle)  # no candidate correct: the captured graph
 
+    def rerun_for_error(self, args: Sequence[Any]) -> Any:
+        """After the chosen candidate raised: run the call through the rec ops, whose errors name the table,
+        feature or op at fault (the captured graph's ATen errors do not); re-raise when that is what failed."""
+        if self.rec is None or self.run is self.rec or self.run == self.first_call:
+            raise
+        return self.rec(*args)
 
-def with_rec_errors(chosen: Callable, rec: Callable | None) -> Callable:
-    """``chosen``, except that a call it fails is run again through the rec ops, whose errors name the table,
-    feature or op at fault (the captured graph's ATen errors do not)."""
-    if rec is None or chosen is rec:
-        return chosen
 
-    @torch._dynamo.disable
-    def run(*args: Any) -> Any:
+def compiled_graph(chooser: GraphChooser) -> Callable:
+    """What Dynamo calls: the chooser's current ``run`` (the candidate once chosen), and the rec ops on error."""
+
+    def call(*args: Any) -> Any:
         try:
-            return chosen(*args)
+            return chooser.run(*args)
         except Exception:
-            return rec(*args)
+            return chooser.rerun_for_error(args)
 
-    return run
+    call.chooser = chooser  # for reports and tests
+    return call
+
+
+def without_pass(original: fx.GraphModule, ctx, name: str, regions: dict[str, str]) -> Callable:
+    """The captured graph rewritten by every pass but ``name`` (with the kernels chosen for its regions), run eagerly."""
+    options = replace(ctx.options, passes={**ctx.options.passes, name: False}, verify=False, dump_dir=None)
+    gm = run_pipeline(original, PassContext(options, ctx.target, ctx.example_inputs, graph_id=ctx.graph_id))
+    apply_regions(gm, regions)
+    return gm.forward
+
+
+def ablation_builders(original: fx.GraphModule, ctx, decision: Decision) -> dict[str, Callable[[], Callable]]:
+    """``rec+eager-<pass>`` for each pass that replaced regions, when several did: the rewrite without that
+    pass's regions, so that one pass's gain is kept when another's regions measure slower than what they replaced."""
+    passes = list(dict.fromkeys(region.pass_name for region in ctx.regions))
+    if len(passes) < 2:
+        return {}
+    return {f"rec+eager-{name}": functools.partial(without_pass, original, ctx, name, decision.regions) for name in passes}
 
 
 def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[Any], ctx,
@@ -353,19 +417,35 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
         "rec+eager": lambda: rewritten.forward,
         "eager": lambda: original.forward,
     }
+    # Candidates that run the captured graph, as the user wrote it; not with lookups whose bounds_check
+    # clamps or skips ids the captured graph would raise on.
+    captured = {"inductor-captured": lambda: compile_inductor(original)}
     ops = {_op_name(node) for node in rewritten.graph.nodes} - {None}
     if not ops:
         del builders["rec+eager"]  # no rec region: the same graph as "eager"
     if ops & BOUNDS_CHECKED and ctx.options.bounds_check != "fatal":
         del builders["eager"]
+        captured = {}
     cached = load(key)
+    if cached is not None:
+        builders.update(ablation_builders(original, ctx, cached), **captured)
     if cached is not None and cached.choice in builders:
         apply_regions(rewritten, cached.regions)
         ctx.tuning = cached.to_dict()
-        return with_rec_errors(builders[cached.choice](), rewritten.forward if ops else None)
+        rec = {"rec+eager": rewritten.forward} if ops else {}
+        return compiled_graph(GraphChooser(rec, original.forward, cached, 0.0, chosen=builders[cached.choice]()))
     decision = Decision("eager", mode="training" if training else "inference", key=key)
     start = time.perf_counter()
-    tune_regions(rewritten, concrete_inputs(example_inputs), ctx.target, training, decision, start + BUDGET_S / 2)
+    args = concrete_inputs(example_inputs)
+    tune_regions(rewritten, args, ctx.target, training, decision, start + BUDGET_S / 2)
+    if not training and not inductor_can_win(rewritten, args):  # (a backward's gains are not seen by the timer)
+        # Inductor has little to fuse around our ops: its candidate is plain Inductor on the captured graph instead.
+        del builders["inductor"]
+        builders.update(captured)
+        decision.rejected["inductor"] = f"not compiled: the nodes it could fuse take under {MIN_FUSABLE_SHARE:.0%} of a call"
+    if "rec+eager" in builders:
+        builders.update(ablation_builders(original, ctx, decision))
     ctx.tuning = decision.to_dict()
     budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
-    return GraphChooser({name: build() for name, build in builders.items()}, original.forward, decision, budget)
+    return compiled_graph(GraphChooser({name: build() for name, build in builders.items()}, original.forward,
+                                       decision, budget))

@@ -1,7 +1,9 @@
 """Feature interactions: ``torch.ops.recompile.dot_interaction``, ``cross_layer`` and ``fm_second_order``.
 
-- ``dot_interaction(features, prefix, upper, self_interaction)``: the DLRM dot interaction. For
-  ``features`` ``[B, F, D]`` it computes only the needed pairwise dot products ``<f_r, f_c>``, in the
+- ``dot_interaction(features, prefix, upper, self_interaction)``: the DLRM dot interaction. ``features``
+  is a list of ``[B, D]`` (one feature each) and ``[B, n, D]`` tensors that together make the feature
+  matrix ``T`` ``[B, F, D]`` (``T`` itself, or the items a model stacks: kernels that can read them in
+  place never build ``T``). It computes only the needed pairwise dot products ``<f_r, f_c>``, in the
   order of ``triu_indices(F, F, 1)`` (``upper``, TorchRec) or ``tril_indices(F, F, -1)`` (the original
   DLRM), with the diagonal when ``self_interaction``; with a ``prefix`` ``[B, K]`` it writes the final
   ``cat([prefix, pairs], 1)`` layout directly.
@@ -10,15 +12,22 @@
 - ``fm_second_order(v, reduce)``: the factorisation-machine second order term over ``v`` ``[B, F, D]``,
   ``0.5 * ((sum_f v)^2 - sum_f v^2)`` per dimension ``[B, D]``, or summed over D to ``[B, 1]``
   (``reduce``; the flattened TorchRec ``FactorizationMachine`` is ``v = x.unsqueeze(-1)`` with ``reduce``).
+
+Kernels: ``reference`` (plain torch, the oracle), ``cpu`` (torch), ``native`` (C, ``csrc/interaction.c``
+through ``runtime.interaction_native``; the ``cpu`` kernel where it cannot run), ``triton``. Backward
+passes are ops of their own (``dot_interaction_backward``, ``cross_epilogue_backward``,
+``fm_second_order_backward``) taking the forward's ``impl``.
 """
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels import get_kernel, register_kernel
+from runtime import interaction_native as native
+from runtime.kernels import KERNELS, get_kernel, register_kernel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,11 +60,29 @@ def num_pairs(num_features: int, self_interaction: bool) -> int:
     return num_features * (num_features + (1 if self_interaction else -1)) // 2
 
 
+def feature_matrix(features: list[torch.Tensor]) -> torch.Tensor:
+    """The [B, F, D] feature matrix the items ``[B, D]`` (one feature) or ``[B, n, D]`` (n features) make."""
+    if len(features) == 1 and features[0].dim() == 3:
+        return features[0]
+    return torch.cat([t.unsqueeze(1) if t.dim() == 2 else t for t in features], 1)
+
+
+def num_features(features: list[torch.Tensor]) -> int:
+    return sum(1 if t.dim() == 2 else t.shape[1] for t in features)
+
+
+def split_features(grad: torch.Tensor, features: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``grad`` [B, F, D] split back into the items' shapes."""
+    sizes = [1 if t.dim() == 2 else t.shape[1] for t in features]
+    return [g.squeeze(1) if t.dim() == 2 else g for g, t in zip(grad.split(sizes, 1), features)]
+
+
 def dot_interaction_reference(
-    features: torch.Tensor, prefix: torch.Tensor | None, upper: bool, self_interaction: bool
+    features: list[torch.Tensor], prefix: torch.Tensor | None, upper: bool, self_interaction: bool
 ) -> torch.Tensor:
-    dots = torch.bmm(features, features.transpose(1, 2))
-    rows, cols = pair_indices(features.shape[1], upper, self_interaction, features.device)
+    T = feature_matrix(features)
+    dots = torch.bmm(T, T.transpose(1, 2))
+    rows, cols = pair_indices(T.shape[1], upper, self_interaction, T.device)
     pairs = dots[:, rows, cols]
     return pairs if prefix is None else torch.cat([prefix, pairs], 1)
 
@@ -66,78 +93,114 @@ register_kernel("dot_interaction", "reference")(dot_interaction_reference)
 @register_kernel("dot_interaction", "cpu")
 def _dot_interaction_cpu(features, prefix, upper, self_interaction):
     """One bmm, then one index_select of the needed pairs from the flattened [B, F*F] products."""
-    batch, n, _ = features.shape
-    dots = torch.bmm(features, features.transpose(1, 2)).view(batch, n * n)
-    pairs = dots.index_select(1, flat_pair_indices(n, upper, self_interaction, features.device))
+    T = feature_matrix(features)
+    batch, n, _ = T.shape
+    dots = torch.bmm(T, T.transpose(1, 2)).view(batch, n * n)
+    pairs = dots.index_select(1, flat_pair_indices(n, upper, self_interaction, T.device))
     return pairs if prefix is None else torch.cat([prefix, pairs], 1)
+
+
+@register_kernel("dot_interaction", "native")
+def _dot_interaction_native(features, prefix, upper, self_interaction):
+    """Only the needed pairs, read from the items in place and written after the prefix (csrc/interaction.c)."""
+    if not native.supports(*features, prefix):
+        return _dot_interaction_cpu(features, prefix, upper, self_interaction)
+    rows, cols = _pair_indices_cpu(num_features(features), upper, self_interaction)
+    return native.dot_interaction(features, prefix, rows, cols)
 
 
 @register_kernel("dot_interaction", "triton")
 def _dot_interaction_triton(features, prefix, upper, self_interaction):
     from runtime.triton_kernels.interaction import dot_interaction
 
-    return dot_interaction(features, prefix, upper, self_interaction)
+    return dot_interaction(feature_matrix(features), prefix, upper, self_interaction)
 
 
-def _check_dot_interaction(features: torch.Tensor, prefix: torch.Tensor | None) -> None:
-    if features.dim() != 3:
-        raise ValueError(f"recompile.dot_interaction: features must be [B, F, D], got shape {tuple(features.shape)}")
-    if prefix is not None and (prefix.dim() != 2 or prefix.shape[0] != features.shape[0] or prefix.dtype != features.dtype):
+def _check_dot_interaction(features: list[torch.Tensor], prefix: torch.Tensor | None) -> None:
+    shapes = [tuple(t.shape) for t in features]
+    batch = features[0].shape[0] if features else None
+    ok = bool(features) and all(t.dim() in (2, 3) and t.dtype == features[0].dtype for t in features)
+    ok = ok and all(t.shape[0] == batch and t.shape[-1] == features[0].shape[-1] for t in features)
+    if not ok:
         raise ValueError(
-            f"recompile.dot_interaction: prefix must be [B, K] of {features.dtype} with B={features.shape[0]}, "
+            "recompile.dot_interaction: features must be one or more [B, D] or [B, n, D] tensors of one B, D and "
+            f"dtype, got shapes {shapes} of {[t.dtype for t in features]}"
+        )
+    if prefix is not None and (prefix.dim() != 2 or prefix.shape[0] != batch or prefix.dtype != features[0].dtype):
+        raise ValueError(
+            f"recompile.dot_interaction: prefix must be [B, K] of {features[0].dtype} with B={batch}, "
             f"got shape {tuple(prefix.shape)} of {prefix.dtype}"
         )
 
 
 @torch.library.custom_op("recompile::dot_interaction", mutates_args=())
 def dot_interaction(
-    features: torch.Tensor, prefix: torch.Tensor | None, upper: bool, self_interaction: bool, impl: str = "reference"
+    features: list[torch.Tensor], prefix: torch.Tensor | None, upper: bool, self_interaction: bool,
+    impl: str,
 ) -> torch.Tensor:
     _check_dot_interaction(features, prefix)
     return get_kernel("dot_interaction", impl)(features, prefix, upper, self_interaction)
 
 
 @dot_interaction.register_fake
-def _(features, prefix, upper, self_interaction, impl="reference"):
+def _(features, prefix, upper, self_interaction, impl):
     _check_dot_interaction(features, prefix)
     k = 0 if prefix is None else prefix.shape[1]
-    return features.new_empty(features.shape[0], k + num_pairs(features.shape[1], self_interaction))
+    return features[0].new_empty(features[0].shape[0], k + num_pairs(num_features(features), self_interaction))
 
 
 def dot_interaction_backward_reference(grad, features, k, upper, self_interaction):
     """d/dT of the pairs: scatter the pair grads into a [B, F, F] matrix G, then (G + G^T) @ T."""
-    batch, n, _ = features.shape
+    T = feature_matrix(features)
+    batch, n, _ = T.shape
     g = grad.new_zeros(batch, n * n)
-    g.index_copy_(1, flat_pair_indices(n, upper, self_interaction, features.device), grad[:, k:])
+    g.index_copy_(1, flat_pair_indices(n, upper, self_interaction, T.device), grad[:, k:])
     g = g.view(batch, n, n)
-    return torch.bmm(g + g.transpose(1, 2), features)
+    return split_features(torch.bmm(g + g.transpose(1, 2), T), features)
+
+
+register_kernel("dot_interaction_backward", "reference")(dot_interaction_backward_reference)
+
+
+@register_kernel("dot_interaction_backward", "native")
+def _dot_interaction_backward_native(grad, features, k, upper, self_interaction):
+    if not native.supports(grad, *features):
+        return dot_interaction_backward_reference(grad, features, k, upper, self_interaction)
+    rows, cols = _pair_indices_cpu(num_features(features), upper, self_interaction)
+    return native.dot_interaction_backward(grad, features, k, rows, cols)
+
+
+def backward_kernel(op: str, impl: str) -> Callable:
+    """The backward kernel of ``op`` paired with forward kernel ``impl``: its own, or the reference."""
+    return get_kernel(op, impl if impl in KERNELS[op] else "reference")
 
 
 # The backward is an op of its own so that tracing it (aot_autograd, dynamic shapes) never builds the
-# pair indices from a symbolic feature count; its kernel is the same on every device.
+# pair indices from a symbolic feature count.
 @torch.library.custom_op("recompile::dot_interaction_backward", mutates_args=())
 def dot_interaction_backward(
-    grad: torch.Tensor, features: torch.Tensor, k: int, upper: bool, self_interaction: bool
-) -> torch.Tensor:
-    return dot_interaction_backward_reference(grad.contiguous(), features, k, upper, self_interaction)
+    grad: torch.Tensor, features: list[torch.Tensor], k: int, upper: bool, self_interaction: bool, impl: str
+) -> list[torch.Tensor]:
+    kernel = backward_kernel("dot_interaction_backward", impl)
+    grads = kernel(grad.contiguous(), features, k, upper, self_interaction)
+    return [g.contiguous() if g._base is None else g.clone(memory_format=torch.contiguous_format) for g in grads]
 
 
 @dot_interaction_backward.register_fake
-def _(grad, features, k, upper, self_interaction):
-    return torch.empty_like(features)
+def _(grad, features, k, upper, self_interaction, impl):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in features]
 
 
 def _dot_setup(ctx, inputs, output):
-    features, prefix, upper, self_interaction, _ = inputs
-    ctx.save_for_backward(features)
-    ctx.config = (0 if prefix is None else prefix.shape[1], upper, self_interaction, prefix is not None)
+    features, prefix, upper, self_interaction, impl = inputs
+    ctx.save_for_backward(*features)
+    ctx.config = (0 if prefix is None else prefix.shape[1], upper, self_interaction, prefix is not None, impl)
 
 
 def _dot_backward(ctx, grad):
-    (features,) = ctx.saved_tensors
-    k, upper, self_interaction, has_prefix = ctx.config
-    grad_features = dot_interaction_backward(grad, features, k, upper, self_interaction)
-    return grad_features, grad[:, :k] if has_prefix else None, None, None, None
+    k, upper, self_interaction, has_prefix, impl = ctx.config
+    grads = dot_interaction_backward(grad, list(ctx.saved_tensors), k, upper, self_interaction, impl)
+    return grads, grad[:, :k] if has_prefix else None, None, None, None
 
 
 dot_interaction.register_autograd(_dot_backward, setup_context=_dot_setup)
@@ -167,6 +230,15 @@ def _cross_layer_cpu(x0, x, weight, bias, down):
     return torch.addcmul(x, x0, h)
 
 
+@register_kernel("cross_layer", "native")
+def _cross_layer_native(x0, x, weight, bias, down):
+    """The matmul through torch (MKL), then bias, ``x0 *`` and ``+ x`` as one native pass."""
+    if not native.supports(x0, x, weight, bias, down):
+        return _cross_layer_cpu(x0, x, weight, bias, down)
+    z = x if down is None else torch.mm(x, down.t())
+    return native.cross_epilogue(x0, x, torch.mm(z, weight.t()), bias)
+
+
 @register_kernel("cross_layer", "triton")
 def _cross_layer_triton(x0, x, weight, bias, down):
     from runtime.triton_kernels.interaction import cross_layer
@@ -192,35 +264,60 @@ def _check_cross_layer(x0, x, weight, bias, down):
 @torch.library.custom_op("recompile::cross_layer", mutates_args=())
 def cross_layer(
     x0: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor | None,
-    impl: str = "reference",
+    impl: str,
 ) -> torch.Tensor:
     _check_cross_layer(x0, x, weight, bias, down)
     return get_kernel("cross_layer", impl)(x0, x, weight, bias, down)
 
 
 @cross_layer.register_fake
-def _(x0, x, weight, bias, down, impl="reference"):
+def _(x0, x, weight, bias, down, impl):
     _check_cross_layer(x0, x, weight, bias, down)
     return torch.empty_like(x)
 
 
 def _cross_setup(ctx, inputs, output):
-    x0, x, weight, bias, down, _ = inputs
+    x0, x, weight, bias, down, impl = inputs
     ctx.save_for_backward(x0, x, weight, bias, down)
+    ctx.impl = impl
+
+
+def _epilogue_grads_torch(grad, x0, h, bias):
+    """(grad_h, grad_x0, grad_bias) of ``x0 * (h + bias) + x``."""
+    grad_h = grad * x0
+    hb = h if bias is None else h + bias
+    return grad_h, grad * hb, None if bias is None else grad_h.sum(0)
+
+
+# The epilogue's backward is an op of its own so that aot_autograd traces it as one opaque call (the native
+# kernel reads data pointers, which fake tensors do not have).
+@torch.library.custom_op("recompile::cross_epilogue_backward", mutates_args=())
+def cross_epilogue_backward(
+    grad: torch.Tensor, x0: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None, impl: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_h, grad_x0, grad_bias) of ``x0 * (h + bias) + x``; grad_bias is empty without a bias."""
+    if impl == "native" and native.supports(grad, x0, h, bias):
+        grad_h, grad_x0, grad_bias = native.cross_epilogue_backward(grad, x0, h, bias)
+    else:
+        grad_h, grad_x0, grad_bias = _epilogue_grads_torch(grad, x0, h, bias)
+    return grad_h, grad_x0, grad.new_empty(0) if grad_bias is None else grad_bias
+
+
+@cross_epilogue_backward.register_fake
+def _(grad, x0, h, bias, impl):
+    return torch.empty_like(grad), torch.empty_like(grad), grad.new_empty(0) if bias is None else torch.empty_like(bias)
 
 
 def _cross_backward(ctx, grad):
-    """out = x0 * h + x with h = z W^T + b, z = x V^T (or x): h is recomputed, not stored."""
+    """out = x0 * (h + b) + x with h = z W^T, z = x V^T (or x): h is recomputed, not stored."""
     x0, x, weight, bias, down = ctx.saved_tensors
     z = x if down is None else torch.mm(x, down.t())
-    h = torch.mm(z, weight.t()) if bias is None else torch.addmm(bias, z, weight.t())
-    grad_h = grad * x0
+    grad_h, grad_x0, grad_bias = cross_epilogue_backward(grad, x0, torch.mm(z, weight.t()), bias, ctx.impl)
     grad_weight = torch.mm(grad_h.t(), z)
-    grad_bias = None if bias is None else grad_h.sum(0)
     grad_z = torch.mm(grad_h, weight)
     grad_down = None if down is None else torch.mm(grad_z.t(), x)
     grad_x = grad + (grad_z if down is None else torch.mm(grad_z, down))
-    return grad * h, grad_x, grad_weight, grad_bias, grad_down, None
+    return grad_x0, grad_x, grad_weight, None if bias is None else grad_bias, grad_down, None
 
 
 cross_layer.register_autograd(_cross_backward, setup_context=_cross_setup)
@@ -247,6 +344,12 @@ def _fm_cpu(v, reduce):
     return (out.sum(1, keepdim=True) if reduce else out).to(v.dtype)
 
 
+@register_kernel("fm_second_order", "native")
+def _fm_native(v, reduce):
+    """Sum and sum of squares per sample in one pass over the fields (csrc/interaction.c)."""
+    return native.fm_second_order(v, reduce) if native.supports(v) else _fm_cpu(v, reduce)
+
+
 @register_kernel("fm_second_order", "triton")
 def _fm_triton(v, reduce):
     from runtime.triton_kernels.interaction import fm_second_order
@@ -260,27 +363,39 @@ def _check_fm(v):
 
 
 @torch.library.custom_op("recompile::fm_second_order", mutates_args=())
-def fm_second_order(v: torch.Tensor, reduce: bool, impl: str = "reference") -> torch.Tensor:
+def fm_second_order(v: torch.Tensor, reduce: bool, impl: str) -> torch.Tensor:
     _check_fm(v)
     return get_kernel("fm_second_order", impl)(v, reduce)
 
 
 @fm_second_order.register_fake
-def _(v, reduce, impl="reference"):
+def _(v, reduce, impl):
     _check_fm(v)
     return v.new_empty(v.shape[0], 1 if reduce else v.shape[2])
 
 
 def _fm_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
-    ctx.reduce = inputs[1]
+    ctx.reduce, ctx.impl = inputs[1], inputs[2]
+
+
+@torch.library.custom_op("recompile::fm_second_order_backward", mutates_args=())
+def fm_second_order_backward(grad: torch.Tensor, v: torch.Tensor, reduce: bool, impl: str) -> torch.Tensor:
+    """d out_d / d v_fd = sum_f v_fd - v_fd (an op, like the epilogue's: the native kernel reads pointers)."""
+    if impl == "native" and native.supports(grad, v):
+        return native.fm_second_order_backward(grad, v, reduce)
+    g = grad.unsqueeze(1)  # [B, 1, D] or [B, 1, 1]
+    return g * (v.sum(1, keepdim=True) - v)
+
+
+@fm_second_order_backward.register_fake
+def _(grad, v, reduce, impl):
+    return torch.empty_like(v)
 
 
 def _fm_backward(ctx, grad):
-    """d out_d / d v_fd = sum_f v_fd - v_fd."""
     (v,) = ctx.saved_tensors
-    g = grad.unsqueeze(1)  # [B, 1, D] or [B, 1, 1]
-    return g * (v.sum(1, keepdim=True) - v), None, None
+    return fm_second_order_backward(grad, v, ctx.reduce, ctx.impl), None, None
 
 
 fm_second_order.register_autograd(_fm_backward, setup_context=_fm_setup)

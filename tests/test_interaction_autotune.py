@@ -84,7 +84,8 @@ def test_wrong_kernel_is_rejected_even_when_fastest(_cache, monkeypatch):
     assert sum(":cpu" in name for name in decision["rejected"]) == 2
 
 
-def test_wrong_graph_candidate_is_rejected(_cache):
+def test_wrong_graph_candidate_is_rejected(_cache, monkeypatch):
+    monkeypatch.setattr(autotune, "MIN_FUSABLE_SHARE", 0.0)  # always compile the (broken) Inductor candidate
     model, x = Cross(), torch.randn(8, 16)
     captured = {}
 
@@ -103,8 +104,8 @@ def test_wrong_graph_candidate_is_rejected(_cache):
     with torch.no_grad():
         out = torch.compile(model, backend=backend)(x)
     torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
-    decision = captured["chooser"].decision
-    assert "inductor" in decision.rejected and decision.choice in ("eager", "rec+eager")
+    decision = captured["chooser"].chooser.decision
+    assert "differs" in decision.rejected["inductor"] and decision.choice in ("eager", "rec+eager")
 
 
 def test_random_graphs_are_not_tuned(_cache):
@@ -133,3 +134,68 @@ def test_mutating_ops_are_not_tuned():
     gm = torch.fx.symbolic_trace(bump)
     assert not autotune.tunable(gm, (torch.randn(2), torch.zeros(1)))
     assert autotune.tunable(torch.fx.symbolic_trace(lambda x: x * 2), (torch.randn(2),))
+
+
+def test_chosen_candidate_is_called_directly_fresh_and_cached(_cache):
+    """After the first call (and with a cached decision, from the start) Dynamo's callable runs the chosen
+    candidate itself: no chooser or timing code on the call path."""
+    model, x = Cross(), torch.randn(8, 16)
+    compiled = []
+
+    def backend(gm, example_inputs):
+        from recompile.backend import rec_ascend
+
+        compiled.append(rec_ascend(gm, example_inputs))
+        return compiled[-1]
+
+    for attempt in range(2):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            fn = torch.compile(model, backend=backend)
+            torch.testing.assert_close(fn(x), model(x), rtol=1e-5, atol=1e-5)
+            fn(x)
+        chooser = compiled[-1].chooser
+        assert chooser.decision.cached == (attempt == 1)
+        assert chooser.run != chooser.first_call
+        if attempt == 0:
+            assert chooser.run is chooser.candidates[chooser.decision.choice]
+
+
+def test_inductor_is_compiled_only_where_it_can_win():
+    """A graph that is one big GEMM leaves Inductor nothing to fuse; a chain of pointwise ops does."""
+    gemm = torch.fx.symbolic_trace(lambda x, w: torch.nn.functional.linear(x, w))
+    pointwise = torch.fx.symbolic_trace(lambda x, w: torch.sigmoid(torch.relu(x * 2 + 1) - x).exp())
+    x, w = torch.randn(512, 512), torch.randn(512, 512)
+    assert not autotune.inductor_can_win(gemm, [x, w])
+    assert autotune.inductor_can_win(pointwise, [x, w])
+
+
+def test_each_pass_can_be_left_out(_cache):
+    """DLRM has embedding and interaction regions: the race also runs the rewrite without either pass, and a
+    cached choice of such a candidate is rebuilt without timing."""
+    from models.dlrm import DLRM, DLRMConfig, synthetic_batch
+
+    cfg = DLRMConfig(table_rows=[50, 80, 120], dim=8, bottom=[16, 8], top=[16, 1])
+    model, args = DLRM(cfg), synthetic_batch(cfg, 9)
+    with torch.no_grad():
+        want = model(*args)
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(model, backend="rec_ascend")(*args), want, rtol=1e-5, atol=1e-5)
+        [decision] = _decisions(_cache)
+        assert {"rec+eager-embedding", "rec+eager-interaction"} <= set(decision["timings_ms"])
+        decision["choice"] = "rec+eager-embedding"  # as if it had won
+        (_cache / "autotune" / f"{decision['key']}.json").write_text(json.dumps(decision))
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(model, backend="rec_ascend")(*args), want, rtol=1e-5, atol=1e-5)
+        assert [d["timings_ms"] for d in _decisions(_cache)] == [decision["timings_ms"]]  # applied, not re-timed
+
+
+def test_plain_inductor_races_where_the_rewrite_leaves_it_nothing_to_fuse(_cache, monkeypatch):
+    monkeypatch.setattr(autotune, "MIN_FUSABLE_SHARE", 1.1)  # no inference graph is worth Inductor on the rewrite
+    model, x = Cross(), torch.randn(8, 16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="rec_ascend")(x), model(x), rtol=1e-5, atol=1e-5)
+    [decision] = _decisions(_cache)
+    assert "inductor-captured" in decision["timings_ms"] and "inductor" not in decision["timings_ms"]
+    assert decision["rejected"]["inductor"].startswith("not compiled")

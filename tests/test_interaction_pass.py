@@ -37,6 +37,14 @@ class Interaction(nn.Module):
             li = torch.tensor([i for i in range(n) for j in range(i + 1)])
             lj = torch.tensor([j for i in range(n) for j in range(i + 1)])
             return dots[:, li, lj]
+        if self.form == "triu_masked_select":
+            mask = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
+            return torch.masked_select(dots, mask).view(dots.shape[0], -1)
+        if self.form == "tril_mask_reshape":
+            mask = torch.ones(n, n).tril(-1).bool()
+            return dots.masked_select(mask).reshape(-1, n * (n - 1) // 2)
+        if self.form == "triu_mask_index":
+            return dots[:, torch.triu(torch.ones(n, n, dtype=torch.bool), 1)]
         raise ValueError(self.form)
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -62,7 +70,11 @@ class Interaction(nn.Module):
         return self.top(torch.cat([x, pairs], dim=1))
 
 
-FORMS = ["triu_indices", "tril_indices", "self_lower", "grouped_cat", "pair_loop", "pair_loop_stack"]
+# Boolean-mask spellings have a data-dependent size in general: Dynamo captures them in one graph only with
+# capture_dynamic_output_shape_ops (else it breaks the graph before the selection and there is nothing to fuse).
+MASKED_FORMS = ["triu_masked_select", "tril_mask_reshape", "triu_mask_index"]
+FORMS = ["triu_indices", "tril_indices", "self_lower", *MASKED_FORMS,
+         "grouped_cat", "pair_loop", "pair_loop_stack"]
 
 
 def _inputs(batch=7):
@@ -97,11 +109,12 @@ def _regions(model, *args):
 @pytest.mark.parametrize("form", FORMS)
 def test_dot_interaction_forms_found_and_equal_eager(form):
     model, args = Interaction(form), _inputs()
-    [region] = _regions(model, *args)
-    assert region["op"] == "recompile::dot_interaction" and region["kind"] == "interaction"
-    if form != "pair_loop_stack":  # the final cat([dense, pairs]) is written by the op
-        assert region["replaced"][-1].startswith("cat")
-    _assert_same_training(model, args)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=form in MASKED_FORMS):
+        [region] = _regions(model, *args)
+        assert region["op"] == "recompile::dot_interaction" and region["kind"] == "interaction"
+        if form not in ("pair_loop_stack", *MASKED_FORMS):  # (their size checks read the selection: cat stays)
+            assert region["replaced"][-1].startswith("cat")  # the final cat([dense, pairs]) is written by the op
+        _assert_same_training(model, args)
 
 
 def test_dlrm_of_the_zoo():
@@ -118,7 +131,13 @@ def test_other_pairs_are_left_alone():
             idx = torch.arange(t.shape[1])
             return dots[:, idx, idx]  # the diagonal: not an interaction order
 
+    class Flattened(nn.Module):
+        def forward(self, t):  # all samples' pairs in one row: not [B, P]
+            dots = torch.bmm(t, t.transpose(1, 2))
+            return torch.masked_select(dots, torch.ones(3, 3, dtype=torch.bool).triu(1)).view(1, -1)
+
     assert _regions(Diagonal(), torch.randn(2, 3, 4)) == []
+    assert _regions(Flattened(), torch.randn(2, 3, 4)) == []
 
 
 class CrossNet(nn.Module):
@@ -167,6 +186,17 @@ def test_fm_forms_found_and_equal_eager():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_deepfm_of_the_zoo():
+    """DeepFM's ``0.5 * (fields.sum(1).pow(2) - fields.pow(2).sum(1)).sum(1, keepdim=True)`` becomes one op."""
+    from models.ctr import CTRConfig, DeepFM
+
+    cfg = CTRConfig(table_rows=[30, 40, 50], dim=4, deep=[8])
+    model, args = DeepFM(cfg), synthetic_batch(cfg, 6)
+    fm = [r for r in _regions(model, *args) if r["op"] == "recompile::fm_second_order"]
+    assert len(fm) == 1 and len(fm[0]["replaced"]) == 7  # sum, pow, pow, sum, sub, sum, mul
+    _assert_same_training(model, args)
+
+
 def test_disabled_pass_leaves_interactions():
     model, args = Interaction("triu_indices"), _inputs()
     report = recompile.explain(model, *args, options={"passes": {"interaction": False}})
@@ -181,3 +211,18 @@ def test_batch_size_changes_compile_at_most_twice():
         args = _inputs(batch)
         torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-5, atol=1e-5)
     assert counter.frame_count <= 2
+
+
+def test_native_kernels_train_through_inductor():
+    """With autotune off the lowering's first CPU choice (the native kernels, when a C compiler is present)
+    goes through aot_autograd and Inductor: every backward is an opaque op, never traced into."""
+    import functools
+
+    from recompile.backend import rec_ascend
+
+    backend = functools.partial(rec_ascend, options={"autotune": False})
+    _assert_same_training(Interaction("triu_indices"), _inputs(), backend=backend)
+    _assert_same_training(CrossNet(), (torch.randn(9, 12, requires_grad=True),), backend=backend)
+    v, flat = torch.randn(5, 4, 6, requires_grad=True), torch.randn(5, 10, requires_grad=True)
+    got = torch.autograd.grad(torch.compile(FM(), backend=backend)(v, flat).sum(), (v, flat))
+    torch.testing.assert_close(got, torch.autograd.grad(FM()(v, flat).sum(), (v, flat)), rtol=1e-5, atol=1e-5)

@@ -1,21 +1,32 @@
-"""Lowering of the feature-interaction ops: Triton on accelerators, CPU kernels, references."""
+"""Lowering of the feature-interaction ops: Triton on accelerators, native CPU kernels, torch CPU kernels, references."""
 from recompile.lowering.registry import Impl, has_triton, on_cpu, reference, register_lowering
+from recompile.lowering.targets import Target
+from runtime import interaction_native
+
+
+def native_runs(target: Target) -> bool:
+    """On CPU, when the C kernels of runtime/csrc/interaction.c build (a C compiler is present)."""
+    return on_cpu(target) and interaction_native.available()
+
 
 register_lowering(
     "recompile::dot_interaction",
     Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.dot_interaction"),
+    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.c: the needed pairs only, features read in place"),
     Impl("cpu", "cpu_kernel", on_cpu, "bmm + index_select of the pairs"),
     reference("runtime.interaction.dot_interaction_reference"),
 )
 register_lowering(
     "recompile::cross_layer",
     Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.cross_layer (tl.dot, fused epilogue)"),
+    Impl("native", "cpu_kernel", native_runs, "mm (MKL) + csrc/interaction.c epilogue x0 * (h + b) + x, one pass"),
     Impl("cpu", "cpu_kernel", on_cpu, "addmm + addcmul"),
     reference("runtime.interaction.cross_layer_reference"),
 )
 register_lowering(
     "recompile::fm_second_order",
     Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.fm_second_order"),
+    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.c: sum and sum of squares in one pass"),
     Impl("cpu", "cpu_kernel", on_cpu, "fp32 sum and sum of squares, combined in place"),
     reference("runtime.interaction.fm_second_order_reference"),
 )

@@ -5,21 +5,25 @@ below; every commuted and respelled variant is generated, none is an if-chain) a
 
 - dot interaction: ``D = bmm(T, transpose(T, 1, 2))`` (or ``matmul``) with ``T`` ``[B, F, D]``, then the
   pairs ``D[:, rows, cols]`` (``rows, cols`` = ``triu_indices``/``tril_indices`` with offset ±1 or 0,
-  or the same pairs built by Python loops: ``torch.tensor([i for i ...])``)
-  -> ``recompile.dot_interaction(T, prefix, upper, self_interaction)``; a following
-  ``cat([prefix, pairs], 1)`` is fused into it (the op writes the final layout). The index tensors
-  must evaluate to constants (in-graph constructors or module buffers) and be exactly one of the four
-  orders, or the graph is left alone. ``T`` may come from anything (``stack([x] + embs, 1)``, or
-  ``cat([x.unsqueeze(1), E], 1)`` around a grouped lookup); it is read in place.
+  or the same pairs built by Python loops: ``torch.tensor([i for i ...])``), ``D[:, mask]`` or
+  ``masked_select(D, mask)`` (``mask`` a constant ``[F, F]`` bool triangle; Dynamo captures these only
+  with ``capture_dynamic_output_shape_ops``) -> ``recompile.dot_interaction(items, prefix, upper,
+  self_interaction)`` (flattened for ``masked_select``); a following ``cat([prefix, pairs], 1)`` is
+  fused into it (the op writes the final layout). The index tensors and masks must evaluate to
+  constants (in-graph constructors or module buffers) and select exactly one of the four orders, or the
+  graph is left alone. ``items`` are what ``T`` is joined from when only the pattern reads it
+  (``stack([x] + embs, 1)``, or ``cat([x.unsqueeze(1), E], 1)`` around a grouped lookup): the op reads
+  them in place and the join goes away; else ``[T]``.
 - Python pair loops over a feature list: ``cat([x, *[(f_i * f_j).sum(1, keepdim=True) for i, j in P]], 1)``
   (or ``stack([(f_i * f_j).sum(1) ...], 1)``) with ``P`` one of the four orders
-  -> ``recompile.dot_interaction(stack(features, 1), x, upper, self_interaction)``.
+  -> ``recompile.dot_interaction(features, x, upper, self_interaction)``.
 - DCN-v2 cross layer: ``x0 * linear(x, W, b) + x`` -> ``recompile.cross_layer(x0, x, W, b, None)``;
   low rank ``x0 * linear(linear(x, V), U, b) + x`` -> ``recompile.cross_layer(x0, x, U, b, V)``
   (the bias, the product with ``x0`` and the residual add are the matmul's fused epilogue).
 - FM second order, per dimension: ``0.5 * (sum(v, 1)^2 - sum(v * v, 1))`` for ``v`` ``[B, F, D]`` ->
   ``recompile.fm_second_order(v, False)``; a following ``sum(_, 1, keepdim=True)`` is fused
-  (``reduce=True``). The flattened TorchRec ``FactorizationMachine`` form
+  (``reduce=True``), and so is DeepFM's ``0.5 * sum(_, 1, keepdim=True)`` (the half outside the sum).
+  The flattened TorchRec ``FactorizationMachine`` form
   ``sum(sum(x, 1, keepdim=True)^2 - sum(x * x, 1, keepdim=True), 1, keepdim=True) * 0.5`` for ``x``
   ``[B, N]`` -> ``recompile.fm_second_order(x.unsqueeze(-1), True)``.
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -45,7 +50,7 @@ from torch._inductor.pattern_matcher import (
 
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from recompile.passes.utils import meta_value, tensor_meta
+from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
 from recompile.pipeline import PassContext, register_pass
 from runtime.interaction import pair_indices
 
@@ -74,9 +79,12 @@ def _products(t: PatternExpr) -> list[PatternExpr]:
 
 
 def dot_patterns() -> Iterator[PatternExpr]:
-    """``D[:, rows, cols]`` with ``D = T @ T^T``."""
+    """``D[:, rows, cols]``, ``D[:, mask]`` and ``masked_select(D, mask)`` (the pairs of all samples, flat)
+    with ``D = T @ T^T``."""
     for dots in _products(KeywordArg("T")):
         yield CallFunction(operator.getitem, dots, (slice(None), KeywordArg("rows"), KeywordArg("cols")))
+        yield CallFunction(operator.getitem, dots, (slice(None), KeywordArg("mask")))
+        yield CallFunction(torch.masked_select, dots, KeywordArg("mask"))
 
 
 def _pair_products(keepdim: bool) -> list[PatternExpr]:
@@ -132,15 +140,27 @@ def _fm_differences(keepdim: bool) -> Iterator[PatternExpr]:
             yield CallFunction(SUB, square_of_sum, sum_of_square)
 
 
-def fm_patterns() -> Iterator[tuple[PatternExpr, bool]]:
-    """(pattern, flattened): per-dimension over [B, F, D], or TorchRec's over [B, N] with keepdim sums."""
+@dataclass(frozen=True)
+class FMForm:
+    """How an FM second-order pattern is written: the rank of ``v`` and whether the sum over D is inside."""
+
+    v_dim: int  # 3: fields [B, F, D]; 2: TorchRec's flattened [B, N] (v = x.unsqueeze(-1))
+    reduced: bool  # the pattern already sums over D (else a following keepdim sum is fused when present)
+
+
+def fm_patterns() -> Iterator[tuple[PatternExpr, FMForm]]:
+    """Per dimension over [B, F, D]; DeepFM's ``0.5 * (...).sum(1, keepdim=True)`` (the half outside the sum
+    over D); TorchRec's over [B, N] with keepdim sums."""
     for diff in _fm_differences(keepdim=False):
         for half in _halves(diff):
-            yield half, False
+            yield half, FMForm(3, reduced=False)
+        for outer in _sums(diff, keepdim=True, dim_name="outer_dim"):
+            for half in _halves(outer):
+                yield half, FMForm(3, reduced=True)
     for diff in _fm_differences(keepdim=True):
         for outer in _sums(diff, keepdim=True, dim_name="outer_dim"):
             for half in _halves(outer):
-                yield half, True
+                yield half, FMForm(2, reduced=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -217,6 +237,14 @@ def _selected_pairs(rows: fx.Node, cols: fx.Node, num_features: int, gm: fx.Grap
     return rows * num_features + cols
 
 
+def _masked_pairs(mask: fx.Node, num_features: int, gm: fx.GraphModule) -> torch.Tensor | None:
+    """Flat positions a constant [F, F] boolean mask selects, in row-major (output) order; None otherwise."""
+    mask = constant_value(mask, gm)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != (num_features, num_features):
+        return None
+    return mask.flatten().nonzero().flatten()
+
+
 # --------------------------------------------------------------------------------------------------
 # replacements
 
@@ -240,11 +268,15 @@ def _fused_cat(pairs: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return cat, tensors[0]
 
 
-def _replace(ctx: PassContext, match: Match, anchor: fx.Node, op: str, args: tuple, replaced: list[fx.Node]) -> None:
+def _replace(ctx: PassContext, match: Match, anchor: fx.Node, op: str, args: tuple, replaced: list[fx.Node],
+             then: Callable | None = None) -> None:
+    """Replace ``anchor`` by ``op(*args)`` (or ``then(op(*args))``) and erase the ``replaced`` nodes left unused."""
     impl = ctx.lower(op)
     graph = anchor.graph
     with graph.inserting_before(anchor):
         new = graph.call_function(getattr(torch.ops.recompile, op.split("::")[1]).default, (*args, impl.impl))
+        if then is not None:
+            new = graph.call_function(then, (new,))
     new.meta["example_value"] = meta_value(anchor)
     ctx.record_region("interaction", replaced, op, impl)
     anchor.replace_all_uses_with(new)
@@ -264,24 +296,56 @@ def _float_tensor(node: Any, dim: int) -> torch.Tensor | None:
     return meta if meta is not None and meta.dim() == dim and meta.is_floating_point() else None
 
 
+def _unsqueezed(node: Any) -> fx.Node | None:
+    """``a`` when ``node`` is ``unsqueeze(a, 1)`` of a 2-D ``a``."""
+    if is_call(node, torch.unsqueeze) and arg(node, 1, "dim") == 1 and _float_tensor(node.args[0], 2) is not None:
+        return node.args[0]
+    return None
+
+
+def feature_items(T: fx.Node, match_nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(items, absorbed): the [B, D] / [B, n, D] pieces ``T`` is stacked or concatenated from along dim 1, read
+    in place by the op instead of ``T``, and the stack/cat that then goes away; ``[T]`` when ``T`` has other
+    users or is built otherwise."""
+    joined = is_call(T, torch.stack, torch.cat) and arg(T, 1, "dim", 0) == 1
+    if not joined or any(user not in match_nodes for user in T.users):
+        return [T], []
+    tensors = arg(T, 0, "tensors")
+    if T.target is torch.stack:
+        return (list(tensors), [T]) if all(_float_tensor(t, 2) is not None for t in tensors) else ([T], [])
+    items = [_unsqueezed(t) or t for t in tensors]
+    if any(_float_tensor(t, 2 if t not in tensors else 3) is None for t in items):
+        return [T], []
+    return items, [T]
+
+
 def _dot_handler(ctx: PassContext) -> Callable:
-    def handle(match: Match, T: fx.Node, rows: fx.Node, cols: fx.Node) -> None:
+    def handle(match: Match, T: fx.Node, rows: Any = None, cols: Any = None, mask: Any = None) -> None:
         features = _float_tensor(T, 3)
         if features is None or not isinstance(features.shape[1], int):
             return
         num_features = features.shape[1]
-        flat = _selected_pairs(rows, cols, num_features, match.graph.owning_module)
+        gm = match.graph.owning_module
+        if mask is None:
+            flat = _selected_pairs(rows, cols, num_features, gm)
+        else:
+            flat = _masked_pairs(mask, num_features, gm)
         order = None if flat is None else classify_pairs(num_features, flat)
         if order is None:
             return
+        items, absorbed = feature_items(T, match.nodes)
         pairs = match.output_node()
-        replaced = list(match.nodes)
+        if pairs.target is torch.masked_select:  # [B * P], row-major: the op's pairs, flattened
+            _replace(ctx, match, pairs, "recompile::dot_interaction", (items, None, *order), list(match.nodes) + absorbed,
+                     then=torch.flatten)
+            return
+        replaced = list(match.nodes) + absorbed
         prefix = None
         fused = _fused_cat(pairs)
         if fused is not None:
             pairs, prefix = fused
             replaced.append(pairs)
-        _replace(ctx, match, pairs, "recompile::dot_interaction", (T, prefix, *order), replaced)
+        _replace(ctx, match, pairs, "recompile::dot_interaction", (items, prefix, *order), replaced)
 
     return handle
 
@@ -315,9 +379,7 @@ def _loop_handler(ctx: PassContext) -> Callable:
                 break
         else:
             return
-        with join.graph.inserting_before(join):
-            stacked = join.graph.call_function(torch.stack, (features, 1))
-        args = (stacked, prefix[0] if prefix else None, *order)
+        args = (features, prefix[0] if prefix else None, *order)
         _replace(ctx, match, join, "recompile::dot_interaction", args, list(match.nodes))
 
     return handle
@@ -337,20 +399,20 @@ def _cross_handler(ctx: PassContext) -> Callable:
     return handle
 
 
-def _fm_handler(ctx: PassContext, flattened: bool) -> Callable:
+def _fm_handler(ctx: PassContext, form: FMForm) -> Callable:
     def handle(match: Match, v: fx.Node, dim: int, outer_dim: int = 1) -> None:
-        meta = _float_tensor(v, 2 if flattened else 3)
+        meta = _float_tensor(v, form.v_dim)
         if meta is None or dim not in (1, -meta.dim() + 1) or outer_dim not in (1, -1):
             return
         out = match.output_node()
         replaced = list(match.nodes)
-        reduce = flattened
-        total = None if flattened else _only_user(out)
+        reduce = form.reduced
+        total = None if reduce else _only_user(out)
         if total is not None and _is_keepdim_sum(total):  # fuse the sum over D
             out, reduce = total, True
             replaced.append(total)
         graph = out.graph
-        if flattened:
+        if form.v_dim == 2:
             with graph.inserting_before(out):
                 v = graph.call_function(torch.unsqueeze, (v, -1))
         _replace(ctx, match, out, "recompile::fm_second_order", (v, reduce), replaced)
@@ -374,8 +436,8 @@ def build_matcher(ctx: PassContext) -> PatternMatcherPass:
         register_graph_pattern(pattern, pass_dict=matcher)(_loop_handler(ctx))
     for pattern in cross_patterns():
         register_graph_pattern(pattern, pass_dict=matcher)(_cross_handler(ctx))
-    for pattern, flattened in fm_patterns():
-        register_graph_pattern(pattern, pass_dict=matcher)(_fm_handler(ctx, flattened))
+    for pattern, form in fm_patterns():
+        register_graph_pattern(pattern, pass_dict=matcher)(_fm_handler(ctx, form))
     return matcher
 
 
