@@ -38,6 +38,11 @@ class DCNConfig(CTRConfig):
             raise ValueError(f"DCNConfig.structure got {self.structure!r}; valid values: {', '.join(DCN_STRUCTURES)}")
 
 
+def lookup(tables: nn.ModuleList, indices: list[torch.Tensor], offsets: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One pooled bag per table: ``[B, dim]`` each."""
+    return [table(ids, offs) for table, ids, offs in zip(tables, indices, offsets)]
+
+
 class CrossLayer(nn.Module):
     """DCN-v2 cross layer: x_{l+1} = x_0 * (W x_l + b) + x_l, W full-rank or U V^T."""
 
@@ -64,8 +69,7 @@ class DCNv2(nn.Module):
         self.head = nn.Linear(head_in, 1)
 
     def forward(self, dense: torch.Tensor, indices: list[torch.Tensor], offsets: list[torch.Tensor]) -> torch.Tensor:
-        embs = [emb(ids, offs) for emb, ids, offs in zip(self.embeddings, indices, offsets)]
-        x0 = torch.cat([dense] + embs, dim=1)
+        x0 = torch.cat([dense] + lookup(self.embeddings, indices, offsets), dim=1)
         x = x0
         for layer in self.cross:
             x = layer(x0, x)
@@ -76,41 +80,49 @@ class DCNv2(nn.Module):
         return self.head(out).squeeze(1)
 
 
-class DeepFM(nn.Module):
+class LinearTerm(nn.Module):
+    """A linear model over dense values and sparse ids (one weight per id): [B, 1]."""
+
+    def __init__(self, cfg: CTRConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.num_dense, 1)
+        self.sparse = embedding_bags(cfg.table_rows, 1, cfg.dynamic_embeddings)
+
+    def forward(self, dense: torch.Tensor, indices: list[torch.Tensor], offsets: list[torch.Tensor]) -> torch.Tensor:
+        return self.dense(dense) + torch.cat(lookup(self.sparse, indices, offsets), dim=1).sum(dim=1, keepdim=True)
+
+
+class LinearPlusDeep(nn.Module):
+    """Shared by DeepFM and Wide & Deep: field embeddings, a linear term over the raw features, a deep MLP."""
+
+    def __init__(self, cfg: CTRConfig, deep_in: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = embedding_bags(cfg.table_rows, cfg.dim, cfg.dynamic_embeddings)
+        self.linear = LinearTerm(cfg)
+        self.deep = mlp([deep_in, *cfg.deep, 1], last_activation=False)
+
+
+class DeepFM(LinearPlusDeep):
     """First-order terms + factorization machine over the field embeddings + a deep MLP, summed."""
 
     def __init__(self, cfg: CTRConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.embeddings = embedding_bags(cfg.table_rows, cfg.dim, cfg.dynamic_embeddings)
-        self.first_order = embedding_bags(cfg.table_rows, 1, cfg.dynamic_embeddings)
-        self.dense_linear = nn.Linear(cfg.num_dense, 1)
+        super().__init__(cfg, cfg.dim * (len(cfg.table_rows) + 1))
         self.dense_field = nn.Linear(cfg.num_dense, cfg.dim)
-        self.deep = mlp([cfg.dim * (len(cfg.table_rows) + 1), *cfg.deep, 1], last_activation=False)
 
     def forward(self, dense: torch.Tensor, indices: list[torch.Tensor], offsets: list[torch.Tensor]) -> torch.Tensor:
-        embs = [emb(ids, offs) for emb, ids, offs in zip(self.embeddings, indices, offsets)]
-        weights = [w(ids, offs) for w, ids, offs in zip(self.first_order, indices, offsets)]
-        first = self.dense_linear(dense) + torch.cat(weights, dim=1).sum(dim=1, keepdim=True)
-        fields = torch.stack([self.dense_field(dense)] + embs, dim=1)
+        fields = torch.stack([self.dense_field(dense)] + lookup(self.embeddings, indices, offsets), dim=1)
         second = 0.5 * (fields.sum(dim=1).pow(2) - fields.pow(2).sum(dim=1)).sum(dim=1, keepdim=True)
         deep = self.deep(fields.flatten(1))
-        return (first + second + deep).squeeze(1)
+        return (self.linear(dense, indices, offsets) + second + deep).squeeze(1)
 
 
-class WideDeep(nn.Module):
+class WideDeep(LinearPlusDeep):
     """Wide: a linear model over dense values and sparse ids; deep: an MLP over dense + embeddings."""
 
     def __init__(self, cfg: CTRConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.embeddings = embedding_bags(cfg.table_rows, cfg.dim, cfg.dynamic_embeddings)
-        self.wide_sparse = embedding_bags(cfg.table_rows, 1, cfg.dynamic_embeddings)
-        self.wide_dense = nn.Linear(cfg.num_dense, 1)
-        self.deep = mlp([cfg.num_dense + cfg.dim * len(cfg.table_rows), *cfg.deep, 1], last_activation=False)
+        super().__init__(cfg, cfg.num_dense + cfg.dim * len(cfg.table_rows))
 
     def forward(self, dense: torch.Tensor, indices: list[torch.Tensor], offsets: list[torch.Tensor]) -> torch.Tensor:
-        wide = self.wide_dense(dense) + sum(w(ids, offs) for w, ids, offs in zip(self.wide_sparse, indices, offsets))
-        embs = [emb(ids, offs) for emb, ids, offs in zip(self.embeddings, indices, offsets)]
-        deep = self.deep(torch.cat([dense] + embs, dim=1))
-        return (wide + deep).squeeze(1)
+        deep = self.deep(torch.cat([dense] + lookup(self.embeddings, indices, offsets), dim=1))
+        return (self.linear(dense, indices, offsets) + deep).squeeze(1)

@@ -101,6 +101,9 @@ class UserSequences:
         return len(self.items)
 
 
+EVAL_SPLITS = ("valid", "test")
+
+
 @dataclass
 class LeaveOneOut:
     """train: history without its last two items; valid/test: (history before target, target)."""
@@ -114,6 +117,12 @@ class LeaveOneOut:
     @property
     def num_items(self) -> int:
         return self.train.num_items
+
+    def held_out(self, which: str) -> tuple[UserSequences, np.ndarray]:
+        """(histories, targets) of the ``"valid"`` (second-to-last) or ``"test"`` (last) item of every user."""
+        if which not in EVAL_SPLITS:
+            raise ValueError(f"held-out split {which!r}; valid values: {', '.join(EVAL_SPLITS)}")
+        return (self.valid_history, self.valid_targets) if which == "valid" else (self.test_history, self.test_targets)
 
 
 def leave_one_out(ratings: Ratings) -> LeaveOneOut:

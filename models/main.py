@@ -16,9 +16,10 @@ from models.train import parser as train_parser
 from models.train import run_training, write_json
 
 
-def popularity_metrics(split: D.LeaveOneOut) -> dict:
-    scores = popularity_scores(split.train.items, split.num_items).expand(len(split.test_targets), -1)
-    return ranking_metrics(target_ranks(scores, torch.from_numpy(split.test_targets)))
+def popularity_metrics(split: D.LeaveOneOut, which: str) -> dict:
+    _, targets = split.held_out(which)
+    scores = popularity_scores(split.train.items, split.num_items).expand(len(targets), -1)
+    return ranking_metrics(target_ranks(scores, torch.from_numpy(targets)))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -28,8 +29,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", help="write the results here")
     args, train_argv = p.parse_known_args(argv)
     common = ["--data", "ml-100k", "--epochs", str(args.epochs), *train_argv]
-    print(f"HSTU vs SASRec on MovieLens-100k, {args.epochs} epochs, rec_ascend on CPU "
-          f"({torch.get_num_threads()} threads)")
+    settings = train_parser().parse_args(common)
+    print(f"HSTU vs SASRec on MovieLens-100k, {args.epochs} epochs, dim {settings.dim}, max_len {settings.max_len}, "
+          f"rec_ascend on CPU ({torch.get_num_threads()} threads), {settings.eval_split} item")
+
     def compiled(model: str) -> dict:
         return run_training(train_parser().parse_args(["--model", model, "--backend", "rec_ascend", *common]))
 
@@ -38,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     eager = run_training(train_parser().parse_args(
         ["--model", "hstu", "--backend", "eager", "--max-steps", str(args.eager_steps), "--quiet", *common]))
     results["sasrec"] = compiled("sasrec")
-    popularity = popularity_metrics(D.leave_one_out(D.load_ratings()))
+    popularity = popularity_metrics(D.leave_one_out(D.load_ratings()), settings.eval_split)
     print(f"\n{'model':12s} {'HR@10':>8s} {'NDCG@10':>8s} {'ms/step':>9s} {'compile s':>10s}")
     for model, result in results.items():
         m = result["metrics"]

@@ -1,13 +1,16 @@
 """Two-tower retrieval with a dot-product head or a mixture-of-logits (MoL) head.
 
-User tower: user-id embedding + mean of the embeddings of the user's recent items (an EmbeddingBag over the
-history), then an MLP. Item tower: item-id embedding, then an MLP. ``forward(users [B], history [H],
-history_offsets [B], items [N]) -> logits [B, N]`` for every user against every candidate item.
+Each side is a set of embeddings of one size ``dim``: the user side stacks its tower's output (an MLP over the
+user-id embedding and the mean of the embeddings of the user's recent items, an EmbeddingBag) with those two
+input embeddings, ``[B, 3, dim]``; the item side stacks its tower's output with the item-id embedding,
+``[N, 2, dim]``. ``forward(users [B], history [H], history_offsets [B], items [N]) -> logits [B, N]`` for every
+user against every candidate item.
 
-- dot: cosine similarity of one user and one item vector, over a temperature.
-- mol (Zhai et al. 2023, "Revisiting Neural Retrieval on Accelerators"): P user and Q item component vectors,
-  logit = sum_pq gate_pq(u, x) <u_p, x_q> with softmax gates computed from the user, the item and the P*Q
-  component similarities.
+- dot: cosine similarity of the two towers' outputs, over a temperature.
+- mol (Zhai et al. 2023, "Revisiting Neural Retrieval on Accelerators"): P user and Q item component
+  embeddings, each a learned projection of all of its side's embeddings (the paper's embedding sharing) and
+  L2-normalised; logit = sum_pq gate_pq(u, x) <u_p, x_q> / temperature, with softmax gates over the P*Q pairs
+  from three MLPs: over the user's embeddings, over the item's, and over the P*Q component similarities.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import torch.nn.functional as F
 from models.dlrm import mlp
 
 HEADS = ("dot", "mol")
+USER_EMBEDDINGS = 3  # user tower output, user-id embedding, history mean
+ITEM_EMBEDDINGS = 2  # item tower output, item-id embedding
 
 
 @dataclass
@@ -36,6 +41,9 @@ class TwoTowerConfig:
     def __post_init__(self):
         if self.head not in HEADS:
             raise ValueError(f"TwoTowerConfig.head got {self.head!r}; valid values: {', '.join(HEADS)}")
+        if self.tower[-1] != self.dim:
+            raise ValueError(f"TwoTowerConfig.tower must end in dim={self.dim} (got {self.tower}): the towers' "
+                             "outputs are stacked with the id embeddings")
 
 
 class DotHead(nn.Module):
@@ -44,22 +52,23 @@ class DotHead(nn.Module):
         self.temperature = cfg.temperature
 
     def forward(self, user: torch.Tensor, item: torch.Tensor) -> torch.Tensor:
-        return F.normalize(user, dim=-1) @ F.normalize(item, dim=-1).t() / self.temperature
+        return F.normalize(user[:, 0], dim=-1) @ F.normalize(item[:, 0], dim=-1).t() / self.temperature
 
 
 class MoLHead(nn.Module):
     def __init__(self, cfg: TwoTowerConfig):
         super().__init__()
-        P, Q, D = cfg.user_components, cfg.item_components, cfg.tower[-1]
+        P, Q, D = cfg.user_components, cfg.item_components, cfg.dim
         self.P, self.Q, self.temperature = P, Q, cfg.temperature
-        self.user_proj = nn.Linear(D, P * D)
-        self.item_proj = nn.Linear(D, Q * D)
-        self.user_gate = nn.Linear(D, P * Q)
-        self.item_gate = nn.Linear(D, P * Q)
-        self.sim_gate = nn.Sequential(nn.Linear(P * Q, P * Q), nn.SiLU(), nn.Linear(P * Q, P * Q))
+        self.user_proj = nn.Linear(USER_EMBEDDINGS * D, P * D)
+        self.item_proj = nn.Linear(ITEM_EMBEDDINGS * D, Q * D)
+        self.user_gate = mlp([USER_EMBEDDINGS * D, D, P * Q], last_activation=False)
+        self.item_gate = mlp([ITEM_EMBEDDINGS * D, D, P * Q], last_activation=False)
+        self.sim_gate = mlp([P * Q, P * Q, P * Q], last_activation=False)
 
     def forward(self, user: torch.Tensor, item: torch.Tensor) -> torch.Tensor:
-        B, N, D = user.shape[0], item.shape[0], user.shape[1]
+        B, N, D = user.shape[0], item.shape[0], user.shape[2]
+        user, item = user.flatten(1), item.flatten(1)
         u = F.normalize(self.user_proj(user).view(B, self.P, D), dim=-1)
         x = F.normalize(self.item_proj(item).view(N, self.Q, D), dim=-1)
         sims = torch.einsum("bpd,nqd->bnpq", u, x).reshape(B, N, self.P * self.Q)
@@ -79,12 +88,18 @@ class TwoTower(nn.Module):
         self.item_tower = mlp([cfg.dim, *cfg.tower], last_activation=False)
         self.head = DotHead(cfg) if cfg.head == "dot" else MoLHead(cfg)
 
-    def user_vectors(self, users, history, history_offsets):
-        features = torch.cat([self.user_emb(users), self.history_emb(history, history_offsets)], dim=1)
-        return self.user_tower(features)
+    def user_embeddings(self, users, history, history_offsets) -> torch.Tensor:
+        """[B, USER_EMBEDDINGS, dim]: the tower's output, then its inputs."""
+        inputs = [self.user_emb(users), self.history_emb(history, history_offsets)]
+        return torch.stack([self.user_tower(torch.cat(inputs, dim=1)), *inputs], dim=1)
+
+    def item_embeddings(self, items) -> torch.Tensor:
+        """[N, ITEM_EMBEDDINGS, dim]: the tower's output, then its input."""
+        ids = self.item_emb(items)
+        return torch.stack([self.item_tower(ids), ids], dim=1)
 
     def forward(self, users, history, history_offsets, items):
-        return self.head(self.user_vectors(users, history, history_offsets), self.item_tower(self.item_emb(items)))
+        return self.head(self.user_embeddings(users, history, history_offsets), self.item_embeddings(items))
 
 
 class InBatchSoftmaxTask(nn.Module):

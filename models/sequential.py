@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 @dataclass
 class SASRecConfig:
+    """Also the fields HSTU shares with SASRec, so that both compare at one embedding size, depth and length."""
+
     num_items: int = 1000
     dim: int = 64
     num_layers: int = 2
@@ -29,16 +31,10 @@ class SASRecConfig:
 
 
 @dataclass
-class HSTUConfig:
-    num_items: int = 1000
-    dim: int = 64
-    num_layers: int = 2
-    num_heads: int = 2
+class HSTUConfig(SASRecConfig):
     attn_dim: int = 32  # per head, q and k
     linear_dim: int = 32  # per head, u and v
-    max_len: int = 50
     num_time_buckets: int = 128
-    dropout: float = 0.2
 
 
 class CausalSelfAttention(nn.Module):
@@ -87,8 +83,8 @@ def init_embeddings(*embeddings: nn.Embedding) -> None:
             nn.init.zeros_(emb.weight[emb.padding_idx])
 
 
-class SASRec(nn.Module):
-    input_format = "padded"
+class SequenceEncoder(nn.Module):
+    """The input side SASRec and HSTU share: item table (0 = padding), absolute positions, input dropout."""
 
     def __init__(self, cfg: SASRecConfig):
         super().__init__()
@@ -96,10 +92,17 @@ class SASRec(nn.Module):
         self.item_emb = nn.Embedding(cfg.num_items + 1, cfg.dim, padding_idx=0)
         self.pos_emb = nn.Embedding(cfg.max_len, cfg.dim)
         self.dropout = nn.Dropout(cfg.dropout)
+        init_embeddings(self.item_emb, self.pos_emb)
+
+
+class SASRec(SequenceEncoder):
+    input_format = "padded"
+
+    def __init__(self, cfg: SASRecConfig):
+        super().__init__(cfg)
         self.blocks = nn.ModuleList(SASRecBlock(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.LayerNorm(cfg.dim)
         self.register_buffer("causal", torch.ones(cfg.max_len, cfg.max_len).tril().bool(), persistent=False)
-        init_embeddings(self.item_emb, self.pos_emb)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, L] right-padded with 0 -> hidden states [B, L, D]."""
@@ -121,11 +124,13 @@ class STULayer(nn.Module):
         self.cfg = cfg
         H = cfg.num_heads
         self.split_sizes = [H * cfg.linear_dim, H * cfg.linear_dim, H * cfg.attn_dim, H * cfg.attn_dim]
-        self.uvqk = nn.Linear(cfg.dim, sum(self.split_sizes))
+        self.uvqk = nn.Linear(cfg.dim, sum(self.split_sizes), bias=False)
         self.pos_bias = nn.Parameter(torch.randn(2 * cfg.max_len - 1) * 0.02)
         self.time_bias = nn.Parameter(torch.randn(cfg.num_time_buckets + 1) * 0.02)
         self.out = nn.Linear(H * cfg.linear_dim, cfg.dim)
         self.dropout = nn.Dropout(cfg.dropout)
+        nn.init.normal_(self.uvqk.weight, std=0.02)
+        nn.init.xavier_uniform_(self.out.weight)
 
     def forward(self, x, dest, batch: int, rel_pos, time_buckets, mask):
         cfg, L, H = self.cfg, self.cfg.max_len, self.cfg.num_heads
@@ -139,7 +144,7 @@ class STULayer(nn.Module):
         attn = F.silu(scores) / L * mask.unsqueeze(1)
         out = torch.einsum("bhnm,bmhd->bnhd", attn, v).reshape(batch * L, H * cfg.linear_dim)[dest]
         y = u * F.layer_norm(out, (H * cfg.linear_dim,))
-        return x + self.dropout(self.out(y))
+        return x + self.out(self.dropout(y))
 
 
 def to_padded(values: torch.Tensor, dest: torch.Tensor, batch: int, max_len: int) -> torch.Tensor:
@@ -148,21 +153,16 @@ def to_padded(values: torch.Tensor, dest: torch.Tensor, batch: int, max_len: int
     return padded.view(batch, max_len, values.shape[1])
 
 
-class HSTU(nn.Module):
+class HSTU(SequenceEncoder):
     input_format = "jagged"
 
     def __init__(self, cfg: HSTUConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.item_emb = nn.Embedding(cfg.num_items + 1, cfg.dim, padding_idx=0)
-        self.pos_emb = nn.Embedding(cfg.max_len, cfg.dim)
-        self.dropout = nn.Dropout(cfg.dropout)
+        super().__init__(cfg)
         self.layers = nn.ModuleList(STULayer(cfg) for _ in range(cfg.num_layers))
         L = cfg.max_len
         pos = torch.arange(L)
         self.register_buffer("rel_pos", pos[None, :] - pos[:, None] + L - 1, persistent=False)
         self.register_buffer("causal", torch.ones(L, L).tril(), persistent=False)
-        init_embeddings(self.item_emb, self.pos_emb)
 
     def forward(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Jagged histories: ids and timestamps [T], lengths [B] (each <= max_len) -> hidden states [T, D]."""
@@ -181,7 +181,7 @@ class HSTU(nn.Module):
         mask = self.causal * valid.unsqueeze(1)
         for layer in self.layers:
             x = layer(x, dest, B, self.rel_pos, time_buckets, mask)
-        return F.layer_norm(x, (self.cfg.dim,))
+        return x
 
 
 class NextItemTask(nn.Module):

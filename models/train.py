@@ -100,7 +100,7 @@ def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, d
     encoder = sequential_encoder(args.model, split.num_items, dim=args.dim, max_len=args.max_len,
                                  num_layers=args.num_layers, dropout=args.dropout)
     fmt = encoder.input_format
-    task = NextItemTask(encoder)
+    task = NextItemTask(encoder, temperature=args.temperature)
     step_fn = compile_for(task, args.backend)
     optimizer = torch.optim.Adam(task.parameters(), lr=args.lr)
     windows = D.training_windows(split.train, args.max_len)
@@ -117,7 +117,7 @@ def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, d
             bar.update(run.step(lambda: optimizer_step(optimizer, lambda: step_fn(*batch)), len(rows)))
             if run.finished:
                 return task, {}
-    return task, evaluate_sequential(task, split, fmt, args.max_len)
+    return task, evaluate_sequential(task, split, fmt, args.max_len, args.eval_split)
 
 
 def mark_sequence_dynamic(batch: tuple) -> tuple:
@@ -129,14 +129,16 @@ def mark_sequence_dynamic(batch: tuple) -> tuple:
 
 
 @torch.no_grad()
-def evaluate_sequential(task: NextItemTask, split: D.LeaveOneOut, fmt: str, max_len: int) -> dict:
+def evaluate_sequential(task: NextItemTask, split: D.LeaveOneOut, fmt: str, max_len: int,
+                        which: str = "test") -> dict:
     task.eval()
+    history, targets = split.held_out(which)
     items = task.item_embeddings()
     ranks = []
-    for rows in D.batches(len(split.test_targets), 256):
-        inputs, last = D.history_inputs(split.test_history, rows, fmt, max_len)
+    for rows in D.batches(len(targets), 256):
+        inputs, last = D.history_inputs(history, rows, fmt, max_len)
         users = task.user_embeddings(*inputs, last=last)
-        ranks.append(target_ranks(users @ items.t(), torch.from_numpy(split.test_targets[rows])))
+        ranks.append(target_ranks(users @ items.t(), torch.from_numpy(targets[rows])))
     return ranking_metrics(torch.cat(ranks))
 
 
@@ -162,18 +164,19 @@ def train_two_tower(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, di
             bar.update(run.step(lambda: optimizer_step(optimizer, lambda: step_fn(*batch)), len(rows)))
             if run.finished:
                 return task, {}
-    return task, evaluate_two_tower(model, split, args.max_len)
+    return task, evaluate_two_tower(model, split, args.max_len, args.eval_split)
 
 
 @torch.no_grad()
-def evaluate_two_tower(model, split: D.LeaveOneOut, history_len: int) -> dict:
+def evaluate_two_tower(model, split: D.LeaveOneOut, history_len: int, which: str = "test") -> dict:
     model.eval()
+    history, targets = split.held_out(which)
     items = torch.arange(1, split.num_items + 1)
     ranks = []
-    for rows in D.batches(len(split.test_targets), 128):
-        history, offsets = D.bags([split.test_history.items[r][-history_len:] for r in rows])
-        scores = model(torch.from_numpy(rows), history, offsets, items)
-        ranks.append(target_ranks(scores, torch.from_numpy(split.test_targets[rows])))
+    for rows in D.batches(len(targets), 128):
+        bags, offsets = D.bags([history.items[r][-history_len:] for r in rows])
+        scores = model(torch.from_numpy(rows), bags, offsets, items)
+        ranks.append(target_ranks(scores, torch.from_numpy(targets[rows])))
     return ranking_metrics(torch.cat(ranks))
 
 
@@ -232,7 +235,8 @@ def run_training(args) -> dict:
         data_desc = f"{args.data} ({len(ratings)} ratings, {ratings.num_users} users, {ratings.num_items} items)"
     return {
         "model": args.model, "data": data_desc, "backend": args.backend, "epochs": args.epochs, "dim": args.dim,
-        "seed": args.seed, "dynamic_embeddings": args.dynamic_embeddings, "metrics": metrics, **run.summary(),
+        "max_len": args.max_len, "eval_split": args.eval_split, "seed": args.seed,
+        "dynamic_embeddings": args.dynamic_embeddings, "metrics": metrics, **run.summary(),
     }
 
 
@@ -246,11 +250,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dim", type=int, default=64, help="embedding size (sequential and two-tower models)")
-    p.add_argument("--max-len", type=int, default=50, help="history length (sequential and two-tower models)")
+    p.add_argument("--max-len", type=int, default=100, help="history length (sequential and two-tower models)")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--dropout", type=float, default=0.2)
-    p.add_argument("--in-batch-negatives", type=int, default=128)
-    p.add_argument("--sampled-negatives", type=int, default=128)
+    p.add_argument("--in-batch-negatives", type=int, default=0,
+                   help="sequential models: negatives drawn from the batch's targets (popularity-biased: no logQ "
+                        "correction, so they penalise popular items)")
+    p.add_argument("--sampled-negatives", type=int, default=256, help="uniformly sampled negatives")
+    p.add_argument("--temperature", type=float, default=0.05, help="softmax temperature (sequential models)")
+    p.add_argument("--eval-split", default="test", choices=D.EVAL_SPLITS,
+                   help="held-out item to rank: valid (second-to-last, for choosing settings) or test (last)")
     p.add_argument("--size", default="small", choices=("small", "bench"), help="CTR model size")
     p.add_argument("--ctr-rows", type=int, default=50_000, help="synthetic CTR training rows")
     p.add_argument("--dynamic-embeddings", action="store_true",
@@ -274,7 +283,8 @@ def write_json(path: str, result: dict) -> None:
 
 def format_result(result: dict) -> str:
     metrics = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in result["metrics"].items())
-    return (f"{result['model']} on {result['data']}, backend {result['backend']}, {result['epochs']} epochs\n"
+    return (f"{result['model']} on {result['data']}, backend {result['backend']}, {result['epochs']} epochs, "
+            f"{result['eval_split']} item\n"
             f"  {metrics}\n  final loss {result['losses'][-1]:.4f}  {result['ms_per_step']:.1f} ms/step  "
             f"{result['examples_per_s']:.0f} examples/s  compile {result['compile_s']:.1f} s")
 

@@ -5,7 +5,8 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from models import train
-from models.zoo import MODELS
+from models.retrieval import TwoTowerConfig
+from models.zoo import MODELS, two_tower
 
 
 def _loss_and_grads(model, workload, inputs):
@@ -69,3 +70,22 @@ def test_dynamic_embeddings_compile_and_train(name):
 def test_dynamic_embeddings_rejected_where_meaningless():
     with pytest.raises(ValueError, match="'hstu' has no dynamic-embedding variant; models with one: dlrm"):
         MODELS["hstu"]("small", dynamic_embeddings=True)
+
+
+def test_two_tower_heads():
+    """dot: cosine of the towers' outputs over the temperature; MoL: a gated (convex) mix of component cosines,
+    so within +-1/temperature, and different from the dot head on the same embeddings."""
+    torch.manual_seed(0)
+    users, history, offsets = torch.tensor([0, 3]), torch.tensor([1, 2, 5]), torch.tensor([0, 2])
+    items = torch.arange(1, 8)
+    dot, mol = two_tower("two_tower", 4, 7, 8).eval(), two_tower("two_tower_mol", 4, 7, 8).eval()
+    mol.load_state_dict(dot.state_dict(), strict=False)  # same embeddings and towers
+    user, item = dot.user_embeddings(users, history, offsets), dot.item_embeddings(items)
+    assert user.shape == (2, 3, 8) and item.shape == (7, 2, 8)
+    cosine = torch.nn.functional.cosine_similarity(user[:, None, 0], item[None, :, 0], dim=-1)
+    torch.testing.assert_close(dot(users, history, offsets, items), cosine / dot.cfg.temperature)
+    logits = mol(users, history, offsets, items)
+    assert logits.shape == (2, 7) and logits.abs().max() <= 1 / mol.cfg.temperature
+    assert not torch.allclose(logits, cosine / mol.cfg.temperature)
+    with pytest.raises(ValueError, match=r"tower must end in dim=8 \(got \[16, 4\]\)"):
+        TwoTowerConfig(dim=8, tower=[16, 4])

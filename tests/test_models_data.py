@@ -30,6 +30,11 @@ def test_leave_one_out_is_by_timestamp(ml100k):
     np.testing.assert_array_equal(split.train.items[user], ml100k.items[order[:-2]])
     np.testing.assert_array_equal(split.test_history.items[user], ml100k.items[order[:-1]])
     assert all(np.all(np.diff(t) >= 0) for t in split.train.timestamps)
+    history, targets = split.held_out("valid")  # for choosing settings; the test item stays unseen
+    assert targets is split.valid_targets and np.array_equal(history.items[user], split.train.items[user])
+    assert split.held_out("test")[1] is split.test_targets
+    with pytest.raises(ValueError, match="held-out split 'train'; valid values: valid, test"):
+        split.held_out("train")
 
 
 def test_training_windows_and_batches(ml100k):
