@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from runtime.embedding import MEAN, NONE, SUM, grouped_embedding_bag_reference
 
-IMPLS = ["reference", "cpu"]
+IMPLS = ["reference", "cpu", "native"]
 MODES = {SUM: "sum", MEAN: "mean"}
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2),
        torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}

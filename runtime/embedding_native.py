@@ -1,0 +1,143 @@
+"""The native CPU kernels of the grouped embedding ops (``csrc/embedding.c``), called through ctypes.
+
+One call covers every table of a group: the forward (SUM/MEAN pooling into the ``"concat"`` or
+``"stack"`` layout, or the ``"sequence"`` rows of NONE pooling), the backward (dense table gradients,
+or per-id rows for sparse tables, and per-sample weight gradients) and the fused optimizer step (ids
+deduplicated per table, touched rows updated in place). Tables are read through their data pointers,
+never packed. The kernels take fp32 tables with unit column stride; other groups run the ATen/torch
+kernels (``"cpu"``, ``"reference"``). Without a C compiler the kernels are unavailable and the
+lowering keeps the other kernels.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from hkv.native import i32, i64, load, ptr
+from runtime.embedding import BACKWARD_OP, OP, SELF_CHECKING, Feature, forward_cpu, table_gradients
+from runtime.embedding_optimizer import OPTIMIZERS, STEP_OP, adam_step_size, step_each_table, table_state
+from runtime.kernels import register_kernel
+
+SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "embedding.c")
+SIGNATURES = (
+    ("geb_forward_pooled", (i64, ptr, i64, ptr, i64, ptr, i32)),
+    ("geb_forward_sequence", (i64, ptr, ptr, i64, ptr, i32)),
+    ("geb_backward", (i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i32)),
+    ("geb_optimizer_step", (i64, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr, i32)),
+)
+META = 13  # columns of a table's row in the kernels' meta array (csrc/embedding.c)
+IDS_I64, OFFS_I64, LAST_OFFSET = 1, 2, 4
+ERR_OFFSETS = 1
+STATE_NAMES = {"exact_sgd": (), "exact_adagrad": ("sum",), "exact_rowwise_adagrad": ("sum",),
+               "adam": ("exp_avg", "exp_avg_sq")}
+
+
+def library() -> Optional[ctypes.CDLL]:
+    return load(SOURCE, SIGNATURES)
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _int64s(values: Sequence[int]) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def supported(weights: Sequence[Tensor], per_sample_weights: Sequence[Optional[Tensor]]) -> bool:
+    """fp32 CPU tables (and sample weights) with unit column stride: what the kernels read."""
+    return all(w.dtype == torch.float32 and w.device.type == "cpu" and w.stride(1) == 1 for w in weights) and all(
+        p is None or p.dtype == torch.float32 for p in per_sample_weights)
+
+
+def _group(weights, features, per_sample_weights, pooling, padding_idx, layout):
+    """(meta, kept, rows of the output, output row stride): ``kept`` holds the tensors ``meta`` points into."""
+    meta, kept, at = [], [], 0
+    dim = weights[0].shape[1]
+    for t, (w, f, psw, mode, pad) in enumerate(zip(weights, features, per_sample_weights, pooling, padding_idx)):
+        ids = f.ids.contiguous()
+        offs = None if f.offsets is None else f.offsets.contiguous()
+        psw = None if psw is None else psw.reshape(-1).contiguous()
+        kept += [ids, offs, psw]
+        flags = (IDS_I64 * (ids.dtype == torch.int64) | OFFS_I64 * (offs is not None and offs.dtype == torch.int64)
+                 | LAST_OFFSET * f.include_last_offset)
+        meta += [w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), ids.data_ptr(), ids.numel(),
+                 0 if offs is None else offs.data_ptr(), f.length if offs is None else offs.numel(),
+                 0 if psw is None else psw.data_ptr(), mode, pad, t * dim if layout == "stack" else at, flags]
+        at += ids.numel() if layout == "sequence" else w.shape[1]
+    rows = at if layout == "sequence" else features[0].batch
+    stride = dim if layout == "sequence" else (len(weights) * dim if layout == "stack" else at)
+    return _int64s(meta), kept, rows, stride
+
+
+def _output(weights, rows: int, stride: int, layout: str) -> Tensor:
+    shape = (rows, len(weights), weights[0].shape[1]) if layout == "stack" else (rows, stride)
+    return weights[0].new_empty(shape)
+
+
+def _raise_marked(err: ctypes.Array, verify: Callable[[], list[Feature]]) -> None:
+    """After a kernel marked bad ids or offsets: the Python checks raise (or warn) naming the feature."""
+    if any(err):
+        verify()
+        if any(e & ERR_OFFSETS for e in err):
+            raise RuntimeError("recompile.grouped_embedding_bag: the native kernel rejected offsets the checks accept")
+
+
+@register_kernel(OP, "native")
+def forward(weights, features, per_sample_weights, pooling, padding_idx, layout, bounds_check, verify):
+    if not supported(weights, per_sample_weights):
+        return forward_cpu(weights, verify(), per_sample_weights, pooling, padding_idx, layout)
+    meta, kept, rows, stride = _group(weights, features, per_sample_weights, pooling, padding_idx, layout)
+    out = _output(weights, rows, stride, layout)
+    err = _int64s([0] * len(weights))
+    threads = torch.get_num_threads()
+    if layout == "sequence":
+        library().geb_forward_sequence(len(weights), meta, out.data_ptr(), stride, err, threads)
+    else:
+        library().geb_forward_pooled(len(weights), meta, rows, out.data_ptr(), stride, err, threads)
+    _raise_marked(err, verify)
+    return out
+
+
+SELF_CHECKING.add("native")
+
+
+@register_kernel(BACKWARD_OP, "native")
+def backward(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad):
+    if not supported(weights, per_sample_weights) or grad.dtype != torch.float32:
+        return table_gradients(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad)
+    meta, kept, rows, stride = _group(weights, features, per_sample_weights, pooling, padding_idx, layout)
+    grad = grad.contiguous()
+    tables = [w.new_empty((f.ids.numel(), w.shape[1]) if is_sparse else w.shape)
+              for w, f, is_sparse in zip(weights, features, sparse)]
+    psw_grads = [torch.empty_like(p) if want else grad.new_empty(0) for p, want in zip(per_sample_weights, psw_grad)]
+    library().geb_backward(len(weights), meta, rows, grad.data_ptr(), stride, _int64s([t.data_ptr() for t in tables]),
+                           _int64s([not is_sparse for is_sparse in sparse]),
+                           _int64s([p.data_ptr() if p.numel() else 0 for p in psw_grads]), _int64s([0] * len(weights)),
+                           torch.get_num_threads())
+    return tables + psw_grads
+
+
+@register_kernel(STEP_OP, "native")
+def optimizer_step(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params):
+    distinct = len({w.data_ptr() for w in weights}) == len(weights)  # the kernel updates tables in parallel
+    if not supported(weights, per_sample_weights) or grad.dtype != torch.float32 or not distinct:
+        return step_each_table(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params,
+                               fbgemm=False)
+    meta, kept, rows, stride = _group(weights, features, per_sample_weights, pooling, padding_idx, layout)
+    grad = grad.contiguous()
+    states, step_sizes = [], []
+    for w, f in zip(weights, features):
+        state = table_state(w, kind)
+        pointers = [state[name].data_ptr() for name in STATE_NAMES[kind]]
+        states += pointers + [0] * (2 - len(pointers))
+        step_sizes.append(adam_step_size(state, params) if kind == "adam" and f.ids.numel() else 0.0)
+    hyper = (ctypes.c_double * 4)(params["lr"], params["eps"], params["beta1"], params["beta2"])
+    # The kernel numbers the optimizers in the order of OPTIMIZERS.
+    library().geb_optimizer_step(len(weights), meta, rows, grad.data_ptr(), stride, OPTIMIZERS.index(kind), hyper,
+                                 _int64s(states), (ctypes.c_double * len(weights))(*step_sizes),
+                                 _int64s([0] * len(weights)), torch.get_num_threads())
