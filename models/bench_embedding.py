@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import time
+from typing import Callable
 
 import torch
 
@@ -27,15 +29,19 @@ LR = 0.01
 BACKENDS = ("eager", "inductor", "rec_ascend")
 
 
-def _time_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(3):  # best of three rounds: the machine is shared
-        start = time.process_time()
-        for _ in range(iters):
-            fn()
-        best = min(best, (time.process_time() - start) / iters * 1e3)
+def _race(steps: dict[str, Callable[[], object]], iters: int, rounds: int = 5) -> dict[str, float]:
+    """Wall-clock milliseconds per step of each candidate: the best of ``rounds`` rounds, each timing every
+    candidate in turn so that load from other processes falls on all of them alike."""
+    for step in steps.values():
+        for _ in range(3):
+            step()
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(iters):
+                step()
+            best[name] = min(best[name], (time.perf_counter() - start) / iters * 1e3)
     return best
 
 
@@ -52,14 +58,14 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 def forward(batch: int, iters: int) -> dict[str, float]:
     model = DLRM(CRITEO).eval()
     args = synthetic_batch(CRITEO, batch)
-    times = {}
+    steps = {}
     with torch.no_grad():
         want = model(*args)
         for backend in BACKENDS:
             fn = _compiled(model, backend)
             _check(fn(*args), want, f"forward {backend}")
-            times[backend] = _time_ms(lambda: fn(*args), iters)
-    return times
+            steps[backend] = functools.partial(fn, *args)
+        return _race(steps, iters)
 
 
 def _sgd_step(model, opt, args):
@@ -73,13 +79,12 @@ def _sgd_step(model, opt, args):
 def train(batch: int, iters: int) -> dict[str, float]:
     base = DLRM(CRITEO)
     args = synthetic_batch(CRITEO, batch)
-    times = {}
+    steps = {}
     for backend in BACKENDS:
         model = copy.deepcopy(base)
-        fn = _compiled(model, backend)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        times[backend] = _time_ms(lambda: _sgd_step(fn, opt, args), iters)
-    return times
+        steps[backend] = functools.partial(_sgd_step, _compiled(model, backend), torch.optim.SGD(model.parameters(), lr=LR),
+                                           args)
+    return _race(steps, iters)
 
 
 def fused_train(batch: int, iters: int) -> dict[str, float]:
@@ -96,10 +101,8 @@ def fused_train(batch: int, iters: int) -> dict[str, float]:
         _check(_sgd_step(fn, fused_opt, args), _sgd_step(eager, eager_opt, args), "fused step loss")
     for (name, p), q in zip(fused.named_parameters(), eager.parameters()):
         _check(p.detach(), q.detach(), f"fused step {name}")
-    return {
-        "eager": _time_ms(lambda: _sgd_step(eager, eager_opt, args), iters),
-        "rec_ascend": _time_ms(lambda: _sgd_step(fn, fused_opt, args), iters),
-    }
+    return _race({"eager": functools.partial(_sgd_step, eager, eager_opt, args),
+                  "rec_ascend": functools.partial(_sgd_step, fn, fused_opt, args)}, iters)
 
 
 def _row(label: str, times: dict[str, float], target: float) -> str:

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 enum { W_PTR, ROWS, DIM, W_STRIDE, IDS, N_IDS, OFFS, N_OFFS, PSW, POOLING, PAD, OUT_AT, FLAGS, META };
 enum { SUM, MEAN, NONE };
@@ -97,6 +98,59 @@ static inline void add(float *restrict y, const float *restrict x, int64_t d) {
     for (int64_t k = 0; k < d; k++) y[k] += x[k];
 }
 
+/* 16 floats, loaded and stored at any float alignment (AVX-512 registers, or pairs/quads of narrower ones). */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#define LANES 16
+#define BLOCK (4 * LANES) /* columns pooled in registers at once */
+#ifndef TILE
+#define TILE 64 /* bags per work item of the pooled forward */
+#endif
+#ifndef PREFETCH
+#define PREFETCH 8
+#endif
+// /* ids ahead whose rows are prefetched */
+
+/* Prefetch the first cache lines of id j's row (a prefetch never faults, a bad id is harmless here). */
+static inline void prefetch_row(const float *w, int64_t stride, int64_t dim, const void *ids, int ids64,
+                                int64_t n, int64_t j) {
+    if (j >= n) return;
+    int64_t id = at(ids, j, ids64);
+    for (int64_t k = 0; k < dim && k < 2 * BLOCK; k += LANES) __builtin_prefetch(w + id * stride + k);
+}
+
+/* o[0:BLOCK] = sum over the bag's ids of scale * row[c:c + BLOCK], accumulated in registers. */
+static inline void pool_block(const table_t *t, int64_t start, int64_t end, int64_t c, float *o, int64_t *err) {
+    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    const float *w = t->w;
+    const void *ids = t->ids;
+    int64_t stride = t->stride, dim = t->dim, n = t->n;
+    for (int64_t j = start; j < end; j++) {
+        if (c == 0) prefetch_row(w, stride, dim, ids, t->ids64, n, j + PREFETCH);
+        int64_t row = row_of(t, j, err);
+        if (row == t->pad) continue;
+        const v16 *r = (const v16 *)(t->w + row * t->stride + c);
+        float s = t->psw ? t->psw[j] : 1.f;
+        a0 += s * r[0];
+        a1 += s * r[1];
+        a2 += s * r[2];
+        a3 += s * r[3];
+    }
+    v16 *out = (v16 *)o;
+    out[0] = a0;
+    out[1] = a1;
+    out[2] = a2;
+    out[3] = a3;
+}
+
+/* Columns past the last full block, accumulated in the output. */
+static void pool_tail(const table_t *t, int64_t start, int64_t end, int64_t c, float *restrict o, int64_t *err) {
+    memset(o, 0, (t->dim - c) * sizeof(float));
+    for (int64_t j = start; j < end; j++) {
+        int64_t row = row_of(t, j, err);
+        if (row != t->pad) axpy(o, t->w + row * t->stride + c, t->psw ? t->psw[j] : 1.f, t->dim - c);
+    }
+}
+
 /* Pooled forward: out[b, OUT_AT + k] (row stride ``out_stride``) = the pooled row of table t's bag b. */
 void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, int64_t out_stride, int64_t *err,
                         int threads) {
@@ -107,26 +161,22 @@ void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, i
             table_t tab = table_of(meta + t * META);
             if (!offsets_ok(&tab)) err[t] |= ERR_OFFSETS;
         }
+        /* Work items: (tile of TILE bags, table), tile-major, so the output rows being written stay few pages. */
+        int64_t tiles = (B + TILE - 1) / TILE;
 #pragma omp for schedule(static)
-        for (int64_t w = 0; w < T * B; w++) {
-            int64_t ti = w / B, b = w % B, start, end;
+        for (int64_t w = 0; w < tiles * T; w++) {
+            int64_t ti = w % T, first = w / T * TILE, last = first + TILE < B ? first + TILE : B;
             table_t t = table_of(meta + ti * META);
-            float *restrict o = out + b * out_stride + t.at;
-            memset(o, 0, t.dim * sizeof(float));
-            if (err[ti] & ERR_OFFSETS) continue;
-            bag_range(&t, b, &start, &end);
-            for (int64_t j = start; j < end; j++) {
-                int64_t row = row_of(&t, j, err + ti);
-                if (j + 2 < end) __builtin_prefetch(t.w + at(t.ids, j + 2, t.ids64) * t.stride);
-                if (row == t.pad) continue;
-                if (t.psw)
-                    axpy(o, t.w + row * t.stride, t.psw[j], t.dim);
-                else
-                    add(o, t.w + row * t.stride, t.dim);
+            for (int64_t b = first; b < last; b++) {
+                int64_t start = 0, end = 0, c = 0;
+                float *restrict o = out + b * out_stride + t.at;
+                if (!(err[ti] & ERR_OFFSETS)) bag_range(&t, b, &start, &end);
+                for (; c + BLOCK <= t.dim; c += BLOCK) pool_block(&t, start, end, c, o + c, err + ti);
+                if (c < t.dim) pool_tail(&t, start, end, c, o + c, err + ti);
+                float divisor = bag_divisor(&t, start, end, err + ti);
+                if (divisor != 1.f)
+                    for (int64_t k = 0; k < t.dim; k++) o[k] /= divisor;
             }
-            float divisor = bag_divisor(&t, start, end, err + ti);
-            if (divisor != 1.f)
-                for (int64_t k = 0; k < t.dim; k++) o[k] /= divisor;
         }
     }
 }
@@ -166,6 +216,15 @@ static inline const float *grad_row(const table_t *t, const float *grad, int64_t
         }                                                                                        \
     } while (0)
 
+/* Zero a freshly allocated buffer, asking for transparent huge pages first: a gradient as large as its table is
+ * new memory every step, and faulting it in 2 MiB pages instead of 4 KiB ones is most of the cost. */
+static void zero_fresh(void *p, size_t bytes) {
+    const uintptr_t huge = (uintptr_t)2 << 20;
+    uintptr_t begin = ((uintptr_t)p + huge - 1) & ~(huge - 1), end = ((uintptr_t)p + bytes) & ~(huge - 1);
+    if (end > begin) madvise((void *)begin, end - begin, MADV_HUGEPAGE);
+    memset(p, 0, bytes);
+}
+
 /* Backward: per table, the dense gradient [rows, D] (dense[t] != 0), else the gradient of every id's row
  * [N, D]; and where psw_out[t] != 0, the gradient of every per-sample weight (dot(g, row), 0 for padding). */
 void geb_backward(int64_t T, const int64_t *meta, int64_t B, const float *grad, int64_t grad_stride,
@@ -175,7 +234,7 @@ void geb_backward(int64_t T, const int64_t *meta, int64_t B, const float *grad, 
         table_t t = table_of(meta + ti * META);
         float *restrict out = (float *)table_out[ti];
         float *restrict dpsw = (float *)psw_out[ti];
-        if (dense[ti]) memset(out, 0, t.rows * t.dim * sizeof(float));
+        if (dense[ti]) zero_fresh(out, t.rows * t.dim * sizeof(float));
         FOR_EACH_ID(t, grad, grad_stride, B, err + ti, {
             float *o = dense[ti] ? out + row * t.dim : out + j * t.dim;
             if (!dense[ti]) memset(o, 0, t.dim * sizeof(float));
