@@ -11,7 +11,8 @@ rounding of eager's dense update), then updates only the touched rows in place, 
 - ``adam``: moments of the touched rows only, bias correction by the table's step count
   (``torch.optim.SparseAdam``; dense ``Adam`` would also move rows that got no gradient).
 
-Optimizer state lives per table in ``STATES``, keyed by the table's storage, created on first use.
+Optimizer state lives per table in ``STATES``, keyed by the table's storage, created on first use;
+``state_dict(model)`` / ``load_state_dict(model, state)`` read and restore it by parameter name.
 The op is declared without mutated arguments: like an optimizer step it changes the parameters after
 the last read of them in the step, and its (scalar) result is the gradient of the fused lookup's
 ``trigger`` so that the backward graph keeps it.
@@ -49,8 +50,12 @@ def parse_optimizer(spec: str) -> tuple[str, dict[str, float]]:
     return kind, {**DEFAULTS, **{k: float(v) for k, v in (f.split("=") for f in fields)}}
 
 
+def _state_key(weight: Tensor, kind: str) -> tuple:
+    return weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), kind
+
+
 def table_state(weight: Tensor, kind: str) -> dict:
-    key = (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), kind)
+    key = _state_key(weight, kind)
     state = STATES.get(key)
     if state is None:
         rows, dim = weight.shape
@@ -62,6 +67,45 @@ def table_state(weight: Tensor, kind: str) -> dict:
             "adam": lambda: {"step": 0, "exp_avg": zeros(rows, dim), "exp_avg_sq": zeros(rows, dim)},
         }[kind]()
     return state
+
+
+def state_dict(module: torch.nn.Module) -> dict[str, dict[str, dict]]:
+    """The fused optimizer state of ``module``'s tables, for checkpoints: ``{parameter name: {optimizer type:
+    {"sum" | "exp_avg" | "exp_avg_sq": tensor, "step": int}}}``, copies of the live state (tables that no fused
+    step has touched yet are absent)."""
+    out: dict[str, dict[str, dict]] = {}
+    for name, weight in module.named_parameters():
+        for kind in OPTIMIZERS:
+            state = STATES.get(_state_key(weight, kind))
+            if state is not None:
+                out.setdefault(name, {})[kind] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+    return out
+
+
+def load_state_dict(module: torch.nn.Module, state: dict[str, dict[str, dict]]) -> None:
+    """Restore what ``state_dict`` returned into the live state of ``module``'s tables (copied; every name and
+    every tensor's shape must match)."""
+    params = dict(module.named_parameters())
+    missing = sorted(set(state) - set(params))
+    if missing:
+        raise KeyError(f"recompile.embedding_optimizer.load_state_dict: no parameter(s) {missing} in the module")
+    for name, kinds in state.items():
+        for kind, saved in kinds.items():
+            if kind not in OPTIMIZERS:
+                raise ValueError(f"recompile.embedding_optimizer.load_state_dict: {name!r}: optimizer {kind!r} is not "
+                                 f"one of {OPTIMIZERS}")
+            live = table_state(params[name], kind)
+            if set(saved) != set(live):
+                raise ValueError(f"recompile.embedding_optimizer.load_state_dict: {name!r} ({kind}) has state "
+                                 f"{sorted(saved)}, expected {sorted(live)}")
+            for key, value in saved.items():
+                if isinstance(value, Tensor):
+                    if value.shape != live[key].shape:
+                        raise ValueError(f"recompile.embedding_optimizer.load_state_dict: {name!r} ({kind}) {key!r} "
+                                         f"has shape {tuple(value.shape)}, expected {tuple(live[key].shape)}")
+                    live[key].copy_(value)
+                else:
+                    live[key] = value
 
 
 def _sgd(w, rows, g, state, p):

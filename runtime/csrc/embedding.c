@@ -260,7 +260,9 @@ void geb_backward(int64_t T, const int64_t *meta, int64_t B, const float *grad, 
 
 static void update_row(int kind, float *restrict w, const float *restrict g, float *restrict s0, float *restrict s1,
                        int64_t d, const double *hp, double step_size) {
+    /* The complements in double, as torch's alpha/value arguments get them. */
     float lr = (float)hp[0], eps = (float)hp[1], b1 = (float)hp[2], b2 = (float)hp[3];
+    float c1 = (float)(1.0 - hp[2]), c2 = (float)(1.0 - hp[3]);
     switch (kind) {
     case SGD:
         for (int64_t k = 0; k < d; k++) w[k] += g[k] * -lr;
@@ -282,8 +284,8 @@ static void update_row(int kind, float *restrict w, const float *restrict g, flo
     case ADAM: {
         float step = (float)step_size;
         for (int64_t k = 0; k < d; k++) {
-            s0[k] = s0[k] * b1 + g[k] * (1.f - b1);
-            s1[k] = s1[k] * b2 + g[k] * g[k] * (1.f - b2);
+            s0[k] = s0[k] * b1 + g[k] * c1;
+            s1[k] = s1[k] * b2 + g[k] * g[k] * c2;
             w[k] += s0[k] / (sqrtf(s1[k]) + eps) * -step;
         }
         break;
