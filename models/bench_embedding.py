@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import os
+import tempfile
 import time
 from typing import Callable
 
@@ -122,6 +124,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    # Fresh autotune decisions: a cached one may have been measured with other kernels or on another load.
+    os.environ.setdefault("RECOMPILE_CACHE_DIR", tempfile.mkdtemp(prefix="bench_embedding_"))
     iters = 5 if args.quick else 30
     torch.manual_seed(0)
     print(f"Criteo-shaped DLRM: 26 tables of 1k-26k rows, dim 64, 1-8 ids/bag (alpha 1.05), {torch.get_num_threads()} threads")

@@ -10,6 +10,7 @@ lowering keeps the other kernels.
 """
 from __future__ import annotations
 
+import array
 import ctypes
 import os
 from typing import Callable, Optional, Sequence
@@ -32,6 +33,7 @@ SIGNATURES = (
 META = 13  # columns of a table's row in the kernels' meta array (csrc/embedding.c)
 IDS_I64, OFFS_I64, LAST_OFFSET = 1, 2, 4
 ERR_OFFSETS = 1
+GRAIN = 32768
 STATE_NAMES = {"exact_sgd": (), "exact_adagrad": ("sum",), "exact_rowwise_adagrad": ("sum",),
                "adam": ("exp_avg", "exp_avg_sq")}
 
@@ -44,8 +46,25 @@ def available() -> bool:
     return library() is not None
 
 
-def _int64s(values: Sequence[int]) -> ctypes.Array:
-    return (ctypes.c_int64 * len(values))(*values)
+def _threads(ids: int) -> int:
+    """Threads for a lookup of ``ids`` rows: one per GRAIN ids (forking costs more than small lookups gain)."""
+    return max(1, min(torch.get_num_threads(), ids // GRAIN))
+
+
+class _Buffer(array.array):
+    """A flat array of numbers that ctypes passes by address (much cheaper to fill than a ctypes array)."""
+
+    @property
+    def _as_parameter_(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(self.buffer_info()[0])
+
+
+def _int64s(values: Sequence[int]) -> _Buffer:
+    return _Buffer("q", values)
+
+
+def _float64s(values: Sequence[float]) -> _Buffer:
+    return _Buffer("d", values)
 
 
 def supported(weights: Sequence[Tensor], per_sample_weights: Sequence[Optional[Tensor]]) -> bool:
@@ -79,7 +98,7 @@ def _output(weights, rows: int, stride: int, layout: str) -> Tensor:
     return weights[0].new_empty(shape)
 
 
-def _raise_marked(err: ctypes.Array, verify: Callable[[], list[Feature]]) -> None:
+def _raise_marked(err: _Buffer, verify: Callable[[], list[Feature]]) -> None:
     """After a kernel marked bad ids or offsets: the Python checks raise (or warn) naming the feature."""
     if any(err):
         verify()
@@ -94,7 +113,7 @@ def forward(weights, features, per_sample_weights, pooling, padding_idx, layout,
     meta, kept, rows, stride = _group(weights, features, per_sample_weights, pooling, padding_idx, layout)
     out = _output(weights, rows, stride, layout)
     err = _int64s([0] * len(weights))
-    threads = torch.get_num_threads()
+    threads = _threads(sum(f.ids.numel() for f in features))
     if layout == "sequence":
         library().geb_forward_sequence(len(weights), meta, out.data_ptr(), stride, err, threads)
     else:
@@ -136,8 +155,8 @@ def optimizer_step(grad, weights, features, per_sample_weights, pooling, padding
         pointers = [state[name].data_ptr() for name in STATE_NAMES[kind]]
         states += pointers + [0] * (2 - len(pointers))
         step_sizes.append(adam_step_size(state, params) if kind == "adam" and f.ids.numel() else 0.0)
-    hyper = (ctypes.c_double * 4)(params["lr"], params["eps"], params["beta1"], params["beta2"])
+    hyper = _float64s([params["lr"], params["eps"], params["beta1"], params["beta2"]])
     # The kernel numbers the optimizers in the order of OPTIMIZERS.
     library().geb_optimizer_step(len(weights), meta, rows, grad.data_ptr(), stride, OPTIMIZERS.index(kind), hyper,
-                                 _int64s(states), (ctypes.c_double * len(weights))(*step_sizes),
+                                 _int64s(states), _float64s(step_sizes),
                                  _int64s([0] * len(weights)), torch.get_num_threads())
