@@ -248,8 +248,9 @@ def output_slices(out: Tensor, dims: Sequence[int], counts: Sequence[int], layou
 
 # ---------------------------------------------------------------------------------------------
 # Kernels. Forward: (weights, features, per_sample_weights, pooling, padding_idx, layout) -> output;
-# a kernel in SELF_CHECKING gets unchecked features and (bounds_check, verify) too: it reads no row
-# outside its table and calls verify() (the checks above, which raise or warn) when it met a bad id or offsets.
+# a kernel in SELF_CHECKING gets unchecked features and ``verify`` too: it reads no row outside its table and
+# calls verify() (the checks above: they raise or warn, and return the checked features) when it met a bad id
+# or bad offsets.
 # Backward: (grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad)
 #   -> per table its dense gradient [rows_t, D_t], or where sparse[t] the gradient of every id's row
 #   ([N_t, D_t], zero for padding ids); then, where psw_grad[t], the gradient of its per-sample weights.
@@ -367,7 +368,7 @@ def _lookup(weights, indices, offsets, per_sample_weights, pooling, padding_idx,
     def verify() -> list[Feature]:
         return features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check)
 
-    return kernel(weights, features, per_sample_weights, pooling, padding_idx, layout, bounds_check, verify)
+    return kernel(weights, features, per_sample_weights, pooling, padding_idx, layout, verify)
 
 
 def _lookup_fake(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,

@@ -107,8 +107,8 @@ def _raise_marked(err: _Buffer, verify: Callable[[], list[Feature]]) -> None:
 
 
 @register_kernel(OP, "native")
-def forward(weights, features, per_sample_weights, pooling, padding_idx, layout, bounds_check, verify):
-    if not supported(weights, per_sample_weights):
+def forward(weights, features, per_sample_weights, pooling, padding_idx, layout, verify):
+    if not supported(weights, per_sample_weights) or features[0].batch < 0:  # < 0: include_last_offset, no offsets
         return forward_cpu(weights, verify(), per_sample_weights, pooling, padding_idx, layout)
     meta, kept, rows, stride = _group(weights, features, per_sample_weights, pooling, padding_idx, layout)
     out = _output(weights, rows, stride, layout)

@@ -128,3 +128,11 @@ def test_native_is_the_cpu_lowering_first_choice():
     target = detect_target("cpu")
     assert choose("recompile::grouped_embedding_bag", target).impl == "native"
     assert choose("recompile::embedding_optimizer_step", target).impl == "native"
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([0, 1]), torch.tensor([], dtype=torch.long)])
+def test_empty_offsets_with_last_offset_rejected(ids):
+    with pytest.raises(ValueError, match="feature 'clicks': offsets are empty but there are"):
+        torch.ops.recompile.grouped_embedding_bag([torch.randn(3, 2)], [ids], [torch.tensor([], dtype=torch.long)],
+                                                  [torch.empty(0)], [SUM], [-1], [True], [False], "concat", "clicks",
+                                                  "fatal", "native")
