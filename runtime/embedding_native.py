@@ -25,7 +25,7 @@ from runtime.kernels import register_kernel
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "embedding.c")
 SIGNATURES = (
-    ("geb_forward_pooled", (i64, ptr, i64, ptr, i64, ptr, i32)),
+    ("geb_forward_pooled", (i64, ptr, i64, ptr, i64, ptr, i32, i32)),
     ("geb_forward_sequence", (i64, ptr, ptr, i64, ptr, i32)),
     ("geb_backward", (i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i32)),
     ("geb_optimizer_step", (i64, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr, i32)),
@@ -34,6 +34,7 @@ META = 13  # columns of a table's row in the kernels' meta array (csrc/embedding
 IDS_I64, OFFS_I64, LAST_OFFSET = 1, 2, 4
 ERR_OFFSETS = 1
 GRAIN = 32768
+STREAM_BYTES = 4 << 20  # pooled outputs larger than this bypass the caches (non-temporal stores)
 STATE_NAMES = {"exact_sgd": (), "exact_adagrad": ("sum",), "exact_rowwise_adagrad": ("sum",),
                "adam": ("exp_avg", "exp_avg_sq")}
 
@@ -117,7 +118,8 @@ def forward(weights, features, per_sample_weights, pooling, padding_idx, layout,
     if layout == "sequence":
         library().geb_forward_sequence(len(weights), meta, out.data_ptr(), stride, err, threads)
     else:
-        library().geb_forward_pooled(len(weights), meta, rows, out.data_ptr(), stride, err, threads)
+        stream = out.numel() * out.element_size() > STREAM_BYTES
+        library().geb_forward_pooled(len(weights), meta, rows, out.data_ptr(), stride, err, stream, threads)
     _raise_marked(err, verify)
     return out
 

@@ -136,3 +136,22 @@ def test_empty_offsets_with_last_offset_rejected(ids):
         torch.ops.recompile.grouped_embedding_bag([torch.randn(3, 2)], [ids], [torch.tensor([], dtype=torch.long)],
                                                   [torch.empty(0)], [SUM], [-1], [True], [False], "concat", "clicks",
                                                   "fatal", "native")
+
+
+@pytest.mark.parametrize("layout, dims", [("stack", (64, 64, 64)), ("concat", (64, 72, 128))])
+def test_large_output_streamed_past_the_caches(layout, dims):
+    """Outputs over STREAM_BYTES are written with non-temporal stores where a row is 64-byte aligned."""
+    gen = torch.Generator().manual_seed(9)
+    batch = embedding_native.STREAM_BYTES // (4 * sum(dims)) + 100
+    weights = [torch.randn(300, d, generator=gen) for d in dims]
+    lengths = [torch.randint(0, 4, (batch,), generator=gen) for _ in dims]
+    ids = [torch.randint(0, 300, (int(n.sum()),), generator=gen) for n in lengths]
+    offsets = [torch.cumsum(n, 0) - n for n in lengths]
+    modes = [SUM, MEAN, SUM]
+    got = torch.ops.recompile.grouped_embedding_bag(weights, ids, offsets, [torch.empty(0)] * 3, modes, [-1] * 3,
+                                                    [False] * 3, [False] * 3, layout, "a,b,c", "fatal", "native")
+    outs = [torch.nn.functional.embedding_bag(i, w, o, mode=("sum", "mean")[m])
+            for w, i, o, m in zip(weights, ids, offsets, modes)]
+    want = torch.stack(outs, 1) if layout == "stack" else torch.cat(outs, 1)
+    assert got.numel() * 4 > embedding_native.STREAM_BYTES
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <immintrin.h>
 
 enum { W_PTR, ROWS, DIM, W_STRIDE, IDS, N_IDS, OFFS, N_OFFS, PSW, POOLING, PAD, OUT_AT, FLAGS, META };
 enum { SUM, MEAN, NONE };
@@ -118,8 +119,10 @@ static inline void prefetch_row(const float *w, int64_t stride, int64_t dim, con
     for (int64_t k = 0; k < dim && k < 2 * BLOCK; k += LANES) __builtin_prefetch(w + id * stride + k);
 }
 
-/* o[0:BLOCK] = sum over the bag's ids of scale * row[c:c + BLOCK], accumulated in registers. */
-static inline void pool_block(const table_t *t, int64_t start, int64_t end, int64_t c, float *o, int64_t *err) {
+/* o[0:BLOCK] = sum over the bag's ids of scale * row[c:c + BLOCK] (over ``divisor``), accumulated in registers;
+ * ``stream``: written past the caches. */
+static inline void pool_block(const table_t *t, int64_t start, int64_t end, int64_t c, float divisor, float *o,
+                              int64_t *err, int stream) {
     v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     const float *w = t->w;
     const void *ids = t->ids;
@@ -135,6 +138,21 @@ static inline void pool_block(const table_t *t, int64_t start, int64_t end, int6
         a2 += s * r[2];
         a3 += s * r[3];
     }
+    if (divisor != 1.f) {
+        a0 /= divisor;
+        a1 /= divisor;
+        a2 /= divisor;
+        a3 /= divisor;
+    }
+#ifdef __AVX512F__
+    if (stream && ((uintptr_t)o & 63) == 0) { /* an output larger than the caches: no read for ownership */
+        _mm512_stream_ps(o, (__m512)a0);
+        _mm512_stream_ps(o + LANES, (__m512)a1);
+        _mm512_stream_ps(o + 2 * LANES, (__m512)a2);
+        _mm512_stream_ps(o + 3 * LANES, (__m512)a3);
+        return;
+    }
+#endif
     v16 *out = (v16 *)o;
     out[0] = a0;
     out[1] = a1;
@@ -143,17 +161,20 @@ static inline void pool_block(const table_t *t, int64_t start, int64_t end, int6
 }
 
 /* Columns past the last full block, accumulated in the output. */
-static void pool_tail(const table_t *t, int64_t start, int64_t end, int64_t c, float *restrict o, int64_t *err) {
+static void pool_tail(const table_t *t, int64_t start, int64_t end, int64_t c, float divisor, float *restrict o,
+                      int64_t *err) {
     memset(o, 0, (t->dim - c) * sizeof(float));
     for (int64_t j = start; j < end; j++) {
         int64_t row = row_of(t, j, err);
         if (row != t->pad) axpy(o, t->w + row * t->stride + c, t->psw ? t->psw[j] : 1.f, t->dim - c);
     }
+    if (divisor != 1.f)
+        for (int64_t k = 0; k < t->dim - c; k++) o[k] /= divisor;
 }
 
 /* Pooled forward: out[b, OUT_AT + k] (row stride ``out_stride``) = the pooled row of table t's bag b. */
 void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, int64_t out_stride, int64_t *err,
-                        int threads) {
+                        int stream, int threads) {
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -171,13 +192,14 @@ void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, i
                 int64_t start = 0, end = 0, c = 0;
                 float *restrict o = out + b * out_stride + t.at;
                 if (!(err[ti] & ERR_OFFSETS)) bag_range(&t, b, &start, &end);
-                for (; c + BLOCK <= t.dim; c += BLOCK) pool_block(&t, start, end, c, o + c, err + ti);
-                if (c < t.dim) pool_tail(&t, start, end, c, o + c, err + ti);
                 float divisor = bag_divisor(&t, start, end, err + ti);
-                if (divisor != 1.f)
-                    for (int64_t k = 0; k < t.dim; k++) o[k] /= divisor;
+                for (; c + BLOCK <= t.dim; c += BLOCK) pool_block(&t, start, end, c, divisor, o + c, err + ti, stream);
+                if (c < t.dim) pool_tail(&t, start, end, c, divisor, o + c, err + ti);
             }
         }
+#ifdef __AVX512F__
+        _mm_sfence(); /* the streamed rows are visible before the region ends */
+#endif
     }
 }
 
