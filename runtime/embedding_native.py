@@ -103,8 +103,15 @@ def _raise_marked(err: _Buffer, verify: Callable[[], list[Feature]]) -> None:
     """After a kernel marked bad ids or offsets: the Python checks raise (or warn) naming the feature."""
     if any(err):
         verify()
-        if any(e & ERR_OFFSETS for e in err):
-            raise RuntimeError("recompile.grouped_embedding_bag: the native kernel rejected offsets the checks accept")
+        _reject_offsets(err, "the checks accept them")
+
+
+def _reject_offsets(err: _Buffer, why: str) -> None:
+    """The backward and the optimizer step get what the forward checked; their kernels still skip bad offsets."""
+    bad = [t for t, e in enumerate(err) if e & ERR_OFFSETS]
+    if bad:
+        raise RuntimeError(f"recompile.grouped_embedding_bag: the native kernel rejected the offsets of tables {bad} "
+                           f"({why})")
 
 
 @register_kernel(OP, "native")
@@ -136,10 +143,11 @@ def backward(grad, weights, features, per_sample_weights, pooling, padding_idx, 
     tables = [w.new_empty((f.ids.numel(), w.shape[1]) if is_sparse else w.shape)
               for w, f, is_sparse in zip(weights, features, sparse)]
     psw_grads = [torch.empty_like(p) if want else grad.new_empty(0) for p, want in zip(per_sample_weights, psw_grad)]
+    err = _int64s([0] * len(weights))
     library().geb_backward(len(weights), meta, rows, grad.data_ptr(), stride, _int64s([t.data_ptr() for t in tables]),
                            _int64s([not is_sparse for is_sparse in sparse]),
-                           _int64s([p.data_ptr() if p.numel() else 0 for p in psw_grads]), _int64s([0] * len(weights)),
-                           torch.get_num_threads())
+                           _int64s([p.data_ptr() if p.numel() else 0 for p in psw_grads]), err, torch.get_num_threads())
+    _reject_offsets(err, "in the backward")
     return tables + psw_grads
 
 
@@ -159,6 +167,7 @@ def optimizer_step(grad, weights, features, per_sample_weights, pooling, padding
         step_sizes.append(adam_step_size(state, params) if kind == "adam" and f.ids.numel() else 0.0)
     hyper = _float64s([params["lr"], params["eps"], params["beta1"], params["beta2"]])
     # The kernel numbers the optimizers in the order of OPTIMIZERS.
+    err = _int64s([0] * len(weights))
     library().geb_optimizer_step(len(weights), meta, rows, grad.data_ptr(), stride, OPTIMIZERS.index(kind), hyper,
-                                 _int64s(states), _float64s(step_sizes),
-                                 _int64s([0] * len(weights)), torch.get_num_threads())
+                                 _int64s(states), _float64s(step_sizes), err, torch.get_num_threads())
+    _reject_offsets(err, "in the optimizer step")

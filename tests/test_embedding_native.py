@@ -155,3 +155,14 @@ def test_large_output_streamed_past_the_caches(layout, dims):
     want = torch.stack(outs, 1) if layout == "stack" else torch.cat(outs, 1)
     assert got.numel() * 4 > embedding_native.STREAM_BYTES
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_backward_and_step_skip_bad_offsets():
+    """They get what the forward checked; called with bad offsets anyway, they read nothing out of bounds and raise."""
+    features = raw_features([torch.tensor([0, 1, 2])], [torch.tensor([0, 5])], [False])
+    args = (torch.randn(2, 4), [torch.randn(3, 4)], features, [None], [SUM], [-1], "concat")
+    with pytest.raises(RuntimeError, match=r"rejected the offsets of tables \[0\] \(in the backward\)"):
+        embedding_native.backward(*args, [False], [False])
+    params = embedding_optimizer.parse_optimizer(format_optimizer("exact_sgd"))[1]
+    with pytest.raises(RuntimeError, match=r"\(in the optimizer step\)"):
+        embedding_native.optimizer_step(*args, "exact_sgd", params)

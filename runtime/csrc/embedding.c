@@ -7,12 +7,12 @@
  * without, ids are a [B, L] block (L = N_OFFS). NONE pooling ("sequence" layout) has one row per id.
  *
  * Checks: offsets that do not start at 0, decrease, or overrun the ids mark their table with
- * ERR_OFFSETS in ``err`` (its rows are left zero); an id outside its table marks ERR_IDS and reads
- * row 0 instead. Python raises (or warns) with the feature's name from those marks.
+ * ERR_OFFSETS in ``err`` (the table is skipped: its output rows are zero); an id outside its table
+ * marks ERR_IDS and reads row 0 instead. Python raises (or warns) with the feature's name from those marks.
  *
  * Loops run on torch's OpenMP runtime (the library links the same libgomp soname torch loaded):
- * forward over (table, bag), backward and optimizer steps over tables (each table's rows are
- * written by one thread, in id order, so results do not depend on the thread count).
+ * forward over (tile of bags, table), backward and optimizer steps over tables (each table's rows
+ * are written by one thread, in id order, so results do not depend on the thread count).
  */
 #include <math.h>
 #include <stdint.h>
@@ -78,12 +78,13 @@ static int offsets_ok(const table_t *t) {
     return t->last ? prev == t->n : prev <= t->n;
 }
 
-/* Each id's factor in its bag's pooled row (1, its sample weight, 0 for padding), and the MEAN divisor. */
+/* Each id's factor in its bag's pooled row: 1, its sample weight, 0 for padding. */
 static inline float id_scale(const table_t *t, int64_t j, int64_t row) {
     if (row == t->pad) return 0.f;
     return t->psw ? t->psw[j] : 1.f;
 }
 
+/* What MEAN pooling divides a bag's sum by: its ids other than padding (1 for an empty bag, and for SUM). */
 static float bag_divisor(const table_t *t, int64_t start, int64_t end, int64_t *err) {
     if (t->pooling != MEAN) return 1.f;
     int64_t count = 0;
@@ -257,6 +258,10 @@ void geb_backward(int64_t T, const int64_t *meta, int64_t B, const float *grad, 
         float *restrict out = (float *)table_out[ti];
         float *restrict dpsw = (float *)psw_out[ti];
         if (dense[ti]) zero_fresh(out, t.rows * t.dim * sizeof(float));
+        if (!offsets_ok(&t)) {
+            err[ti] |= ERR_OFFSETS;
+            continue;
+        }
         FOR_EACH_ID(t, grad, grad_stride, B, err + ti, {
             float *o = dense[ti] ? out + row * t.dim : out + j * t.dim;
             if (!dense[ti]) memset(o, 0, t.dim * sizeof(float));
@@ -321,6 +326,10 @@ void geb_optimizer_step(int64_t T, const int64_t *meta, int64_t B, const float *
     for (int64_t ti = 0; ti < T; ti++) {
         table_t t = table_of(meta + ti * META);
         if (t.n == 0) continue;
+        if (!offsets_ok(&t)) {
+            err[ti] |= ERR_OFFSETS;
+            continue;
+        }
         int32_t *slot = calloc(t.rows, sizeof(int32_t)); /* row -> 1 + its place among the touched rows */
         int64_t *touched = malloc(t.n * sizeof(int64_t));
         float *sums = malloc(t.n * t.dim * sizeof(float));
