@@ -196,7 +196,8 @@ register_kernel(STEP_OP, "fbgemm")(functools.partial(step_each_table, fbgemm=Tru
 def embedding_optimizer_step(grad, weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset,
                              layout, names, bounds_check, optimizer, impl) -> Tensor:
     """Apply ``optimizer`` to the rows of every table the lookup touched, from the gradient of the grouped
-    output ``grad``; returns a zero scalar. ``impl="fbgemm"`` runs FBGEMM's CPU op where it applies."""
+    output ``grad``; returns a zero scalar. ``impl``: ``"native"`` (runtime.embedding_native: all tables in one C
+    call), ``"fbgemm"`` (FBGEMM's CPU op where it applies) or ``"reference"``."""
     kind, params = parse_optimizer(optimizer)
     names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
     features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, check=False)
