@@ -68,30 +68,33 @@ def _float64s(values: Sequence[float]) -> _Buffer:
     return _Buffer("d", values)
 
 
-def supported(weights: Sequence[Tensor], per_sample_weights: Sequence[Optional[Tensor]]) -> bool:
-    """fp32 CPU tables (and sample weights) with unit column stride: what the kernels read."""
-    return all(w.dtype == torch.float32 and w.device.type == "cpu" and w.stride(1) == 1 for w in weights) and all(
-        p is None or p.dtype == torch.float32 for p in per_sample_weights)
-
-
 def _group(weights, features, per_sample_weights, pooling, padding_idx, layout):
-    """(meta, kept, rows of the output, output row stride): ``kept`` holds the tensors ``meta`` points into."""
-    meta, kept, at = [], [], 0
+    """(meta, kept, output rows, output row stride, ids looked up); ``kept`` holds the tensors ``meta`` points into.
+    None when a table (or its sample weights) is not what the kernels read: fp32 on the CPU, unit column stride."""
+    meta, kept, at, looked_up = [], [], 0, 0
     dim = weights[0].shape[1]
     for t, (w, f, psw, mode, pad) in enumerate(zip(weights, features, per_sample_weights, pooling, padding_idx)):
-        ids = f.ids.contiguous()
-        offs = None if f.offsets is None else f.offsets.contiguous()
+        if w.dtype != torch.float32 or not w.is_cpu or w.stride(1) != 1 or (psw is not None and psw.dtype != torch.float32):
+            return None
+        ids, offs = f.ids.contiguous(), f.offsets
+        n = ids.numel()
         psw = None if psw is None else psw.reshape(-1).contiguous()
-        kept += [ids, offs, psw]
-        flags = (IDS_I64 * (ids.dtype == torch.int64) | OFFS_I64 * (offs is not None and offs.dtype == torch.int64)
-                 | LAST_OFFSET * f.include_last_offset)
-        meta += [w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), ids.data_ptr(), ids.numel(),
-                 0 if offs is None else offs.data_ptr(), f.length if offs is None else offs.numel(),
-                 0 if psw is None else psw.data_ptr(), mode, pad, t * dim if layout == "stack" else at, flags]
-        at += ids.numel() if layout == "sequence" else w.shape[1]
+        kept += (ids, psw)
+        if offs is None:
+            offs_ptr, bags, flags = 0, f.length, 0
+        else:
+            offs = offs.contiguous()
+            kept.append(offs)
+            offs_ptr, bags, flags = offs.data_ptr(), offs.shape[0], OFFS_I64 * (offs.dtype == torch.int64)
+        flags |= IDS_I64 * (ids.dtype == torch.int64) | LAST_OFFSET * f.include_last_offset
+        meta += (w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), ids.data_ptr(), n,
+                 offs_ptr, bags, 0 if psw is None else psw.data_ptr(), mode, pad, t * dim if layout == "stack" else at,
+                 flags)
+        at += n if layout == "sequence" else w.shape[1]
+        looked_up += n
     rows = at if layout == "sequence" else features[0].batch
     stride = dim if layout == "sequence" else (len(weights) * dim if layout == "stack" else at)
-    return _int64s(meta), kept, rows, stride
+    return _int64s(meta), kept, rows, stride, looked_up
 
 
 def _output(weights, rows: int, stride: int, layout: str) -> Tensor:
@@ -116,12 +119,13 @@ def _reject_offsets(err: _Buffer, why: str) -> None:
 
 @register_kernel(OP, "native")
 def forward(weights, features, per_sample_weights, pooling, padding_idx, layout, verify):
-    if not supported(weights, per_sample_weights) or features[0].batch < 0:  # < 0: include_last_offset, no offsets
+    group = _group(weights, features, per_sample_weights, pooling, padding_idx, layout)
+    if group is None or features[0].batch < 0:  # batch < 0: include_last_offset without offsets
         return forward_cpu(weights, verify(), per_sample_weights, pooling, padding_idx, layout)
-    meta, kept, rows, stride = _group(weights, features, per_sample_weights, pooling, padding_idx, layout)
+    meta, kept, rows, stride, looked_up = group
     out = _output(weights, rows, stride, layout)
     err = _int64s([0] * len(weights))
-    threads = _threads(sum(f.ids.numel() for f in features))
+    threads = _threads(looked_up)
     if layout == "sequence":
         library().geb_forward_sequence(len(weights), meta, out.data_ptr(), stride, err, threads)
     else:
@@ -136,9 +140,10 @@ SELF_CHECKING.add("native")
 
 @register_kernel(BACKWARD_OP, "native")
 def backward(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad):
-    if not supported(weights, per_sample_weights) or grad.dtype != torch.float32:
+    group = _group(weights, features, per_sample_weights, pooling, padding_idx, layout)
+    if group is None or grad.dtype != torch.float32:
         return table_gradients(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad)
-    meta, kept, rows, stride = _group(weights, features, per_sample_weights, pooling, padding_idx, layout)
+    meta, kept, rows, stride, _ = group
     grad = grad.contiguous()
     tables = [w.new_empty((f.ids.numel(), w.shape[1]) if is_sparse else w.shape)
               for w, f, is_sparse in zip(weights, features, sparse)]
@@ -154,10 +159,11 @@ def backward(grad, weights, features, per_sample_weights, pooling, padding_idx, 
 @register_kernel(STEP_OP, "native")
 def optimizer_step(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params):
     distinct = len({w.data_ptr() for w in weights}) == len(weights)  # the kernel updates tables in parallel
-    if not supported(weights, per_sample_weights) or grad.dtype != torch.float32 or not distinct:
+    group = _group(weights, features, per_sample_weights, pooling, padding_idx, layout)
+    if group is None or grad.dtype != torch.float32 or not distinct:
         return step_each_table(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params,
                                fbgemm=False)
-    meta, kept, rows, stride = _group(weights, features, per_sample_weights, pooling, padding_idx, layout)
+    meta, kept, rows, stride, _ = group
     grad = grad.contiguous()
     states, step_sizes = [], []
     for w, f in zip(weights, features):
