@@ -13,6 +13,7 @@ from __future__ import annotations
 import array
 import ctypes
 import os
+import threading
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -28,7 +29,7 @@ SIGNATURES = (
     ("geb_forward_pooled", (i64, ptr, i64, ptr, i64, ptr, i32, i32)),
     ("geb_forward_sequence", (i64, ptr, ptr, i64, ptr, i32)),
     ("geb_backward", (i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i32)),
-    ("geb_optimizer_step", (i64, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr, i32)),
+    ("geb_optimizer_step", (i64, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32)),
 )
 META = 13  # columns of a table's row in the kernels' meta array (csrc/embedding.c)
 IDS_I64, OFFS_I64, LAST_OFFSET = 1, 2, 4
@@ -156,6 +157,20 @@ def backward(grad, weights, features, per_sample_weights, pooling, padding_idx, 
     return tables + psw_grads
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, numel: int, dtype: torch.dtype) -> Tensor:
+    """A zeroed buffer of at least ``numel`` elements kept across optimizer steps (per thread: kernels run without
+    the GIL): fresh memory of that size would be faulted in page by page on every step. The kernel leaves "slots"
+    zero again; the other buffers it overwrites before reading."""
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(name)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[name] = torch.zeros(max(numel, 1), dtype=dtype)
+    return buffer
+
+
 @register_kernel(STEP_OP, "native")
 def optimizer_step(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params):
     distinct = len({w.data_ptr() for w in weights}) == len(weights)  # the kernel updates tables in parallel
@@ -174,6 +189,11 @@ def optimizer_step(grad, weights, features, per_sample_weights, pooling, padding
     hyper = _float64s([params["lr"], params["eps"], params["beta1"], params["beta2"]])
     # The kernel numbers the optimizers in the order of OPTIMIZERS.
     err = _int64s([0] * len(weights))
+    ids = [f.ids.numel() for f in features]
+    sums = _scratch("sums", sum(n * w.shape[1] for n, w in zip(ids, weights)), torch.float32)
+    touched = _scratch("touched", sum(ids), torch.int64)
+    slots = _scratch("slots", sum(w.shape[0] for w in weights), torch.int32)  # all zero between steps
     library().geb_optimizer_step(len(weights), meta, rows, grad.data_ptr(), stride, OPTIMIZERS.index(kind), hyper,
-                                 _int64s(states), _float64s(step_sizes), err, torch.get_num_threads())
+                                 _int64s(states), _float64s(step_sizes), sums.data_ptr(), touched.data_ptr(),
+                                 slots.data_ptr(), err, torch.get_num_threads())
     _reject_offsets(err, "in the optimizer step")

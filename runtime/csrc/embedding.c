@@ -100,6 +100,14 @@ static inline void add(float *restrict y, const float *restrict x, int64_t d) {
     for (int64_t k = 0; k < d; k++) y[k] += x[k];
 }
 
+/* Ask for transparent huge pages on the whole 2 MiB pages of a fresh buffer: an output or gradient this large
+ * is new memory every step, and faulting it in 2 MiB pages instead of 4 KiB ones is most of its cost. */
+static void advise_huge(void *p, size_t bytes) {
+    const uintptr_t huge = (uintptr_t)2 << 20;
+    uintptr_t begin = ((uintptr_t)p + huge - 1) & ~(huge - 1), end = ((uintptr_t)p + bytes) & ~(huge - 1);
+    if (end > begin) madvise((void *)begin, end - begin, MADV_HUGEPAGE);
+}
+
 /* 16 floats, loaded and stored at any float alignment (AVX-512 registers, or pairs/quads of narrower ones). */
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #define LANES 16
@@ -176,6 +184,7 @@ static void pool_tail(const table_t *t, int64_t start, int64_t end, int64_t c, f
 /* Pooled forward: out[b, OUT_AT + k] (row stride ``out_stride``) = the pooled row of table t's bag b. */
 void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, int64_t out_stride, int64_t *err,
                         int stream, int threads) {
+    if (stream) advise_huge(out, B * out_stride * sizeof(float));
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -239,15 +248,6 @@ static inline const float *grad_row(const table_t *t, const float *grad, int64_t
         }                                                                                        \
     } while (0)
 
-/* Zero a freshly allocated buffer, asking for transparent huge pages first: a gradient as large as its table is
- * new memory every step, and faulting it in 2 MiB pages instead of 4 KiB ones is most of the cost. */
-static void zero_fresh(void *p, size_t bytes) {
-    const uintptr_t huge = (uintptr_t)2 << 20;
-    uintptr_t begin = ((uintptr_t)p + huge - 1) & ~(huge - 1), end = ((uintptr_t)p + bytes) & ~(huge - 1);
-    if (end > begin) madvise((void *)begin, end - begin, MADV_HUGEPAGE);
-    memset(p, 0, bytes);
-}
-
 /* Backward: per table, the dense gradient [rows, D] (dense[t] != 0), else the gradient of every id's row
  * [N, D]; and where psw_out[t] != 0, the gradient of every per-sample weight (dot(g, row), 0 for padding). */
 void geb_backward(int64_t T, const int64_t *meta, int64_t B, const float *grad, int64_t grad_stride,
@@ -257,7 +257,10 @@ void geb_backward(int64_t T, const int64_t *meta, int64_t B, const float *grad, 
         table_t t = table_of(meta + ti * META);
         float *restrict out = (float *)table_out[ti];
         float *restrict dpsw = (float *)psw_out[ti];
-        if (dense[ti]) zero_fresh(out, t.rows * t.dim * sizeof(float));
+        if (dense[ti]) {
+            advise_huge(out, t.rows * t.dim * sizeof(float));
+            memset(out, 0, t.rows * t.dim * sizeof(float));
+        }
         if (!offsets_ok(&t)) {
             err[ti] |= ERR_OFFSETS;
             continue;
@@ -320,8 +323,20 @@ static void update_row(int kind, float *restrict w, const float *restrict g, flo
     }
 }
 
+/* ``scratch``: float [sum N_t * D_t] for the summed gradients, int64 [sum N_t] for the touched rows, and int32
+ * [sum rows_t] of zeros mapping a row to 1 + its place among the touched rows (left zero again on return):
+ * buffers the caller keeps across steps, since fresh ones would be faulted in page by page every step. */
 void geb_optimizer_step(int64_t T, const int64_t *meta, int64_t B, const float *grad, int64_t grad_stride, int kind,
-                        const double *hyper, const int64_t *state, const double *step_size, int64_t *err, int threads) {
+                        const double *hyper, const int64_t *state, const double *step_size, float *sums_all,
+                        int64_t *touched_all, int32_t *slots_all, int64_t *err, int threads) {
+    int64_t *at = malloc(3 * (T + 1) * sizeof(int64_t)); /* each table's place in the three scratch buffers */
+    at[0] = at[T + 1] = at[2 * (T + 1)] = 0;
+    for (int64_t ti = 0; ti < T; ti++) {
+        const int64_t *m = meta + ti * META;
+        at[ti + 1] = at[ti] + m[N_IDS] * m[DIM];
+        at[T + 1 + ti + 1] = at[T + 1 + ti] + m[N_IDS];
+        at[2 * (T + 1) + ti + 1] = at[2 * (T + 1) + ti] + m[ROWS];
+    }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t ti = 0; ti < T; ti++) {
         table_t t = table_of(meta + ti * META);
@@ -330,9 +345,9 @@ void geb_optimizer_step(int64_t T, const int64_t *meta, int64_t B, const float *
             err[ti] |= ERR_OFFSETS;
             continue;
         }
-        int32_t *slot = calloc(t.rows, sizeof(int32_t)); /* row -> 1 + its place among the touched rows */
-        int64_t *touched = malloc(t.n * sizeof(int64_t));
-        float *sums = malloc(t.n * t.dim * sizeof(float));
+        float *sums = sums_all + at[ti];
+        int64_t *touched = touched_all + at[T + 1 + ti];
+        int32_t *slot = slots_all + at[2 * (T + 1) + ti];
         int64_t count = 0;
         FOR_EACH_ID(t, grad, grad_stride, B, err + ti, {
             if (slot[row] == 0) {
@@ -350,11 +365,10 @@ void geb_optimizer_step(int64_t T, const int64_t *meta, int64_t B, const float *
             int64_t row = touched[i];
             update_row(kind, (float *)t.w + row * t.stride, sums + i * t.dim, s0 ? s0 + row * state_dim : NULL,
                        s1 ? s1 + row * state_dim : NULL, t.dim, hyper, step_size[ti]);
+            slot[row] = 0;
         }
-        free(slot);
-        free(touched);
-        free(sums);
     }
+    free(at);
 }
 
 #pragma GCC pop_options
