@@ -112,13 +112,8 @@ static void advise_huge(void *p, size_t bytes) {
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #define LANES 16
 #define BLOCK (4 * LANES) /* columns pooled in registers at once */
-#ifndef TILE
-#define TILE 64 /* bags per work item of the pooled forward */
-#endif
-#ifndef PREFETCH
-#define PREFETCH 8
-#endif
-// /* ids ahead whose rows are prefetched */
+#define TILE 256 /* bags per work item of the pooled forward */
+#define PREFETCH 16 /* ids ahead whose rows are prefetched */
 
 /* Prefetch the first cache lines of id j's row (a prefetch never faults, a bad id is harmless here). */
 static inline void prefetch_row(const float *w, int64_t stride, int64_t dim, const void *ids, int ids64,
