@@ -189,7 +189,7 @@ void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, i
         }
         /* Work items: (tile of TILE bags, table), tile-major, so the output rows being written stay few pages. */
         int64_t tiles = (B + TILE - 1) / TILE;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1) /* a descheduled thread (a busy machine) holds up one work item only */
         for (int64_t w = 0; w < tiles * T; w++) {
             int64_t ti = w % T, first = w / T * TILE, last = first + TILE < B ? first + TILE : B;
             table_t t = table_of(meta + ti * META);
