@@ -19,7 +19,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#ifdef __AVX512F__
 #include <immintrin.h>
+#endif
 
 enum { W_PTR, ROWS, DIM, W_STRIDE, IDS, N_IDS, OFFS, N_OFFS, PSW, POOLING, PAD, OUT_AT, FLAGS, META };
 enum { SUM, MEAN, NONE };
@@ -148,7 +150,9 @@ static inline void pool_block(const table_t *t, int64_t start, int64_t end, int6
         a2 /= divisor;
         a3 /= divisor;
     }
-#ifdef __AVX512F__
+#ifndef __AVX512F__
+    (void)stream;
+#else
     if (stream && ((uintptr_t)o & 63) == 0) { /* an output larger than the caches: no read for ownership */
         _mm512_stream_ps(o, (__m512)a0);
         _mm512_stream_ps(o + LANES, (__m512)a1);
