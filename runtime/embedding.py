@@ -488,7 +488,7 @@ def _backward(ctx, grad):
     pooling, padding_idx, ilo, sparse, layout, names, bounds_check, optimizer, optimizer_impl, impl = ctx.args
     psw_needs = ctx.needs_input_grad[first + 3]
     psw_grad = [bool(p.numel()) and want for p, want in zip(psw, psw_needs)]
-    grad, lookup = grad.contiguous(), (weights, indices, offsets, psw, pooling, padding_idx, ilo)
+    lookup = weights, indices, offsets, psw, pooling, padding_idx, ilo  # grad as it comes: kernels read strided rows
     grads_in = [[None] * n if n is not False else None for n in ctx.tensor_lists]
     grads = [None] * (2 * num)
     if not ctx.fused or any(psw_grad):

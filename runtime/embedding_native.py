@@ -139,13 +139,22 @@ def forward(weights, features, per_sample_weights, pooling, padding_idx, layout,
 SELF_CHECKING.add("native")
 
 
+def _grad_rows(grad: Tensor, weights, layout: str) -> tuple[Tensor, int]:
+    """The output gradient and its row stride: read in place when each row is dense (a slice of a larger
+    gradient, e.g. DLRM's ``cat([x.unsqueeze(1), grouped], 1)``), else a contiguous copy."""
+    width = grad.shape[1] * (grad.shape[2] if layout == "stack" else 1)
+    dense_rows = grad.stride(-1) == 1 and (layout != "stack" or grad.stride(1) == weights[0].shape[1])
+    grad = grad if dense_rows and grad.stride(0) >= width else grad.contiguous()
+    return grad, grad.stride(0)
+
+
 @register_kernel(BACKWARD_OP, "native")
 def backward(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad):
     group = _group(weights, features, per_sample_weights, pooling, padding_idx, layout)
     if group is None or grad.dtype != torch.float32:
         return table_gradients(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad)
-    meta, kept, rows, stride, _ = group
-    grad = grad.contiguous()
+    meta, kept, rows, _, _ = group
+    grad, stride = _grad_rows(grad, weights, layout)
     tables = [w.new_empty((f.ids.numel(), w.shape[1]) if is_sparse else w.shape)
               for w, f, is_sparse in zip(weights, features, sparse)]
     psw_grads = [torch.empty_like(p) if want else grad.new_empty(0) for p, want in zip(per_sample_weights, psw_grad)]
@@ -178,8 +187,8 @@ def optimizer_step(grad, weights, features, per_sample_weights, pooling, padding
     if group is None or grad.dtype != torch.float32 or not distinct:
         return step_each_table(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params,
                                fbgemm=False)
-    meta, kept, rows, stride, _ = group
-    grad = grad.contiguous()
+    meta, kept, rows, _, _ = group
+    grad, stride = _grad_rows(grad, weights, layout)
     states, step_sizes = [], []
     for w, f in zip(weights, features):
         state = table_state(w, kind)

@@ -166,3 +166,15 @@ def test_backward_and_step_skip_bad_offsets():
     params = embedding_optimizer.parse_optimizer(format_optimizer("exact_sgd"))[1]
     with pytest.raises(RuntimeError, match=r"\(in the optimizer step\)"):
         embedding_native.optimizer_step(*args, "exact_sgd", params)
+
+
+@pytest.mark.parametrize("layout", ["stack", "concat"])
+def test_strided_output_gradient_read_in_place(layout):
+    """The gradient of a slice of a larger output (DLRM's cat([x.unsqueeze(1), grouped], 1)) or an expanded one."""
+    weights, features, psws, pooling, pads, _, _ = _group(3, 3, 9, 16, 6, 3, SUM, True, 2, torch.int64)
+    wider = torch.randn(6, 4, 16) if layout == "stack" else torch.randn(6, 64)
+    for grad in (wider[:, 1:] if layout == "stack" else wider[:, 8:56], torch.ones(()).expand(6, 3, 16) if
+                 layout == "stack" else torch.ones(()).expand(6, 48)):
+        args = (grad, weights, features, psws, pooling, pads, layout, [False, True, False], [True] * 3)
+        for g, w in zip(embedding_native.backward(*args), table_gradients(*args)):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
