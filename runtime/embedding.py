@@ -194,6 +194,7 @@ def _ids_in_range(features: Sequence[Feature], weights: Sequence[Tensor]) -> boo
 
 
 def raw_features(indices, offsets, include_last_offset) -> list[Feature]:
+    """Every feature as given, unchecked."""
     return [Feature(*args) for args in zip(indices, offsets, include_last_offset)]
 
 
@@ -330,6 +331,7 @@ def id_gradients(grad, weights, features, per_sample_weights, pooling, padding_i
 
 
 def table_gradients(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad):
+    """The backward in torch: per-id gradients, summed into dense table gradients where not ``sparse``."""
     grads = id_gradients(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, psw_grad)
     tables = [g if is_sparse else torch.zeros_like(w).index_add_(0, f.ids, g)
               for w, f, g, is_sparse in zip(weights, features, grads, sparse)]
@@ -492,7 +494,7 @@ def _backward(ctx, grad):
     grads_in = [[None] * n if n is not False else None for n in ctx.tensor_lists]
     grads = [None] * (2 * num)
     if not ctx.fused or any(psw_grad):
-        sparse = [True] * num if ctx.fused else sparse  # fused: only the weights' gradients are used
+        sparse = [True] * num if ctx.fused else sparse  # fused: only the sample weights' gradients are kept
         grads = torch.ops.recompile.grouped_embedding_bag_backward(grad, *lookup, sparse, psw_grad, layout, names,
                                                                    bounds_check, impl)
     if ctx.fused:
