@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
+import json
+import os
+import tempfile
 import time
+from typing import Callable
 
 import torch
 
@@ -27,15 +32,19 @@ LR = 0.01
 BACKENDS = ("eager", "inductor", "rec_ascend")
 
 
-def _time_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(3):  # best of three rounds: the machine is shared
-        start = time.process_time()
-        for _ in range(iters):
-            fn()
-        best = min(best, (time.process_time() - start) / iters * 1e3)
+def _race(steps: dict[str, Callable[[], object]], iters: int, rounds: int = 5) -> dict[str, float]:
+    """Wall-clock milliseconds per step of each candidate: the best of ``rounds`` rounds, each timing every
+    candidate in turn so that load from other processes falls on all of them alike."""
+    for step in steps.values():
+        for _ in range(3):
+            step()
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(iters):
+                step()
+            best[name] = min(best[name], (time.perf_counter() - start) / iters * 1e3)
     return best
 
 
@@ -52,14 +61,14 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 def forward(batch: int, iters: int) -> dict[str, float]:
     model = DLRM(CRITEO).eval()
     args = synthetic_batch(CRITEO, batch)
-    times = {}
+    steps = {}
     with torch.no_grad():
         want = model(*args)
         for backend in BACKENDS:
             fn = _compiled(model, backend)
             _check(fn(*args), want, f"forward {backend}")
-            times[backend] = _time_ms(lambda: fn(*args), iters)
-    return times
+            steps[backend] = functools.partial(fn, *args)
+        return _race(steps, iters)
 
 
 def _sgd_step(model, opt, args):
@@ -73,13 +82,12 @@ def _sgd_step(model, opt, args):
 def train(batch: int, iters: int) -> dict[str, float]:
     base = DLRM(CRITEO)
     args = synthetic_batch(CRITEO, batch)
-    times = {}
+    steps = {}
     for backend in BACKENDS:
         model = copy.deepcopy(base)
-        fn = _compiled(model, backend)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        times[backend] = _time_ms(lambda: _sgd_step(fn, opt, args), iters)
-    return times
+        steps[backend] = functools.partial(_sgd_step, _compiled(model, backend), torch.optim.SGD(model.parameters(), lr=LR),
+                                           args)
+    return _race(steps, iters)
 
 
 def fused_train(batch: int, iters: int) -> dict[str, float]:
@@ -96,10 +104,8 @@ def fused_train(batch: int, iters: int) -> dict[str, float]:
         _check(_sgd_step(fn, fused_opt, args), _sgd_step(eager, eager_opt, args), "fused step loss")
     for (name, p), q in zip(fused.named_parameters(), eager.parameters()):
         _check(p.detach(), q.detach(), f"fused step {name}")
-    return {
-        "eager": _time_ms(lambda: _sgd_step(eager, eager_opt, args), iters),
-        "rec_ascend": _time_ms(lambda: _sgd_step(fn, fused_opt, args), iters),
-    }
+    return _race({"eager": functools.partial(_sgd_step, eager, eager_opt, args),
+                  "rec_ascend": functools.partial(_sgd_step, fn, fused_opt, args)}, iters)
 
 
 def _row(label: str, times: dict[str, float], target: float) -> str:
@@ -108,6 +114,18 @@ def _row(label: str, times: dict[str, float], target: float) -> str:
     vs_inductor = f", {times['inductor'] / times['rec_ascend']:.2f}x vs inductor" if "inductor" in times else ""
     verdict = "meets" if rec >= target else "MISSES"
     return f"{label:28s} {cells}   rec_ascend {rec:.2f}x vs eager{vs_inductor}  (target {target}x: {verdict})"
+
+
+def _measured(label: str, measure: Callable[[], dict[str, float]], target: float) -> None:
+    """Print a measurement's row, then what rec_ascend's autotune chose for the graphs compiled meanwhile."""
+    from recompile.autotune import cache_dir
+
+    before = set(cache_dir().glob("*.json"))
+    print(_row(label, measure(), target))
+    for path in sorted(set(cache_dir().glob("*.json")) - before, key=os.path.getmtime):
+        decision = json.loads(path.read_text())
+        kernels = ", ".join(f"{node.removesuffix('_default')}: {impl}" for node, impl in decision["regions"].items())
+        print(f"{'':28s} rec_ascend ran the {decision['choice']} graph ({decision['mode']}; {kernels})")
 
 
 def main() -> None:
@@ -119,16 +137,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    # Fresh autotune decisions: a cached one may have been measured with other kernels or on another load.
+    os.environ.setdefault("RECOMPILE_CACHE_DIR", tempfile.mkdtemp(prefix="bench_embedding_"))
     iters = 5 if args.quick else 30
     torch.manual_seed(0)
     print(f"Criteo-shaped DLRM: 26 tables of 1k-26k rows, dim 64, 1-8 ids/bag (alpha 1.05), {torch.get_num_threads()} threads")
     if args.only in (None, "forward"):
-        print(_row("forward, batch 128", forward(128, iters * 4), 2.0))
-        print(_row("forward, batch 2048", forward(2048, iters), 1.5))
+        _measured("forward, batch 128", lambda: forward(128, iters * 4), 2.0)
+        _measured("forward, batch 2048", lambda: forward(2048, iters), 1.5)
     if args.only in (None, "train"):
-        print(_row("train step (SGD), batch 2048", train(2048, iters), 1.2))
+        _measured("train step (SGD), batch 2048", lambda: train(2048, iters), 1.2)
     if args.only in (None, "fused") and not args.skip_fused:
-        print(_row("fused optimizer, batch 2048", fused_train(2048, iters), 3.0))
+        _measured("fused optimizer, batch 2048", lambda: fused_train(2048, iters), 3.0)
 
 
 if __name__ == "__main__":

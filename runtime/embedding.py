@@ -193,21 +193,30 @@ def _ids_in_range(features: Sequence[Feature], weights: Sequence[Tensor]) -> boo
     return bool((torch.stack(lows) >= 0).all() & (torch.stack(highs) < rows).all())
 
 
+def raw_features(indices, offsets, include_last_offset) -> list[Feature]:
+    """Every feature as given, unchecked."""
+    return [Feature(*args) for args in zip(indices, offsets, include_last_offset)]
+
+
+def check_batches(features: Sequence[Feature], layout: str) -> None:
+    batch = {f.batch for f in features}
+    if len(batch) > 1 and layout != "sequence":
+        raise ValueError(f"recompile.grouped_embedding_bag: features have different batch sizes {sorted(batch)}")
+
+
 def features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, check=True) -> list[Feature]:
     """Every feature with its offsets and ids checked; all features at once, per feature only to report.
 
     ``check=False`` (the backward, whose forward checked the same tensors) only repeats the id fix-up
     of ``"warning"``/``"ignore"``, silently.
     """
-    features = [Feature(*args) for args in zip(indices, offsets, include_last_offset)]
+    features = raw_features(indices, offsets, include_last_offset)
     if not check:
         if bounds_check != "fatal":
             for f, w in zip(features, weights):
                 f.ids = table_ids(f.ids, w.shape[0], bounds_check)
         return features
-    batch = {f.batch for f in features}
-    if len(batch) > 1 and layout != "sequence":
-        raise ValueError(f"recompile.grouped_embedding_bag: features have different batch sizes {sorted(batch)}")
+    check_batches(features, layout)
     if not _offsets_ok(features):
         for f, ids, offs, ilo, name in zip(features, indices, offsets, include_last_offset, names):
             if offs is not None:
@@ -239,10 +248,14 @@ def output_slices(out: Tensor, dims: Sequence[int], counts: Sequence[int], layou
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernels. Forward: (weights, features, per_sample_weights, pooling, padding_idx, layout) -> output.
-# Backward: (grad, weights, features, per_sample_weights, pooling, padding_idx, layout, psw_grad)
-#   -> the gradient of every id's row ([N_t, D_t], zero for padding ids) and, where psw_grad[t],
-#   of its per-sample weight.
+# Kernels. Forward: (weights, features, per_sample_weights, pooling, padding_idx, layout) -> output;
+# a kernel in SELF_CHECKING gets unchecked features and ``verify`` too: it reads no row outside its table and
+# calls verify() (the checks above: they raise or warn, and return the checked features) when it met a bad id
+# or bad offsets.
+# Backward: (grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad)
+#   -> per table its dense gradient [rows_t, D_t], or where sparse[t] the gradient of every id's row
+#   ([N_t, D_t], zero for padding ids); then, where psw_grad[t], the gradient of its per-sample weights.
+SELF_CHECKING: set[str] = set()
 
 
 def _id_scale(f: Feature, psw: Optional[Tensor], pooling: int, padding_idx: int) -> Optional[Tensor]:
@@ -279,7 +292,7 @@ def _forward_reference(weights, features, per_sample_weights, pooling, padding_i
 
 
 @register_kernel(OP, "cpu")
-def _forward_cpu(weights, features, per_sample_weights, pooling, padding_idx, layout):
+def forward_cpu(weights, features, per_sample_weights, pooling, padding_idx, layout):
     """ATen's embedding_bag per table (FBGEMM's EmbeddingSpMDM inside), the forward-only variant: the
     backward needs none of its bag bookkeeping."""
     outs = []
@@ -301,7 +314,8 @@ def _forward_triton(weights, features, per_sample_weights, pooling, padding_idx,
     return grouped_embedding_bag_forward(weights, features, scales, layout)
 
 
-def _backward_per_id(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, psw_grad):
+def id_gradients(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, psw_grad):
+    """The gradient of every id's row, then of every per-sample weight (empty where not wanted)."""
     parts = output_slices(grad, [w.shape[1] for w in weights], [f.ids.numel() for f in features], layout)
     id_grads, psw_grads = [], []
     for g, w, f, psw, mode, pad, want in zip(parts, weights, features, per_sample_weights, pooling, padding_idx, psw_grad):
@@ -316,10 +330,18 @@ def _backward_per_id(grad, weights, features, per_sample_weights, pooling, paddi
     return id_grads + psw_grads
 
 
+def table_gradients(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad):
+    """The backward in torch: per-id gradients, summed into dense table gradients where not ``sparse``."""
+    grads = id_gradients(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, psw_grad)
+    tables = [g if is_sparse else torch.zeros_like(w).index_add_(0, f.ids, g)
+              for w, f, g, is_sparse in zip(weights, features, grads, sparse)]
+    return tables + grads[len(weights):]
+
+
 # The per-id gradient is a gather and a scale, which ATen already vectorises: it is the CPU kernel too.
-register_kernel(BACKWARD_OP, "reference")(_backward_per_id)
-register_kernel(BACKWARD_OP, "cpu")(_backward_per_id)
-register_kernel(BACKWARD_OP, "triton")(_backward_per_id)
+register_kernel(BACKWARD_OP, "reference")(table_gradients)
+register_kernel(BACKWARD_OP, "cpu")(table_gradients)
+register_kernel(BACKWARD_OP, "triton")(table_gradients)
 
 
 def grouped_embedding_bag_reference(weights, indices, offsets, per_sample_weights, pooling, padding_idx,
@@ -338,8 +360,17 @@ def _lookup(weights, indices, offsets, per_sample_weights, pooling, padding_idx,
             bounds_check, impl) -> Tensor:
     names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
     _validate(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names, bounds_check)
-    features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check)
-    return get_kernel(OP, impl)(weights, features, per_sample_weights, pooling, padding_idx, layout)
+    kernel = get_kernel(OP, impl)
+    if impl not in SELF_CHECKING:
+        features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check)
+        return kernel(weights, features, per_sample_weights, pooling, padding_idx, layout)
+    features = raw_features(indices, offsets, include_last_offset)
+    check_batches(features, layout)
+
+    def verify() -> list[Feature]:
+        return features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check)
+
+    return kernel(weights, features, per_sample_weights, pooling, padding_idx, layout, verify)
 
 
 def _lookup_fake(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
@@ -404,22 +435,26 @@ def _(trigger, weights, indices, offsets, per_sample_weights, pooling, padding_i
 
 @torch.library.custom_op(
     "recompile::grouped_embedding_bag_backward", mutates_args=(),
-    schema=f"(Tensor grad, {LOOKUP_SCHEMA}, bool[] psw_grad, str layout, str names, str bounds_check, str impl) -> Tensor[]",
+    schema=f"(Tensor grad, {LOOKUP_SCHEMA}, bool[] sparse, bool[] psw_grad, str layout, str names, str bounds_check, "
+           "str impl) -> Tensor[]",
 )
 def grouped_embedding_bag_backward(grad, weights, indices, offsets, per_sample_weights, pooling, padding_idx,
-                                   include_last_offset, psw_grad, layout, names, bounds_check, impl) -> list[Tensor]:
-    """The gradient of every id's row, then of every per-sample weight (empty where not wanted)."""
+                                   include_last_offset, sparse, psw_grad, layout, names, bounds_check, impl) -> list[Tensor]:
+    """Per table its dense gradient, or where ``sparse`` the gradient of every id's row; then the gradient of every
+    per-sample weight (empty where not wanted)."""
     names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
     features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, check=False)
-    return get_kernel(BACKWARD_OP, impl)(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, psw_grad)
+    return get_kernel(BACKWARD_OP, impl)(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse,
+                                         psw_grad)
 
 
 @grouped_embedding_bag_backward.register_fake
-def _(grad, weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, psw_grad, layout,
-      names, bounds_check, impl):
-    id_grads = [w.new_empty(ids.numel(), w.shape[1]) for w, ids in zip(weights, indices)]
+def _(grad, weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, sparse, psw_grad,
+      layout, names, bounds_check, impl):
+    table_grads = [w.new_empty((ids.numel(), w.shape[1]) if is_sparse else w.shape)
+                   for w, ids, is_sparse in zip(weights, indices, sparse)]
     psw_grads = [psw.new_empty(psw.shape if want else 0) for psw, want in zip(per_sample_weights, psw_grad)]
-    return id_grads + psw_grads
+    return table_grads + psw_grads
 
 
 def table_ids(indices: Tensor, rows: int, bounds_check: str) -> Tensor:
@@ -455,21 +490,22 @@ def _backward(ctx, grad):
     pooling, padding_idx, ilo, sparse, layout, names, bounds_check, optimizer, optimizer_impl, impl = ctx.args
     psw_needs = ctx.needs_input_grad[first + 3]
     psw_grad = [bool(p.numel()) and want for p, want in zip(psw, psw_needs)]
-    grad, lookup = grad.contiguous(), (weights, indices, offsets, psw, pooling, padding_idx, ilo)
+    lookup = weights, indices, offsets, psw, pooling, padding_idx, ilo  # grad as it comes: kernels read strided rows
     grads_in = [[None] * n if n is not False else None for n in ctx.tensor_lists]
     grads = [None] * (2 * num)
     if not ctx.fused or any(psw_grad):
-        grads = torch.ops.recompile.grouped_embedding_bag_backward(grad, *lookup, psw_grad, layout, names, bounds_check, impl)
+        sparse = [True] * num if ctx.fused else sparse  # fused: only the sample weights' gradients are kept
+        grads = torch.ops.recompile.grouped_embedding_bag_backward(grad, *lookup, sparse, psw_grad, layout, names,
+                                                                   bounds_check, impl)
     if ctx.fused:
         grads_in[0] = torch.ops.recompile.embedding_optimizer_step(
             grad, *lookup, layout, names, bounds_check, optimizer, optimizer_impl
         )
     else:
-        ids = [table_ids(i, w.shape[0], bounds_check) for i, w in zip(indices, weights)]
-        grads_in[0] = [
-            torch.sparse_coo_tensor(i[None], g, w.shape, check_invariants=False)  # ids were checked by the forward
-            if is_sparse else torch.zeros_like(w).index_add_(0, i, g)
-            for w, i, g, is_sparse in zip(weights, ids, grads[:num], sparse)
+        grads_in[0] = [  # the ids were checked by the forward
+            torch.sparse_coo_tensor(table_ids(i, w.shape[0], bounds_check)[None], g, w.shape, check_invariants=False)
+            if is_sparse else g
+            for w, i, g, is_sparse in zip(weights, indices, grads[:num], sparse)
         ]
     # An empty tensor is "no weights" to the op, but a weight tensor over no ids still gets its (empty) gradient.
     grads_in[first + 3] = [g if want else (torch.zeros_like(p) if asked else None)

@@ -11,23 +11,26 @@ rounding of eager's dense update), then updates only the touched rows in place, 
 - ``adam``: moments of the touched rows only, bias correction by the table's step count
   (``torch.optim.SparseAdam``; dense ``Adam`` would also move rows that got no gradient).
 
-Optimizer state lives per table in ``STATES``, keyed by the table's storage, created on first use.
+Optimizer state lives per table in ``STATES``, keyed by the table's storage, created on first use;
+``state_dict(model)`` / ``load_state_dict(model, state)`` read and restore it by parameter name.
 The op is declared without mutated arguments: like an optimizer step it changes the parameters after
 the last read of them in the step, and its (scalar) result is the gradient of the fused lookup's
 ``trigger`` so that the backward graph keeps it.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from runtime.embedding import BACKWARD_OP, LOOKUP_SCHEMA, SUM, Feature, feature_names, features_of, output_slices, present
+from runtime.embedding import LOOKUP_SCHEMA, SUM, Feature, feature_names, features_of, id_gradients, output_slices, present
 from runtime.fbgemm import fbgemm_op
-from runtime.kernels import get_kernel
+from runtime.kernels import get_kernel, register_kernel
 
+STEP_OP = "embedding_optimizer_step"
 OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad", "adam")
 DEFAULTS = {"lr": 0.01, "eps": 1e-8, "beta1": 0.9, "beta2": 0.999}
 
@@ -47,8 +50,12 @@ def parse_optimizer(spec: str) -> tuple[str, dict[str, float]]:
     return kind, {**DEFAULTS, **{k: float(v) for k, v in (f.split("=") for f in fields)}}
 
 
+def _state_key(weight: Tensor, kind: str) -> tuple:
+    return weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), kind
+
+
 def table_state(weight: Tensor, kind: str) -> dict:
-    key = (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), kind)
+    key = _state_key(weight, kind)
     state = STATES.get(key)
     if state is None:
         rows, dim = weight.shape
@@ -60,6 +67,45 @@ def table_state(weight: Tensor, kind: str) -> dict:
             "adam": lambda: {"step": 0, "exp_avg": zeros(rows, dim), "exp_avg_sq": zeros(rows, dim)},
         }[kind]()
     return state
+
+
+def state_dict(module: torch.nn.Module) -> dict[str, dict[str, dict]]:
+    """The fused optimizer state of ``module``'s tables, for checkpoints: ``{parameter name: {optimizer type:
+    {"sum" | "exp_avg" | "exp_avg_sq": tensor, "step": int}}}``, copies of the live state (tables that no fused
+    step has touched yet are absent)."""
+    out: dict[str, dict[str, dict]] = {}
+    for name, weight in module.named_parameters():
+        for kind in OPTIMIZERS:
+            state = STATES.get(_state_key(weight, kind))
+            if state is not None:
+                out.setdefault(name, {})[kind] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+    return out
+
+
+def load_state_dict(module: torch.nn.Module, state: dict[str, dict[str, dict]]) -> None:
+    """Restore what ``state_dict`` returned into the live state of ``module``'s tables (copied; every name and
+    every tensor's shape must match)."""
+    params = dict(module.named_parameters())
+    missing = sorted(set(state) - set(params))
+    if missing:
+        raise KeyError(f"recompile.embedding_optimizer.load_state_dict: no parameter(s) {missing} in the module")
+    for name, kinds in state.items():
+        for kind, saved in kinds.items():
+            if kind not in OPTIMIZERS:
+                raise ValueError(f"recompile.embedding_optimizer.load_state_dict: {name!r}: optimizer {kind!r} is not "
+                                 f"one of {OPTIMIZERS}")
+            live = table_state(params[name], kind)
+            if set(saved) != set(live):
+                raise ValueError(f"recompile.embedding_optimizer.load_state_dict: {name!r} ({kind}) has state "
+                                 f"{sorted(saved)}, expected {sorted(live)}")
+            for key, value in saved.items():
+                if isinstance(value, Tensor):
+                    if value.shape != live[key].shape:
+                        raise ValueError(f"recompile.embedding_optimizer.load_state_dict: {name!r} ({kind}) {key!r} "
+                                         f"has shape {tuple(value.shape)}, expected {tuple(live[key].shape)}")
+                    live[key].copy_(value)
+                else:
+                    live[key] = value
 
 
 def _sgd(w, rows, g, state, p):
@@ -76,13 +122,18 @@ def _rowwise_adagrad(w, rows, g, state, p):
     w.index_add_(0, rows, (g / (s.sqrt() + p["eps"])[:, None] * -p["lr"]).to(w.dtype))
 
 
-def _adam(w, rows, g, state, p):
+def adam_step_size(state: dict, p: dict) -> float:
+    """Count a step of the table and return its bias-corrected learning rate."""
     state["step"] += 1
-    b1, b2, step = p["beta1"], p["beta2"], state["step"]
+    return p["lr"] * math.sqrt(1 - p["beta2"] ** state["step"]) / (1 - p["beta1"] ** state["step"])
+
+
+def _adam(w, rows, g, state, p):
+    step_size = adam_step_size(state, p)
+    b1, b2 = p["beta1"], p["beta2"]
     m = state["exp_avg"][rows].mul_(b1).add_(g, alpha=1 - b1)
     v = state["exp_avg_sq"][rows].mul_(b2).addcmul_(g, g, value=1 - b2)
     state["exp_avg"][rows], state["exp_avg_sq"][rows] = m, v
-    step_size = p["lr"] * math.sqrt(1 - b2**step) / (1 - b1**step)
     w.index_add_(0, rows, (m / (v.sqrt() + p["eps"]) * -step_size).to(w.dtype))
 
 
@@ -115,11 +166,27 @@ def _fbgemm_applies(kind: str, weight: Tensor, psw, pooling: int, padding_idx: i
 def _step_rows(grad, weight, feature, psw, pooling, padding_idx, layout, kind, params) -> None:
     """Our kernel: the ids' gradients, summed per touched row, then the optimizer's row update."""
     single = "sequence" if layout == "sequence" else "concat"
-    id_grad = get_kernel(BACKWARD_OP, "reference")(grad, [weight], [feature], [psw], [pooling], [padding_idx], single, [False])[0]
+    id_grad = id_gradients(grad, [weight], [feature], [psw], [pooling], [padding_idx], single, [False])[0]
     rows, inverse = torch.unique(feature.ids, return_inverse=True)
     summed = torch.zeros(rows.numel(), weight.shape[1], dtype=torch.float32, device=weight.device)
     summed.index_add_(0, inverse, id_grad.float())
     UPDATES[kind](weight, rows, summed, table_state(weight, kind), params)
+
+
+def step_each_table(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params, fbgemm) -> None:
+    parts = output_slices(grad, [w.shape[1] for w in weights], [f.ids.numel() for f in features], layout)
+    for g, w, f, psw, mode, pad in zip(parts, weights, features, per_sample_weights, pooling, padding_idx):
+        if f.ids.numel() == 0:
+            continue
+        if fbgemm and _fbgemm_applies(kind, w, psw, mode, pad):
+            FBGEMM_KERNELS[kind](g, w, f, mode, params)
+        else:
+            _step_rows(g, w, f, psw, mode, pad, layout, kind, params)
+
+
+# Kernels: (grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params) -> None.
+register_kernel(STEP_OP, "reference")(functools.partial(step_each_table, fbgemm=False))
+register_kernel(STEP_OP, "fbgemm")(functools.partial(step_each_table, fbgemm=True))
 
 
 @torch.library.custom_op(
@@ -129,19 +196,13 @@ def _step_rows(grad, weight, feature, psw, pooling, padding_idx, layout, kind, p
 def embedding_optimizer_step(grad, weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset,
                              layout, names, bounds_check, optimizer, impl) -> Tensor:
     """Apply ``optimizer`` to the rows of every table the lookup touched, from the gradient of the grouped
-    output ``grad``; returns a zero scalar. ``impl="fbgemm"`` runs FBGEMM's CPU op where it applies."""
+    output ``grad``; returns a zero scalar. ``impl``: ``"native"`` (runtime.embedding_native: all tables in one C
+    call), ``"fbgemm"`` (FBGEMM's CPU op where it applies) or ``"reference"``."""
     kind, params = parse_optimizer(optimizer)
     names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
     features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, check=False)
-    parts = output_slices(grad, [w.shape[1] for w in weights], [f.ids.numel() for f in features], layout)
     with torch.no_grad():
-        for g, w, f, psw, mode, pad in zip(parts, weights, features, per_sample_weights, pooling, padding_idx):
-            if f.ids.numel() == 0:
-                continue
-            if impl == "fbgemm" and _fbgemm_applies(kind, w, psw, mode, pad):
-                FBGEMM_KERNELS[kind](g, w, f, mode, params)
-            else:
-                _step_rows(g, w, f, psw, mode, pad, layout, kind, params)
+        get_kernel(STEP_OP, impl)(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params)
     return grad.new_zeros((), dtype=torch.float32)
 
 

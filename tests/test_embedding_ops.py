@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from runtime.embedding import MEAN, NONE, SUM, grouped_embedding_bag_reference
 
-IMPLS = ["reference", "cpu"]
+IMPLS = ["reference", "cpu", "native"]
+CHECKING_IMPLS = ["cpu", "native"]  # the checks run before the lookup, or the native kernel marks what they find
 MODES = {SUM: "sum", MEAN: "mean"}
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2),
        torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -149,18 +150,20 @@ def _bad_id_features():
     return good, bad
 
 
-def test_bounds_fatal_names_feature_and_id():
+@pytest.mark.parametrize("impl", CHECKING_IMPLS)
+def test_bounds_fatal_names_feature_and_id(impl):
     good, bad = _bad_id_features()
     with pytest.raises(IndexError, match=r"feature 'user_city': id 7 is out of range for its table of 5 rows"):
-        _grouped([good, bad], "concat", "cpu", "fatal", "user_id,user_city")
+        _grouped([good, bad], "concat", impl, "fatal", "user_id,user_city")
 
 
+@pytest.mark.parametrize("impl", CHECKING_IMPLS)
 @pytest.mark.parametrize("mode", ["warning", "ignore"])
-def test_bounds_warning_and_ignore_replace_by_zero(mode):
+def test_bounds_warning_and_ignore_replace_by_zero(mode, impl):
     good, bad = _bad_id_features()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = _grouped([good, bad], "concat", "cpu", mode, "user_id,user_city")
+        out = _grouped([good, bad], "concat", impl, mode, "user_id,user_city")
     said = [str(w.message) for w in caught if "user_city" in str(w.message)]
     assert bool(said) == (mode == "warning")
     fixed = dict(bad, ids=torch.tensor([1, 0, 2]))
@@ -178,11 +181,12 @@ def test_bounds_warning_and_ignore_replace_by_zero(mode):
         ([0, 2, 3], True, "must end at len\\(indices\\) = 4"),
     ],
 )
-def test_malformed_offsets_rejected(offsets, last, message):
+@pytest.mark.parametrize("impl", CHECKING_IMPLS)
+def test_malformed_offsets_rejected(offsets, last, message, impl):
     f = dict(weight=torch.randn(5, 2), ids=torch.tensor([0, 1, 2, 3]), offsets=torch.tensor(offsets), psw=None,
              pooling=SUM, padding=None, last=last)
     with pytest.raises(ValueError, match=f"feature 'clicks': offsets .*{message}"):
-        _grouped([f], "concat", "cpu", names="clicks")
+        _grouped([f], "concat", impl, names="clicks")
 
 
 def test_reference_function_and_opcheck():
@@ -194,8 +198,9 @@ def test_reference_function_and_opcheck():
             [False, False])
     ref = grouped_embedding_bag_reference(*args[:3], [features[0]["psw"], None], *args[4:], "stack", ["a", "b"])
     torch.testing.assert_close(ref, _grouped(features, "stack", "cpu"))
-    torch.library.opcheck(torch.ops.recompile.grouped_embedding_bag.default,
-                          (*args, [False, False], "stack", "a,b", "fatal", "cpu"))
+    for impl in CHECKING_IMPLS:
+        torch.library.opcheck(torch.ops.recompile.grouped_embedding_bag.default,
+                              (*args, [False, False], "stack", "a,b", "fatal", impl))
 
 
 @pytest.mark.parametrize("layout", ["concat", "stack"])

@@ -2,21 +2,31 @@
 
 FBGEMM's table-batched ops (``split_embedding_codegen_lookup_*``, ``dense_embedding_codegen_lookup_function``)
 read every table from one packed ``weights`` buffer; the user's tables are separate parameters and
-packing them would copy every table on every call, so the grouped lookup runs our own kernels.
+packing them would copy every table on every call, so the grouped lookup runs our own kernels: on CPU
+the native C kernel (all tables in one OpenMP call), else ATen's embedding_bag per table.
 """
 from recompile.lowering.registry import Impl, has_triton, on_cpu, reference, register_lowering
+from runtime import embedding_native
+
+
+def native_on_cpu(target) -> bool:
+    return on_cpu(target) and embedding_native.available()
+
 
 register_lowering(
     "recompile::grouped_embedding_bag",
     Impl("triton", "triton", has_triton, "runtime.triton_kernels.embedding (one persistent grid over all tables' bags)"),
+    Impl("native", "cpu_kernel", native_on_cpu, "runtime/csrc/embedding.c: every table and bag in one OpenMP call"),
     Impl("cpu", "cpu_kernel", on_cpu, "ATen embedding_bag per table (FBGEMM EmbeddingSpMDM) in one op"),
     reference("runtime.embedding.grouped_embedding_bag_reference"),
 )
 
-# The fused optimizer's step: FBGEMM's CPU exact-SGD op per table where it applies (SUM pooling, fp32, no
-# per-sample weights or padding), else deduplication and row updates in torch.
+# The fused optimizer's step (not timed: it updates the tables): the native kernel (ids deduplicated and touched
+# rows updated for all tables in one call), else FBGEMM's CPU exact-SGD op per table where it applies (SUM
+# pooling, fp32, no per-sample weights or padding), else deduplication and row updates in torch.
 register_lowering(
     "recompile::embedding_optimizer_step",
+    Impl("native", "cpu_kernel", native_on_cpu, "runtime/csrc/embedding.c: dedup + row updates of all tables in one call"),
     Impl("fbgemm", "library", lambda target: on_cpu(target) and target.has_fbgemm("split_embedding_backward_codegen_sgd_cpu"),
          "torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu per table (exact_sgd)"),
     reference("runtime.embedding_optimizer: unique ids, summed gradients, row updates"),

@@ -1,0 +1,180 @@
+"""The native CPU kernels of the grouped embedding ops (runtime/csrc/embedding.c) against the torch kernels.
+
+Forward and dense backward against eager are covered by test_embedding_ops (its IMPLS include "native");
+here: the backward's sparse and per-sample-weight forms, the fused optimizer step, its state accessor, and
+that the kernel is the CPU lowering's first choice.
+"""
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime import embedding_native, embedding_optimizer
+from runtime.embedding import MEAN, NONE, SUM, raw_features, table_gradients
+from runtime.embedding_optimizer import OPTIMIZERS, format_optimizer
+from runtime.kernels import get_kernel
+
+pytestmark = pytest.mark.skipif(not embedding_native.available(), reason="no C compiler: the native kernels are not built")
+
+LAYOUT_OF = {SUM: "concat", MEAN: "stack", NONE: "sequence"}
+
+
+def _group(seed, num, rows, dim, batch, max_len, pooling, weighted, padding, index_dtype):
+    """Tables (distinct, one dim), ids with random (some empty) bags, a random output gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    weights, indices, offsets, psws = [], [], [], []
+    for t in range(num):
+        n_rows = rows + t
+        weights.append(torch.randn(n_rows, dim, generator=gen))
+        lengths = torch.randint(0, max_len + 1, (batch,), generator=gen)
+        ids = torch.randint(0, n_rows, (int(lengths.sum()),), generator=gen)
+        indices.append(ids.to(index_dtype))
+        offsets.append(None if pooling == NONE else (torch.cumsum(lengths, 0) - lengths).to(index_dtype))
+        psws.append(torch.rand(ids.shape, generator=gen) if weighted and pooling == SUM else None)
+    pads = [padding % w.shape[0] if padding is not None else -1 for w in weights]
+    layout = LAYOUT_OF[pooling]
+    rows_out = sum(i.numel() for i in indices) if layout == "sequence" else batch
+    width = dim if layout == "sequence" else dim * num
+    grad = torch.randn(rows_out, width, generator=gen)
+    if layout == "stack":
+        grad = grad.view(batch, num, dim)
+    return weights, raw_features(indices, offsets, [False] * num), psws, [pooling] * num, pads, layout, grad
+
+
+GROUPS = dict(
+    seed=st.integers(0, 2**16), num=st.integers(1, 3), rows=st.integers(1, 12), dim=st.sampled_from([1, 5, 64, 70]),
+    batch=st.integers(0, 5), max_len=st.integers(0, 4), pooling=st.sampled_from([SUM, MEAN, NONE]),
+    weighted=st.booleans(), padding=st.one_of(st.none(), st.integers(0, 12)),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sparse=st.lists(st.booleans(), min_size=3, max_size=3), psw_grad=st.booleans(), **GROUPS)
+def test_backward_matches_reference(sparse, psw_grad, **group):
+    """Dense and per-id table gradients and per-sample weight gradients; empty bags, one-row tables, D not a
+    multiple of the register block, int32/int64 ids, padding, MEAN and NONE pooling."""
+    weights, features, psws, pooling, pads, layout, grad = _group(**group)
+    num = len(weights)
+    wants = [psw_grad and p is not None for p in psws]
+    args = (grad, weights, features, psws, pooling, pads, layout, sparse[:num], wants)
+    got, want = embedding_native.backward(*args), table_gradients(*args)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def _run_step(impl, kind, weights, features, psws, pooling, pads, layout, grad):
+    embedding_optimizer.STATES.clear()  # state is keyed by storage address: freed tables of earlier examples
+    weights = [w.clone() for w in weights]
+    params = embedding_optimizer.parse_optimizer(format_optimizer(kind, lr=0.1, eps=1e-3))[1]
+    for _ in range(2):  # the second step reads the state the first wrote
+        get_kernel(embedding_optimizer.STEP_OP, impl)(grad, weights, features, psws, pooling, pads, layout, kind, params)
+    states = [embedding_optimizer.table_state(w, kind) for w in weights]
+    return weights, states
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(OPTIMIZERS), **GROUPS)
+def test_optimizer_step_matches_reference(kind, **group):
+    """Repeated ids summed before the update, untouched rows and state unchanged, padding ids touched with a
+    zero gradient, Adam's step counted per table."""
+    weights, features, psws, pooling, pads, layout, grad = _group(**group)
+    got_w, got_s = _run_step("native", kind, weights, features, psws, pooling, pads, layout, grad)
+    want_w, want_s = _run_step("reference", kind, weights, features, psws, pooling, pads, layout, grad)
+    for g, w in zip(got_w, want_w):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_s, want_s):
+        assert g.keys() == w.keys()
+        for key in g:
+            torch.testing.assert_close(g[key], w[key], rtol=1e-5, atol=1e-6)
+
+
+def test_sgd_step_is_exactly_the_torch_update():
+    """SUM pooling without weights: no fused multiply-add changes the rounding of w + g * -lr."""
+    weights, features, psws, pooling, pads, layout, grad = _group(7, 3, 50, 64, 32, 6, SUM, False, None, torch.int64)
+    got, _ = _run_step("native", "exact_sgd", weights, features, psws, pooling, pads, layout, grad)
+    want, _ = _run_step("reference", "exact_sgd", weights, features, psws, pooling, pads, layout, grad)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_optimizer_state_dict_round_trip():
+    embedding_optimizer.STATES.clear()
+    table = torch.nn.EmbeddingBag(30, 4, mode="sum")
+    model = torch.nn.ModuleDict({"bag": table})
+    features = raw_features([torch.tensor([1, 2, 2, 7])], [torch.tensor([0, 1])], [False])
+    params = embedding_optimizer.parse_optimizer(format_optimizer("adam", lr=0.1))[1]
+    step = get_kernel(embedding_optimizer.STEP_OP, "native")
+    with torch.no_grad():
+        step(torch.randn(2, 4), [table.weight], features, [None], [SUM], [-1], "concat", "adam", params)
+    saved = embedding_optimizer.state_dict(model)
+    assert saved["bag.weight"]["adam"]["step"] == 1 and saved["bag.weight"]["adam"]["exp_avg"][2].abs().sum() > 0
+    restored = copy.deepcopy(model)
+    embedding_optimizer.load_state_dict(restored, saved)
+    again = embedding_optimizer.state_dict(restored)["bag.weight"]["adam"]
+    assert again["step"] == 1 and torch.equal(again["exp_avg_sq"], saved["bag.weight"]["adam"]["exp_avg_sq"])
+    with pytest.raises(ValueError, match="'bag.weight' \\(adam\\) 'exp_avg' has shape \\(3, 4\\), expected \\(30, 4\\)"):
+        embedding_optimizer.load_state_dict(restored, {"bag.weight": {"adam": {**again, "exp_avg": torch.zeros(3, 4)}}})
+    with pytest.raises(KeyError, match="no parameter"):
+        embedding_optimizer.load_state_dict(restored, {"other.weight": {}})
+
+
+def test_native_is_the_cpu_lowering_first_choice():
+    from recompile.lowering import choose, detect_target
+
+    target = detect_target("cpu")
+    assert choose("recompile::grouped_embedding_bag", target).impl == "native"
+    assert choose("recompile::embedding_optimizer_step", target).impl == "native"
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([0, 1]), torch.tensor([], dtype=torch.long)])
+def test_empty_offsets_with_last_offset_rejected(ids):
+    with pytest.raises(ValueError, match="feature 'clicks': offsets are empty but there are"):
+        torch.ops.recompile.grouped_embedding_bag([torch.randn(3, 2)], [ids], [torch.tensor([], dtype=torch.long)],
+                                                  [torch.empty(0)], [SUM], [-1], [True], [False], "concat", "clicks",
+                                                  "fatal", "native")
+
+
+@pytest.mark.parametrize("layout, dims", [("stack", (64, 64, 64)), ("concat", (64, 72, 128))])
+def test_large_output_streamed_past_the_caches(layout, dims):
+    """Outputs over STREAM_BYTES are written with non-temporal stores where a row is 64-byte aligned."""
+    gen = torch.Generator().manual_seed(9)
+    batch = embedding_native.STREAM_BYTES // (4 * sum(dims)) + 100
+    weights = [torch.randn(300, d, generator=gen) for d in dims]
+    lengths = [torch.randint(0, 4, (batch,), generator=gen) for _ in dims]
+    ids = [torch.randint(0, 300, (int(n.sum()),), generator=gen) for n in lengths]
+    offsets = [torch.cumsum(n, 0) - n for n in lengths]
+    modes = [SUM, MEAN, SUM]
+    got = torch.ops.recompile.grouped_embedding_bag(weights, ids, offsets, [torch.empty(0)] * 3, modes, [-1] * 3,
+                                                    [False] * 3, [False] * 3, layout, "a,b,c", "fatal", "native")
+    outs = [torch.nn.functional.embedding_bag(i, w, o, mode=("sum", "mean")[m])
+            for w, i, o, m in zip(weights, ids, offsets, modes)]
+    want = torch.stack(outs, 1) if layout == "stack" else torch.cat(outs, 1)
+    assert got.numel() * 4 > embedding_native.STREAM_BYTES
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_backward_and_step_skip_bad_offsets():
+    """They get what the forward checked; called with bad offsets anyway, they read nothing out of bounds and raise."""
+    features = raw_features([torch.tensor([0, 1, 2])], [torch.tensor([0, 5])], [False])
+    args = (torch.randn(2, 4), [torch.randn(3, 4)], features, [None], [SUM], [-1], "concat")
+    with pytest.raises(RuntimeError, match=r"rejected the offsets of tables \[0\] \(in the backward\)"):
+        embedding_native.backward(*args, [False], [False])
+    params = embedding_optimizer.parse_optimizer(format_optimizer("exact_sgd"))[1]
+    with pytest.raises(RuntimeError, match=r"\(in the optimizer step\)"):
+        embedding_native.optimizer_step(*args, "exact_sgd", params)
+
+
+@pytest.mark.parametrize("layout", ["stack", "concat"])
+def test_strided_output_gradient_read_in_place(layout):
+    """The gradient of a slice of a larger output (DLRM's cat([x.unsqueeze(1), grouped], 1)) or an expanded one."""
+    weights, features, psws, pooling, pads, _, _ = _group(3, 3, 9, 16, 6, 3, SUM, True, 2, torch.int64)
+    wider = torch.randn(6, 4, 16) if layout == "stack" else torch.randn(6, 64)
+    for grad in (wider[:, 1:] if layout == "stack" else wider[:, 8:56], torch.ones(()).expand(6, 3, 16) if
+                 layout == "stack" else torch.ones(()).expand(6, 48)):
+        args = (grad, weights, features, psws, pooling, pads, layout, [False, True, False], [True] * 3)
+        for g, w in zip(embedding_native.backward(*args), table_gradients(*args)):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
