@@ -8,7 +8,7 @@
   ``contextual_seq_len`` prefix that the first row attends to whole), then ``@ v``. The optional bias
   is relative-position ``rel_bias [2 * max_seq_len - 1]`` (``bias[i, j] = rel_bias[max_seq_len - 1 + j - i]``)
   plus relative-time ``time_bias [num_buckets + 1]`` at ``bucket(ts_i - ts_j)``, ``bucket(x) =
-  clamp(int(log(max(|x|, 1)) / 0.301), 0, num_buckets)`` over jagged ``timestamps [total]``.
+  clamp(int(log(float32(max(|x|, 1))) / 0.301), 0, num_buckets)`` (as generative-recommenders) over jagged ``timestamps [total]``.
 - ``jagged_softmax_attention``: ``softmax(scale * q k^T)`` over the keys of the same sequence
   (causal optionally), ``@ v``: SASRec's attention with its key padding mask.
 
@@ -67,7 +67,7 @@ def relative_position_bias(rel_bias: torch.Tensor, n: int, max_seq_len: int) -> 
 
 def relative_time_index(timestamps: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """``[b, n, n]`` index into ``time_bias`` from padded ``timestamps [b, n]``."""
-    diff = (timestamps.unsqueeze(2) - timestamps.unsqueeze(1)).abs().clamp(min=1).double()
+    diff = (timestamps.unsqueeze(2) - timestamps.unsqueeze(1)).abs().clamp(min=1).float()
     return (torch.log(diff) / TIME_BUCKET_BASE).long().clamp(0, num_buckets)
 
 

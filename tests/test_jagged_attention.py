@@ -33,7 +33,7 @@ def hstu_per_sequence(q, k, v, offsets, max_seq_len, alpha, causal, num_targets,
         if rel_bias is not None:
             scores = scores + rel_bias[max_seq_len - 1 + j - i]
         if time_bias is not None:
-            diff = (ts[s:e].view(n, 1) - ts[s:e].view(1, n)).abs().clamp(min=1).double()
+            diff = (ts[s:e].view(n, 1) - ts[s:e].view(1, n)).abs().clamp(min=1).float()
             scores = scores + time_bias[(diff.log() / 0.301).long().clamp(0, time_bias.numel() - 1)]
         targets = None if num_targets is None else num_targets[b : b + 1]
         mask = hstu_valid_mask(torch.tensor([n]), n, causal, targets, contextual)[0]

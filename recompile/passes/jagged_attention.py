@@ -24,6 +24,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
+from runtime.jagged_attention import TIME_BUCKET_BASE, relative_time_index
 
 
 class Unproven(Exception):
@@ -39,12 +40,15 @@ CONE_FUNCTIONS = {
     torch.add, torch.sub, torch.mul, torch.neg, torch.clamp, torch.minimum, torch.maximum, torch.abs,
     torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.logical_and, torch.logical_or,
     torch.logical_not, torch.bitwise_and, torch.bitwise_or, torch.bitwise_not, torch.unsqueeze, torch.reshape,
-    torch.transpose, torch.squeeze, torch.diff, torch.ops.aten.sym_size.int,
+    torch.transpose, torch.squeeze, torch.diff, torch.ops.aten.sym_size.int, torch.searchsorted,
+    torch.repeat_interleave, torch.cumsum, torch.log, torch.div, torch._C._nn.pad,
+    torch.ops.recompile.complete_cumsum.default, operator.truediv, operator.floordiv,
     operator.add, operator.sub, operator.mul, operator.neg, operator.eq, operator.ne, operator.lt, operator.le,
     operator.gt, operator.ge, operator.and_, operator.or_, operator.invert, operator.getitem,
 }
 CONE_METHODS = {
     "view", "reshape", "unsqueeze", "squeeze", "expand", "transpose", "t", "to", "bool", "long", "int", "float",
+    "double",
     "logical_not", "logical_and", "logical_or", "size", "tril", "triu", "eq", "ne", "lt", "le", "gt", "ge",
     "__getitem__", "clamp", "flip", "contiguous",
 }
@@ -133,7 +137,10 @@ def prove_mask(mask: fx.Node, keep_if_true: bool, lengths: Lengths, n: int) -> b
     causal over the sequence's keys nor exactly the sequence's keys, on the rows that are not padding."""
     verdicts = set()
     for lens, leaves in lengths.probes(n):
-        keep = torch.as_tensor(evaluate_cone(mask, leaves)).bool()
+        keep = torch.as_tensor(evaluate_cone(mask, leaves))
+        if keep.is_floating_point() and not ((keep == 0) | (keep == 1)).all():
+            raise Unproven("the float attention mask weights positions by values other than 0 and 1")
+        keep = keep.bool()
         keep = keep if keep_if_true else ~keep
         if keep.dim() == 4:
             if keep.shape[1] != 1:
@@ -157,6 +164,87 @@ def prove_relative_bias(bias: fx.Node, n: int) -> fx.Node:
     pos = torch.arange(n)
     if got.shape[-2:] != (n, n) or not torch.equal(got.reshape(n, n), n - 1 + pos.view(1, n) - pos.view(n, 1)):
         raise Unproven(f"the index of {table.name} is not N - 1 + j - i")
+    return table
+
+
+@dataclass
+class ScoreBias:
+    """The additive score bias of HSTU: a relative position table and/or a relative time table read at the
+    padded ``timestamps [B, N]`` (a padded node of the region)."""
+
+    rel_bias: fx.Node | None = None
+    time_bias: fx.Node | None = None
+    timestamps: fx.Node | None = None
+
+
+def _terms(x: fx.Node) -> list[fx.Node]:
+    if is_call(x, torch.add, operator.add) and len(x.args) == 2 and all(isinstance(a, fx.Node) for a in x.args):
+        return _terms(x.args[0]) + _terms(x.args[1])
+    return [x]
+
+
+def _padded_leaves(node: fx.Node, is_padded: Callable[[fx.Node], bool]) -> set[fx.Node]:
+    """The padded nodes ``node`` is computed from (the nearest ones on each path)."""
+    found, seen, stack = set(), set(), [node]
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if is_padded(x):
+            found.add(x)
+        else:
+            stack.extend(x.all_input_nodes)
+    return found
+
+
+def prove_bias(bias: fx.Node, n: int, is_padded: Callable[[fx.Node], bool]) -> ScoreBias:
+    """The tables of ``bias``: a sum of ``w[N - 1 + j - i]`` (relative position) and ``w[bucket(ts_i - ts_j)]``
+    (relative time, HSTU's bucketization) terms, ``[N, N]`` or, unsqueezed over the heads, ``[B, N, N]``."""
+    x = bias
+    if is_call(x, torch.unsqueeze) and arg(x, 1, "dim") == 1:
+        x = x.args[0]
+        if tensor_meta(x) is None or tensor_meta(x).dim() != 3:
+            raise Unproven(f"the score bias {bias.name} is not [B, N, N] broadcast over the heads")
+    elif tensor_meta(x) is None or tensor_meta(x).dim() != 2:
+        raise Unproven(f"the score bias {bias.name} is not [N, N] nor [B, N, N] broadcast over the heads")
+    found = ScoreBias()
+    for term in _terms(x):
+        if not is_call(term, operator.getitem) or not isinstance(term.args[1], fx.Node):
+            raise Unproven(f"the score bias term {term.name} is not a table read at an index")
+        padded = _padded_leaves(term.args[1], is_padded)
+        if not padded and found.rel_bias is None:
+            found.rel_bias = prove_relative_bias(term, n)
+        elif len(padded) == 1 and found.time_bias is None:
+            found.timestamps = padded.pop()
+            found.time_bias = prove_time_bias(term, found.timestamps, n)
+        else:
+            raise Unproven(f"the score bias term {term.name} is neither one relative position nor one relative "
+                           "time table read at padded timestamps")
+    return found
+
+
+def _timestamp_probe(n: int, num_buckets: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of ``n`` timestamps, each starting at 0, whose gaps straddle every time bucket's edges."""
+    edges = torch.exp(torch.arange(num_buckets + 2, dtype=torch.float64) * TIME_BUCKET_BASE).floor()
+    top = 10**12 if dtype.is_floating_point else min(10**12, torch.iinfo(dtype).max // 4)
+    gaps = torch.cat([torch.arange(4.0), edges - 1, edges, edges + 1, torch.tensor([float(top)])]).unique()
+    width = max(n - 1, 1)
+    gaps = torch.cat([gaps, gaps[-1:].expand((-len(gaps)) % width)]).view(-1, width)
+    return torch.cat([torch.zeros(len(gaps), 1, dtype=gaps.dtype), gaps], 1)[:, :n].to(dtype)
+
+
+def prove_time_bias(term: fx.Node, timestamps: fx.Node, n: int) -> fx.Node:
+    """``w`` when ``term`` is ``w[bucket(ts_i - ts_j)]`` over padded ``timestamps [B, N]``."""
+    table, index = term.args
+    meta, ts_meta = tensor_meta(table), tensor_meta(timestamps)
+    if meta is None or meta.dim() != 1 or ts_meta is None or ts_meta.dim() != 2:
+        raise Unproven(f"{term.name}: not a 1-D table read at [B, N] timestamps")
+    probe = _timestamp_probe(n, size_hint(meta.shape[0]) - 1, ts_meta.dtype)
+    got = torch.as_tensor(evaluate_cone(index, {timestamps: probe}))
+    if not torch.equal(got, relative_time_index(probe, size_hint(meta.shape[0]) - 1)):
+        raise Unproven(f"the index of {table.name} is not HSTU's time bucket "
+                       f"clamp(long(log(clamp(|ts_i - ts_j|, min=1)) / {TIME_BUCKET_BASE}), 0, {meta.shape[0] - 1})")
     return table
 
 
@@ -191,14 +279,31 @@ def _is_bool(node: Any) -> bool:
     return meta is not None and meta.dtype == torch.bool
 
 
+def _reaches_product(node: fx.Node) -> bool:
+    """Whether ``node`` is computed from a matmul (the scores), rather than from indices only."""
+    seen, queue = set(), [node]
+    while queue:
+        x = queue.pop(0)
+        if is_call(x, torch.matmul, torch.bmm, torch.functional.einsum):
+            return True
+        seen.add(x)
+        queue.extend(a for a in x.all_input_nodes if a not in seen)
+    return False
+
+
 def _zero_mask_of(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """``(x, mask)`` when ``node`` is ``x * mask`` or ``torch.where(mask, x, 0)`` with a bool mask."""
+    """``(x, mask)`` when ``node`` is ``x * mask`` or ``torch.where(mask, x, 0)`` with a bool mask, or
+    ``x * mask`` with a float mask computed from indices only (proven 0/1 by ``prove_mask``)."""
     if is_call(node, torch.mul, operator.mul) and len(node.args) == 2:
         a, b = node.args
         if _is_bool(b):
             return a, b
         if _is_bool(a):
             return b, a
+        for x, mask in ((a, b), (b, a)):
+            meta = tensor_meta(mask)
+            if meta is not None and meta.is_floating_point() and not _reaches_product(mask):
+                return x, mask
     if is_call(node, torch.where) and len(node.args) == 3 and scalar(node.args[2]) == 0.0:
         return node.args[1], node.args[0]
     return None
