@@ -18,6 +18,7 @@ back that is not reached by a jagged equivalent stays, and the report says why.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -27,8 +28,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from recompile.passes.jagged_attention import (
-    AttentionMatch, Lengths, ScoreBias, Unproven, is_score_product, match_attention, prove_bias, prove_mask,
-    same_sizes, size_hint,
+    AttentionMatch, Lengths, ScoreBias, Unproven, is_score_product, match_attention, match_mha, prove_bias,
+    prove_mask, prove_mha_mask, same_sizes, size_hint,
 )
 from recompile.passes.jagged_index import IndexGather, index_gather, index_padding, prove_gather
 from recompile.passes.utils import arg, is_call, replace_node, tensor_meta
@@ -204,6 +205,26 @@ def einsum_form(equation: Any) -> tuple[bool, bool, bool, bool] | None:
     return EINSUM_OUTPUTS.get(("".join(map(rename.get, b)), "".join(map(rename.get, out))))
 
 
+class _Chain:
+    """Emits calls one after the other, after ``node``."""
+
+    def __init__(self, lifter: "Lifter", node: fx.Node):
+        self.lifter, self.last = lifter, node
+
+    def __call__(self, target, *args, method: bool = False) -> fx.Node:
+        self.last = self.lifter.emit(self.last, target, args, method=method)
+        return self.last
+
+
+# (ndim, swapped dims, layout) -> the layout after the transpose
+TRANSPOSES = {
+    (4, frozenset({1, 2}), "bn"): "bhn",
+    (4, frozenset({1, 2}), "bhn"): "bn",
+    (3, frozenset({0, 1}), "bn"): "nb",
+    (3, frozenset({0, 1}), "nb"): "bn",
+}
+
+
 class Inherited(Unproven):
     """An op reads a node that was left padded: the reason is that node's."""
 
@@ -218,6 +239,7 @@ class Lifter:
         self.blocked: dict[fx.Node, str] = {}  # padded nodes left padded, and why
         self.attention_regions: list[tuple[fx.Node, str, Any, list[fx.Node]]] = []  # (twin, op, impl, nodes)
         self.batches: dict[tuple[fx.Node, int], PaddedBatch] = {}  # by (offsets, N)
+        self.unproven_paddings: list[tuple[fx.Node, str]] = []  # index writes of jagged values, and why
 
     # -- helpers -------------------------------------------------------------------------------
     def emit(self, after: fx.Node, target, args, kwargs=None, method: bool = False) -> fx.Node:
@@ -306,9 +328,36 @@ class Lifter:
     def getitem(self, node: fx.Node) -> Padded:
         source, index = node.args
         info = self.padded[source]
+        if is_call(source, F.multi_head_attention_forward) and index == 0:
+            return Padded(info.region, info.layout, info.twin)
         if not is_call(source, torch.split, torch.functional.split, torch.chunk) or not isinstance(index, int):
             raise Unproven(f"{node.name}: indexing a padded batch")
         return Padded(info.region, "bn", self.emit(node, operator.getitem, (info.twin, index)))
+
+    def multihead(self, node: fx.Node) -> Padded:
+        """``nn.MultiheadAttention`` -> in-projection, ``recompile.jagged_softmax_attention``, out-projection
+        on the jagged values (its output 0; the weights, output 1, must be unused)."""
+        match = match_mha(node)
+        info = self.padded.get(match.x)
+        if info is None or info.layout != "nb":
+            raise Unproven(f"{node.name}: the queries are not a [N, B, E] view of a padded batch")
+        region = info.region
+        if match.key_padding_mask in self.tainted or match.attn_mask in self.tainted:
+            raise Unproven(f"{node.name}: the mask depends on padding")
+        causal = prove_mha_mask(match, region.lengths, region.n)
+        embed = size_hint(tensor_meta(match.x).shape[-1])
+        heads = match.num_heads
+        op = "recompile::jagged_softmax_attention"
+        impl = self.ctx.lower(op)
+        chain = _Chain(self, node)
+        qkv = chain(F.linear, info.twin, match.in_weight, match.in_bias)
+        q, k, v = (chain("reshape", chain(operator.getitem, chain(torch.chunk, qkv, 3, -1), i), -1, heads,
+                         embed // heads, method=True) for i in range(3))
+        attended = chain(torch.ops.recompile.jagged_softmax_attention.default, q, k, v, region.offsets,
+                         1.0 / math.sqrt(embed // heads), causal, impl.impl)
+        out = chain(F.linear, chain("reshape", attended, -1, embed, method=True), match.out_weight, match.out_bias)
+        self.attention_regions.append((attended, op, impl, [node]))
+        return Padded(region, "nb", out)
 
     def view(self, node: fx.Node) -> Padded:
         x = node.args[0]
@@ -335,10 +384,11 @@ class Lifter:
     def transpose(self, node: fx.Node) -> Padded:
         x = node.args[0]
         info = self.padded[x]
-        dims = {d % 4 for d in node.args[1:3]} if tensor_meta(x).dim() == 4 else set()
-        if dims != {1, 2}:
-            raise Unproven(f"{node.name}: a transpose other than positions <-> heads")
-        return Padded(info.region, "bhn" if info.layout == "bn" else "bn", info.twin)
+        ndim = tensor_meta(x).dim()
+        swap = (ndim, frozenset(d % ndim for d in node.args[1:3]), info.layout)
+        if swap not in TRANSPOSES:
+            raise Unproven(f"{node.name}: a transpose other than positions <-> heads or batch <-> positions")
+        return Padded(info.region, TRANSPOSES[swap], info.twin)
 
     def same(self, node: fx.Node) -> Padded:
         return self.padded[node.args[0]]
@@ -438,7 +488,7 @@ class Lifter:
         try:
             padding = index_padding(node)
         except Unproven as why:
-            self.blocked[node] = str(why)
+            self.unproven_paddings.append((node, str(why)))
             return False
         if padding is None:
             return False
@@ -520,6 +570,7 @@ FUNCTION_RULES: dict[Any, Callable] = {
     torch.functional.einsum: _rule("einsum"),
     torch.einsum: _rule("einsum"),
     F.scaled_dot_product_attention: _rule("attention"),
+    F.multi_head_attention_forward: _rule("multihead"),
 }
 METHOD_RULES: dict[str, Callable] = {
     "view": _rule("view"),
@@ -533,6 +584,8 @@ METHOD_RULES: dict[str, Callable] = {
 def _lift_padded_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
     lifter = Lifter(gm, ctx)
     results = lifter.run()
+    for node, why in lifter.unproven_paddings:
+        ctx.fallbacks.append(Fallback(ctx.current_pass, f"left padded at {node.name}: {why}"))
     for sink, info, why in results:
         if info is None:
             ctx.fallbacks.append(Fallback(ctx.current_pass, f"left padded at {sink.name}: {why}"))

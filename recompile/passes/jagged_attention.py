@@ -14,6 +14,7 @@ attended to, since padded keys hold whatever the per-position ops made of the pa
 """
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 from dataclasses import dataclass
@@ -42,7 +43,8 @@ CONE_FUNCTIONS = {
     torch.logical_not, torch.bitwise_and, torch.bitwise_or, torch.bitwise_not, torch.unsqueeze, torch.reshape,
     torch.transpose, torch.squeeze, torch.diff, torch.ops.aten.sym_size.int, torch.searchsorted,
     torch.repeat_interleave, torch.cumsum, torch.log, torch.div, torch._C._nn.pad,
-    torch.ops.recompile.complete_cumsum.default, operator.truediv, operator.floordiv,
+    torch.ops.recompile.complete_cumsum.default, operator.truediv, operator.floordiv, torch.zeros_like,
+    torch.full, torch.masked_fill,
     operator.add, operator.sub, operator.mul, operator.neg, operator.eq, operator.ne, operator.lt, operator.le,
     operator.gt, operator.ge, operator.and_, operator.or_, operator.invert, operator.getitem,
 }
@@ -50,7 +52,7 @@ CONE_METHODS = {
     "view", "reshape", "unsqueeze", "squeeze", "expand", "transpose", "t", "to", "bool", "long", "int", "float",
     "double",
     "logical_not", "logical_and", "logical_or", "size", "tril", "triu", "eq", "ne", "lt", "le", "gt", "ge",
-    "__getitem__", "clamp", "flip", "contiguous",
+    "__getitem__", "clamp", "flip", "contiguous", "masked_fill", "masked_fill_",
 }
 
 
@@ -132,24 +134,95 @@ def _mask_verdict(keep: torch.Tensor, lens: torch.Tensor, n: int) -> bool:
                    "(a padded key would be attended to, or a valid one dropped)")
 
 
-def prove_mask(mask: fx.Node, keep_if_true: bool, lengths: Lengths, n: int) -> bool:
-    """Whether ``mask`` (True = attend if ``keep_if_true``) is causal; raises Unproven if it is neither
-    causal over the sequence's keys nor exactly the sequence's keys, on the rows that are not padding."""
+def keep_of(mask: Any, keep_if_true: bool = True, additive: bool = False) -> torch.Tensor:
+    """The attended positions of an evaluated mask: bool (True = attend if ``keep_if_true``), float
+    multiplied in (0 or 1), or float added to the scores (``additive``: 0 or -inf)."""
+    mask = torch.as_tensor(mask)
+    if not mask.is_floating_point():
+        return mask.bool() if keep_if_true else ~mask.bool()
+    if additive:
+        if not ((mask == 0) | (mask == -math.inf)).all():
+            raise Unproven("the float attention mask adds values other than 0 and -inf to the scores")
+        return mask == 0
+    if not ((mask == 0) | (mask == 1)).all():
+        raise Unproven("the float attention mask weights positions by values other than 0 and 1")
+    return mask == 1
+
+
+def prove_keep(keep: Callable[[dict], torch.Tensor], lengths: Lengths, n: int) -> bool:
+    """Whether the attended positions ``keep(leaves)`` (``[B or 1, (1,) N, N]``) are causal; raises Unproven
+    if they are neither causal over the sequence's keys nor exactly its keys, on the rows that are not padding."""
     verdicts = set()
     for lens, leaves in lengths.probes(n):
-        keep = torch.as_tensor(evaluate_cone(mask, leaves))
-        if keep.is_floating_point() and not ((keep == 0) | (keep == 1)).all():
-            raise Unproven("the float attention mask weights positions by values other than 0 and 1")
-        keep = keep.bool()
-        keep = keep if keep_if_true else ~keep
-        if keep.dim() == 4:
-            if keep.shape[1] != 1:
+        attended = keep(leaves)
+        if attended.dim() == 4:
+            if attended.shape[1] != 1:
                 raise Unproven("the attention mask differs across heads")
-            keep = keep[:, 0]
-        verdicts.add(_mask_verdict(keep.expand(lengths.batch, n, n), lens, n))
+            attended = attended[:, 0]
+        verdicts.add(_mask_verdict(attended.expand(lengths.batch, n, n), lens, n))
     if len(verdicts) != 1:
         raise Unproven("the attention mask changes form with the sequence length")
     return verdicts.pop()
+
+
+def prove_mask(mask: fx.Node, keep_if_true: bool, lengths: Lengths, n: int) -> bool:
+    """``prove_keep`` of one mask node (True = attend if ``keep_if_true``, or a 0/1 float factor)."""
+    return prove_keep(lambda leaves: keep_of(evaluate_cone(mask, leaves), keep_if_true), lengths, n)
+
+
+@dataclass
+class MHAMatch:
+    """``F.multi_head_attention_forward`` (what ``nn.MultiheadAttention`` runs) in self-attention over
+    ``x [N, B, E]`` with the packed in-projection."""
+
+    x: fx.Node
+    num_heads: int
+    in_weight: fx.Node
+    in_bias: Any
+    out_weight: fx.Node
+    out_bias: Any
+    key_padding_mask: Any
+    attn_mask: Any
+
+
+def match_mha(node: fx.Node) -> MHAMatch:
+    names = list(inspect.signature(F.multi_head_attention_forward).parameters)
+    a = {name: arg(node, i, name) for i, name in enumerate(names)}
+    if not (a["query"] is a["key"] is a["value"]):
+        raise Unproven(f"{node.name}: multi-head attention with other keys or values than its queries")
+    unsupported = {
+        "bias_k": a["bias_k"] is not None, "add_zero_attn": bool(a["add_zero_attn"]),
+        "use_separate_proj_weight": bool(a["use_separate_proj_weight"]),
+        "static_k/static_v": a["static_k"] is not None or a["static_v"] is not None,
+        "dropout in training": bool(a["training"]) and scalar(a["dropout_p"]) != 0.0,
+        "need_weights (the weights are used)": a["need_weights"] is not False
+        and any(not (is_call(u, operator.getitem) and u.args[1] == 0) for u in node.users),
+    }
+    if any(unsupported.values()):
+        raise Unproven(f"{node.name}: multi-head attention with {', '.join(k for k, v in unsupported.items() if v)}")
+    if a["key_padding_mask"] is None and a["attn_mask"] is None:
+        raise Unproven(f"{node.name}: no mask, so padded keys are attended to")
+    return MHAMatch(a["query"], a["num_heads"], a["in_proj_weight"], a["in_proj_bias"], a["out_proj_weight"],
+                    a["out_proj_bias"], a["key_padding_mask"], a["attn_mask"])
+
+
+def prove_mha_mask(match: MHAMatch, lengths: Lengths, n: int) -> bool:
+    """Whether the keys ``nn.MultiheadAttention`` attends to (not in ``key_padding_mask [B, N]``, not in
+    ``attn_mask [N, N]``: True or -inf = ignored) are causal (True) or the sequence's keys (False)."""
+
+    def keep(leaves):
+        attended = torch.ones(1, n, n, dtype=torch.bool)
+        if match.key_padding_mask is not None:
+            keys = keep_of(evaluate_cone(match.key_padding_mask, leaves), keep_if_true=False, additive=True)
+            attended = attended & keys.view(-1, 1, n)
+        if match.attn_mask is not None:
+            pairs = keep_of(evaluate_cone(match.attn_mask, leaves), keep_if_true=False, additive=True)
+            if pairs.dim() != 2:
+                raise Unproven("a per-head (3-D) attn_mask")
+            attended = attended & pairs
+        return attended
+
+    return prove_keep(keep, lengths, n)
 
 
 def prove_relative_bias(bias: fx.Node, n: int) -> fx.Node:
