@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 import recompile
 
@@ -121,12 +122,39 @@ class LeftPadded(IndexCopyFFN):
         return F.silu(self.lin(x)).reshape(b * N, C)[dest]
 
 
+class PadSequenceCausal(nn.Module):
+    """pad_sequence over a split by Python lengths, causal SDPA (is_causal), the rows cut back and concatenated."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(C, 3 * C), nn.Linear(C, C)
+
+    def forward(self, values, sizes):
+        x = pad_sequence(torch.split(values, sizes), batch_first=True)
+        b, n = x.shape[:2]
+        q, k, v = (t.view(b, n, H, C // H).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1))
+        y = self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, C))
+        return torch.cat([y[i, :size] for i, size in enumerate(sizes)])
+
+
+def test_pad_sequence_becomes_jagged_and_equals_eager():
+    model = PadSequenceCausal().eval()
+    sizes = [3, 7, 1, 5]
+    values = torch.randn(sum(sizes), C)
+    report = recompile.explain(model, values, sizes).to_dict()
+    assert report["fallbacks"] == []
+    assert ("attention", "recompile::jagged_softmax_attention") in {(r["kind"], r["op"]) for r in report["regions"]}
+    assert "pad_sequence" not in report["stages"][-1]["code"]
+    assert_compiled_equals_eager(model, values, sizes)
+
+
 def batch_of(lengths):
     lengths = torch.tensor(lengths)
     return torch.randn(int(lengths.sum()), C), lengths
 
 
 def outputs_and_grads(model, values, lengths):
+    """``lengths``: a tensor, or Python sizes."""
     model.zero_grad()
     leaf = values.clone().requires_grad_()
     out = model(leaf, lengths)

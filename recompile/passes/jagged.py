@@ -18,6 +18,7 @@ back that is not reached by a jagged equivalent stays, and the report says why.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 from dataclasses import dataclass, field
@@ -31,7 +32,9 @@ from recompile.passes.jagged_attention import (
     AttentionMatch, Lengths, ScoreBias, Unproven, is_score_product, match_attention, match_mha, prove_bias,
     prove_mask, prove_mha_mask, same_sizes, size_hint,
 )
-from recompile.passes.jagged_index import IndexGather, index_gather, index_padding, prove_gather
+from recompile.passes.jagged_index import (
+    IndexGather, index_gather, index_padding, prove_gather, row_slices, sequence_padding,
+)
 from recompile.passes.utils import arg, is_call, replace_node, tensor_meta
 from recompile.pipeline import Fallback, PassContext, register_pass
 from runtime.fbgemm import fbgemm_ops
@@ -128,9 +131,10 @@ def _pad_source(node: fx.Node) -> tuple[fx.Node, fx.Node, Any] | None:
     return values, offsets, n
 
 
-def _sink(node: fx.Node) -> tuple[fx.Node, fx.Node | IndexGather] | None:
-    """``(dense, offsets)`` when ``node`` gathers a padded batch back to jagged values with offsets, or
-    ``(dense, IndexGather)`` when it indexes a padded batch with tensors (proven when checked)."""
+def _sink(node: fx.Node) -> tuple[fx.Node, Any] | None:
+    """``(dense, offsets)`` when ``node`` gathers a padded batch back to jagged values with offsets,
+    ``(dense, IndexGather)`` when it indexes a padded batch with tensors (proven when checked), or
+    ``(dense, sizes)`` when it concatenates the rows cut to Python sizes."""
     if is_call(node, operator.getitem) and node.args[1] == 0:
         call = node.args[0]
         if is_call(call, *_fbgemm_targets("dense_to_jagged")):
@@ -141,6 +145,8 @@ def _sink(node: fx.Node) -> tuple[fx.Node, fx.Node | IndexGather] | None:
         return node.args[0], node.args[1]
     if (gather := index_gather(node)) is not None:
         return gather.dense, gather
+    if (rows := row_slices(node)) is not None:
+        return rows
     return None
 
 
@@ -485,6 +491,15 @@ class Lifter:
             values, offsets, n = source
             self.start_region(node, values, Lengths(_lengths_of(offsets), offsets, size_hint(tensor_meta(node).shape[0])), n)
             return True
+        if (padding := sequence_padding(node)) is not None:
+            offsets = [0, *itertools.accumulate(padding.sizes)]
+            with self.graph.inserting_before(node):
+                constant = self.graph.call_function(
+                    torch.tensor, (offsets,), {"dtype": torch.int64, "device": tensor_meta(padding.values).device})
+            n = max(padding.sizes)
+            self.start_region(node, padding.values, Lengths(None, constant, len(padding.sizes), padding.sizes), n,
+                              padding.layout)
+            return True
         try:
             padding = index_padding(node)
         except Unproven as why:
@@ -525,6 +540,9 @@ class Lifter:
                 prove_gather(how, info.region.lengths, info.region.n, size_hint(tensor_meta(node).shape[0]))
             except Unproven as why:
                 return node, None, f"{dense.name} is gathered back by other indices than its padding: {why}"
+        elif isinstance(how, tuple):
+            if info.layout != "bn" or info.region.lengths.sizes != how:
+                return node, None, f"{dense.name} is cut into rows of other lengths than it was padded with"
         elif info.layout != "bn" or info.region.offsets is not how:
             return node, None, f"{dense.name} is gathered with other offsets than it was padded with"
         return node, info, ""

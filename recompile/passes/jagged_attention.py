@@ -110,9 +110,14 @@ class Lengths:
     lengths: fx.Node | None
     offsets: fx.Node
     batch: int  # the batch size the graph was traced with
+    sizes: tuple[int, ...] | None = None  # the lengths, where the graph was specialised to them
 
     def probes(self, n: int):
-        """Batches of lengths that together cover every length ``0..n``, as cone leaves."""
+        """Batches of lengths that together cover every length ``0..n``, as cone leaves (the lengths
+        themselves where the graph is specialised to them)."""
+        if self.sizes is not None:
+            yield torch.tensor(self.sizes), {}
+            return
         for start in range(0, n + 1, self.batch):
             lengths = (torch.arange(self.batch) + start).clamp(max=n)
             leaves = {self.offsets: F.pad(torch.cumsum(lengths, 0), (1, 0))}

@@ -12,6 +12,9 @@ and gather back with the same indices (``flat[dest]``, ``padded[row, position]``
 (``padded[arange(N) < lengths[:, None]]``). The content of ``base`` never matters: padded rows are dropped
 by the gather back and masked out of attention.
 
+``torch.nn.utils.rnn.pad_sequence(torch.split(values, sizes))`` pads values split by Python ints (Dynamo
+specialises the graph to them); it is unpadded by ``torch.cat([padded[i, :sizes[i]] for i ...])``.
+
 The indices are proven, not guessed: their subgraph may read only the offsets/lengths, ``arange``s and
 index arithmetic (``searchsorted``, ``repeat_interleave``, compares), and it is evaluated on batches of
 lengths with the traced batch size and total (full rows, empty rows, even and random splits) and compared
@@ -221,3 +224,57 @@ def prove_gather(gather: IndexGather, lengths: Lengths, n: int, total: int) -> N
                 raise Unproven("the gather mask is not arange(N) < lengths[:, None]")
         return
     prove_index(gather.index, lengths, total, n, flat_dest(n) if gather.kind == "flat" else row_position)
+
+
+# ---------------------------------------------------------------------------------------------
+# pad_sequence over a split by Python sizes, and the concatenation of its rows back
+
+PAD_SEQUENCE = (torch._C._nn.pad_sequence, torch.nn.utils.rnn.pad_sequence)
+
+
+@dataclass
+class SequencePadding:
+    values: fx.Node
+    sizes: tuple[int, ...]
+    layout: str  # "bn" (batch_first) or "nb"
+
+
+def sequence_padding(node: fx.Node) -> SequencePadding | None:
+    """``pad_sequence(torch.split(values, sizes))`` with right padding, every split in order."""
+    if not is_call(node, *PAD_SEQUENCE) or arg(node, 3, "padding_side", "right") != "right":
+        return None
+    sequences = arg(node, 0, "sequences")
+    if not isinstance(sequences, (list, tuple)) or not sequences:
+        return None
+    split = sequences[0].args[0] if is_call(sequences[0], operator.getitem) else None
+    if not is_call(split, torch.split, torch.functional.split) or arg(split, 2, "dim", 0) != 0:
+        return None
+    sizes = split.args[1]
+    if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) for s in sizes):
+        return None
+    if list(sequences) != [x for x in sequences if is_call(x, operator.getitem) and x.args[0] is split] or [
+        x.args[1] for x in sequences
+    ] != list(range(len(sizes))):
+        return None
+    return SequencePadding(split.args[0], tuple(sizes), "bn" if arg(node, 1, "batch_first", False) else "nb")
+
+
+def row_slices(node: fx.Node) -> tuple[fx.Node, tuple[int, ...]] | None:
+    """``(padded, sizes)`` when ``node`` is ``torch.cat([padded[i, :sizes[i]] for i in range(B)])``."""
+    if not is_call(node, torch.cat) or arg(node, 1, "dim", 0) != 0:
+        return None
+    rows = arg(node, 0, "tensors")
+    if not isinstance(rows, (list, tuple)) or not rows:
+        return None
+    dense, sizes = None, []
+    for i, row in enumerate(rows):
+        if not is_call(row, operator.getitem) or not isinstance(row.args[1], tuple) or len(row.args[1]) != 2:
+            return None
+        index, cut = row.args[1]
+        if dense not in (None, row.args[0]) or index != i or not isinstance(cut, slice):
+            return None
+        if cut.start not in (None, 0) or cut.step not in (None, 1) or not isinstance(cut.stop, int):
+            return None
+        dense = row.args[0]
+        sizes.append(cut.stop)
+    return dense, tuple(sizes)
