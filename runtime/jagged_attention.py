@@ -20,6 +20,7 @@ bucket by bucket.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -65,10 +66,33 @@ def relative_position_bias(rel_bias: torch.Tensor, n: int, max_seq_len: int) -> 
     return windows[max_seq_len - n : max_seq_len].flip(0)
 
 
+def time_bucket(gaps: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """HSTU's bucket of time gaps, as generative-recommenders writes it."""
+    return (torch.log(gaps.abs().clamp(min=1).float()) / TIME_BUCKET_BASE).long().clamp(0, num_buckets)
+
+
+@functools.cache
+def time_bucket_edges(num_buckets: int, device: torch.device) -> torch.Tensor:
+    """``edges[k]``: the smallest integer gap in bucket ``k + 1`` or above (a binary search of ``time_bucket``,
+    which grows with the gap); the int64 maximum where no gap below 2**62 reaches it."""
+    target = torch.arange(1, num_buckets + 1)
+    lo, hi = torch.ones_like(target), torch.full_like(target, 2**62)
+    while bool((lo < hi).any()):
+        mid = (lo + hi) // 2
+        up = time_bucket(mid, num_buckets) >= target
+        hi, lo = torch.where(up, mid, hi), torch.where(up, lo, mid + 1)
+    unreached = time_bucket(lo, num_buckets) < target
+    return torch.where(unreached, torch.iinfo(torch.int64).max, lo).to(device)
+
+
 def relative_time_index(timestamps: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """``[b, n, n]`` index into ``time_bias`` from padded ``timestamps [b, n]``."""
-    diff = (timestamps.unsqueeze(2) - timestamps.unsqueeze(1)).abs().clamp(min=1).float()
-    return (torch.log(diff) / TIME_BUCKET_BASE).long().clamp(0, num_buckets)
+    """``[b, n, n]`` index into ``time_bias`` from padded ``timestamps [b, n]``: ``time_bucket`` of the gaps,
+    for integer timestamps by one search among the bucket edges instead of the log."""
+    if timestamps.is_floating_point():
+        return time_bucket(timestamps.unsqueeze(2) - timestamps.unsqueeze(1), num_buckets)
+    ts = timestamps.long()
+    gaps = (ts.unsqueeze(2) - ts.unsqueeze(1)).abs_()
+    return torch.bucketize(gaps, time_bucket_edges(num_buckets, ts.device), right=True)
 
 
 def _heads_first(t: torch.Tensor) -> torch.Tensor:
