@@ -8,7 +8,8 @@
   ``contextual_seq_len`` prefix that the first row attends to whole), then ``@ v``. The optional bias
   is relative-position ``rel_bias [2 * max_seq_len - 1]`` (``bias[i, j] = rel_bias[max_seq_len - 1 + j - i]``)
   plus relative-time ``time_bias [num_buckets + 1]`` at ``bucket(ts_i - ts_j)``, ``bucket(x) =
-  clamp(int(log(float32(max(|x|, 1))) / 0.301), 0, num_buckets)`` (as generative-recommenders) over jagged ``timestamps [total]``.
+  clamp(int(log(float32(max(|x|, 1))) / 0.301), 0, num_buckets)`` (as generative-recommenders) over
+  jagged ``timestamps [total]``.
 - ``jagged_softmax_attention``: ``softmax(scale * q k^T)`` over the keys of the same sequence
   (causal optionally), ``@ v``: SASRec's attention with its key padding mask.
 
@@ -121,13 +122,17 @@ class HSTUBucket:
     def scores(self, args: HSTUArgs, rel_bias, time_bias):
         """Pre-activation scores ``[b, H, n, n]`` and the time-bias index (None without time bias)."""
         n = self.q.shape[1]
-        scores = torch.matmul(_heads_first(self.q), _heads_first(self.k).transpose(2, 3)).mul_(args.alpha)
-        time_index = None
+        scores = torch.matmul(_heads_first(self.q), _heads_first(self.k).transpose(2, 3))
+        if args.alpha != 1.0:
+            scores.mul_(args.alpha)
+        bias = time_index = None
         if rel_bias is not None:
-            scores += relative_position_bias(rel_bias, n, args.max_seq_len).to(scores.dtype)
-        if time_bias is not None:
+            bias = relative_position_bias(rel_bias, n, args.max_seq_len)  # [n, n]
+        if time_bias is not None:  # both biases summed first, then added over the heads once
             time_index = relative_time_index(self.timestamps, time_bias.numel() - 1)
-            scores += time_bias[time_index].to(scores.dtype).unsqueeze(1)
+            bias = time_bias[time_index] if bias is None else time_bias[time_index].add_(bias)  # [b, n, n]
+        if bias is not None:
+            scores += bias.to(scores.dtype).unsqueeze(-3)
         return scores, time_index
 
     def mask_(self, t: torch.Tensor, args: HSTUArgs) -> torch.Tensor:

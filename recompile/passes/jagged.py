@@ -3,15 +3,20 @@
 Patterns and replacements:
 - offsets from lengths, ``F.pad(torch.cumsum(lengths, 0), (1, 0))`` with 1-D integer ``lengths``
   -> ``recompile.complete_cumsum(lengths)``.
-- a padded region: ``fbgemm.jagged_to_padded_dense(values, [offsets], [N])`` (or
-  ``recompile.jagged_to_padded_dense``), per-position ops on the padded batch, attention, and the
-  gather back ``fbgemm.dense_to_jagged(y, [offsets])[0]`` -> the same ops on the jagged values
-  (``[total, ...]``), so nothing is computed on padding. Per-position ops: Linear, LayerNorm over
-  feature dims, SiLU/ReLU/GELU/sigmoid/tanh, dropout with ``training=False``, elementwise ops with
-  operands that broadcast over the features only, splits and views that keep ``[B, N]``.
-  Attention on head-first ``[B, H, N, D]`` views (see ``recompile.passes.jagged_attention``) ->
+- a padded region: a padding of jagged values, per-position ops on the padded batch, attention, and
+  the gather back -> the same ops on the jagged values (``[total, ...]``), so nothing is computed on
+  padding. Paddings: ``fbgemm.jagged_to_padded_dense(values, [offsets], [N])`` (or
+  ``recompile.jagged_to_padded_dense``), index writes at (row, position) and ``pad_sequence`` (see
+  ``recompile.passes.jagged_index``). Gathers back: ``fbgemm.dense_to_jagged(y, [offsets])[0]``
+  (or ``recompile.dense_to_jagged``), indexing by the same (row, position) or the padding mask, the
+  rows cut to their sizes and concatenated. Per-position ops: Linear, LayerNorm over feature dims,
+  SiLU/ReLU/GELU/sigmoid/tanh, dropout with ``training=False``, elementwise ops with operands that
+  broadcast over the features only, splits and views that keep ``[B, N]`` (or ``[B * N]``), the
+  ``[B, N] <-> [N, B]`` transpose. Attention on head-first ``[B, H, N, D]`` views, as matmuls or
+  einsums, and ``nn.MultiheadAttention`` (see ``recompile.passes.jagged_attention``) ->
   ``recompile.hstu_attention`` / ``recompile.jagged_softmax_attention`` (region kind "attention").
   The values are guarded by ``recompile.jagged_within`` (every sequence fits the padded length N).
+  Paddings with the same offsets and N form one region (q, k and v padded one by one).
 A padded node whose users cannot all be proven position-wise keeps its padded computation; a gather
 back that is not reached by a jagged equivalent stays, and the report says why.
 """
@@ -489,7 +494,8 @@ class Lifter:
         """Starts a region at ``node`` if it pads jagged values; False if it does not."""
         if (source := _pad_source(node)) is not None:
             values, offsets, n = source
-            self.start_region(node, values, Lengths(_lengths_of(offsets), offsets, size_hint(tensor_meta(node).shape[0])), n)
+            batch = size_hint(tensor_meta(node).shape[0])
+            self.start_region(node, values, Lengths(_lengths_of(offsets), offsets, batch), n)
             return True
         if (padding := sequence_padding(node)) is not None:
             offsets = [0, *itertools.accumulate(padding.sizes)]

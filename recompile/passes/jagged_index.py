@@ -70,12 +70,9 @@ def jagged_probes(batch: int, total: int, n: int) -> Iterator[torch.Tensor]:
     yield front.flip(0)
     yield torch.full((batch,), total // batch) + (torch.arange(batch) < total % batch).long()
     gen = torch.Generator().manual_seed(0)
-    for _ in range(NUM_RANDOM_PROBES):
-        lengths = torch.zeros(batch, dtype=torch.long)
-        for _ in range(total):
-            open_rows = (lengths < n).nonzero().flatten()
-            lengths[open_rows[torch.randint(len(open_rows), (1,), generator=gen)]] += 1
-        yield lengths
+    for _ in range(NUM_RANDOM_PROBES):  # the rows of ``total`` distinct random slots of the [batch, n] grid
+        slots = torch.randperm(batch * n, generator=gen)[:total]
+        yield torch.bincount(slots // n, minlength=batch)
 
 
 def _leaves(lengths: Lengths, probe: torch.Tensor) -> dict[fx.Node, torch.Tensor]:
