@@ -2,15 +2,21 @@
 index_copy / index_put / scatter at (row, position) from the offsets, gathers back by the same indices or by
 the padding mask, attention as einsum, SDPA with an arange mask, nn.MultiheadAttention with a key padding
 mask; and forms it cannot prove (left padding) stay padded with the reason."""
+import functools
 import math
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn.utils.rnn import pad_sequence
 
 import recompile
+from recompile.backend import rec_ascend
+from runtime.kernels import KERNELS
 
 N, C, H = 8, 8, 2
 
@@ -225,3 +231,35 @@ def test_multihead_attention_weights_in_use_stay_padded_with_reason():
     report = recompile.explain(Weights().eval(), *batch_of([5, 2, 8])).to_dict()
     [fallback] = report["fallbacks"]
     assert "need_weights" in fallback["reason"]
+
+
+@settings(max_examples=6, deadline=None)
+@given(lengths=st.lists(st.integers(0, N), min_size=1, max_size=5))
+def test_index_padded_hstu_over_many_batches(lengths):
+    """Empty and full histories, one history: one compiled model (dynamic after the second batch), equal to
+    eager forward and backward."""
+    model, compiled = SCATTER_UNDER_TEST
+    values, lengths = batch_of(lengths)
+    for got, want in zip(outputs_and_grads(compiled, values, lengths), outputs_and_grads(model, values, lengths)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+_scatter = ScatterEinsumHSTU()
+SCATTER_UNDER_TEST = (_scatter, torch.compile(_scatter, backend="rec_ascend"))
+
+
+def test_index_padded_forms_compile_at_most_twice(monkeypatch):
+    calls = []
+    kernel = KERNELS["jagged_softmax_attention"]["cpu"]
+    monkeypatch.setitem(KERNELS["jagged_softmax_attention"], "cpu", lambda *a: calls.append(1) or kernel(*a))
+    model = IndexPutSDPA().eval()
+    # Autotune off: the test pins the kernel it counts.
+    counter = CompileCounterWithBackend(functools.partial(rec_ascend, options={"autotune": False}))
+    compiled = torch.compile(model, backend=counter)
+    batches = ([3, 8, 2], [5, 1, 7, 4, 6], [8, 0, 2, 2, 7, 1, 3, 5], [2, 6, 6, 1])
+    with torch.no_grad():
+        for lengths in batches:
+            values, lengths = batch_of(lengths)
+            torch.testing.assert_close(compiled(values, lengths), model(values, lengths), rtol=1e-5, atol=1e-5)
+    assert counter.frame_count <= 2
+    assert len(calls) == len(batches)  # the dynamic graph is rewritten too
