@@ -194,7 +194,12 @@ EINSUM_OUTPUTS = {  # operand a is "bhnm"
 }
 
 
+def _spell(letters: str, rename: dict[str, str]) -> str:
+    return "".join(rename.get(x, "?") for x in letters)
+
+
 def einsum_form(equation: Any) -> tuple[bool, bool, bool, bool] | None:
+    """The transposes that make ``equation`` an attention matmul (see the tables above), or None."""
     if not isinstance(equation, str) or equation.count(",") != 1 or "->" not in equation:
         return None
     inputs, out = equation.replace(" ", "").split("->")
@@ -206,14 +211,14 @@ def einsum_form(equation: Any) -> tuple[bool, bool, bool, bool] | None:
         return None
     (c,) = contracted
     rename = {**dict(zip(out, "bhnm")), c: "d"}  # scores: the contraction is over the features
-    scores = EINSUM_SCORES.get(("".join(map(rename.get, a)), "".join(map(rename.get, b))))
+    scores = EINSUM_SCORES.get((_spell(a, rename), _spell(b, rename)))
     if scores is not None:
         return scores
     rename = dict(zip(a, "bhnm"))  # output: the contraction is over the key positions
     rename.update({x: "d" for x in set(b) - set(a)})
     if c != a[3] or not set(b) | set(out) <= set(rename):
         return None
-    return EINSUM_OUTPUTS.get(("".join(map(rename.get, b)), "".join(map(rename.get, out))))
+    return EINSUM_OUTPUTS.get((_spell(b, rename), _spell(out, rename)))
 
 
 class _Chain:
