@@ -159,10 +159,6 @@ class HSTU(SequenceEncoder):
     def __init__(self, cfg: HSTUConfig):
         super().__init__(cfg)
         self.layers = nn.ModuleList(STULayer(cfg) for _ in range(cfg.num_layers))
-        L = cfg.max_len
-        pos = torch.arange(L)
-        self.register_buffer("rel_pos", pos[None, :] - pos[:, None] + L - 1, persistent=False)
-        self.register_buffer("causal", torch.ones(L, L).tril(), persistent=False)
 
     def forward(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Jagged histories: ids and timestamps [T], lengths [B] (each <= max_len) -> hidden states [T, D]."""
@@ -177,10 +173,12 @@ class HSTU(SequenceEncoder):
         ts = to_padded(timestamps.unsqueeze(1), dest, B, L).view(B, L)
         gap = (ts.unsqueeze(2) - ts.unsqueeze(1)).abs().clamp(min=1).float()
         time_buckets = (torch.log(gap) / 0.301).long().clamp(max=self.cfg.num_time_buckets)
-        valid = (torch.arange(L, device=ids.device) < lengths.unsqueeze(1)).float()
-        mask = self.causal * valid.unsqueeze(1)
+        pos = torch.arange(L, device=ids.device)
+        rel_pos = pos[None, :] - pos[:, None] + L - 1
+        valid = (pos < lengths.unsqueeze(1)).float()
+        mask = torch.ones(L, L, device=ids.device).tril() * valid.unsqueeze(1)
         for layer in self.layers:
-            x = layer(x, dest, B, self.rel_pos, time_buckets, mask)
+            x = layer(x, dest, B, rel_pos, time_buckets, mask)
         return x
 
 

@@ -82,6 +82,9 @@ class Bucket:
 
 # Sequences whose padded lengths differ by at most this ratio share a bucket (max waste ~1/4).
 BUCKET_RATIO = 1.25
+# ... and so does a sequence whose padding to the bucket's length wastes at most this many score entries
+# (top**2 - length**2): a bucket costs a dozen kernel launches, more than that much padding.
+BUCKET_MIN_WASTE = 1024
 
 
 def length_buckets(offsets: torch.Tensor, limit: int | None = None, ratio: float = BUCKET_RATIO) -> list[Bucket]:
@@ -96,7 +99,9 @@ def length_buckets(offsets: torch.Tensor, limit: int | None = None, ratio: float
     while start < len(sorted_lengths) and sorted_lengths[start] > 0:
         top = sorted_lengths[start]
         end = start
-        while end < len(sorted_lengths) and sorted_lengths[end] > 0 and sorted_lengths[end] * ratio >= top:
+        while end < len(sorted_lengths) and sorted_lengths[end] > 0 and (
+            sorted_lengths[end] * ratio >= top or top**2 - sorted_lengths[end] ** 2 <= BUCKET_MIN_WASTE
+        ):
             end += 1
         seqs = order[start:end]
         pos = torch.arange(top, device=offsets.device)

@@ -8,7 +8,8 @@
   ``contextual_seq_len`` prefix that the first row attends to whole), then ``@ v``. The optional bias
   is relative-position ``rel_bias [2 * max_seq_len - 1]`` (``bias[i, j] = rel_bias[max_seq_len - 1 + j - i]``)
   plus relative-time ``time_bias [num_buckets + 1]`` at ``bucket(ts_i - ts_j)``, ``bucket(x) =
-  clamp(int(log(max(|x|, 1)) / 0.301), 0, num_buckets)`` over jagged ``timestamps [total]``.
+  clamp(int(log(float32(max(|x|, 1))) / 0.301), 0, num_buckets)`` (as generative-recommenders) over
+  jagged ``timestamps [total]``.
 - ``jagged_softmax_attention``: ``softmax(scale * q k^T)`` over the keys of the same sequence
   (causal optionally), ``@ v``: SASRec's attention with its key padding mask.
 
@@ -20,6 +21,7 @@ bucket by bucket.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -65,10 +67,33 @@ def relative_position_bias(rel_bias: torch.Tensor, n: int, max_seq_len: int) -> 
     return windows[max_seq_len - n : max_seq_len].flip(0)
 
 
+def time_bucket(gaps: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """HSTU's bucket of time gaps, as generative-recommenders writes it."""
+    return (torch.log(gaps.abs().clamp(min=1).float()) / TIME_BUCKET_BASE).long().clamp(0, num_buckets)
+
+
+@functools.cache
+def time_bucket_edges(num_buckets: int, device: torch.device) -> torch.Tensor:
+    """``edges[k]``: the smallest integer gap in bucket ``k + 1`` or above (a binary search of ``time_bucket``,
+    which grows with the gap); the int64 maximum where no gap below 2**62 reaches it."""
+    target = torch.arange(1, num_buckets + 1)
+    lo, hi = torch.ones_like(target), torch.full_like(target, 2**62)
+    while bool((lo < hi).any()):
+        mid = (lo + hi) // 2
+        up = time_bucket(mid, num_buckets) >= target
+        hi, lo = torch.where(up, mid, hi), torch.where(up, lo, mid + 1)
+    unreached = time_bucket(lo, num_buckets) < target
+    return torch.where(unreached, torch.iinfo(torch.int64).max, lo).to(device)
+
+
 def relative_time_index(timestamps: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """``[b, n, n]`` index into ``time_bias`` from padded ``timestamps [b, n]``."""
-    diff = (timestamps.unsqueeze(2) - timestamps.unsqueeze(1)).abs().clamp(min=1).double()
-    return (torch.log(diff) / TIME_BUCKET_BASE).long().clamp(0, num_buckets)
+    """``[b, n, n]`` index into ``time_bias`` from padded ``timestamps [b, n]``: ``time_bucket`` of the gaps,
+    for integer timestamps by one search among the bucket edges instead of the log."""
+    if timestamps.is_floating_point():
+        return time_bucket(timestamps.unsqueeze(2) - timestamps.unsqueeze(1), num_buckets)
+    ts = timestamps.long()
+    gaps = (ts.unsqueeze(2) - ts.unsqueeze(1)).abs_()
+    return torch.bucketize(gaps, time_bucket_edges(num_buckets, ts.device), right=True)
 
 
 def _heads_first(t: torch.Tensor) -> torch.Tensor:
@@ -97,13 +122,17 @@ class HSTUBucket:
     def scores(self, args: HSTUArgs, rel_bias, time_bias):
         """Pre-activation scores ``[b, H, n, n]`` and the time-bias index (None without time bias)."""
         n = self.q.shape[1]
-        scores = torch.matmul(_heads_first(self.q), _heads_first(self.k).transpose(2, 3)).mul_(args.alpha)
-        time_index = None
+        scores = torch.matmul(_heads_first(self.q), _heads_first(self.k).transpose(2, 3))
+        if args.alpha != 1.0:
+            scores.mul_(args.alpha)
+        bias = time_index = None
         if rel_bias is not None:
-            scores += relative_position_bias(rel_bias, n, args.max_seq_len).to(scores.dtype)
-        if time_bias is not None:
+            bias = relative_position_bias(rel_bias, n, args.max_seq_len)  # [n, n]
+        if time_bias is not None:  # both biases summed first, then added over the heads once
             time_index = relative_time_index(self.timestamps, time_bias.numel() - 1)
-            scores += time_bias[time_index].to(scores.dtype).unsqueeze(1)
+            bias = time_bias[time_index] if bias is None else time_bias[time_index].add_(bias)  # [b, n, n]
+        if bias is not None:
+            scores += bias.to(scores.dtype).unsqueeze(-3)
         return scores, time_index
 
     def mask_(self, t: torch.Tensor, args: HSTUArgs) -> torch.Tensor:

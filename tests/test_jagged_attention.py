@@ -33,7 +33,7 @@ def hstu_per_sequence(q, k, v, offsets, max_seq_len, alpha, causal, num_targets,
         if rel_bias is not None:
             scores = scores + rel_bias[max_seq_len - 1 + j - i]
         if time_bias is not None:
-            diff = (ts[s:e].view(n, 1) - ts[s:e].view(1, n)).abs().clamp(min=1).double()
+            diff = (ts[s:e].view(n, 1) - ts[s:e].view(1, n)).abs().clamp(min=1).float()
             scores = scores + time_bias[(diff.log() / 0.301).long().clamp(0, time_bias.numel() - 1)]
         targets = None if num_targets is None else num_targets[b : b + 1]
         mask = hstu_valid_mask(torch.tensor([n]), n, causal, targets, contextual)[0]
@@ -145,3 +145,21 @@ def test_hstu_triton_kernel_matches_reference(lengths, odt, heads, d, causal, bi
     args = (q, k, v, offsets, 48, 0.4, causal, None, 0, rel, None, None)
     torch.testing.assert_close(ops.hstu_attention(*args, "triton"), ops.hstu_attention(*args, "reference"),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_time_buckets_by_edges_equal_the_log_formula():
+    """The kernels bucket integer time gaps by searching the bucket edges; that is HSTU's log formula exactly,
+    on both sides of every edge."""
+    from runtime.jagged_attention import relative_time_index, time_bucket, time_bucket_edges
+
+    for num_buckets in (1, 16, 128):
+        edges = time_bucket_edges(num_buckets, torch.device("cpu"))
+        edges = edges[edges < 2**62]
+        gaps = torch.cat([torch.arange(-20, 300), edges - 1, edges, edges + 1, -edges,
+                          torch.randint(0, 2**40, (1000,), generator=torch.Generator().manual_seed(0))])
+        ts = torch.stack([torch.zeros_like(gaps), gaps], 1)
+        expected = time_bucket(ts.unsqueeze(2) - ts.unsqueeze(1), num_buckets)
+        assert torch.equal(relative_time_index(ts, num_buckets), expected)
+        ts32 = ts.clamp(-(2**29), 2**29).to(torch.int32)
+        assert torch.equal(relative_time_index(ts32, num_buckets),
+                           time_bucket(ts32.unsqueeze(2) - ts32.unsqueeze(1), num_buckets))

@@ -3,32 +3,42 @@
 Patterns and replacements:
 - offsets from lengths, ``F.pad(torch.cumsum(lengths, 0), (1, 0))`` with 1-D integer ``lengths``
   -> ``recompile.complete_cumsum(lengths)``.
-- a padded region: ``fbgemm.jagged_to_padded_dense(values, [offsets], [N])`` (or
-  ``recompile.jagged_to_padded_dense``), per-position ops on the padded batch, attention, and the
-  gather back ``fbgemm.dense_to_jagged(y, [offsets])[0]`` -> the same ops on the jagged values
-  (``[total, ...]``), so nothing is computed on padding. Per-position ops: Linear, LayerNorm over
-  feature dims, SiLU/ReLU/GELU/sigmoid/tanh, dropout with ``training=False``, elementwise ops with
-  operands that broadcast over the features only, splits and views that keep ``[B, N]``.
-  Attention on head-first ``[B, H, N, D]`` views (see ``recompile.passes.jagged_attention``) ->
+- a padded region: a padding of jagged values, per-position ops on the padded batch, attention, and
+  the gather back -> the same ops on the jagged values (``[total, ...]``), so nothing is computed on
+  padding. Paddings: ``fbgemm.jagged_to_padded_dense(values, [offsets], [N])`` (or
+  ``recompile.jagged_to_padded_dense``), index writes at (row, position) and ``pad_sequence`` (see
+  ``recompile.passes.jagged_index``). Gathers back: ``fbgemm.dense_to_jagged(y, [offsets])[0]``
+  (or ``recompile.dense_to_jagged``), indexing by the same (row, position) or the padding mask, the
+  rows cut to their sizes and concatenated. Per-position ops: Linear, LayerNorm over feature dims,
+  SiLU/ReLU/GELU/sigmoid/tanh, dropout with ``training=False``, elementwise ops with operands that
+  broadcast over the features only, splits and views that keep ``[B, N]`` (or ``[B * N]``), the
+  ``[B, N] <-> [N, B]`` transpose. Attention on head-first ``[B, H, N, D]`` views, as matmuls or
+  einsums, and ``nn.MultiheadAttention`` (see ``recompile.passes.jagged_attention``) ->
   ``recompile.hstu_attention`` / ``recompile.jagged_softmax_attention`` (region kind "attention").
   The values are guarded by ``recompile.jagged_within`` (every sequence fits the padded length N).
+  Paddings with the same offsets and N form one region (q, k and v padded one by one).
 A padded node whose users cannot all be proven position-wise keeps its padded computation; a gather
 back that is not reached by a jagged equivalent stays, and the report says why.
 """
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from recompile.passes.jagged_attention import (
-    AttentionMatch, Lengths, Unproven, is_score_product, match_attention, prove_mask, prove_relative_bias, same_sizes,
-    size_hint,
+    AttentionMatch, Lengths, ScoreBias, Unproven, is_score_product, match_attention, match_mha, prove_bias,
+    prove_mask, prove_mha_mask, same_sizes, size_hint,
+)
+from recompile.passes.jagged_index import (
+    IndexGather, index_gather, index_padding, prove_gather, row_slices, sequence_padding,
 )
 from recompile.passes.utils import arg, is_call, replace_node, tensor_meta
 from recompile.pipeline import Fallback, PassContext, register_pass
@@ -78,12 +88,11 @@ def _rewrite_offsets(gm: fx.GraphModule, ctx: PassContext) -> None:
 
 @dataclass
 class PaddedBatch:
-    """One padding of jagged values into a batch: its offsets, padded length and guarded values."""
+    """The paddings of jagged values with one offsets into batches of one padded length N."""
 
     offsets: fx.Node
     n: int
     lengths: Lengths
-    values: fx.Node  # the guarded jagged values (recompile.jagged_within)
     lifted: list[fx.Node] = field(default_factory=list)
 
 
@@ -91,7 +100,8 @@ class PaddedBatch:
 class Padded:
     """A padded node whose rows that are not padding are ``twin``'s values.
 
-    ``layout`` "bn": ``[B, N, *f]`` with twin ``[total, *f]``; "bhn": ``[B, H, N, D]`` with twin ``[total, H, D]``.
+    ``layout`` "bn": ``[B, N, *f]`` with twin ``[total, *f]``; "bhn": ``[B, H, N, D]`` with twin
+    ``[total, H, D]``; "flat": ``[B * N, *f]`` (row ``b * N + position``) with twin ``[total, *f]``.
     """
 
     region: PaddedBatch
@@ -126,8 +136,10 @@ def _pad_source(node: fx.Node) -> tuple[fx.Node, fx.Node, Any] | None:
     return values, offsets, n
 
 
-def _sink(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """``(dense, offsets)`` when ``node`` gathers a padded batch back to jagged values."""
+def _sink(node: fx.Node) -> tuple[fx.Node, Any] | None:
+    """``(dense, offsets)`` when ``node`` gathers a padded batch back to jagged values with offsets,
+    ``(dense, IndexGather)`` when it indexes a padded batch with tensors (proven when checked), or
+    ``(dense, sizes)`` when it concatenates the rows cut to Python sizes."""
     if is_call(node, operator.getitem) and node.args[1] == 0:
         call = node.args[0]
         if is_call(call, *_fbgemm_targets("dense_to_jagged")):
@@ -136,6 +148,10 @@ def _sink(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
                 return call.args[0], offsets[0]
     if is_call(node, torch.ops.recompile.dense_to_jagged.default):
         return node.args[0], node.args[1]
+    if (gather := index_gather(node)) is not None:
+        return gather.dense, gather
+    if (rows := row_slices(node)) is not None:
+        return rows
     return None
 
 
@@ -143,6 +159,90 @@ def _lengths_of(offsets: fx.Node) -> fx.Node | None:
     if is_call(offsets, torch.ops.recompile.complete_cumsum.default):
         return offsets.args[0]
     return None
+
+
+def _numel(sizes) -> int:
+    return functools.reduce(operator.mul, (size_hint(s) for s in sizes), 1)
+
+
+def _lead_dims(info: Padded, before, after, shape) -> tuple[str, Sequence] | None:
+    """``(layout, feature sizes)`` of a view of a padded node that keeps its rows; None if it mixes them."""
+    n = info.region.n
+    if info.layout == "bn" and len(shape) >= 2 and same_sizes(after.shape[:2], before.shape[:2]):
+        return "bn", shape[2:]
+    if info.layout == "bn" and len(shape) >= 1 and _numel(after.shape[1:]) == _numel(before.shape[2:]):
+        return "flat", shape[1:]  # [B, N, *f] -> [B * N, *g]
+    if info.layout == "flat" and len(shape) >= 2 and after.shape[1] == n and isinstance(shape[1], int):
+        if _numel(after.shape[2:]) == _numel(before.shape[1:]):
+            return "bn", shape[2:]  # [B * N, *f] -> [B, N, *g]
+    return None
+
+
+# einsum equations, letters renamed (b batch, h heads, n/m query/key positions, d features) ->
+# (transpose operand a over dims 1, 2; the same for b; the same for the output; transpose b over the last two).
+EINSUM_SCORES = {  # the output is "bhnm"
+    ("bnhd", "bmhd"): (True, True, False, True),
+    ("bhnd", "bhmd"): (False, False, False, True),
+    ("bhnd", "bmhd"): (False, True, False, True),
+    ("bnhd", "bhmd"): (True, False, False, True),
+}
+EINSUM_OUTPUTS = {  # operand a is "bhnm"
+    ("bmhd", "bnhd"): (False, True, True, False),
+    ("bhmd", "bhnd"): (False, False, False, False),
+    ("bmhd", "bhnd"): (False, True, False, False),
+    ("bhmd", "bnhd"): (False, False, True, False),
+}
+
+
+def _spell(letters: str, rename: dict[str, str]) -> str:
+    return "".join(rename.get(x, "?") for x in letters)
+
+
+def einsum_form(equation: Any) -> tuple[bool, bool, bool, bool] | None:
+    """The transposes that make ``equation`` an attention matmul (see the tables above), or None."""
+    if not isinstance(equation, str) or equation.count(",") != 1 or "->" not in equation:
+        return None
+    inputs, out = equation.replace(" ", "").split("->")
+    a, b = inputs.split(",")
+    if not (len(a) == len(b) == len(out) == 4 == len(set(a)) == len(set(b)) == len(set(out))):
+        return None
+    contracted = (set(a) & set(b)) - set(out)
+    if len(contracted) != 1:
+        return None
+    (c,) = contracted
+    rename = {**dict(zip(out, "bhnm")), c: "d"}  # scores: the contraction is over the features
+    scores = EINSUM_SCORES.get((_spell(a, rename), _spell(b, rename)))
+    if scores is not None:
+        return scores
+    rename = dict(zip(a, "bhnm"))  # output: the contraction is over the key positions
+    rename.update({x: "d" for x in set(b) - set(a)})
+    if c != a[3] or not set(b) | set(out) <= set(rename):
+        return None
+    return EINSUM_OUTPUTS.get((_spell(b, rename), _spell(out, rename)))
+
+
+class _Chain:
+    """Emits calls one after the other, after ``node``."""
+
+    def __init__(self, lifter: "Lifter", node: fx.Node):
+        self.lifter, self.last = lifter, node
+
+    def __call__(self, target, *args, method: bool = False) -> fx.Node:
+        self.last = self.lifter.emit(self.last, target, args, method=method)
+        return self.last
+
+
+# (ndim, swapped dims, layout) -> the layout after the transpose
+TRANSPOSES = {
+    (4, frozenset({1, 2}), "bn"): "bhn",
+    (4, frozenset({1, 2}), "bhn"): "bn",
+    (3, frozenset({0, 1}), "bn"): "nb",
+    (3, frozenset({0, 1}), "nb"): "bn",
+}
+
+
+class Inherited(Unproven):
+    """An op reads a node that was left padded: the reason is that node's."""
 
 
 class Lifter:
@@ -154,6 +254,8 @@ class Lifter:
         self.tainted: set[fx.Node] = set()  # nodes whose value depends on padding
         self.blocked: dict[fx.Node, str] = {}  # padded nodes left padded, and why
         self.attention_regions: list[tuple[fx.Node, str, Any, list[fx.Node]]] = []  # (twin, op, impl, nodes)
+        self.batches: dict[tuple[fx.Node, int], PaddedBatch] = {}  # by (offsets, N)
+        self.unproven_paddings: list[tuple[fx.Node, str]] = []  # index writes of jagged values, and why
 
     # -- helpers -------------------------------------------------------------------------------
     def emit(self, after: fx.Node, target, args, kwargs=None, method: bool = False) -> fx.Node:
@@ -161,6 +263,14 @@ class Lifter:
             if method:
                 return self.graph.call_method(target, args, kwargs or {})
             return self.graph.call_function(target, args, kwargs or {})
+
+    def emit_padded(self, after: fx.Node, target, *args) -> fx.Node:
+        """A new padded-side call after ``after``, with its example value, lifted like a traced one."""
+        node = self.emit(after, target, args)
+        node.meta["example_value"] = target(*(a.meta["example_value"] if isinstance(a, fx.Node) else a for a in args))
+        self.tainted.add(node)
+        self.lift(node)
+        return node
 
     def operands(self, node: fx.Node) -> list[fx.Node]:
         return [a for a in node.all_input_nodes if a in self.tainted]
@@ -179,7 +289,7 @@ class Lifter:
                     raise Unproven(f"{node.name} mixes padded batches")
                 return info.twin
             if x in self.tainted:
-                raise Unproven(f"{node.name} reads {x.name}, which depends on padding")
+                raise Inherited(f"{node.name} reads {x.name}, which depends on padding")
             meta = tensor_meta(x)
             if meta is not None and position not in exempt and meta.dim() > feature_ndim:
                 raise Unproven(f"{node.name}: operand {x.name} broadcasts over the batch or position dims")
@@ -234,20 +344,49 @@ class Lifter:
     def getitem(self, node: fx.Node) -> Padded:
         source, index = node.args
         info = self.padded[source]
+        if is_call(source, F.multi_head_attention_forward) and index == 0:
+            return Padded(info.region, info.layout, info.twin)
         if not is_call(source, torch.split, torch.functional.split, torch.chunk) or not isinstance(index, int):
             raise Unproven(f"{node.name}: indexing a padded batch")
         return Padded(info.region, "bn", self.emit(node, operator.getitem, (info.twin, index)))
+
+    def multihead(self, node: fx.Node) -> Padded:
+        """``nn.MultiheadAttention`` -> in-projection, ``recompile.jagged_softmax_attention``, out-projection
+        on the jagged values (its output 0; the weights, output 1, must be unused)."""
+        match = match_mha(node)
+        info = self.padded.get(match.x)
+        if info is None or info.layout != "nb":
+            raise Unproven(f"{node.name}: the queries are not a [N, B, E] view of a padded batch")
+        region = info.region
+        if match.key_padding_mask in self.tainted or match.attn_mask in self.tainted:
+            raise Unproven(f"{node.name}: the mask depends on padding")
+        causal = prove_mha_mask(match, region.lengths, region.n)
+        embed = size_hint(tensor_meta(match.x).shape[-1])
+        heads = match.num_heads
+        op = "recompile::jagged_softmax_attention"
+        impl = self.ctx.lower(op)
+        chain = _Chain(self, node)
+        qkv = chain(F.linear, info.twin, match.in_weight, match.in_bias)
+        q, k, v = (chain("reshape", chain(operator.getitem, chain(torch.chunk, qkv, 3, -1), i), -1, heads,
+                         embed // heads, method=True) for i in range(3))
+        attended = chain(torch.ops.recompile.jagged_softmax_attention.default, q, k, v, region.offsets,
+                         1.0 / math.sqrt(embed // heads), causal, impl.impl)
+        out = chain(F.linear, chain("reshape", attended, -1, embed, method=True), match.out_weight, match.out_bias)
+        self.attention_regions.append((attended, op, impl, [node]))
+        return Padded(region, "nb", out)
 
     def view(self, node: fx.Node) -> Padded:
         x = node.args[0]
         info = self.padded[x]
         shape = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
         before, after = tensor_meta(x), tensor_meta(node)
-        if info.layout != "bn" or not same_sizes(after.shape[:2], before.shape[:2]) or len(shape) < 2:
-            raise Unproven(f"{node.name}: a view that does not keep the [B, N] dims")
-        if any(isinstance(s, int) and s == -1 for s in shape[2:]):
+        lead = _lead_dims(info, before, after, shape)
+        if lead is None:
+            raise Unproven(f"{node.name}: a view that does not keep the [B, N] (or [B * N]) dims")
+        layout, features = lead
+        if any(isinstance(s, int) and s == -1 for s in features):
             raise Unproven(f"{node.name}: a view with an inferred feature dim")
-        return Padded(info.region, "bn", self.emit(node, "reshape", (info.twin, -1, *shape[2:]), method=True))
+        return Padded(info.region, layout, self.emit(node, "reshape", (info.twin, -1, *features), method=True))
 
     def flatten(self, node: fx.Node) -> Padded:
         info = self.padded[node.args[0]]
@@ -261,13 +400,37 @@ class Lifter:
     def transpose(self, node: fx.Node) -> Padded:
         x = node.args[0]
         info = self.padded[x]
-        dims = {d % 4 for d in node.args[1:3]} if tensor_meta(x).dim() == 4 else set()
-        if dims != {1, 2}:
-            raise Unproven(f"{node.name}: a transpose other than positions <-> heads")
-        return Padded(info.region, "bhn" if info.layout == "bn" else "bn", info.twin)
+        ndim = tensor_meta(x).dim()
+        swap = (ndim, frozenset(d % ndim for d in node.args[1:3]), info.layout)
+        if swap not in TRANSPOSES:
+            raise Unproven(f"{node.name}: a transpose other than positions <-> heads or batch <-> positions")
+        return Padded(info.region, TRANSPOSES[swap], info.twin)
 
     def same(self, node: fx.Node) -> Padded:
         return self.padded[node.args[0]]
+
+    def einsum(self, node: fx.Node) -> Padded:
+        """An attention einsum on ``[B, N, H, D]`` / ``[B, H, N, D]`` operands, rewritten as the transposes and
+        matmuls the attention patterns match (the same contraction)."""
+        equation, *operands = node.args
+        form = einsum_form(equation) if len(operands) == 2 else None
+        if form is None:
+            raise Unproven(f"{node.name}: einsum {equation!r} is not an attention product over [B, N, H, D]")
+        (a, b), (swap_a, swap_b, swap_out, transpose_b) = operands, form
+        after = node
+        if swap_a:
+            a = after = self.emit_padded(after, torch.transpose, a, 1, 2)
+        if swap_b:
+            b = after = self.emit_padded(after, torch.transpose, b, 1, 2)
+        if transpose_b:
+            b = after = self.emit_padded(after, torch.transpose, b, -2, -1)
+        out = after = self.emit_padded(after, torch.matmul, a, b)
+        if swap_out:
+            out = self.emit_padded(after, torch.transpose, out, 1, 2)
+        node.replace_all_uses_with(out)
+        if out not in self.padded:
+            raise Unproven(self.blocked.get(out, f"{node.name}: its matmul form is not lifted"))
+        return self.padded[out]
 
     def attention(self, node: fx.Node) -> Padded:
         match = match_attention(node)
@@ -277,9 +440,8 @@ class Lifter:
         region = qkv[0].region
         if any(p.region is not region for p in qkv):
             raise Unproven(f"{node.name}: q, k, v come from different padded batches")
-        for extra in (match.mask, match.rel_bias):
-            if extra is not None and extra in self.tainted:
-                raise Unproven(f"{node.name}: the mask or bias depends on padding")
+        if match.mask is not None and match.mask in self.tainted:
+            raise Unproven(f"{node.name}: the mask depends on padding")
         causal = match.causal_flag or prove_mask(match.mask, match.keep_if_true, region.lengths, region.n)
         q, k, v = (p.twin for p in qkv)
         if match.kind == "hstu":
@@ -296,8 +458,16 @@ class Lifter:
         n = region.n
         if abs(match.post_scale * n - 1.0) > 1e-9:
             raise Unproven(f"the weights are scaled by {match.post_scale}, not by 1 / N = 1 / {n} as HSTU's")
-        rel = None if match.rel_bias is None else prove_relative_bias(match.rel_bias, n)
-        return "recompile::hstu_attention", (q, k, v, region.offsets, n, match.alpha, causal, None, 0, rel, None, None)
+        bias = ScoreBias() if match.rel_bias is None else prove_bias(match.rel_bias, n, self.padded.__contains__)
+        timestamps = None
+        if bias.timestamps is not None:
+            info = self.padded[bias.timestamps]
+            if info.region is not region or info.layout != "bn":
+                raise Unproven(f"the timestamps {bias.timestamps.name} are not padded like q, k and v")
+            timestamps = info.twin
+        return "recompile::hstu_attention", (
+            q, k, v, region.offsets, n, match.alpha, causal, None, 0, bias.rel_bias, timestamps, bias.time_bias,
+        )
 
     def lift(self, node: fx.Node) -> None:
         if node.op == "call_method":
@@ -310,18 +480,46 @@ class Lifter:
             self.padded[node] = rule(self, node)
             self.padded[node].region.lifted.append(node)
         except Unproven as why:
-            # q @ k^T (and k^T) are taken whole by the attention that uses them
+            # q @ k^T (and k^T) are taken whole by the attention that uses them; an op that only reads a
+            # node left padded is no reason of its own
+            if isinstance(why, Inherited):
+                return
             if not is_score_product(node) and not all(is_score_product(user) for user in node.users):
                 self.blocked[node] = str(why)
 
     # -- driver --------------------------------------------------------------------------------
-    def start_region(self, node: fx.Node, values: fx.Node, offsets: fx.Node, n: int) -> None:
-        batch = size_hint(tensor_meta(node).shape[0])
+    def start_region(self, node: fx.Node, values: fx.Node, lengths: Lengths, n: int, layout: str = "bn") -> None:
+        region = self.batches.setdefault((lengths.offsets, n), PaddedBatch(lengths.offsets, n, lengths))
         impl = self.ctx.lower("recompile::jagged_within")
-        guarded = self.emit(node, torch.ops.recompile.jagged_within.default, (values, offsets, n, impl.impl))
-        region = PaddedBatch(offsets, n, Lengths(_lengths_of(offsets), offsets, batch), guarded)
-        self.padded[node] = Padded(region, "bn", guarded)
+        guarded = self.emit(node, torch.ops.recompile.jagged_within.default, (values, lengths.offsets, n, impl.impl))
+        self.padded[node] = Padded(region, layout, guarded)
         region.lifted.append(node)
+
+    def source(self, node: fx.Node) -> bool:
+        """Starts a region at ``node`` if it pads jagged values; False if it does not."""
+        if (source := _pad_source(node)) is not None:
+            values, offsets, n = source
+            batch = size_hint(tensor_meta(node).shape[0])
+            self.start_region(node, values, Lengths(_lengths_of(offsets), offsets, batch), n)
+            return True
+        if (padding := sequence_padding(node)) is not None:
+            offsets = [0, *itertools.accumulate(padding.sizes)]
+            with self.graph.inserting_before(node):
+                constant = self.graph.call_function(
+                    torch.tensor, (offsets,), {"dtype": torch.int64, "device": tensor_meta(padding.values).device})
+            n = max(padding.sizes)
+            self.start_region(node, padding.values, Lengths(None, constant, len(padding.sizes), padding.sizes), n,
+                              padding.layout)
+            return True
+        try:
+            padding = index_padding(node)
+        except Unproven as why:
+            self.unproven_paddings.append((node, str(why)))
+            return False
+        if padding is None:
+            return False
+        self.start_region(node, padding.values, padding.lengths, padding.n, padding.layout)
+        return True
 
     def run(self) -> list[tuple[fx.Node, fx.Node]]:
         """Lift every padded node it can; returns the gathers back (sink, twin) that can be replaced."""
@@ -329,13 +527,12 @@ class Lifter:
         for node in list(self.graph.nodes):
             if node in self.padded or node.op in ("placeholder", "output"):
                 continue
-            if (source := _pad_source(node)) is not None:
-                self.start_region(node, *source)
+            if self.source(node):
                 self.tainted.add(node)
                 continue
             if not any(a in self.tainted for a in node.all_input_nodes):
                 continue
-            if (sink := _sink(node)) is not None:
+            if (sink := _sink(node)) is not None and sink[0] in self.tainted:
                 sinks.append((node, sink))
                 continue
             self.tainted.add(node)
@@ -343,27 +540,39 @@ class Lifter:
                 self.lift(node)
         return [self.check_sink(node, dense, offsets) for node, (dense, offsets) in sinks]
 
-    def check_sink(self, node: fx.Node, dense: fx.Node, offsets: fx.Node):
+    def check_sink(self, node: fx.Node, dense: fx.Node, how: fx.Node | IndexGather):
         info = self.padded.get(dense)
         if info is None:
             return node, None, self.why_not(dense)
-        if info.layout != "bn" or info.region.offsets is not offsets:
+        if isinstance(how, IndexGather):
+            if info.layout != ("flat" if how.kind == "flat" else "bn"):
+                return node, None, f"{dense.name} is indexed in another layout than it was padded in"
+            try:
+                prove_gather(how, info.region.lengths, info.region.n, size_hint(tensor_meta(node).shape[0]))
+            except Unproven as why:
+                return node, None, f"{dense.name} is gathered back by other indices than its padding: {why}"
+        elif isinstance(how, tuple):
+            if info.layout != "bn" or info.region.lengths.sizes != how:
+                return node, None, f"{dense.name} is cut into rows of other lengths than it was padded with"
+        elif info.layout != "bn" or info.region.offsets is not how:
             return node, None, f"{dense.name} is gathered with other offsets than it was padded with"
         return node, info, ""
 
     def why_not(self, node: fx.Node) -> str:
-        """The reason of the earliest blocked padded ancestor of ``node`` (where the region stopped)."""
+        """The reason of the last node before ``node`` where the region stopped: the nearest blocked ancestor
+        on the paths back to the padded nodes."""
         seen, stack, blocked = set(), [node], []
         while stack:
             x = stack.pop()
             if x in self.blocked:
                 blocked.append(x)
             seen.add(x)
-            stack.extend(a for a in x.all_input_nodes if a in self.tainted and a not in seen)
+            if x not in self.padded:
+                stack.extend(a for a in x.all_input_nodes if a in self.tainted and a not in seen)
         if not blocked:
             return f"{node.name} is not reached from a padding of jagged values"
         order = {n: i for i, n in enumerate(self.graph.nodes)}
-        return self.blocked[min(blocked, key=order.__getitem__)]
+        return self.blocked[max(blocked, key=order.__getitem__)]
 
 
 def _rule(fn_name: str) -> Callable:
@@ -387,7 +596,10 @@ FUNCTION_RULES: dict[Any, Callable] = {
     torch.flatten: _rule("flatten"),
     torch.transpose: _rule("transpose"),
     torch.matmul: _rule("attention"),
+    torch.functional.einsum: _rule("einsum"),
+    torch.einsum: _rule("einsum"),
     F.scaled_dot_product_attention: _rule("attention"),
+    F.multi_head_attention_forward: _rule("multihead"),
 }
 METHOD_RULES: dict[str, Callable] = {
     "view": _rule("view"),
@@ -401,6 +613,8 @@ METHOD_RULES: dict[str, Callable] = {
 def _lift_padded_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
     lifter = Lifter(gm, ctx)
     results = lifter.run()
+    for node, why in lifter.unproven_paddings:
+        ctx.fallbacks.append(Fallback(ctx.current_pass, f"left padded at {node.name}: {why}"))
     for sink, info, why in results:
         if info is None:
             ctx.fallbacks.append(Fallback(ctx.current_pass, f"left padded at {sink.name}: {why}"))

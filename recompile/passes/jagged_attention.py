@@ -14,6 +14,7 @@ attended to, since padded keys hold whatever the per-position ops made of the pa
 """
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
+from runtime.jagged_attention import TIME_BUCKET_BASE, relative_time_index
 
 
 class Unproven(Exception):
@@ -39,14 +41,18 @@ CONE_FUNCTIONS = {
     torch.add, torch.sub, torch.mul, torch.neg, torch.clamp, torch.minimum, torch.maximum, torch.abs,
     torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.logical_and, torch.logical_or,
     torch.logical_not, torch.bitwise_and, torch.bitwise_or, torch.bitwise_not, torch.unsqueeze, torch.reshape,
-    torch.transpose, torch.squeeze, torch.diff, torch.ops.aten.sym_size.int,
+    torch.transpose, torch.squeeze, torch.diff, torch.ops.aten.sym_size.int, torch.searchsorted,
+    torch.repeat_interleave, torch.cumsum, torch.log, torch.div, torch._C._nn.pad,
+    torch.ops.recompile.complete_cumsum.default, operator.truediv, operator.floordiv, torch.zeros_like,
+    torch.full, torch.masked_fill,
     operator.add, operator.sub, operator.mul, operator.neg, operator.eq, operator.ne, operator.lt, operator.le,
     operator.gt, operator.ge, operator.and_, operator.or_, operator.invert, operator.getitem,
 }
 CONE_METHODS = {
     "view", "reshape", "unsqueeze", "squeeze", "expand", "transpose", "t", "to", "bool", "long", "int", "float",
+    "double",
     "logical_not", "logical_and", "logical_or", "size", "tril", "triu", "eq", "ne", "lt", "le", "gt", "ge",
-    "__getitem__", "clamp", "flip", "contiguous",
+    "__getitem__", "clamp", "flip", "contiguous", "masked_fill", "masked_fill_",
 }
 
 
@@ -104,9 +110,14 @@ class Lengths:
     lengths: fx.Node | None
     offsets: fx.Node
     batch: int  # the batch size the graph was traced with
+    sizes: tuple[int, ...] | None = None  # the lengths, where the graph was specialised to them
 
     def probes(self, n: int):
-        """Batches of lengths that together cover every length ``0..n``, as cone leaves."""
+        """Batches of lengths that together cover every length ``0..n``, as cone leaves (the lengths
+        themselves where the graph is specialised to them)."""
+        if self.sizes is not None:
+            yield torch.tensor(self.sizes), {}
+            return
         for start in range(0, n + 1, self.batch):
             lengths = (torch.arange(self.batch) + start).clamp(max=n)
             leaves = {self.offsets: F.pad(torch.cumsum(lengths, 0), (1, 0))}
@@ -128,21 +139,95 @@ def _mask_verdict(keep: torch.Tensor, lens: torch.Tensor, n: int) -> bool:
                    "(a padded key would be attended to, or a valid one dropped)")
 
 
-def prove_mask(mask: fx.Node, keep_if_true: bool, lengths: Lengths, n: int) -> bool:
-    """Whether ``mask`` (True = attend if ``keep_if_true``) is causal; raises Unproven if it is neither
-    causal over the sequence's keys nor exactly the sequence's keys, on the rows that are not padding."""
+def keep_of(mask: Any, keep_if_true: bool = True, additive: bool = False) -> torch.Tensor:
+    """The attended positions of an evaluated mask: bool (True = attend if ``keep_if_true``), float
+    multiplied in (0 or 1), or float added to the scores (``additive``: 0 or -inf)."""
+    mask = torch.as_tensor(mask)
+    if not mask.is_floating_point():
+        return mask.bool() if keep_if_true else ~mask.bool()
+    if additive:
+        if not ((mask == 0) | (mask == -math.inf)).all():
+            raise Unproven("the float attention mask adds values other than 0 and -inf to the scores")
+        return mask == 0
+    if not ((mask == 0) | (mask == 1)).all():
+        raise Unproven("the float attention mask weights positions by values other than 0 and 1")
+    return mask == 1
+
+
+def prove_keep(keep: Callable[[dict], torch.Tensor], lengths: Lengths, n: int) -> bool:
+    """Whether the attended positions ``keep(leaves)`` (``[B or 1, (1,) N, N]``) are causal; raises Unproven
+    if they are neither causal over the sequence's keys nor exactly its keys, on the rows that are not padding."""
     verdicts = set()
     for lens, leaves in lengths.probes(n):
-        keep = torch.as_tensor(evaluate_cone(mask, leaves)).bool()
-        keep = keep if keep_if_true else ~keep
-        if keep.dim() == 4:
-            if keep.shape[1] != 1:
+        attended = keep(leaves)
+        if attended.dim() == 4:
+            if attended.shape[1] != 1:
                 raise Unproven("the attention mask differs across heads")
-            keep = keep[:, 0]
-        verdicts.add(_mask_verdict(keep.expand(lengths.batch, n, n), lens, n))
+            attended = attended[:, 0]
+        verdicts.add(_mask_verdict(attended.expand(lengths.batch, n, n), lens, n))
     if len(verdicts) != 1:
         raise Unproven("the attention mask changes form with the sequence length")
     return verdicts.pop()
+
+
+def prove_mask(mask: fx.Node, keep_if_true: bool, lengths: Lengths, n: int) -> bool:
+    """``prove_keep`` of one mask node (True = attend if ``keep_if_true``, or a 0/1 float factor)."""
+    return prove_keep(lambda leaves: keep_of(evaluate_cone(mask, leaves), keep_if_true), lengths, n)
+
+
+@dataclass
+class MHAMatch:
+    """``F.multi_head_attention_forward`` (what ``nn.MultiheadAttention`` runs) in self-attention over
+    ``x [N, B, E]`` with the packed in-projection."""
+
+    x: fx.Node
+    num_heads: int
+    in_weight: fx.Node
+    in_bias: Any
+    out_weight: fx.Node
+    out_bias: Any
+    key_padding_mask: Any
+    attn_mask: Any
+
+
+def match_mha(node: fx.Node) -> MHAMatch:
+    names = list(inspect.signature(F.multi_head_attention_forward).parameters)
+    a = {name: arg(node, i, name) for i, name in enumerate(names)}
+    if not (a["query"] is a["key"] is a["value"]):
+        raise Unproven(f"{node.name}: multi-head attention with other keys or values than its queries")
+    unsupported = {
+        "bias_k": a["bias_k"] is not None, "add_zero_attn": bool(a["add_zero_attn"]),
+        "use_separate_proj_weight": bool(a["use_separate_proj_weight"]),
+        "static_k/static_v": a["static_k"] is not None or a["static_v"] is not None,
+        "dropout in training": bool(a["training"]) and scalar(a["dropout_p"]) != 0.0,
+        "need_weights (the weights are used)": a["need_weights"] is not False
+        and any(not (is_call(u, operator.getitem) and u.args[1] == 0) for u in node.users),
+    }
+    if any(unsupported.values()):
+        raise Unproven(f"{node.name}: multi-head attention with {', '.join(k for k, v in unsupported.items() if v)}")
+    if a["key_padding_mask"] is None and a["attn_mask"] is None:
+        raise Unproven(f"{node.name}: no mask, so padded keys are attended to")
+    return MHAMatch(a["query"], a["num_heads"], a["in_proj_weight"], a["in_proj_bias"], a["out_proj_weight"],
+                    a["out_proj_bias"], a["key_padding_mask"], a["attn_mask"])
+
+
+def prove_mha_mask(match: MHAMatch, lengths: Lengths, n: int) -> bool:
+    """Whether the keys ``nn.MultiheadAttention`` attends to (not in ``key_padding_mask [B, N]``, not in
+    ``attn_mask [N, N]``: True or -inf = ignored) are causal (True) or the sequence's keys (False)."""
+
+    def keep(leaves):
+        attended = torch.ones(1, n, n, dtype=torch.bool)
+        if match.key_padding_mask is not None:
+            keys = keep_of(evaluate_cone(match.key_padding_mask, leaves), keep_if_true=False, additive=True)
+            attended = attended & keys.view(-1, 1, n)
+        if match.attn_mask is not None:
+            pairs = keep_of(evaluate_cone(match.attn_mask, leaves), keep_if_true=False, additive=True)
+            if pairs.dim() != 2:
+                raise Unproven("a per-head (3-D) attn_mask")
+            attended = attended & pairs
+        return attended
+
+    return prove_keep(keep, lengths, n)
 
 
 def prove_relative_bias(bias: fx.Node, n: int) -> fx.Node:
@@ -157,6 +242,87 @@ def prove_relative_bias(bias: fx.Node, n: int) -> fx.Node:
     pos = torch.arange(n)
     if got.shape[-2:] != (n, n) or not torch.equal(got.reshape(n, n), n - 1 + pos.view(1, n) - pos.view(n, 1)):
         raise Unproven(f"the index of {table.name} is not N - 1 + j - i")
+    return table
+
+
+@dataclass
+class ScoreBias:
+    """The additive score bias of HSTU: a relative position table and/or a relative time table read at the
+    padded ``timestamps [B, N]`` (a padded node of the region)."""
+
+    rel_bias: fx.Node | None = None
+    time_bias: fx.Node | None = None
+    timestamps: fx.Node | None = None
+
+
+def _terms(x: fx.Node) -> list[fx.Node]:
+    if is_call(x, torch.add, operator.add) and len(x.args) == 2 and all(isinstance(a, fx.Node) for a in x.args):
+        return _terms(x.args[0]) + _terms(x.args[1])
+    return [x]
+
+
+def _padded_leaves(node: fx.Node, is_padded: Callable[[fx.Node], bool]) -> set[fx.Node]:
+    """The padded nodes ``node`` is computed from (the nearest ones on each path)."""
+    found, seen, stack = set(), set(), [node]
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if is_padded(x):
+            found.add(x)
+        else:
+            stack.extend(x.all_input_nodes)
+    return found
+
+
+def prove_bias(bias: fx.Node, n: int, is_padded: Callable[[fx.Node], bool]) -> ScoreBias:
+    """The tables of ``bias``: a sum of ``w[N - 1 + j - i]`` (relative position) and ``w[bucket(ts_i - ts_j)]``
+    (relative time, HSTU's bucketization) terms, ``[N, N]`` or, unsqueezed over the heads, ``[B, N, N]``."""
+    x = bias
+    if is_call(x, torch.unsqueeze) and arg(x, 1, "dim") == 1:
+        x = x.args[0]
+        if tensor_meta(x) is None or tensor_meta(x).dim() != 3:
+            raise Unproven(f"the score bias {bias.name} is not [B, N, N] broadcast over the heads")
+    elif tensor_meta(x) is None or tensor_meta(x).dim() != 2:
+        raise Unproven(f"the score bias {bias.name} is not [N, N] nor [B, N, N] broadcast over the heads")
+    found = ScoreBias()
+    for term in _terms(x):
+        if not is_call(term, operator.getitem) or not isinstance(term.args[1], fx.Node):
+            raise Unproven(f"the score bias term {term.name} is not a table read at an index")
+        padded = _padded_leaves(term.args[1], is_padded)
+        if not padded and found.rel_bias is None:
+            found.rel_bias = prove_relative_bias(term, n)
+        elif len(padded) == 1 and found.time_bias is None:
+            found.timestamps = padded.pop()
+            found.time_bias = prove_time_bias(term, found.timestamps, n)
+        else:
+            raise Unproven(f"the score bias term {term.name} is neither one relative position nor one relative "
+                           "time table read at padded timestamps")
+    return found
+
+
+def _timestamp_probe(n: int, num_buckets: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of ``n`` timestamps, each starting at 0, whose gaps straddle every time bucket's edges."""
+    edges = torch.exp(torch.arange(num_buckets + 2, dtype=torch.float64) * TIME_BUCKET_BASE).floor()
+    top = 10**12 if dtype.is_floating_point else min(10**12, torch.iinfo(dtype).max // 4)
+    gaps = torch.cat([torch.arange(4.0), edges - 1, edges, edges + 1, torch.tensor([float(top)])]).unique()
+    width = max(n - 1, 1)
+    gaps = torch.cat([gaps, gaps[-1:].expand((-len(gaps)) % width)]).view(-1, width)
+    return torch.cat([torch.zeros(len(gaps), 1, dtype=gaps.dtype), gaps], 1)[:, :n].to(dtype)
+
+
+def prove_time_bias(term: fx.Node, timestamps: fx.Node, n: int) -> fx.Node:
+    """``w`` when ``term`` is ``w[bucket(ts_i - ts_j)]`` over padded ``timestamps [B, N]``."""
+    table, index = term.args
+    meta, ts_meta = tensor_meta(table), tensor_meta(timestamps)
+    if meta is None or meta.dim() != 1 or ts_meta is None or ts_meta.dim() != 2:
+        raise Unproven(f"{term.name}: not a 1-D table read at [B, N] timestamps")
+    probe = _timestamp_probe(n, size_hint(meta.shape[0]) - 1, ts_meta.dtype)
+    got = torch.as_tensor(evaluate_cone(index, {timestamps: probe}))
+    if not torch.equal(got, relative_time_index(probe, size_hint(meta.shape[0]) - 1)):
+        raise Unproven(f"the index of {table.name} is not HSTU's time bucket "
+                       f"clamp(long(log(clamp(|ts_i - ts_j|, min=1)) / {TIME_BUCKET_BASE}), 0, {meta.shape[0] - 1})")
     return table
 
 
@@ -191,14 +357,31 @@ def _is_bool(node: Any) -> bool:
     return meta is not None and meta.dtype == torch.bool
 
 
+def _reaches_product(node: fx.Node) -> bool:
+    """Whether ``node`` is computed from a matmul (the scores), rather than from indices only."""
+    seen, queue = set(), [node]
+    while queue:
+        x = queue.pop(0)
+        if is_call(x, torch.matmul, torch.bmm, torch.functional.einsum):
+            return True
+        seen.add(x)
+        queue.extend(a for a in x.all_input_nodes if a not in seen)
+    return False
+
+
 def _zero_mask_of(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """``(x, mask)`` when ``node`` is ``x * mask`` or ``torch.where(mask, x, 0)`` with a bool mask."""
+    """``(x, mask)`` when ``node`` is ``x * mask`` or ``torch.where(mask, x, 0)`` with a bool mask, or
+    ``x * mask`` with a float mask computed from indices only (proven 0/1 by ``prove_mask``)."""
     if is_call(node, torch.mul, operator.mul) and len(node.args) == 2:
         a, b = node.args
         if _is_bool(b):
             return a, b
         if _is_bool(a):
             return b, a
+        for x, mask in ((a, b), (b, a)):
+            meta = tensor_meta(mask)
+            if meta is not None and meta.is_floating_point() and not _reaches_product(mask):
+                return x, mask
     if is_call(node, torch.where) and len(node.args) == 3 and scalar(node.args[2]) == 0.0:
         return node.args[1], node.args[0]
     return None
