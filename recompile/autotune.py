@@ -9,9 +9,9 @@ example inputs and within ``BUDGET_S`` seconds:
 2. the whole graph: ``inductor`` (the rewritten graph through Inductor), ``rec+eager`` (the rewritten
    graph with the rec ops and eager ATen for the rest), ``rec+eager-<pass>`` (the same without one
    pass's regions, when several passes replaced some) and ``eager`` (the captured graph as it was).
-   Inference graphs where Inductor has little to fuse around our ops (``inductor_can_win``) compile
-   ``inductor-captured`` (plain Inductor on the captured graph) in place of ``inductor``, so that the race
-   still holds the Inductor a user would otherwise get, for one Inductor compile.
+   Inference graphs also race ``inductor-captured`` (plain Inductor on the captured graph: the Inductor a
+   user would otherwise get, so the choice never loses to it); where Inductor has little to fuse around
+   our ops (``inductor_can_win``) it replaces ``inductor``, for one Inductor compile.
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import os
 import tempfile
@@ -51,7 +52,12 @@ LIBRARY_BOUND = frozenset({
 MIN_ROUNDS, MAX_ROUNDS = 3, 50
 CACHE_VERSION = 1
 GRAPH_CANDIDATES = ("inductor", "rec+eager", "eager")
-RANDOM_OR_INPLACE = ("dropout", "rand", "bernoulli", "normal", "multinomial", "uniform", "exponential", "seed")
+# Ops whose results are random (matched on the op's base name: in-place ``_`` and ``_like`` forms stripped).
+RANDOM_OPS = frozenset({
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
+    "rand", "randn", "randint", "randperm", "bernoulli", "normal", "multinomial", "uniform", "exponential",
+    "poisson", "cauchy", "log_normal", "geometric", "random", "seed", "manual_seed",
+})
 
 
 @dataclass
@@ -143,16 +149,32 @@ UPDATES_IN_BACKWARD = frozenset({"recompile::grouped_embedding_bag_fused"})
 BOUNDS_CHECKED = frozenset({"recompile::grouped_embedding_bag", "recompile::grouped_embedding_bag_fused"})
 
 
+def _is_random(name: str) -> bool:
+    return name.split(".")[0].rstrip("_").removesuffix("_like") in RANDOM_OPS
+
+
+def _inactive_dropout(node: fx.Node) -> bool:
+    """``F.dropout(x, p, training=False)`` (an eval-mode ``nn.Dropout``, or ``p == 0``): the identity, not random."""
+    if node.op != "call_function" or "dropout" not in getattr(node.target, "__name__", ""):
+        return False
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):
+        return False
+    bound.apply_defaults()
+    return bound.arguments.get("training") is False or bound.arguments.get("p") == 0
+
+
 def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> bool:
     """Repeatable runs only: real inputs, no random ops, no in-place or mutating ops, no op that changes state
     outside the graph (``STATEFUL_NAMESPACES``, ``UPDATES_IN_BACKWARD``)."""
     if example_inputs is None or any(isinstance(x, torch.Tensor) and x.is_meta for x in example_inputs):
         return False
     for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method"):
+        if node.op not in ("call_function", "call_method") or _inactive_dropout(node):
             continue
         name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-        if any(word in name for word in RANDOM_OR_INPLACE) or (name.endswith("_") and not name.endswith("__")):
+        if _is_random(name) or (name.endswith("_") and not name.endswith("__")):
             return False
         if node.kwargs.get("inplace") is True:
             return False
@@ -438,11 +460,12 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     start = time.perf_counter()
     args = concrete_inputs(example_inputs)
     tune_regions(rewritten, args, ctx.target, training, decision, start + BUDGET_S / 2)
-    if not training and not inductor_can_win(rewritten, args):  # (a backward's gains are not seen by the timer)
-        # Inductor has little to fuse around our ops: its candidate is plain Inductor on the captured graph instead.
-        del builders["inductor"]
+    if not training:  # the Inductor a user would otherwise get races too (a backward's gains are not timed here)
         builders.update(captured)
-        decision.rejected["inductor"] = f"not compiled: the nodes it could fuse take under {MIN_FUSABLE_SHARE:.0%} of a call"
+        if not inductor_can_win(rewritten, args):  # little to fuse around our ops: one Inductor compile only
+            del builders["inductor"]
+            decision.rejected["inductor"] = (f"not compiled: the nodes it could fuse take under "
+                                             f"{MIN_FUSABLE_SHARE:.0%} of a call")
     if "rec+eager" in builders:
         builders.update(ablation_builders(original, ctx, decision))
     ctx.tuning = decision.to_dict()

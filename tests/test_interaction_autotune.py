@@ -199,3 +199,26 @@ def test_plain_inductor_races_where_the_rewrite_leaves_it_nothing_to_fuse(_cache
     [decision] = _decisions(_cache)
     assert "inductor-captured" in decision["timings_ms"] and "inductor" not in decision["timings_ms"]
     assert decision["rejected"]["inductor"].startswith("not compiled")
+
+
+def test_plain_inductor_always_races_inference_graphs(_cache, monkeypatch):
+    """The Inductor a user would otherwise get is a candidate, so the choice never loses to it."""
+    monkeypatch.setattr(autotune, "MIN_FUSABLE_SHARE", 0.0)  # Inductor on the rewrite races too
+    model, x = Cross(), torch.randn(8, 16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="rec_ascend")(x), model(x), rtol=1e-5, atol=1e-5)
+    [decision] = _decisions(_cache)
+    assert {"inductor", "inductor-captured"} <= set(decision["timings_ms"])
+
+
+@pytest.mark.parametrize("fn, repeatable", [
+    (lambda x: torch.nn.functional.normalize(x, dim=-1) * 2, True),  # "normal" in the name, not random
+    (lambda x: torch.nn.functional.dropout(x, 0.5, False) + 1, True),  # eval-mode dropout: the identity
+    (lambda x: torch.nn.functional.dropout(x, 0.0) + 1, True),
+    (lambda x: torch.nn.functional.dropout(x, 0.5) + 1, False),
+    (lambda x: x + torch.randn_like(x), False),
+    (lambda x: x.normal_(), False),
+])
+def test_only_random_ops_make_a_graph_untunable(fn, repeatable):
+    assert autotune.tunable(torch.fx.symbolic_trace(fn), (torch.randn(4, 4),)) is repeatable
