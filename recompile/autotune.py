@@ -18,7 +18,9 @@ example inputs and within ``BUDGET_S`` seconds:
 The decision is cached on disk (``$RECOMPILE_CACHE_DIR`` or ``~/.cache/recompile``), keyed by the
 rewritten graph's code, the input shapes/dtypes, grad mode, target and torch version; a cached
 decision is applied without timing (and without compiling candidates it did not keep). Graphs with
-random or in-place ops are not tuned (their runs are not repeatable): Inductor is kept for them.
+random ops (dropout in training) cannot be compared between runs: they race timed only, among the graphs
+the backend could run (``autotune_random``). Graphs with in-place or mutating ops are not tuned: Inductor
+is kept for them.
 """
 from __future__ import annotations
 
@@ -165,16 +167,16 @@ def _inactive_dropout(node: fx.Node) -> bool:
     return bound.arguments.get("training") is False or bound.arguments.get("p") == 0
 
 
-def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> bool:
-    """Repeatable runs only: real inputs, no random ops, no in-place or mutating ops, no op that changes state
-    outside the graph (``STATEFUL_NAMESPACES``, ``UPDATES_IN_BACKWARD``)."""
+def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, allow_random: bool = False) -> bool:
+    """Repeatable runs only: real inputs, no random ops (unless ``allow_random``), no in-place or mutating ops,
+    no op that changes state outside the graph (``STATEFUL_NAMESPACES``, ``UPDATES_IN_BACKWARD``)."""
     if example_inputs is None or any(isinstance(x, torch.Tensor) and x.is_meta for x in example_inputs):
         return False
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method") or _inactive_dropout(node):
             continue
         name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-        if _is_random(name) or (name.endswith("_") and not name.endswith("__")):
+        if (_is_random(name) and not allow_random) or (name.endswith("_") and not name.endswith("__")):
             return False
         if node.kwargs.get("inplace") is True:
             return False
@@ -364,6 +366,10 @@ class GraphChooser:
 
     @torch._dynamo.disable
     def first_call(self, *args: Any) -> Any:
+        if self.oracle is None:  # random graphs: timed only, and the race draws no random numbers of the run's
+            with torch.random.fork_rng():
+                self.run = self.choose(args, None)
+            return self.run(*args)
         try:
             want = run_step(self.oracle, args, self.decision.mode == "training")
         except Exception:
@@ -379,7 +385,8 @@ class GraphChooser:
         steps = {}
         for name, fn in self.candidates.items():
             try:
-                why = matches(run_step(fn, args, training), want)
+                got = run_step(fn, args, training)
+                why = None if want is None else matches(got, want)
             except Exception as exc:  # a candidate that fails to run is not kept
                 why = f"{type(exc).__name__}: {exc}"
             if why is None:
@@ -389,7 +396,7 @@ class GraphChooser:
         decision.timings_ms.update(race(steps, self.budget_s))
         decision.choice = min(steps, key=decision.timings_ms.get) if steps else "eager"
         store(decision)
-        return self.candidates.get(decision.choice, self.oracle)  # no candidate correct: the captured graph
+        return self.candidates.get(decision.choice, self.oracle or self.rec)  # none correct: the captured graph
 
     def rerun_for_error(self, args: Sequence[Any]) -> Any:
         """After the chosen candidate raised: run the call through the rec ops, whose errors name the table,
@@ -472,3 +479,30 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
     return compiled_graph(GraphChooser({name: build() for name, build in builders.items()}, original.forward,
                                        decision, budget))
+
+
+def autotune_random(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[Any], ctx,
+                    compile_inductor: Callable[[fx.GraphModule], Callable]) -> Callable:
+    """Graphs with random ops (dropout in training): their outputs cannot be compared between runs, so the
+    graphs the backend could run race timed only (the rewrite and the captured graph, each through Inductor
+    and eagerly; plain Inductor on the captured graph is what ``backend="inductor"`` would give). The race
+    runs under a forked RNG, so the call that follows draws the numbers it would have drawn without it."""
+    ops = {_op_name(node) for node in rewritten.graph.nodes} - {None}
+    if not ops or (ops & BOUNDS_CHECKED and ctx.options.bounds_check != "fatal"):
+        return compile_inductor(rewritten)
+    training = is_training(rewritten)
+    key = graph_key(rewritten, ctx.target.name, training)
+    builders = {
+        "inductor": lambda: compile_inductor(rewritten),
+        "inductor-captured": lambda: compile_inductor(original),
+        "rec+eager": lambda: rewritten.forward,
+        "eager": lambda: original.forward,
+    }
+    cached = load(key)
+    if cached is not None and cached.choice in builders:
+        ctx.tuning = cached.to_dict()
+        chooser = GraphChooser({"rec+eager": rewritten.forward}, None, cached, 0.0, chosen=builders[cached.choice]())
+        return compiled_graph(chooser)
+    decision = Decision("inductor", mode="training" if training else "inference", key=key)
+    ctx.tuning = decision.to_dict()
+    return compiled_graph(GraphChooser({name: build() for name, build in builders.items()}, None, decision, BUDGET_S))

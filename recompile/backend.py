@@ -61,6 +61,8 @@ def rec_ascend(
     def inductor(graph: fx.GraphModule):
         return compile_fx(graph, example_inputs, config_patches=config_patches, decompositions=inductor_decompositions())
 
-    if not opts.autotune or not autotune.tunable(rewritten, example_inputs):
+    if not opts.autotune or not autotune.tunable(rewritten, example_inputs, allow_random=True):
         return inductor(rewritten)
+    if not autotune.tunable(rewritten, example_inputs):
+        return autotune.autotune_random(gm, rewritten, example_inputs, ctx, inductor)
     return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor)

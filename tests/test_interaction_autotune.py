@@ -222,3 +222,29 @@ def test_plain_inductor_always_races_inference_graphs(_cache, monkeypatch):
 ])
 def test_only_random_ops_make_a_graph_untunable(fn, repeatable):
     assert autotune.tunable(torch.fx.symbolic_trace(fn), (torch.randn(4, 4),)) is repeatable
+
+
+class DroppedBags(nn.Module):
+    """A rec region (the lookups) and dropout in training: outputs differ between runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.bags = nn.ModuleList(nn.EmbeddingBag(40, 8, mode="sum") for _ in range(2))
+
+    def forward(self, ids, offsets):
+        pooled = torch.cat([bag(ids, offsets) for bag in self.bags], 1)
+        return torch.nn.functional.dropout(pooled, 0.5, training=True).sum(1)
+
+
+def test_random_graphs_race_timed_only_and_draw_no_numbers_of_the_run(_cache):
+    model = DroppedBags()
+    ids, offsets = torch.randint(0, 40, (12,)), torch.tensor([0, 3, 7, 7, 10])
+    compiled = torch.compile(model, backend="rec_ascend")
+    torch.manual_seed(0)
+    first = compiled(ids, offsets)  # the race, then the call, with the RNG as the race found it
+    torch.manual_seed(0)
+    torch.testing.assert_close(compiled(ids, offsets), first)
+    [decision] = _decisions(_cache)
+    assert decision["mode"] == "training" and decision["rejected"] == {}
+    assert set(decision["timings_ms"]) >= {"inductor", "inductor-captured", "rec+eager", "eager"}
+    assert decision["choice"] in decision["timings_ms"]
