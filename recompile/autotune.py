@@ -19,7 +19,7 @@ The decision is cached on disk (``$RECOMPILE_CACHE_DIR`` or ``~/.cache/recompile
 rewritten graph's code, the input shapes/dtypes, grad mode, target and torch version; a cached
 decision is applied without timing (and without compiling candidates it did not keep). Graphs with
 random ops (dropout in training) cannot be compared between runs: they race timed only, among the graphs
-the backend could run (``autotune_random``). Graphs with in-place or mutating ops are not tuned: Inductor
+the backend could run (``autotune(..., random=True)``). Graphs with in-place or mutating ops are not tuned: Inductor
 is kept for them.
 """
 from __future__ import annotations
@@ -437,8 +437,12 @@ def ablation_builders(original: fx.GraphModule, ctx, decision: Decision) -> dict
 
 
 def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[Any], ctx,
-             compile_inductor: Callable[[fx.GraphModule], Callable]) -> Callable:
-    """The compiled callable for ``rewritten``: the cached decision, or a GraphChooser over the candidates."""
+             compile_inductor: Callable[[fx.GraphModule], Callable], random: bool = False) -> Callable:
+    """The compiled callable for ``rewritten``: the cached decision, or a GraphChooser over the candidates.
+
+    ``random``: the graph has random ops (dropout in training), so its outputs cannot be compared between
+    runs: the graphs the backend could run (the rewrite and the captured graph, each through Inductor and
+    eagerly) race timed only, under a forked RNG, with no region tuning."""
     training = is_training(rewritten)
     key = graph_key(rewritten, ctx.target.name, training)
     builders = {
@@ -455,6 +459,8 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     if ops & BOUNDS_CHECKED and ctx.options.bounds_check != "fatal":
         del builders["eager"]
         captured = {}
+    if random and not (ops and captured):  # nothing to race but the rewrite through Inductor
+        return compile_inductor(rewritten)
     cached = load(key)
     if cached is not None:
         builders.update(ablation_builders(original, ctx, cached), **captured)
@@ -464,6 +470,11 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
         rec = {"rec+eager": rewritten.forward} if ops else {}
         return compiled_graph(GraphChooser(rec, original.forward, cached, 0.0, chosen=builders[cached.choice]()))
     decision = Decision("eager", mode="training" if training else "inference", key=key)
+    if random:
+        builders.update(captured)
+        ctx.tuning = decision.to_dict()
+        return compiled_graph(GraphChooser({name: build() for name, build in builders.items()}, None, decision,
+                                           BUDGET_S))
     start = time.perf_counter()
     args = concrete_inputs(example_inputs)
     tune_regions(rewritten, args, ctx.target, training, decision, start + BUDGET_S / 2)
@@ -480,29 +491,3 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     return compiled_graph(GraphChooser({name: build() for name, build in builders.items()}, original.forward,
                                        decision, budget))
 
-
-def autotune_random(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[Any], ctx,
-                    compile_inductor: Callable[[fx.GraphModule], Callable]) -> Callable:
-    """Graphs with random ops (dropout in training): their outputs cannot be compared between runs, so the
-    graphs the backend could run race timed only (the rewrite and the captured graph, each through Inductor
-    and eagerly; plain Inductor on the captured graph is what ``backend="inductor"`` would give). The race
-    runs under a forked RNG, so the call that follows draws the numbers it would have drawn without it."""
-    ops = {_op_name(node) for node in rewritten.graph.nodes} - {None}
-    if not ops or (ops & BOUNDS_CHECKED and ctx.options.bounds_check != "fatal"):
-        return compile_inductor(rewritten)
-    training = is_training(rewritten)
-    key = graph_key(rewritten, ctx.target.name, training)
-    builders = {
-        "inductor": lambda: compile_inductor(rewritten),
-        "inductor-captured": lambda: compile_inductor(original),
-        "rec+eager": lambda: rewritten.forward,
-        "eager": lambda: original.forward,
-    }
-    cached = load(key)
-    if cached is not None and cached.choice in builders:
-        ctx.tuning = cached.to_dict()
-        chooser = GraphChooser({"rec+eager": rewritten.forward}, None, cached, 0.0, chosen=builders[cached.choice]())
-        return compiled_graph(chooser)
-    decision = Decision("inductor", mode="training" if training else "inference", key=key)
-    ctx.tuning = decision.to_dict()
-    return compiled_graph(GraphChooser({name: build() for name, build in builders.items()}, None, decision, BUDGET_S))

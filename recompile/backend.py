@@ -63,6 +63,5 @@ def rec_ascend(
 
     if not opts.autotune or not autotune.tunable(rewritten, example_inputs, allow_random=True):
         return inductor(rewritten)
-    if not autotune.tunable(rewritten, example_inputs):
-        return autotune.autotune_random(gm, rewritten, example_inputs, ctx, inductor)
-    return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor)
+    random = not autotune.tunable(rewritten, example_inputs)
+    return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor, random=random)
