@@ -13,13 +13,13 @@ import functools
 import json
 import os
 import tempfile
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
+from models.timing import race_ms
 
 CRITEO = DLRMConfig(
     table_rows=[1000 + 1000 * i for i in range(26)],
@@ -31,22 +31,6 @@ CRITEO = DLRMConfig(
 )
 LR = 0.01
 BACKENDS = ("eager", "inductor", "rec_ascend")
-
-
-def _race(steps: dict[str, Callable[[], object]], iters: int, rounds: int = 5) -> dict[str, float]:
-    """Wall-clock milliseconds per step of each candidate: the best of ``rounds`` rounds, each timing every
-    candidate in turn so that load from other processes falls on all of them alike."""
-    for step in steps.values():
-        for _ in range(3):
-            step()
-    best = dict.fromkeys(steps, float("inf"))
-    for _ in range(rounds):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            for _ in range(iters):
-                step()
-            best[name] = min(best[name], (time.perf_counter() - start) / iters * 1e3)
-    return best
 
 
 def _compiled(model, backend: str, options=None):
@@ -69,7 +53,7 @@ def forward(batch: int, iters: int) -> dict[str, float]:
             fn = _compiled(model, backend)
             _check(fn(*args), want, f"forward {backend}")
             steps[backend] = functools.partial(fn, *args)
-        return _race(steps, iters)
+        return race_ms(steps, 5, iters)
 
 
 def _sgd_step(model, opt, args):
@@ -89,7 +73,7 @@ def train(batch: int, iters: int) -> dict[str, float]:
         model = copy.deepcopy(base)
         steps[backend] = functools.partial(_sgd_step, _compiled(model, backend), torch.optim.SGD(model.parameters(), lr=LR),
                                            args)
-    return _race(steps, iters)
+    return race_ms(steps, 5, iters)
 
 
 def fused_train(batch: int, iters: int) -> dict[str, float]:
@@ -106,7 +90,7 @@ def fused_train(batch: int, iters: int) -> dict[str, float]:
         _check(_sgd_step(fn, fused_opt, args), _sgd_step(eager, eager_opt, args), "fused step loss")
     for (name, p), q in zip(fused.named_parameters(), eager.parameters()):
         _check(p.detach(), q.detach(), f"fused step {name}")
-    return _race({"eager": functools.partial(_sgd_step, eager, eager_opt, args),
+    return race_ms({"eager": functools.partial(_sgd_step, eager, eager_opt, args),
                   "rec_ascend": functools.partial(_sgd_step, fn, fused_opt, args)}, iters)
 
 

@@ -11,6 +11,7 @@ turn. Cold compile time is measured in a fresh process per backend with empty In
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ import torch
 
 from models.ctr import DCNConfig, DCNv2
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
+from models.timing import race_ms
 
 BACKENDS = ("eager", "inductor", "rec_ascend")
 MODELS = ("dlrm", "dcn")
@@ -54,21 +56,6 @@ def step_fn(model, mode: str):
     return train
 
 
-def measure(fns: dict, args, rounds: int) -> dict[str, float]:
-    """Best ms per step of each function over ``rounds`` rounds that run every function once in turn, so that
-    load from other processes falls on all of them alike."""
-    for fn in fns.values():
-        for _ in range(3):
-            fn(*args)
-    best = {name: float("inf") for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn(*args)
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return {name: t * 1e3 for name, t in best.items()}
-
-
 def run_steps(quick: bool, models: list[str], modes: list[str], batch: int | None) -> list[dict]:
     default_batch, iters = (256, 30) if quick else (2048, 20)
     batch = batch or default_batch
@@ -82,7 +69,8 @@ def run_steps(quick: bool, models: list[str], modes: list[str], batch: int | Non
                 model, cfg = make(name, quick)
                 fns[backend] = step_fn(model if backend == "eager" else torch.compile(model, backend=backend), mode)
             args = synthetic_batch(cfg, batch, torch.Generator().manual_seed(1))
-            row = {"model": name, "mode": mode, "batch": batch, **measure(fns, args, iters)}
+            steps = {backend: functools.partial(fn, *args) for backend, fn in fns.items()}
+            row = {"model": name, "mode": mode, "batch": batch, **race_ms(steps, iters)}
             rows.append(row)
             print(_format(row), flush=True)
     return rows
