@@ -1,12 +1,8 @@
 """Lowering of the feature-interaction ops: Triton on accelerators, native CPU kernels, torch CPU kernels, references."""
-from recompile.lowering.registry import Impl, has_triton, on_cpu, reference, register_lowering
-from recompile.lowering.targets import Target
+from recompile.lowering.registry import Impl, has_triton, native_on_cpu, on_cpu, reference, register_lowering
 from runtime import interaction_native
 
-
-def native_runs(target: Target) -> bool:
-    """On CPU, when the C kernels of runtime/csrc/interaction.c build (a C compiler is present)."""
-    return on_cpu(target) and interaction_native.available()
+native_runs = native_on_cpu(interaction_native.available)  # runtime/csrc/interaction.c
 
 
 register_lowering(

@@ -56,6 +56,15 @@ def on_cpu(target: Target) -> bool:
     return target.name == "cpu"
 
 
+def native_on_cpu(available: Callable[[], bool]) -> Callable[[Target], bool]:
+    """On CPU, when a native C kernel library builds (``available()``: a C compiler is present)."""
+
+    def runs(target: Target) -> bool:
+        return on_cpu(target) and available()
+
+    return runs
+
+
 def has_triton(target: Target) -> bool:
     """Triton kernels run on accelerators (CUDA through triton, NPU through triton-ascend)."""
     return target.name != "cpu" and target.triton is not None
