@@ -19,7 +19,6 @@ import tempfile
 
 CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-fopenmp", "-std=gnu11")
 i64 = ctypes.c_int64
-f32 = ctypes.c_float
 ptr = ctypes.c_void_p
 i32 = ctypes.c_int
 
