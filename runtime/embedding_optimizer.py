@@ -11,8 +11,10 @@ rounding of eager's dense update), then updates only the touched rows in place, 
 - ``adam``: moments of the touched rows only, bias correction by the table's step count
   (``torch.optim.SparseAdam``; dense ``Adam`` would also move rows that got no gradient).
 
-Optimizer state lives per table in ``STATES``, keyed by the table's storage, created on first use;
-``state_dict(model)`` / ``load_state_dict(model, state)`` read and restore it by parameter name.
+Optimizer state lives per table in ``STATES``, keyed by the parameter object itself (as ``torch.optim`` keys
+its state), so it survives the parameter's data being reallocated (``p.data = ...``, ``.to()`` in place) and goes
+with the parameter; it is created on first use. ``state_dict(model)`` / ``load_state_dict(model, state)`` read
+and restore it by parameter name.
 The op is declared without mutated arguments: like an optimizer step it changes the parameters after
 the last read of them in the step, and its (scalar) result is the gradient of the fused lookup's
 ``trigger`` so that the backward graph keeps it.
@@ -25,6 +27,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from runtime.embedding import LOOKUP_SCHEMA, SUM, Feature, feature_names, features_of, id_gradients, output_slices, present
 from runtime.fbgemm import fbgemm_op
@@ -34,8 +37,8 @@ STEP_OP = "embedding_optimizer_step"
 OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad", "adam")
 DEFAULTS = {"lr": 0.01, "eps": 1e-8, "beta1": 0.9, "beta2": 0.999}
 
-# (storage address, storage offset, shape, optimizer) -> that table's optimizer state.
-STATES: dict[tuple, dict] = {}
+# table (the parameter the op is given) -> {optimizer: its state}; entries go with their parameter.
+STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def format_optimizer(kind: str, **params: float) -> str:
@@ -50,22 +53,30 @@ def parse_optimizer(spec: str) -> tuple[str, dict[str, float]]:
     return kind, {**DEFAULTS, **{k: float(v) for k, v in (f.split("=") for f in fields)}}
 
 
-def _state_key(weight: Tensor, kind: str) -> tuple:
-    return weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), kind
+def _new_state(kind: str, weight: Tensor) -> dict:
+    rows, dim = weight.shape
+    zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=weight.device)  # noqa: E731
+    return {
+        "exact_sgd": lambda: {},
+        "exact_adagrad": lambda: {"sum": zeros(rows, dim)},
+        "exact_rowwise_adagrad": lambda: {"sum": zeros(rows)},
+        "adam": lambda: {"step": 0, "exp_avg": zeros(rows, dim), "exp_avg_sq": zeros(rows, dim)},
+    }[kind]()
 
 
 def table_state(weight: Tensor, kind: str) -> dict:
-    key = _state_key(weight, kind)
-    state = STATES.get(key)
+    """``weight``'s state for optimizer ``kind``, created (zero) on first use; a table whose shape changed since
+    its state was made is rejected rather than updated from state of another shape."""
+    states = STATES.get(weight)
+    if states is None:
+        states = STATES[weight] = {}
+    state = states.get(kind)
     if state is None:
-        rows, dim = weight.shape
-        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=weight.device)  # noqa: E731
-        state = STATES[key] = {
-            "exact_sgd": lambda: {},
-            "exact_adagrad": lambda: {"sum": zeros(rows, dim)},
-            "exact_rowwise_adagrad": lambda: {"sum": zeros(rows)},
-            "adam": lambda: {"step": 0, "exp_avg": zeros(rows, dim), "exp_avg_sq": zeros(rows, dim)},
-        }[kind]()
+        state = states[kind] = _new_state(kind, weight)
+    for value in state.values():
+        if isinstance(value, Tensor) and value.shape[0] != weight.shape[0]:
+            raise ValueError(f"recompile.embedding_optimizer_step: a table of shape {tuple(weight.shape)} has {kind} "
+                             f"state for {value.shape[0]} rows (the table was resized); load_state_dict a matching state")
     return state
 
 
@@ -75,37 +86,39 @@ def state_dict(module: torch.nn.Module) -> dict[str, dict[str, dict]]:
     step has touched yet are absent)."""
     out: dict[str, dict[str, dict]] = {}
     for name, weight in module.named_parameters():
-        for kind in OPTIMIZERS:
-            state = STATES.get(_state_key(weight, kind))
-            if state is not None:
-                out.setdefault(name, {})[kind] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+        for kind, state in STATES.get(weight, {}).items():
+            out.setdefault(name, {})[kind] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
     return out
 
 
 def load_state_dict(module: torch.nn.Module, state: dict[str, dict[str, dict]]) -> None:
-    """Restore what ``state_dict`` returned into the live state of ``module``'s tables (copied; every name and
-    every tensor's shape must match)."""
+    """Replace the state of ``module``'s tables by what ``state_dict`` returned (copied; every name and every
+    tensor's shape must match the table as it is now). Nothing is changed unless all of it matches."""
     params = dict(module.named_parameters())
     missing = sorted(set(state) - set(params))
     if missing:
         raise KeyError(f"recompile.embedding_optimizer.load_state_dict: no parameter(s) {missing} in the module")
+    loaded = []
     for name, kinds in state.items():
         for kind, saved in kinds.items():
             if kind not in OPTIMIZERS:
                 raise ValueError(f"recompile.embedding_optimizer.load_state_dict: {name!r}: optimizer {kind!r} is not "
                                  f"one of {OPTIMIZERS}")
-            live = table_state(params[name], kind)
-            if set(saved) != set(live):
+            fresh = _new_state(kind, params[name])
+            if set(saved) != set(fresh):
                 raise ValueError(f"recompile.embedding_optimizer.load_state_dict: {name!r} ({kind}) has state "
-                                 f"{sorted(saved)}, expected {sorted(live)}")
+                                 f"{sorted(saved)}, expected {sorted(fresh)}")
             for key, value in saved.items():
                 if isinstance(value, Tensor):
-                    if value.shape != live[key].shape:
+                    if value.shape != fresh[key].shape:
                         raise ValueError(f"recompile.embedding_optimizer.load_state_dict: {name!r} ({kind}) {key!r} "
-                                         f"has shape {tuple(value.shape)}, expected {tuple(live[key].shape)}")
-                    live[key].copy_(value)
+                                         f"has shape {tuple(value.shape)}, expected {tuple(fresh[key].shape)}")
+                    fresh[key].copy_(value)
                 else:
-                    live[key] = value
+                    fresh[key] = value
+            loaded.append((params[name], kind, fresh))
+    for weight, kind, fresh in loaded:
+        STATES.setdefault(weight, {})[kind] = fresh
 
 
 def _sgd(w, rows, g, state, p):

@@ -67,7 +67,6 @@ def test_backward_matches_reference(sparse, psw_grad, **group):
 
 
 def _run_step(impl, kind, weights, features, psws, pooling, pads, layout, grad):
-    embedding_optimizer.STATES.clear()  # state is keyed by storage address: freed tables of earlier examples
     weights = [w.clone() for w in weights]
     params = embedding_optimizer.parse_optimizer(format_optimizer(kind, lr=0.1, eps=1e-3))[1]
     for _ in range(2):  # the second step reads the state the first wrote
@@ -102,7 +101,6 @@ def test_sgd_step_is_exactly_the_torch_update():
 
 
 def test_optimizer_state_dict_round_trip():
-    embedding_optimizer.STATES.clear()
     table = torch.nn.EmbeddingBag(30, 4, mode="sum")
     model = torch.nn.ModuleDict({"bag": table})
     features = raw_features([torch.tensor([1, 2, 2, 7])], [torch.tensor([0, 1])], [False])

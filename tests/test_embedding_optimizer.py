@@ -6,6 +6,7 @@ import torch
 
 import recompile
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
+from runtime import embedding_optimizer
 
 SMALL = DLRMConfig(table_rows=[40, 60, 25], dim=8, bottom=[16, 8], top=[16, 1], max_ids_per_bag=5)
 LR, EPS = 0.05, 1e-6
@@ -42,33 +43,82 @@ def _sparse_model(model):
     return model
 
 
-@pytest.mark.parametrize("kind", list(EAGER))
-def test_fused_optimizer_matches_eager(kind):
+def _dense(model):
+    return [p for n, p in model.named_parameters() if not n.startswith("embeddings.")]
+
+
+def _tables(model):
+    return [p for n, p in model.named_parameters() if n.startswith("embeddings.")]
+
+
+def _step(model, optimizers, args):
+    for opt in optimizers:
+        opt.zero_grad()
+    model(*args).pow(2).mean().backward()
+    for opt in optimizers:
+        opt.step()
+
+
+def _fused_and_eager(kind):
+    """A compiled model with the fused ``kind`` on its tables (SGD on the rest), and its eager twin."""
     make_eager_opt, sparse = EAGER[kind]
-    fused, eager = DLRM(SMALL), None
+    fused = DLRM(SMALL)
     eager = copy.deepcopy(fused)
     if sparse:
         _sparse_model(eager)
     options = {"embedding_optimizer": {"type": kind, "lr": LR, "eps": EPS}}
     compiled = torch.compile(fused, backend="rec_ascend", options=options)
-    dense = lambda m: [p for n, p in m.named_parameters() if not n.startswith("embeddings.")]  # noqa: E731
-    tables = lambda m: [p for n, p in m.named_parameters() if n.startswith("embeddings.")]  # noqa: E731
-    fused_opt = torch.optim.SGD(dense(fused), lr=LR)
-    eager_opts = [torch.optim.SGD(dense(eager), lr=LR), make_eager_opt(tables(eager))]
+    return (fused, compiled, [torch.optim.SGD(_dense(fused), lr=LR)],
+            eager, [torch.optim.SGD(_dense(eager), lr=LR), make_eager_opt(_tables(eager))])
+
+
+def _assert_same_parameters(got, want, rtol=1e-5):
+    for (name, p), q in zip(got.named_parameters(), want.parameters()):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kind", list(EAGER))
+def test_fused_optimizer_matches_eager(kind):
+    fused, compiled, fused_opts, eager, eager_opts = _fused_and_eager(kind)
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         args = synthetic_batch(SMALL, 12, gen)
-        fused_opt.zero_grad()
-        compiled(*args).pow(2).mean().backward()
-        fused_opt.step()
-        for opt in eager_opts:
-            opt.zero_grad()
-        eager(*args).pow(2).mean().backward()
-        for opt in eager_opts:
-            opt.step()
-    for (name, p), q in zip(fused.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
-    assert all(p.grad is None for p in tables(fused))
+        _step(compiled, fused_opts, args)
+        _step(eager, eager_opts, args)
+    _assert_same_parameters(fused, eager)
+    assert all(p.grad is None for p in _tables(fused))
+
+
+def test_fused_state_survives_reallocation_and_round_trips():
+    """The state goes with the parameter, not its storage: after ``p.data = p.data.clone()`` Adam keeps its moments
+    and step counts (eager's SparseAdam does); a state_dict loaded into a copy of the model trains on alike."""
+    fused, compiled, fused_opts, eager, eager_opts = _fused_and_eager("adam")
+    gen = torch.Generator().manual_seed(1)
+    batches = [synthetic_batch(SMALL, 12, gen) for _ in range(4)]
+    for args in batches[:2]:
+        _step(compiled, fused_opts, args)
+        _step(eager, eager_opts, args)
+    for table in _tables(fused):
+        table.data = table.data.clone()  # new storage, same parameter
+    _step(compiled, fused_opts, batches[2])
+    _step(eager, eager_opts, batches[2])
+    _assert_same_parameters(fused, eager)
+
+    saved = embedding_optimizer.state_dict(fused)
+    assert sorted(saved) == sorted(n for n, _ in fused.named_parameters() if n.startswith("embeddings."))
+    assert all(s["adam"]["step"] == 3 for s in saved.values())
+    restored = copy.deepcopy(fused)  # new parameters: no state until loaded
+    assert embedding_optimizer.state_dict(restored) == {}
+    embedding_optimizer.load_state_dict(restored, saved)
+    again = embedding_optimizer.state_dict(restored)
+    for name, kinds in saved.items():
+        for key, value in kinds["adam"].items():
+            assert torch.equal(torch.as_tensor(again[name]["adam"][key]), torch.as_tensor(value)), (name, key)
+    restored_compiled = torch.compile(restored, backend="rec_ascend",
+                                      options={"embedding_optimizer": {"type": "adam", "lr": LR, "eps": EPS}})
+    _step(restored_compiled, [torch.optim.SGD(_dense(restored), lr=LR)], batches[3])
+    _step(eager, eager_opts, batches[3])
+    _assert_same_parameters(restored, eager, rtol=1e-4)  # four steps of this loss grow some weights to ~1e5
 
 
 @pytest.mark.parametrize(
