@@ -249,13 +249,14 @@ def output_slices(out: Tensor, dims: Sequence[int], counts: Sequence[int], layou
 
 # ---------------------------------------------------------------------------------------------
 # Kernels. Forward: (weights, features, per_sample_weights, pooling, padding_idx, layout) -> output;
-# a kernel in SELF_CHECKING gets unchecked features and ``verify`` too: it reads no row outside its table and
-# calls verify() (the checks above: they raise or warn, and return the checked features) when it met a bad id
-# or bad offsets.
+# a kernel in RAW_KERNELS gets the op's own arguments instead (weights, indices, offsets, per_sample_weights
+# (empty: none), pooling, padding_idx, include_last_offset, layout, names, bounds_check): it checks what it reads
+# itself, reads no row outside its table, and runs ``checked_lookup`` (the checks above: they raise or warn) when
+# it met a bad id, bad offsets or inputs it does not take as given.
 # Backward: (grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad)
 #   -> per table its dense gradient [rows_t, D_t], or where sparse[t] the gradient of every id's row
 #   ([N_t, D_t], zero for padding ids); then, where psw_grad[t], the gradient of its per-sample weights.
-SELF_CHECKING: set[str] = set()
+RAW_KERNELS: set[str] = set()
 
 
 def _id_scale(f: Feature, psw: Optional[Tensor], pooling: int, padding_idx: int) -> Optional[Tensor]:
@@ -356,21 +357,23 @@ def grouped_embedding_bag_reference(weights, indices, offsets, per_sample_weight
 # The ops.
 
 
-def _lookup(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
-            bounds_check, impl) -> Tensor:
+def checked_lookup(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout,
+                   names, bounds_check) -> tuple[list[Feature], list[Optional[Tensor]]]:
+    """The op's arguments checked (raising or warning naming the feature): its features and per-sample weights."""
     names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
     _validate(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names, bounds_check)
+    return features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check), per_sample_weights
+
+
+def _lookup(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
+            bounds_check, impl) -> Tensor:
     kernel = get_kernel(OP, impl)
-    if impl not in SELF_CHECKING:
-        features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check)
-        return kernel(weights, features, per_sample_weights, pooling, padding_idx, layout)
-    features = raw_features(indices, offsets, include_last_offset)
-    check_batches(features, layout)
-
-    def verify() -> list[Feature]:
-        return features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check)
-
-    return kernel(weights, features, per_sample_weights, pooling, padding_idx, layout, verify)
+    if impl in RAW_KERNELS:
+        return kernel(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout,
+                      names, bounds_check)
+    features, per_sample_weights = checked_lookup(weights, indices, offsets, per_sample_weights, pooling, padding_idx,
+                                                  include_last_offset, layout, names, bounds_check)
+    return kernel(weights, features, per_sample_weights, pooling, padding_idx, layout)
 
 
 def _lookup_fake(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import operator
 import os
 import threading
 from typing import Callable, Optional, Sequence
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from hkv.native import i32, i64, load, ptr
-from runtime.embedding import BACKWARD_OP, OP, SELF_CHECKING, Feature, forward_cpu, table_gradients
+from runtime.embedding import BACKWARD_OP, NONE, OP, RAW_KERNELS, checked_lookup, forward_cpu, table_gradients
 from runtime.embedding_optimizer import OPTIMIZERS, STEP_OP, adam_step_size, step_each_table, table_state
 from runtime.kernels import register_kernel
 
@@ -31,10 +32,11 @@ SIGNATURES = (
     ("geb_backward", (i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i32)),
     ("geb_optimizer_step", (i64, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32)),
 )
-META = 13  # columns of a table's row in the kernels' meta array (csrc/embedding.c)
+# The columns of a table's row in the kernels' meta array, and their number (csrc/embedding.c).
+W_PTR, ROWS, DIM, W_STRIDE, IDS, N_IDS, OFFS, N_OFFS, PSW, POOLING, PAD, OUT_AT, FLAGS, META = range(14)
 IDS_I64, OFFS_I64, LAST_OFFSET = 1, 2, 4
 ERR_OFFSETS = 1
-GRAIN = 32768
+GRAIN = 2048
 STREAM_BYTES = 4 << 20  # pooled outputs larger than this bypass the caches (non-temporal stores)
 STATE_NAMES = {"exact_sgd": (), "exact_adagrad": ("sum",), "exact_rowwise_adagrad": ("sum",),
                "adam": ("exp_avg", "exp_avg_sq")}
@@ -69,44 +71,123 @@ def _float64s(values: Sequence[float]) -> _Buffer:
     return _Buffer("d", values)
 
 
-def _group(weights, features, per_sample_weights, pooling, padding_idx, layout):
-    """(meta, kept, output rows, output row stride, ids looked up); ``kept`` holds the tensors ``meta`` points into.
-    None when a table (or its sample weights) is not what the kernels read: fp32 on the CPU, unit column stride."""
-    meta, kept, at, looked_up = [], [], 0, 0
-    dim = weights[0].shape[1]
-    for t, (w, f, psw, mode, pad) in enumerate(zip(weights, features, per_sample_weights, pooling, padding_idx)):
-        if w.dtype != torch.float32 or not w.is_cpu or w.stride(1) != 1 or (psw is not None and psw.dtype != torch.float32):
+class _Plan:
+    """A group's tables as the kernels read them: ``meta``'s columns that depend on the tables and the lookup's
+    static arguments, written once; a call writes its ids', offsets' and sample weights' columns only."""
+
+    __slots__ = ("meta", "err", "num", "dim", "width", "layout", "pooling", "last", "dtype")
+
+    def __init__(self, weights, pooling, padding_idx, include_last_offset, layout):
+        self.num, self.dim, self.layout, self.dtype = len(weights), weights[0].shape[1], layout, weights[0].dtype
+        self.pooling, self.last = tuple(pooling), tuple(include_last_offset)
+        meta, at = [], 0
+        for t, (w, mode, pad) in enumerate(zip(weights, pooling, padding_idx)):
+            row = [0] * META
+            row[W_PTR], row[ROWS], row[DIM], row[W_STRIDE] = w.data_ptr(), w.shape[0], w.shape[1], w.stride(0)
+            row[POOLING], row[PAD], row[OUT_AT] = mode, pad, t * self.dim if layout == "stack" else at
+            meta += row
+            at += w.shape[1]
+        self.meta, self.err, self.width = _int64s(meta), _int64s([0] * self.num), at
+
+    def fill(self, indices, offsets, per_sample_weights) -> Optional[tuple[int, int]]:
+        """Write a call's ids, offsets and sample weights into ``meta``: (output rows, ids looked up), or None where
+        they are not what the kernels read as given (wrong dtypes or shapes, not contiguous, not on the CPU)."""
+        meta, batch, looked_up, sequence = self.meta, None, 0, self.layout == "sequence"
+        for row, ids, offs, psw, mode, last in zip(range(0, META * self.num, META), indices, offsets,
+                                                   per_sample_weights, self.pooling, self.last):
+            flags = _ID_FLAGS.get(ids.dtype)
+            if flags is None or not ids.is_cpu or not ids.is_contiguous():
+                return None
+            if offs is None:
+                if ids.dim() == 2:
+                    bags, length = ids.shape
+                elif ids.dim() == 1 and mode == NONE:
+                    bags, length = ids.shape[0], 1
+                else:
+                    return None
+                meta[row + OFFS] = 0
+                meta[row + N_OFFS] = length
+            else:
+                offset_flags = _OFFSET_FLAGS.get(offs.dtype)
+                if offset_flags is None or ids.dim() != 1 or offs.dim() != 1 or not offs.is_cpu or not offs.is_contiguous():
+                    return None
+                bags = offs.shape[0]
+                meta[row + OFFS] = offs.data_ptr()
+                meta[row + N_OFFS] = bags
+                flags |= offset_flags | LAST_OFFSET * last
+                bags -= last
+            if batch is None:
+                batch = bags
+            elif bags != batch and not sequence:
+                return None
+            if psw.numel():
+                if psw.dtype is not torch.float32 or psw.shape != ids.shape or not psw.is_contiguous():
+                    return None
+                meta[row + PSW] = psw.data_ptr()
+            else:
+                meta[row + PSW] = 0
+            n = ids.numel()
+            meta[row + IDS] = ids.data_ptr()
+            meta[row + N_IDS] = n
+            meta[row + FLAGS] = flags
+            if sequence:
+                meta[row + OUT_AT] = looked_up
+            looked_up += n
+        if batch is None or batch < 0:
             return None
-        ids, offs = f.ids.contiguous(), f.offsets
-        n = ids.numel()
-        psw = None if psw is None else psw.reshape(-1).contiguous()
-        kept += (ids, psw)
-        if offs is None:
-            offs_ptr, bags, flags = 0, f.length, 0
-        else:
-            offs = offs.contiguous()
-            kept.append(offs)
-            offs_ptr, bags, flags = offs.data_ptr(), offs.shape[0], OFFS_I64 * (offs.dtype == torch.int64)
-        flags |= IDS_I64 * (ids.dtype == torch.int64) | LAST_OFFSET * f.include_last_offset
-        meta += (w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), ids.data_ptr(), n,
-                 offs_ptr, bags, 0 if psw is None else psw.data_ptr(), mode, pad, t * dim if layout == "stack" else at,
-                 flags)
-        at += n if layout == "sequence" else w.shape[1]
-        looked_up += n
-    rows = at if layout == "sequence" else features[0].batch
-    stride = dim if layout == "sequence" else (len(weights) * dim if layout == "stack" else at)
-    return _int64s(meta), kept, rows, stride, looked_up
+        return (looked_up if sequence else batch), looked_up
+
+    def output(self, rows: int) -> Tensor:
+        shape = {"stack": (rows, self.num, self.dim), "concat": (rows, self.width)}.get(self.layout, (rows, self.dim))
+        return torch.empty(shape, dtype=self.dtype)
+
+    def stride(self) -> int:
+        return {"stack": self.num * self.dim, "concat": self.width}.get(self.layout, self.dim)
 
 
-def _output(weights, rows: int, stride: int, layout: str) -> Tensor:
-    shape = (rows, len(weights), weights[0].shape[1]) if layout == "stack" else (rows, stride)
-    return weights[0].new_empty(shape)
+_ID_FLAGS = {torch.int64: IDS_I64, torch.int32: 0}
+_OFFSET_FLAGS = {torch.int64: OFFS_I64, torch.int32: 0}
+_SHAPE, _ON_CPU = operator.attrgetter("shape"), operator.attrgetter("is_cpu")
+_PLANS = threading.local()  # per thread: a call writes its plan's meta
+MAX_PLANS = 64
 
 
-def _raise_marked(err: _Buffer, verify: Callable[[], list[Feature]]) -> None:
+def _plan(weights, pooling, padding_idx, include_last_offset, layout) -> Optional[_Plan]:
+    """The group's plan, cached by the tables' addresses, shapes, strides and dtypes and the static arguments;
+    None when a table is not what the kernels read (fp32 on the CPU, unit column stride)."""
+    key = (layout, tuple(pooling), tuple(padding_idx), tuple(include_last_offset), tuple(map(Tensor.data_ptr, weights)),
+           tuple(map(_SHAPE, weights)), tuple(map(Tensor.stride, weights)), tuple(map(_ON_CPU, weights)), weights[0].dtype)
+    plans = _PLANS.__dict__.setdefault("plans", {})
+    plan = plans.get(key, False)
+    if plan is False:
+        readable = all(w.dtype == torch.float32 and w.is_cpu and w.dim() == 2 and w.stride(1) == 1 for w in weights)
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plan = plans[key] = _Plan(weights, pooling, padding_idx, include_last_offset, layout) if readable else None
+    return plan
+
+
+def _features_plan(weights, features, per_sample_weights, pooling, padding_idx, layout):
+    """The plan of checked features (the backward's and the optimizer step's), filled: (plan, output rows, the
+    tensors its meta points into), or None where the kernels do not read them."""
+    plan = _plan(weights, pooling, padding_idx, [f.include_last_offset for f in features], layout)
+    if plan is None:
+        return None
+    indices = [(f.ids if f.offsets is not None or f.length == 1 else f.ids.view(f.batch, f.length)).contiguous()
+               for f in features]
+    offsets = [None if f.offsets is None else f.offsets.contiguous() for f in features]
+    psws = [_EMPTY if p is None else p.reshape(i.shape).contiguous() for p, i in zip(per_sample_weights, indices)]
+    filled = plan.fill(indices, offsets, psws)
+    return None if filled is None else (plan, filled[0], (indices, offsets, psws))
+
+
+_EMPTY = torch.empty(0)
+
+
+def _raise_marked(err: _Buffer, check: Callable[[], object]) -> None:
     """After a kernel marked bad ids or offsets: the Python checks raise (or warn) naming the feature."""
     if any(err):
-        verify()
+        check()
         _reject_offsets(err, "the checks accept them")
 
 
@@ -118,25 +199,39 @@ def _reject_offsets(err: _Buffer, why: str) -> None:
                            f"({why})")
 
 
-@register_kernel(OP, "native")
-def forward(weights, features, per_sample_weights, pooling, padding_idx, layout, verify):
-    group = _group(weights, features, per_sample_weights, pooling, padding_idx, layout)
-    if group is None or features[0].batch < 0:  # batch < 0: include_last_offset without offsets
-        return forward_cpu(weights, verify(), per_sample_weights, pooling, padding_idx, layout)
-    meta, kept, rows, stride, looked_up = group
-    out = _output(weights, rows, stride, layout)
-    err = _int64s([0] * len(weights))
+def _run_forward(plan: _Plan, rows: int, looked_up: int) -> Tensor:
+    out = plan.output(rows)
     threads = _threads(looked_up)
-    if layout == "sequence":
-        library().geb_forward_sequence(len(weights), meta, out.data_ptr(), stride, err, threads)
+    if plan.layout == "sequence":
+        library().geb_forward_sequence(plan.num, plan.meta, out.data_ptr(), plan.dim, plan.err, threads)
     else:
         stream = out.numel() * out.element_size() > STREAM_BYTES
-        library().geb_forward_pooled(len(weights), meta, rows, out.data_ptr(), stride, err, stream, threads)
-    _raise_marked(err, verify)
+        library().geb_forward_pooled(plan.num, plan.meta, rows, out.data_ptr(), plan.stride(), plan.err, stream, threads)
     return out
 
 
-SELF_CHECKING.add("native")
+@register_kernel(OP, "native")
+def forward(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
+            bounds_check):
+    """Every table in one call; the Python checks run only when the kernel marked an error or the inputs are not
+    what it reads as given (then they raise, or the inputs are made so, or the ATen kernel runs)."""
+    lookup = (weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
+              bounds_check)
+    plan = _plan(weights, pooling, padding_idx, include_last_offset, layout)
+    filled = plan.fill(indices, offsets, per_sample_weights) if plan is not None else None
+    if filled is None:
+        features, psws = checked_lookup(*lookup)
+        found = _features_plan(weights, features, psws, pooling, padding_idx, layout)
+        if found is None:
+            return forward_cpu(weights, features, psws, pooling, padding_idx, layout)
+        plan, rows, alive = found  # alive: the tensors meta points into
+        filled = rows, sum(f.ids.numel() for f in features)
+    out = _run_forward(plan, *filled)
+    _raise_marked(plan.err, lambda: checked_lookup(*lookup))
+    return out
+
+
+RAW_KERNELS.add("native")
 
 
 def _grad_rows(grad: Tensor, weights, layout: str) -> tuple[Tensor, int]:
@@ -150,19 +245,19 @@ def _grad_rows(grad: Tensor, weights, layout: str) -> tuple[Tensor, int]:
 
 @register_kernel(BACKWARD_OP, "native")
 def backward(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad):
-    group = _group(weights, features, per_sample_weights, pooling, padding_idx, layout)
-    if group is None or grad.dtype != torch.float32:
+    found = _features_plan(weights, features, per_sample_weights, pooling, padding_idx, layout)
+    if found is None or grad.dtype != torch.float32:
         return table_gradients(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad)
-    meta, kept, rows, _, _ = group
+    plan, rows, alive = found  # alive: the tensors meta points into
     grad, stride = _grad_rows(grad, weights, layout)
     tables = [w.new_empty((f.ids.numel(), w.shape[1]) if is_sparse else w.shape)
               for w, f, is_sparse in zip(weights, features, sparse)]
     psw_grads = [torch.empty_like(p) if want else grad.new_empty(0) for p, want in zip(per_sample_weights, psw_grad)]
-    err = _int64s([0] * len(weights))
-    library().geb_backward(len(weights), meta, rows, grad.data_ptr(), stride, _int64s([t.data_ptr() for t in tables]),
+    library().geb_backward(plan.num, plan.meta, rows, grad.data_ptr(), stride, _int64s([t.data_ptr() for t in tables]),
                            _int64s([not is_sparse for is_sparse in sparse]),
-                           _int64s([p.data_ptr() if p.numel() else 0 for p in psw_grads]), err, torch.get_num_threads())
-    _reject_offsets(err, "in the backward")
+                           _int64s([p.data_ptr() if p.numel() else 0 for p in psw_grads]), plan.err,
+                           torch.get_num_threads())
+    _reject_offsets(plan.err, "in the backward")
     return tables + psw_grads
 
 
@@ -183,11 +278,11 @@ def _scratch(name: str, numel: int, dtype: torch.dtype) -> Tensor:
 @register_kernel(STEP_OP, "native")
 def optimizer_step(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params):
     distinct = len({w.data_ptr() for w in weights}) == len(weights)  # the kernel updates tables in parallel
-    group = _group(weights, features, per_sample_weights, pooling, padding_idx, layout)
-    if group is None or grad.dtype != torch.float32 or not distinct:
+    found = _features_plan(weights, features, per_sample_weights, pooling, padding_idx, layout)
+    if found is None or grad.dtype != torch.float32 or not distinct:
         return step_each_table(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params,
                                fbgemm=False)
-    meta, kept, rows, _, _ = group
+    plan, rows, alive = found  # alive: the tensors meta points into
     grad, stride = _grad_rows(grad, weights, layout)
     states, step_sizes = [], []
     for w, f in zip(weights, features):
@@ -197,12 +292,11 @@ def optimizer_step(grad, weights, features, per_sample_weights, pooling, padding
         step_sizes.append(adam_step_size(state, params) if kind == "adam" and f.ids.numel() else 0.0)
     hyper = _float64s([params["lr"], params["eps"], params["beta1"], params["beta2"]])
     # The kernel numbers the optimizers in the order of OPTIMIZERS.
-    err = _int64s([0] * len(weights))
     ids = [f.ids.numel() for f in features]
     sums = _scratch("sums", sum(n * w.shape[1] for n, w in zip(ids, weights)), torch.float32)
     touched = _scratch("touched", sum(ids), torch.int64)
     slots = _scratch("slots", sum(w.shape[0] for w in weights), torch.int32)  # all zero between steps
-    library().geb_optimizer_step(len(weights), meta, rows, grad.data_ptr(), stride, OPTIMIZERS.index(kind), hyper,
+    library().geb_optimizer_step(plan.num, plan.meta, rows, grad.data_ptr(), stride, OPTIMIZERS.index(kind), hyper,
                                  _int64s(states), _float64s(step_sizes), sums.data_ptr(), touched.data_ptr(),
-                                 slots.data_ptr(), err, torch.get_num_threads())
-    _reject_offsets(err, "in the optimizer step")
+                                 slots.data_ptr(), plan.err, torch.get_num_threads())
+    _reject_offsets(plan.err, "in the optimizer step")

@@ -114,7 +114,7 @@ static void advise_huge(void *p, size_t bytes) {
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #define LANES 16
 #define BLOCK (4 * LANES) /* columns pooled in registers at once */
-#define TILE 256 /* bags per work item of the pooled forward */
+#define TILE 512 /* bags per work item of the pooled forward */
 #define PREFETCH 16 /* ids ahead whose rows are prefetched */
 
 /* Prefetch the first cache lines of id j's row (a prefetch never faults, a bad id is harmless here). */
@@ -183,6 +183,7 @@ static void pool_tail(const table_t *t, int64_t start, int64_t end, int64_t c, f
 /* Pooled forward: out[b, OUT_AT + k] (row stride ``out_stride``) = the pooled row of table t's bag b. */
 void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, int64_t out_stride, int64_t *err,
                         int stream, int threads) {
+    memset(err, 0, T * sizeof *err);
     if (stream) advise_huge(out, B * out_stride * sizeof(float));
 #pragma omp parallel num_threads(threads)
     {
@@ -191,11 +192,12 @@ void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, i
             table_t tab = table_of(meta + t * META);
             if (!offsets_ok(&tab)) err[t] |= ERR_OFFSETS;
         }
-        /* Work items: (tile of TILE bags, table), tile-major, so the output rows being written stay few pages. */
+        /* Work items: (table, tile of TILE bags), table-major: a table's rows stay in the caches while its bags are
+         * pooled (tile-major ordering reads all tables at once and is ~1.3x slower at batch 2048). */
         int64_t tiles = (B + TILE - 1) / TILE;
 #pragma omp for schedule(dynamic, 1) /* a descheduled thread (a busy machine) holds up one work item only */
         for (int64_t w = 0; w < tiles * T; w++) {
-            int64_t ti = w % T, first = w / T * TILE, last = first + TILE < B ? first + TILE : B;
+            int64_t ti = w / tiles, first = w % tiles * TILE, last = first + TILE < B ? first + TILE : B;
             table_t t = table_of(meta + ti * META);
             for (int64_t b = first; b < last; b++) {
                 int64_t start = 0, end = 0, c = 0;
@@ -214,6 +216,7 @@ void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, i
 
 /* Unpooled forward ("sequence" layout): out[OUT_AT + j] = table t's row of id j. */
 void geb_forward_sequence(int64_t T, const int64_t *meta, float *out, int64_t out_stride, int64_t *err, int threads) {
+    memset(err, 0, T * sizeof *err);
 #pragma omp parallel num_threads(threads)
     for (int64_t ti = 0; ti < T; ti++) {
         table_t t = table_of(meta + ti * META);
@@ -251,6 +254,7 @@ static inline const float *grad_row(const table_t *t, const float *grad, int64_t
  * [N, D]; and where psw_out[t] != 0, the gradient of every per-sample weight (dot(g, row), 0 for padding). */
 void geb_backward(int64_t T, const int64_t *meta, int64_t B, const float *grad, int64_t grad_stride,
                   const int64_t *table_out, const int64_t *dense, const int64_t *psw_out, int64_t *err, int threads) {
+    memset(err, 0, T * sizeof *err);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t ti = 0; ti < T; ti++) {
         table_t t = table_of(meta + ti * META);
@@ -328,6 +332,7 @@ static void update_row(int kind, float *restrict w, const float *restrict g, flo
 void geb_optimizer_step(int64_t T, const int64_t *meta, int64_t B, const float *grad, int64_t grad_stride, int kind,
                         const double *hyper, const int64_t *state, const double *step_size, float *sums_all,
                         int64_t *touched_all, int32_t *slots_all, int64_t *err, int threads) {
+    memset(err, 0, T * sizeof *err);
     int64_t *at = malloc(3 * (T + 1) * sizeof(int64_t)); /* each table's place in the three scratch buffers */
     at[0] = at[T + 1] = at[2 * (T + 1)] = 0;
     for (int64_t ti = 0; ti < T; ti++) {
