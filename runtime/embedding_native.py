@@ -4,8 +4,8 @@ One call covers every table of a group: the forward (SUM/MEAN pooling into the `
 ``"stack"`` layout, or the ``"sequence"`` rows of NONE pooling), the backward (dense table gradients,
 or per-id rows for sparse tables, and per-sample weight gradients) and the fused optimizer step (ids
 deduplicated per table, touched rows updated in place). Tables are read through their data pointers,
-never packed. The kernels take fp32 tables with unit column stride; other groups run the ATen/torch
-kernels (``"cpu"``, ``"reference"``). Without a C compiler the kernels are unavailable and the
+never packed. The kernels take fp32, fp16 and bf16 tables with unit column stride (summing in fp32; the
+optimizer step fp32 only); other groups run the ATen/torch kernels (``"cpu"``, ``"reference"``). Without a C compiler the kernels are unavailable and the
 lowering keeps the other kernels.
 """
 from __future__ import annotations
@@ -34,7 +34,8 @@ SIGNATURES = (
 )
 # The columns of a table's row in the kernels' meta array, and their number (csrc/embedding.c).
 W_PTR, ROWS, DIM, W_STRIDE, IDS, N_IDS, OFFS, N_OFFS, PSW, POOLING, PAD, OUT_AT, FLAGS, META = range(14)
-IDS_I64, OFFS_I64, LAST_OFFSET = 1, 2, 4
+IDS_I64, OFFS_I64, LAST_OFFSET, DTYPE_SHIFT = 1, 2, 4, 3
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the kernels' element types, by code
 ERR_OFFSETS = 1
 GRAIN = 2048
 STREAM_BYTES = 4 << 20  # pooled outputs larger than this bypass the caches (non-temporal stores)
@@ -75,11 +76,12 @@ class _Plan:
     """A group's tables as the kernels read them: ``meta``'s columns that depend on the tables and the lookup's
     static arguments, written once; a call writes its ids', offsets' and sample weights' columns only."""
 
-    __slots__ = ("meta", "err", "num", "dim", "width", "layout", "pooling", "last", "dtype")
+    __slots__ = ("meta", "err", "num", "dim", "width", "layout", "pooling", "last", "dtype", "type_flags")
 
     def __init__(self, weights, pooling, padding_idx, include_last_offset, layout):
         self.num, self.dim, self.layout, self.dtype = len(weights), weights[0].shape[1], layout, weights[0].dtype
         self.pooling, self.last = tuple(pooling), tuple(include_last_offset)
+        self.type_flags = DTYPES.index(self.dtype) << DTYPE_SHIFT
         meta, at = [], 0
         for t, (w, mode, pad) in enumerate(zip(weights, pooling, padding_idx)):
             row = [0] * META
@@ -92,7 +94,7 @@ class _Plan:
     def fill(self, indices, offsets, per_sample_weights) -> Optional[tuple[int, int]]:
         """Write a call's ids, offsets and sample weights into ``meta``: (output rows, ids looked up), or None where
         they are not what the kernels read as given (wrong dtypes or shapes, not contiguous, not on the CPU)."""
-        meta, batch, looked_up, sequence = self.meta, None, 0, self.layout == "sequence"
+        meta, batch, looked_up, sequence, dtype = self.meta, None, 0, self.layout == "sequence", self.dtype
         for row, ids, offs, psw, mode, last in zip(range(0, META * self.num, META), indices, offsets,
                                                    per_sample_weights, self.pooling, self.last):
             flags = _ID_FLAGS.get(ids.dtype)
@@ -121,7 +123,7 @@ class _Plan:
             elif bags != batch and not sequence:
                 return None
             if psw.numel():
-                if psw.dtype is not torch.float32 or psw.shape != ids.shape or not psw.is_contiguous():
+                if psw.dtype is not dtype or psw.shape != ids.shape or not psw.is_contiguous():
                     return None
                 meta[row + PSW] = psw.data_ptr()
             else:
@@ -129,7 +131,7 @@ class _Plan:
             n = ids.numel()
             meta[row + IDS] = ids.data_ptr()
             meta[row + N_IDS] = n
-            meta[row + FLAGS] = flags
+            meta[row + FLAGS] = flags | self.type_flags
             if sequence:
                 meta[row + OUT_AT] = looked_up
             looked_up += n
@@ -154,13 +156,13 @@ MAX_PLANS = 64
 
 def _plan(weights, pooling, padding_idx, include_last_offset, layout) -> Optional[_Plan]:
     """The group's plan, cached by the tables' addresses, shapes, strides and dtypes and the static arguments;
-    None when a table is not what the kernels read (fp32 on the CPU, unit column stride)."""
+    None when a table is not what the kernels read (DTYPES on the CPU, unit column stride)."""
     key = (layout, tuple(pooling), tuple(padding_idx), tuple(include_last_offset), tuple(map(Tensor.data_ptr, weights)),
            tuple(map(_SHAPE, weights)), tuple(map(Tensor.stride, weights)), tuple(map(_ON_CPU, weights)), weights[0].dtype)
     plans = _PLANS.__dict__.setdefault("plans", {})
     plan = plans.get(key, False)
     if plan is False:
-        readable = all(w.dtype == torch.float32 and w.is_cpu and w.dim() == 2 and w.stride(1) == 1 for w in weights)
+        readable = all(w.dtype in DTYPES and w.dtype == weights[0].dtype and w.is_cpu and w.dim() == 2 and w.stride(1) == 1 for w in weights)
         if len(plans) >= MAX_PLANS:
             plans.clear()
         plan = plans[key] = _Plan(weights, pooling, padding_idx, include_last_offset, layout) if readable else None
@@ -246,7 +248,7 @@ def _grad_rows(grad: Tensor, weights, layout: str) -> tuple[Tensor, int]:
 @register_kernel(BACKWARD_OP, "native")
 def backward(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad):
     found = _features_plan(weights, features, per_sample_weights, pooling, padding_idx, layout)
-    if found is None or grad.dtype != torch.float32:
+    if found is None or grad.dtype != found[0].dtype:
         return table_gradients(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad)
     plan, rows, alive = found  # alive: the tensors meta points into
     grad, stride = _grad_rows(grad, weights, layout)
@@ -279,7 +281,7 @@ def _scratch(name: str, numel: int, dtype: torch.dtype) -> Tensor:
 def optimizer_step(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params):
     distinct = len({w.data_ptr() for w in weights}) == len(weights)  # the kernel updates tables in parallel
     found = _features_plan(weights, features, per_sample_weights, pooling, padding_idx, layout)
-    if found is None or grad.dtype != torch.float32 or not distinct:
+    if found is None or found[0].dtype != torch.float32 or grad.dtype != torch.float32 or not distinct:
         return step_each_table(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params,
                                fbgemm=False)
     plan, rows, alive = found  # alive: the tensors meta points into

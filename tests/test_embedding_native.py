@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime import embedding_native, embedding_optimizer
-from runtime.embedding import MEAN, NONE, SUM, raw_features, table_gradients
+from runtime.embedding import MEAN, NONE, OP, SUM, raw_features, table_gradients
 from runtime.embedding_optimizer import OPTIMIZERS, format_optimizer
 from runtime.kernels import get_kernel
 
@@ -64,6 +64,36 @@ def test_backward_matches_reference(sparse, psw_grad, **group):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+HALF_TOL = {torch.float16: dict(rtol=1e-2, atol=1e-2), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(list(HALF_TOL)), sparse=st.lists(st.booleans(), min_size=3, max_size=3), **GROUPS)
+def test_half_tables_run_natively(dtype, sparse, **group):
+    """fp16/bf16 tables, sample weights and gradients: the native kernels (no fallback to the torch kernels) sum
+    in fp32 and round once, as the reference does; dense and per-id gradients, per-sample weight gradients."""
+    weights, features, psws, pooling, pads, layout, grad = _group(**group)
+    weights, grad = [w.to(dtype) for w in weights], grad.to(dtype)
+    psws = [None if p is None else p.to(dtype) for p in psws]
+    num = len(weights)
+    lookup = (weights, [f.ids for f in features], [f.offsets for f in features],
+              [torch.empty(0) if p is None else p for p in psws], pooling, pads, [False] * num, layout,
+              ",".join(f"f{t}" for t in range(num)), "fatal")
+    with pytest.MonkeyPatch.context() as patch:
+        for fallback in ("forward_cpu", "table_gradients"):
+            patch.setattr(embedding_native, fallback, lambda *args, name=fallback: pytest.fail(f"{name} ran"))
+        got = embedding_native.forward(*lookup)
+        wants = [p is not None for p in psws]
+        args = (grad, weights, features, psws, pooling, pads, layout, sparse[:num], wants)
+        got_grads = embedding_native.backward(*args)
+    want = get_kernel(OP, "reference")(weights, features, psws, pooling, pads, layout)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, **HALF_TOL[dtype])
+    for g, w in zip(got_grads, table_gradients(*args)):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, **HALF_TOL[dtype])
 
 
 def _run_step(impl, kind, weights, features, psws, pooling, pads, layout, grad):

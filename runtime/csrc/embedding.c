@@ -1,8 +1,9 @@
 /* CPU kernels of recompile::grouped_embedding_bag (runtime/embedding_native.py): every table of a group
- * in one call, fp32 tables read in place through their data pointers (never packed).
+ * in one call, tables read in place through their data pointers (never packed).
  *
  * A group is described by ``meta``, an int64 [T, META] array (one row per table, columns below); ids
- * and offsets are int32 or int64 (FLAGS). Bag b of table t holds ids [start, end): with offsets,
+ * and offsets are int32 or int64, tables fp32, fp16 or bf16 (FLAGS: one element type for the tables, the
+ * sample weights, the output and its gradient; sums are accumulated in fp32). Bag b of table t holds ids [start, end): with offsets,
  * start = offsets[b] and end = offsets[b + 1] (or N for the last bag when offsets has B entries);
  * without, ids are a [B, L] block (L = N_OFFS). NONE pooling ("sequence" layout) has one row per id.
  *
@@ -25,23 +26,53 @@
 
 enum { W_PTR, ROWS, DIM, W_STRIDE, IDS, N_IDS, OFFS, N_OFFS, PSW, POOLING, PAD, OUT_AT, FLAGS, META };
 enum { SUM, MEAN, NONE };
-enum { IDS_I64 = 1, OFFS_I64 = 2, LAST_OFFSET = 4 };
+enum { IDS_I64 = 1, OFFS_I64 = 2, LAST_OFFSET = 4, DTYPE_SHIFT = 3 };
+enum { F32, F16, BF16 }; /* element types (FLAGS >> DTYPE_SHIFT) */
 enum { ERR_OFFSETS = 1, ERR_IDS = 2 };
 enum { SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM };
 
 typedef struct {
-    const float *w;
+    const void *w;
     int64_t rows, dim, stride, n, n_offs, pad, at, pooling;
-    const void *ids, *offs;
-    const float *psw;
-    int ids64, offs64, last;
+    const void *ids, *offs, *psw;
+    int ids64, offs64, last, dt;
 } table_t;
 
 static table_t table_of(const int64_t *m) {
-    table_t t = {(const float *)m[W_PTR], m[ROWS], m[DIM], m[W_STRIDE], m[N_IDS], m[N_OFFS], m[PAD], m[OUT_AT],
-                 m[POOLING], (const void *)m[IDS], (const void *)m[OFFS], (const float *)m[PSW],
-                 (m[FLAGS] & IDS_I64) != 0, (m[FLAGS] & OFFS_I64) != 0, (m[FLAGS] & LAST_OFFSET) != 0};
+    table_t t = {(const void *)m[W_PTR], m[ROWS], m[DIM], m[W_STRIDE], m[N_IDS], m[N_OFFS], m[PAD], m[OUT_AT],
+                 m[POOLING], (const void *)m[IDS], (const void *)m[OFFS], (const void *)m[PSW],
+                 (m[FLAGS] & IDS_I64) != 0, (m[FLAGS] & OFFS_I64) != 0, (m[FLAGS] & LAST_OFFSET) != 0,
+                 (int)(m[FLAGS] >> DTYPE_SHIFT)};
     return t;
+}
+
+static const size_t ELEMENT_SIZE[] = {4, 2, 2};
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays (quiet) NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+/* Element i of an array of element type dt, as fp32; and its store (rounded to nearest even). */
+static inline __attribute__((always_inline)) float load1(const void *p, int64_t i, int dt) {
+    if (dt == F16) return (float)((const _Float16 *)p)[i];
+    if (dt == BF16) return bf16_to_float(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) void store1(void *p, int64_t i, float v, int dt) {
+    if (dt == F16) ((_Float16 *)p)[i] = (_Float16)v;
+    else if (dt == BF16) ((uint16_t *)p)[i] = float_to_bf16(v);
+    else ((float *)p)[i] = v;
 }
 
 static inline int64_t at(const void *p, int64_t i, int is64) {
@@ -80,10 +111,14 @@ static int offsets_ok(const table_t *t) {
     return t->last ? prev == t->n : prev <= t->n;
 }
 
+/* An id's sample weight (1 without). */
+static inline __attribute__((always_inline)) float sample_weight(const table_t *t, int64_t j, int dt) {
+    return t->psw ? load1(t->psw, j, dt) : 1.f;
+}
+
 /* Each id's factor in its bag's pooled row: 1, its sample weight, 0 for padding. */
 static inline float id_scale(const table_t *t, int64_t j, int64_t row) {
-    if (row == t->pad) return 0.f;
-    return t->psw ? t->psw[j] : 1.f;
+    return row == t->pad ? 0.f : sample_weight(t, j, t->dt);
 }
 
 /* What MEAN pooling divides a bag's sum by: its ids other than padding (1 for an empty bag, and for SUM). */
@@ -117,32 +152,49 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #define TILE 512 /* bags per work item of the pooled forward */
 #define PREFETCH 16 /* ids ahead whose rows are prefetched */
 
-/* Prefetch the first cache lines of id j's row (a prefetch never faults, a bad id is harmless here). */
-static inline void prefetch_row(const float *w, int64_t stride, int64_t dim, const void *ids, int ids64,
-                                int64_t n, int64_t j) {
-    if (j >= n) return;
-    int64_t id = at(ids, j, ids64);
-    for (int64_t k = 0; k < dim && k < 2 * BLOCK; k += LANES) __builtin_prefetch(w + id * stride + k);
+/* 16 consecutive elements of type dt from element i, as fp32 (fp32: one unaligned load). */
+static inline __attribute__((always_inline)) v16 load16(const void *p, int64_t i, int dt) {
+    if (dt == F32) return *(const v16 *)((const float *)p + i);
+    v16 v;
+    for (int k = 0; k < LANES; k++) v[k] = load1(p, i + k, dt);
+    return v;
 }
 
-/* o[0:BLOCK] = sum over the bag's ids of scale * row[c:c + BLOCK] (over ``divisor``), accumulated in registers;
- * ``stream``: written past the caches. */
-static inline void pool_block(const table_t *t, int64_t start, int64_t end, int64_t c, float divisor, float *o,
-                              int64_t *err, int stream) {
+static inline __attribute__((always_inline)) void store16(void *p, int64_t i, v16 v, int dt) {
+    if (dt == F32) {
+        *(v16 *)((float *)p + i) = v;
+        return;
+    }
+    for (int k = 0; k < LANES; k++) store1(p, i + k, v[k], dt);
+}
+
+/* Prefetch the first cache lines of id j's row (a prefetch never faults, a bad id is harmless here). */
+static inline void prefetch_row(const char *w, int64_t row_bytes, int64_t bytes, const void *ids, int ids64,
+                                int64_t n, int64_t j) {
+    if (j >= n) return;
+    const char *row = w + at(ids, j, ids64) * row_bytes;
+    for (int64_t k = 0; k < bytes && k < 512; k += 64) __builtin_prefetch(row + k);
+}
+
+/* out[o:o + BLOCK] = sum over the bag's ids of scale * row[c:c + BLOCK] (over ``divisor``), accumulated in fp32
+ * registers; ``stream``: written past the caches (fp32). ``dt`` is a constant where this is inlined. */
+static inline __attribute__((always_inline)) void pool_block(const table_t *t, int64_t start, int64_t end, int64_t c,
+                                                            float divisor, void *out, int64_t o, int64_t *err,
+                                                            int stream, int dt) {
     v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    const float *w = t->w;
-    const void *ids = t->ids;
-    int64_t stride = t->stride, dim = t->dim, n = t->n;
+    const void *w = t->w, *ids = t->ids;
+    const int64_t stride = t->stride, n = t->n, pad = t->pad, size = ELEMENT_SIZE[dt];
+    const int ids64 = t->ids64;
     for (int64_t j = start; j < end; j++) {
-        if (c == 0) prefetch_row(w, stride, dim, ids, t->ids64, n, j + PREFETCH);
+        if (c == 0) prefetch_row(w, stride * size, t->dim * size, ids, ids64, n, j + PREFETCH);
         int64_t row = row_of(t, j, err);
-        if (row == t->pad) continue;
-        const v16 *r = (const v16 *)(t->w + row * t->stride + c);
-        float s = t->psw ? t->psw[j] : 1.f;
-        a0 += s * r[0];
-        a1 += s * r[1];
-        a2 += s * r[2];
-        a3 += s * r[3];
+        if (row == pad) continue;
+        int64_t r = row * stride + c;
+        float s = sample_weight(t, j, dt);
+        a0 += s * load16(w, r, dt);
+        a1 += s * load16(w, r + LANES, dt);
+        a2 += s * load16(w, r + 2 * LANES, dt);
+        a3 += s * load16(w, r + 3 * LANES, dt);
     }
     if (divisor != 1.f) {
         a0 /= divisor;
@@ -153,38 +205,53 @@ static inline void pool_block(const table_t *t, int64_t start, int64_t end, int6
 #ifndef __AVX512F__
     (void)stream;
 #else
-    if (stream && ((uintptr_t)o & 63) == 0) { /* an output larger than the caches: no read for ownership */
-        _mm512_stream_ps(o, (__m512)a0);
-        _mm512_stream_ps(o + LANES, (__m512)a1);
-        _mm512_stream_ps(o + 2 * LANES, (__m512)a2);
-        _mm512_stream_ps(o + 3 * LANES, (__m512)a3);
+    float *f = (float *)out + o;
+    if (dt == F32 && stream && ((uintptr_t)f & 63) == 0) { /* an output larger than the caches: no read for ownership */
+        _mm512_stream_ps(f, (__m512)a0);
+        _mm512_stream_ps(f + LANES, (__m512)a1);
+        _mm512_stream_ps(f + 2 * LANES, (__m512)a2);
+        _mm512_stream_ps(f + 3 * LANES, (__m512)a3);
         return;
     }
 #endif
-    v16 *out = (v16 *)o;
-    out[0] = a0;
-    out[1] = a1;
-    out[2] = a2;
-    out[3] = a3;
+    store16(out, o, a0, dt);
+    store16(out, o + LANES, a1, dt);
+    store16(out, o + 2 * LANES, a2, dt);
+    store16(out, o + 3 * LANES, a3, dt);
 }
 
-/* Columns past the last full block, accumulated in the output. */
-static void pool_tail(const table_t *t, int64_t start, int64_t end, int64_t c, float divisor, float *restrict o,
+/* Columns past the last full block (fewer than BLOCK), accumulated in fp32. */
+static void pool_tail(const table_t *t, int64_t start, int64_t end, int64_t c, float divisor, void *out, int64_t o,
                       int64_t *err) {
-    memset(o, 0, (t->dim - c) * sizeof(float));
+    float acc[BLOCK] = {0};
+    int64_t d = t->dim - c;
     for (int64_t j = start; j < end; j++) {
         int64_t row = row_of(t, j, err);
-        if (row != t->pad) axpy(o, t->w + row * t->stride + c, t->psw ? t->psw[j] : 1.f, t->dim - c);
+        if (row == t->pad) continue;
+        float s = sample_weight(t, j, t->dt);
+        for (int64_t k = 0; k < d; k++) acc[k] += s * load1(t->w, row * t->stride + c + k, t->dt);
     }
-    if (divisor != 1.f)
-        for (int64_t k = 0; k < t->dim - c; k++) o[k] /= divisor;
+    for (int64_t k = 0; k < d; k++) store1(out, o + k, acc[k] / divisor, t->dt);
 }
 
-/* Pooled forward: out[b, OUT_AT + k] (row stride ``out_stride``) = the pooled row of table t's bag b. */
-void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, int64_t out_stride, int64_t *err,
+/* Bags [first, last) of table t, bag b into out[b * out_stride + OUT_AT:][:D]; ``dt`` a constant where this is
+ * inlined (one specialisation per element type). */
+static inline __attribute__((always_inline)) void pool_bags(const table_t *t, int64_t first, int64_t last, void *out,
+                                                           int64_t out_stride, int64_t *err, int stream, int dt) {
+    for (int64_t b = first; b < last; b++) {
+        int64_t start = 0, end = 0, c = 0, o = b * out_stride + t->at;
+        if (!(*err & ERR_OFFSETS)) bag_range(t, b, &start, &end);
+        float divisor = bag_divisor(t, start, end, err);
+        for (; c + BLOCK <= t->dim; c += BLOCK) pool_block(t, start, end, c, divisor, out, o + c, err, stream, dt);
+        if (c < t->dim) pool_tail(t, start, end, c, divisor, out, o + c, err);
+    }
+}
+
+/* Pooled forward: out[b, OUT_AT + k] (row stride ``out_stride`` elements) = the pooled row of table t's bag b. */
+void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, void *out, int64_t out_stride, int64_t *err,
                         int stream, int threads) {
     memset(err, 0, T * sizeof *err);
-    if (stream) advise_huge(out, B * out_stride * sizeof(float));
+    if (stream) advise_huge(out, B * out_stride * ELEMENT_SIZE[table_of(meta).dt]);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -199,14 +266,9 @@ void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, i
         for (int64_t w = 0; w < tiles * T; w++) {
             int64_t ti = w / tiles, first = w % tiles * TILE, last = first + TILE < B ? first + TILE : B;
             table_t t = table_of(meta + ti * META);
-            for (int64_t b = first; b < last; b++) {
-                int64_t start = 0, end = 0, c = 0;
-                float *restrict o = out + b * out_stride + t.at;
-                if (!(err[ti] & ERR_OFFSETS)) bag_range(&t, b, &start, &end);
-                float divisor = bag_divisor(&t, start, end, err + ti);
-                for (; c + BLOCK <= t.dim; c += BLOCK) pool_block(&t, start, end, c, divisor, o + c, err + ti, stream);
-                if (c < t.dim) pool_tail(&t, start, end, c, divisor, o + c, err + ti);
-            }
+            if (t.dt == F16) pool_bags(&t, first, last, out, out_stride, err + ti, stream, F16);
+            else if (t.dt == BF16) pool_bags(&t, first, last, out, out_stride, err + ti, stream, BF16);
+            else pool_bags(&t, first, last, out, out_stride, err + ti, stream, F32);
         }
 #ifdef __AVX512F__
         _mm_sfence(); /* the streamed rows are visible before the region ends */
@@ -215,32 +277,35 @@ void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, i
 }
 
 /* Unpooled forward ("sequence" layout): out[OUT_AT + j] = table t's row of id j. */
-void geb_forward_sequence(int64_t T, const int64_t *meta, float *out, int64_t out_stride, int64_t *err, int threads) {
+void geb_forward_sequence(int64_t T, const int64_t *meta, void *out, int64_t out_stride, int64_t *err, int threads) {
     memset(err, 0, T * sizeof *err);
 #pragma omp parallel num_threads(threads)
     for (int64_t ti = 0; ti < T; ti++) {
         table_t t = table_of(meta + ti * META);
+        size_t size = ELEMENT_SIZE[t.dt];
 #pragma omp for schedule(static) nowait
         for (int64_t j = 0; j < t.n; j++)
-            memcpy(out + (t.at + j) * out_stride, t.w + row_of(&t, j, err + ti) * t.stride, t.dim * sizeof(float));
+            memcpy((char *)out + (t.at + j) * out_stride * size,
+                   (const char *)t.w + row_of(&t, j, err + ti) * t.stride * size, t.dim * size);
     }
 }
 
-/* The gradient of the output row that bag b (pooled) or id j (sequence) of table t wrote. */
-static inline const float *grad_row(const table_t *t, const float *grad, int64_t grad_stride, int64_t b) {
-    return t->pooling == NONE ? grad + (t->at + b) * grad_stride : grad + b * grad_stride + t->at;
+/* Where the gradient of the output row that bag b (pooled) or id j (sequence) of table t wrote starts (elements). */
+static inline int64_t grad_at(const table_t *t, int64_t grad_stride, int64_t b) {
+    return t->pooling == NONE ? (t->at + b) * grad_stride : b * grad_stride + t->at;
 }
 
-/* Calls visit(row, scale, j, g) for every id j of table t: g is the gradient of the output it went into, scale
- * its factor there (0 for padding). Bags are walked in order, so each row's contributions add up in id order. */
-#define FOR_EACH_ID(t, grad, grad_stride, B, err, BODY)                                         \
+/* Runs BODY for every id j of table t, with ``row`` its row, ``g`` where the gradient of the output it went into
+ * starts (elements), ``scale`` its factor there (0 for padding). Bags are walked in order, so each row's
+ * contributions add up in id order. */
+#define FOR_EACH_ID(t, grad_stride, B, err, BODY)                                               \
     do {                                                                                         \
         int64_t bags_ = (t).pooling == NONE ? (t).n : (B);                                       \
         for (int64_t b_ = 0; b_ < bags_; b_++) {                                                 \
             int64_t start_ = b_, end_ = b_ + 1;                                                  \
             if ((t).pooling != NONE) bag_range(&(t), b_, &start_, &end_);                        \
             float divisor_ = bag_divisor(&(t), start_, end_, (err));                             \
-            const float *g = grad_row(&(t), (grad), (grad_stride), b_);                          \
+            int64_t g = grad_at(&(t), (grad_stride), b_);                                        \
             for (int64_t j = start_; j < end_; j++) {                                            \
                 int64_t row = row_of(&(t), j, (err));                                            \
                 float scale = id_scale(&(t), j, row);                                            \
@@ -250,34 +315,47 @@ static inline const float *grad_row(const table_t *t, const float *grad, int64_t
         }                                                                                        \
     } while (0)
 
+/* out[o:o + d] (+)= scale * grad[g:g + d] in fp32 (``accumulate``: added to what is there), stored as dt. */
+static void scaled_row(void *out, int64_t o, const void *grad, int64_t g, float scale, int64_t d, int accumulate,
+                       int dt) {
+    if (dt == F32) {
+        float *restrict y = (float *)out + o;
+        const float *restrict x = (const float *)grad + g;
+        if (!accumulate) memset(y, 0, d * sizeof(float));
+        if (scale == 1.f) add(y, x, d);
+        else axpy(y, x, scale, d);
+        return;
+    }
+    for (int64_t k = 0; k < d; k++)
+        store1(out, o + k, (accumulate ? load1(out, o + k, dt) : 0.f) + scale * load1(grad, g + k, dt), dt);
+}
+
 /* Backward: per table, the dense gradient [rows, D] (dense[t] != 0), else the gradient of every id's row
- * [N, D]; and where psw_out[t] != 0, the gradient of every per-sample weight (dot(g, row), 0 for padding). */
-void geb_backward(int64_t T, const int64_t *meta, int64_t B, const float *grad, int64_t grad_stride,
+ * [N, D]; and where psw_out[t] != 0, the gradient of every per-sample weight (dot(g, row), 0 for padding).
+ * Gradients have the tables' element type; products are summed in fp32. */
+void geb_backward(int64_t T, const int64_t *meta, int64_t B, const void *grad, int64_t grad_stride,
                   const int64_t *table_out, const int64_t *dense, const int64_t *psw_out, int64_t *err, int threads) {
     memset(err, 0, T * sizeof *err);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t ti = 0; ti < T; ti++) {
         table_t t = table_of(meta + ti * META);
-        float *restrict out = (float *)table_out[ti];
-        float *restrict dpsw = (float *)psw_out[ti];
+        void *out = (void *)table_out[ti], *dpsw = (void *)psw_out[ti];
         if (dense[ti]) {
-            advise_huge(out, t.rows * t.dim * sizeof(float));
-            memset(out, 0, t.rows * t.dim * sizeof(float));
+            size_t bytes = t.rows * t.dim * ELEMENT_SIZE[t.dt];
+            advise_huge(out, bytes);
+            memset(out, 0, bytes);
         }
         if (!offsets_ok(&t)) {
             err[ti] |= ERR_OFFSETS;
             continue;
         }
-        FOR_EACH_ID(t, grad, grad_stride, B, err + ti, {
-            float *o = dense[ti] ? out + row * t.dim : out + j * t.dim;
-            if (!dense[ti]) memset(o, 0, t.dim * sizeof(float));
-            if (scale == 1.f) add(o, g, t.dim);
-            else if (scale != 0.f || !dense[ti]) axpy(o, g, scale, t.dim);
+        FOR_EACH_ID(t, grad_stride, B, err + ti, {
+            if (!dense[ti]) scaled_row(out, j * t.dim, grad, g, scale, t.dim, 0, t.dt);
+            else if (scale != 0.f) scaled_row(out, row * t.dim, grad, g, scale, t.dim, 1, t.dt);
             if (dpsw) {
                 float dot = 0.f;
-                const float *w = t.w + row * t.stride;
-                for (int64_t k = 0; k < t.dim; k++) dot += g[k] * w[k];
-                dpsw[j] = row == t.pad ? 0.f : dot;
+                for (int64_t k = 0; k < t.dim; k++) dot += load1(grad, g + k, t.dt) * load1(t.w, row * t.stride + k, t.dt);
+                store1(dpsw, j, row == t.pad ? 0.f : dot, t.dt);
             }
         });
     }
@@ -285,7 +363,8 @@ void geb_backward(int64_t T, const int64_t *meta, int64_t B, const float *grad, 
 
 /* Fused optimizer step (runtime/embedding_optimizer.py has the formulas): per table, the ids' gradients summed
  * per touched row (in id order; a padding id touches its row with a zero gradient), then each touched row
- * updated in place. ``state`` is int64 [T, 2] of fp32 state pointers (Adagrad: sum [rows, D] or [rows];
+ * updated in place; fp32 tables (the others step in runtime/embedding_optimizer.py's torch kernels). ``state`` is
+ * int64 [T, 2] of fp32 state pointers (Adagrad: sum [rows, D] or [rows];
  * Adam: exp_avg, exp_avg_sq [rows, D]); ``step_size`` is Adam's bias-corrected lr per table. Compiled without
  * contraction into fused multiply-adds, so the rounding is that of the torch formulas. */
 #pragma GCC push_options
@@ -353,15 +432,16 @@ void geb_optimizer_step(int64_t T, const int64_t *meta, int64_t B, const float *
         int64_t *touched = touched_all + at[T + 1 + ti];
         int32_t *slot = slots_all + at[2 * (T + 1) + ti];
         int64_t count = 0;
-        FOR_EACH_ID(t, grad, grad_stride, B, err + ti, {
+        FOR_EACH_ID(t, grad_stride, B, err + ti, {
+            const float *gr = grad + g;
             if (slot[row] == 0) {
                 touched[count] = row;
                 slot[row] = (int32_t)++count;
                 memset(sums + (count - 1) * t.dim, 0, t.dim * sizeof(float));
             }
             float *o = sums + (slot[row] - 1) * t.dim;
-            if (scale == 1.f) add(o, g, t.dim);
-            else for (int64_t k = 0; k < t.dim; k++) o[k] += g[k] * scale;
+            if (scale == 1.f) add(o, gr, t.dim);
+            else for (int64_t k = 0; k < t.dim; k++) o[k] += gr[k] * scale;
         });
         float *s0 = (float *)state[2 * ti], *s1 = (float *)state[2 * ti + 1];
         int64_t state_dim = kind == ROWWISE_ADAGRAD ? 1 : t.dim;
