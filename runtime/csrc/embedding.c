@@ -295,10 +295,19 @@ static inline int64_t grad_at(const table_t *t, int64_t grad_stride, int64_t b) 
     return t->pooling == NONE ? (t->at + b) * grad_stride : b * grad_stride + t->at;
 }
 
+/* The gradient rows of later bags are a strided walk through a gradient larger than the caches: fetched ahead. */
+#define GRAD_AHEAD 8
+#define ROWS_AHEAD 8 /* touched rows the optimizer step fetches ahead */
+
+static inline void prefetch_grad(const void *grad, int64_t g, int64_t dim, int dt) {
+    const char *row = (const char *)grad + g * (int64_t)ELEMENT_SIZE[dt];
+    for (int64_t k = 0; k < dim * (int64_t)ELEMENT_SIZE[dt]; k += 64) __builtin_prefetch(row + k);
+}
+
 /* Runs BODY for every id j of table t, with ``row`` its row, ``g`` where the gradient of the output it went into
  * starts (elements), ``scale`` its factor there (0 for padding). Bags are walked in order, so each row's
  * contributions add up in id order. */
-#define FOR_EACH_ID(t, grad_stride, B, err, BODY)                                               \
+#define FOR_EACH_ID(t, grad, grad_stride, B, err, BODY)                                         \
     do {                                                                                         \
         int64_t bags_ = (t).pooling == NONE ? (t).n : (B);                                       \
         for (int64_t b_ = 0; b_ < bags_; b_++) {                                                 \
@@ -306,6 +315,8 @@ static inline int64_t grad_at(const table_t *t, int64_t grad_stride, int64_t b) 
             if ((t).pooling != NONE) bag_range(&(t), b_, &start_, &end_);                        \
             float divisor_ = bag_divisor(&(t), start_, end_, (err));                             \
             int64_t g = grad_at(&(t), (grad_stride), b_);                                        \
+            if (b_ + GRAD_AHEAD < bags_)                                                         \
+                prefetch_grad((grad), grad_at(&(t), (grad_stride), b_ + GRAD_AHEAD), (t).dim, (t).dt); \
             for (int64_t j = start_; j < end_; j++) {                                            \
                 int64_t row = row_of(&(t), j, (err));                                            \
                 float scale = id_scale(&(t), j, row);                                            \
@@ -349,7 +360,7 @@ void geb_backward(int64_t T, const int64_t *meta, int64_t B, const void *grad, i
             err[ti] |= ERR_OFFSETS;
             continue;
         }
-        FOR_EACH_ID(t, grad_stride, B, err + ti, {
+        FOR_EACH_ID(t, grad, grad_stride, B, err + ti, {
             if (!dense[ti]) scaled_row(out, j * t.dim, grad, g, scale, t.dim, 0, t.dt);
             else if (scale != 0.f) scaled_row(out, row * t.dim, grad, g, scale, t.dim, 1, t.dt);
             if (dpsw) {
@@ -432,7 +443,7 @@ void geb_optimizer_step(int64_t T, const int64_t *meta, int64_t B, const float *
         int64_t *touched = touched_all + at[T + 1 + ti];
         int32_t *slot = slots_all + at[2 * (T + 1) + ti];
         int64_t count = 0;
-        FOR_EACH_ID(t, grad_stride, B, err + ti, {
+        FOR_EACH_ID(t, grad, grad_stride, B, err + ti, {
             const float *gr = grad + g;
             if (slot[row] == 0) {
                 touched[count] = row;
@@ -447,6 +458,12 @@ void geb_optimizer_step(int64_t T, const int64_t *meta, int64_t B, const float *
         int64_t state_dim = kind == ROWWISE_ADAGRAD ? 1 : t.dim;
         for (int64_t i = 0; i < count; i++) {
             int64_t row = touched[i];
+            if (i + ROWS_AHEAD < count) { /* the touched rows are scattered over the table: fetched ahead */
+                int64_t next = touched[i + ROWS_AHEAD];
+                for (int64_t k = 0; k < t.dim; k += LANES) __builtin_prefetch((const float *)t.w + next * t.stride + k, 1);
+                for (int64_t k = 0; s0 && k < state_dim; k += LANES) __builtin_prefetch(s0 + next * state_dim + k, 1);
+                for (int64_t k = 0; s1 && k < state_dim; k += LANES) __builtin_prefetch(s1 + next * state_dim + k, 1);
+            }
             update_row(kind, (float *)t.w + row * t.stride, sums + i * t.dim, s0 ? s0 + row * state_dim : NULL,
                        s1 ? s1 + row * state_dim : NULL, t.dim, hyper, step_size[ti]);
             slot[row] = 0;
