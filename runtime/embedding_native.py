@@ -162,7 +162,8 @@ def _plan(weights, pooling, padding_idx, include_last_offset, layout) -> Optiona
     plans = _PLANS.__dict__.setdefault("plans", {})
     plan = plans.get(key, False)
     if plan is False:
-        readable = all(w.dtype in DTYPES and w.dtype == weights[0].dtype and w.is_cpu and w.dim() == 2 and w.stride(1) == 1 for w in weights)
+        readable = all(w.dtype in DTYPES and w.dtype == weights[0].dtype and w.is_cpu and w.dim() == 2 and w.stride(1) == 1
+                       for w in weights)
         if len(plans) >= MAX_PLANS:
             plans.clear()
         plan = plans[key] = _Plan(weights, pooling, padding_idx, include_last_offset, layout) if readable else None
