@@ -4,14 +4,16 @@
    time and peak memory, and a training step (forward + backward), for the padded layer in eager,
    under ``backend="inductor"``, and under ``backend="rec_ascend"`` (whose jagged pass runs it on the
    jagged values), with rec_ascend's output checked against eager.
-2. HSTU attention alone, jagged (``recompile.hstu_attention``, CPU kernel) against the padded
-   formulation (pad, dense attention over [B, H, N, N], unpad), as the longest history grows to 4096.
+2. HSTU attention alone, jagged (``recompile.hstu_attention``: the native C kernel and the
+   length-bucketed ATen kernel) against the padded formulation (pad, dense attention over
+   [B, H, N, N], unpad), as the longest history grows to 4096; forward, and forward + backward.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 import threading
@@ -122,26 +124,39 @@ def padded_hstu(q, k, v, offsets, lengths, n, rel_bias, args: HSTUArgs):
     return dense_to_jagged_reference(out.flatten(2), offsets, q.shape[0]).unflatten(1, v.shape[1:])
 
 
+ATTENTION_KERNELS = ("native", "cpu")  # recompile.hstu_attention's CPU kernels
+
+
 def attention_scaling(repeats: int, max_lens: list[int], batch: int) -> None:
     heads, dim = 1, 32
-    print(f"HSTU attention alone: {batch} long-tailed sequences, {heads} heads x {dim}; jagged vs padded")
-    print(f"  {'max len':>7s} {'items':>6s} {'padded ms':>10s} {'jagged ms':>10s} {'speedup':>8s} "
-          f"{'padded MB':>10s} {'jagged MB':>10s}")
+    print(f"HSTU attention alone: {batch} long-tailed sequences, {heads} heads x {dim}, relative position bias; "
+          f"jagged vs padded, forward (fwd) and forward + backward (train)")
+    print(f"  {'max len':>7s} {'items':>6s} {'padded fwd':>10s} " + " ".join(f"{k + ' fwd':>10s}" for k in ATTENTION_KERNELS)
+          + f" {'padded train':>12s} " + " ".join(f"{k + ' train':>12s}" for k in ATTENTION_KERNELS)
+          + f" {'native vs padded':>16s} {'padded MB':>10s} {'native MB':>10s}")
     gen = torch.Generator().manual_seed(1)
     for n in max_lens:
         lengths = long_tailed_lengths(batch, n, gen)
         offsets = torch.ops.recompile.complete_cumsum(lengths, "cpu")
         total = int(lengths.sum())
-        q, k, v = (torch.randn(total, heads, dim, generator=gen) for _ in range(3))
-        rel = torch.randn(2 * n - 1, generator=gen) * 0.02
+        q, k, v = (torch.randn(total, heads, dim, generator=gen).requires_grad_() for _ in range(3))
+        rel = (torch.randn(2 * n - 1, generator=gen) * 0.02).requires_grad_()
         args = HSTUArgs(n, 1.0 / dim**0.5, True, 0)
-        jagged = lambda: torch.ops.recompile.hstu_attention(q, k, v, offsets, n, args.alpha, True, None, 0, rel,  # noqa: E731
-                                                            None, None, "cpu")
-        padded = lambda: padded_hstu(q, k, v, offsets, lengths, n, rel, args)  # noqa: E731
-        torch.testing.assert_close(jagged(), padded(), rtol=1e-4, atol=1e-5)
-        tp, tj = best_ms(padded, repeats), best_ms(jagged, repeats)
-        mp, mj = peak_bytes(padded), peak_bytes(jagged)
-        print(f"  {n:7d} {total:6d} {tp:10.2f} {tj:10.2f} {tp / tj:8.2f} {mp / 2**20:10.1f} {mj / 2**20:10.1f}")
+        runs = {"padded": lambda: padded_hstu(q, k, v, offsets, lengths, n, rel, args)}
+        for kernel in ATTENTION_KERNELS:
+            runs[kernel] = functools.partial(torch.ops.recompile.hstu_attention, q, k, v, offsets, n, args.alpha, True,
+                                             None, 0, rel, None, None, kernel)
+        with torch.no_grad():
+            want = runs["padded"]()
+            for run in list(runs.values())[1:]:
+                torch.testing.assert_close(run(), want, rtol=1e-4, atol=1e-5)
+            fwd = {name: best_ms(run, repeats) for name, run in runs.items()}
+            mem = {name: peak_bytes(runs[name]) for name in ("padded", "native")}
+        train = {name: best_ms(lambda: run().sum().backward(), repeats) for name, run in runs.items()}
+        print(f"  {n:7d} {total:6d} {fwd['padded']:10.2f} " + " ".join(f"{fwd[k]:10.2f}" for k in ATTENTION_KERNELS)
+              + f" {train['padded']:12.2f} " + " ".join(f"{train[k]:12.2f}" for k in ATTENTION_KERNELS)
+              + f" {fwd['padded'] / fwd['native']:7.1f}x/{train['padded'] / train['native']:5.1f}x"
+              + f" {mem['padded'] / 2**20:10.1f} {mem['native'] / 2**20:10.1f}")
 
 
 def main() -> None:
