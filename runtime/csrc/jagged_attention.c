@@ -25,7 +25,7 @@
 
 typedef uint16_t bf16_t;
 
-enum { VL = 16, BM = 32, BN = 64, MR = 4, NR = 4 };
+enum { VL = 16, BM = 32, BN = 64, MR = 4, NR = 4, SPREAD = 8 };
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 typedef float vfu __attribute__((vector_size(VL * sizeof(float)), aligned(4))); /* unaligned access */
 typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
@@ -214,7 +214,7 @@ static void gemm(int64_t M, int64_t N, int64_t K, const float *A, int64_t sam, i
 
 typedef struct {
     int64_t start, n, max_id;
-    int32_t *ids; /* [n]: HSTU's position ids (contextual prefix at 0, targets clamped at max_id) */
+    int32_t *ids; /* [n + VL]: HSTU's position ids (contextual prefix at 0, targets clamped at max_id) */
 } sequence;
 
 static void sequence_init(const hstu_problem *p, int64_t b, sequence *s, int32_t *ids) {
@@ -237,7 +237,7 @@ static int64_t key_end(const hstu_problem *p, const sequence *s, int64_t i0, int
 
 /* HSTU's log bucket of the time gaps |ts_i - ts_j[0:VL]|, exactly: an estimate within one bucket from the
    float's exponent and a linear log2 of its mantissa, corrected against the float bucket bounds (HSTU buckets
-   the gap as a float, so the bounds are exact). */
+   the gap's float, so those bounds are exact). */
 static inline vi time_buckets(int64_t ts_i, const int64_t *ts_j, const float *bounds, int32_t num_buckets) {
     vl gap;
     memcpy(&gap, ts_j, sizeof gap);
@@ -269,16 +269,19 @@ static void build_tile(const hstu_problem *p, const sequence *s, int64_t i0, int
     const float inv_n = 1.0f / (float)p->max_seq_len;
     const int64_t N = p->max_seq_len;
     const int32_t ctx = p->contextual > 0, causal = p->causal, max_id = (int32_t)s->max_id;
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int64_t r = 0; r < m; r++) {
         const int64_t i = i0 + r;
-        const int32_t id_i = s->ids[i];
-        float *scale = t->scale + r * ncp;
-        for (int64_t c = 0; c < nc; c++) {
-            const int32_t id_j = s->ids[j0 + c];
-            const int valid = i == j0 + c || (causal ? id_i > id_j : id_i != id_j) || (ctx && id_i == 0 && id_j < max_id);
-            scale[c] = valid ? inv_n : 0.0f;
+        const int32_t id_i = s->ids[i], prefix = ctx && id_i == 0; /* the prefix sees the non-target history */
+        for (int64_t c = 0; c < ncp; c += VL) {
+            const vi col = lane + (int32_t)(j0 + c);
+            vi id_j;
+            memcpy(&id_j, s->ids + j0 + c, sizeof id_j);
+            vi valid = (col == (int32_t)i) | (causal ? id_j < id_i : id_j != id_i);
+            if (prefix) valid |= id_j < max_id;
+            valid &= col < (int32_t)(j0 + nc);
+            *(vf *)(t->scale + r * ncp + c) = vselect(valid, splat(inv_n), splat(0.0f));
         }
-        for (int64_t c = nc; c < ncp; c++) scale[c] = 0.0f;
         if (!t->bias) continue;
         float *bias = t->bias + r * ncp;
         if (p->rel_bias) {
@@ -375,7 +378,7 @@ typedef struct {
 
 static int forward_space_init(const hstu_problem *p, int64_t nmax, forward_space *w) {
     const int64_t H = p->heads, D = p->dim, Dvp = round_up(p->dim_v, VL), np = round_up(nmax, VL);
-    w->ids = alloc(nmax);
+    w->ids = alloc(nmax + VL);
     w->kt = alloc(H * D * np), w->v = alloc(H * nmax * Dvp), w->q = alloc(H * BM * D), w->o = alloc(H * BM * Dvp);
     w->s = alloc(BM * BN), w->t.scale = alloc(BM * BN), w->t.bias = has_bias(p) ? alloc(BM * BN) : NULL;
     w->t.bucket = NULL;
@@ -457,20 +460,22 @@ typedef struct {
     float *dq, *dkt, *dvt;       /* its gradients: [H, nmax, Dp], [H, D, np], [H, Dv, np] */
     float *s, *dp, *ds_sum;      /* [BM, BN]: weights, score gradients, and those summed over heads */
     tile t;
-    float *drel, *dtime;         /* this thread's bias gradients */
+    float *drel, *dtime;         /* this thread's bias gradients; dtime in SPREAD copies of time_size */
+    int64_t time_size;
 } backward_space;
 
-static int backward_space_init(const hstu_problem *p, int64_t nmax, backward_space *w, float *drel, float *dtime) {
+static int backward_space_init(const hstu_problem *p, int64_t nmax, backward_space *w, float *drel, float *dtime,
+                               int64_t time_size) {
     const int64_t H = p->heads, D = p->dim, Dv = p->dim_v, Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
     const int64_t np = round_up(nmax, VL);
     const int bias = has_bias(p);
-    w->ids = alloc(nmax);
+    w->ids = alloc(nmax + VL);
     w->q = alloc(H * nmax * D), w->g = alloc(H * nmax * Dvp), w->kt = alloc(H * D * np), w->k = alloc(H * nmax * Dp);
     w->vt = alloc(H * Dv * np), w->dq = alloc(H * nmax * Dp), w->dkt = alloc(H * D * np), w->dvt = alloc(H * Dv * np);
     w->s = alloc(BM * BN), w->dp = alloc(BM * BN), w->ds_sum = bias ? alloc(BM * BN) : NULL;
     w->t.scale = alloc(BM * BN), w->t.bias = bias ? alloc(BM * BN) : NULL;
     w->t.bucket = p->timestamps ? alloc(BM * BN) : NULL;
-    w->drel = drel, w->dtime = dtime;
+    w->drel = drel, w->dtime = dtime, w->time_size = time_size;
     return w->ids && w->q && w->g && w->kt && w->k && w->vt && w->dq && w->dkt && w->dvt && w->s && w->dp &&
            w->t.scale && (!bias || (w->ds_sum && w->t.bias)) && (!p->timestamps || w->t.bucket);
 }
@@ -506,9 +511,9 @@ static void bias_gradients(const hstu_problem *p, backward_space *w, int64_t i0,
             float *dst = w->drel + p->max_seq_len - 1 + j0 - (i0 + r);
             for (int64_t c = 0; c < ncp; c += VL) *(vfu *)(dst + c) += *(const vf *)(ds + c);
         }
-        if (w->dtime) {
+        if (w->dtime) { /* SPREAD interleaved copies: runs of one bucket add in parallel, not in a chain */
             const int32_t *bucket = w->t.bucket + r * ncp;
-            for (int64_t c = 0; c < nc; c++) w->dtime[bucket[c]] += ds[c];
+            for (int64_t c = 0; c < nc; c++) w->dtime[(c % SPREAD) * w->time_size + bucket[c]] += ds[c];
         }
     }
 }
@@ -573,7 +578,8 @@ int hstu_attention_bwd(const hstu_problem *p) {
     const int64_t nmax = max_length(p), threads = max64(p->threads, 1);
     const int64_t rel_size = round_up(2 * p->max_seq_len - 1 + VL, VL), time_size = round_up(p->num_buckets + 1, VL);
     int64_t *order = malloc(sizeof(int64_t) * 2 * max64(p->batch, 1)); /* (sequence, length), longest first */
-    float *drel = p->drel ? alloc(threads * rel_size) : NULL, *dtime = p->dtime ? alloc(threads * time_size) : NULL;
+    float *drel = p->drel ? alloc(threads * rel_size) : NULL;
+    float *dtime = p->dtime ? alloc(threads * SPREAD * time_size) : NULL;
     if (!order || (p->drel && !drel) || (p->dtime && !dtime)) {
         free(order), free(drel), free(dtime);
         return HSTU_NO_MEMORY;
@@ -585,7 +591,8 @@ int hstu_attention_bwd(const hstu_problem *p) {
     {
         const int64_t t = omp_get_thread_num();
         backward_space w;
-        failed = !backward_space_init(p, nmax, &w, drel ? drel + t * rel_size : NULL, dtime ? dtime + t * time_size : NULL);
+        failed = !backward_space_init(p, nmax, &w, drel ? drel + t * rel_size : NULL,
+                                      dtime ? dtime + t * SPREAD * time_size : NULL, time_size);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < p->batch; i++)
             if (!failed && order[2 * i + 1] > 0) backward_sequence(p, order[2 * i], &w);
@@ -593,8 +600,8 @@ int hstu_attention_bwd(const hstu_problem *p) {
     }
     for (int64_t t = 0; !failed && drel && t < threads; t++)
         for (int64_t x = 0; x < 2 * p->max_seq_len - 1; x++) p->drel[x] += drel[t * rel_size + x];
-    for (int64_t t = 0; !failed && dtime && t < threads; t++)
-        for (int64_t x = 0; x <= p->num_buckets; x++) p->dtime[x] += dtime[t * time_size + x];
+    for (int64_t copy = 0; !failed && dtime && copy < threads * SPREAD; copy++)
+        for (int64_t x = 0; x <= p->num_buckets; x++) p->dtime[x] += dtime[copy * time_size + x];
     free(order), free(drel), free(dtime);
     return failed ? HSTU_NO_MEMORY : 0;
 }
