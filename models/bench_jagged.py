@@ -7,6 +7,8 @@
 2. HSTU attention alone, jagged (``recompile.hstu_attention``: the native C kernel and the
    length-bucketed ATen kernel) against the padded formulation (pad, dense attention over
    [B, H, N, N], unpad), as the longest history grows to 4096; forward, and forward + backward.
+3. With ``--main-job``: the main job's HSTU training step (near-full ML-100k histories), eager vs
+   Inductor vs the rewrite.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import itertools
 import os
 import threading
 import time
@@ -159,10 +162,48 @@ def attention_scaling(repeats: int, max_lens: list[int], batch: int) -> None:
               + f" {mem['padded'] / 2**20:10.1f} {mem['native'] / 2**20:10.1f}")
 
 
+def main_job_step(repeats: int, steps: int = 10) -> None:
+    """The main job's HSTU training step (``models.main``: ML-100k, last 100 items, batch 32, dim 64, two
+    layers, 256 sampled negatives, Adam) on the same batches: eager, Inductor, and rec_ascend's rewrite
+    through Inductor (autotune off: the rewrite itself is timed, not the autotuner's choice)."""
+    from models import data as D
+    from models.sequential import NextItemTask
+    from models.train import mark_sequence_dynamic, optimizer_step
+    from models.zoo import sequential_encoder
+    from recompile.backend import rec_ascend
+
+    split = D.leave_one_out(D.load_ratings())
+    windows = D.training_windows(split.train, 100)
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for rows in itertools.islice(D.batches(len(windows), 32, gen), steps):
+        inputs, targets = D.next_item_batch(windows, rows, "jagged", 100)
+        batches.append((targets, D.sample_negatives(targets.flatten(), 0, split.num_items, 256, gen), *inputs))
+    backends = {"eager": None, "inductor": "inductor",
+                "rec_ascend": functools.partial(rec_ascend, options={"autotune": False})}
+    times = {}
+    for name, backend in backends.items():
+        torch.manual_seed(0)
+        task = NextItemTask(sequential_encoder("hstu", split.num_items, max_len=100), temperature=0.05).train()
+        step = task if backend is None else torch.compile(task, backend=backend)
+        optimizer = torch.optim.Adam(task.parameters(), lr=3e-3)
+
+        def epoch(step=step, optimizer=optimizer):
+            for batch in batches:
+                optimizer_step(optimizer, lambda: step(*mark_sequence_dynamic(batch)))
+
+        times[name] = best_ms(epoch, repeats) / len(batches)
+    print(f"Main job HSTU training step ({len(batches)} ML-100k batches of 32 histories of up to 100 items), ms: "
+          + ", ".join(f"{name} {ms:.1f}" for name, ms in times.items())
+          + f"; rec_ascend {times['eager'] / times['rec_ascend']:.2f}x eager, "
+          f"{times['inductor'] / times['rec_ascend']:.2f}x inductor")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, attention up to 1024 only")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1: CPU time per op)")
+    parser.add_argument("--main-job", action="store_true", help="also the main job's HSTU training step (ML-100k)")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     track_resident_memory()
@@ -171,6 +212,8 @@ def main() -> None:
           f"memory: peak resident set above the level before the call")
     layer_benchmark(repeats, batch=64, max_len=256)
     attention_scaling(repeats, [256, 512, 1024] if opts.quick else [256, 512, 1024, 2048, 4096], batch=8)
+    if opts.main_job:
+        main_job_step(repeats)
 
 
 if __name__ == "__main__":
