@@ -4,15 +4,20 @@
    time and peak memory, and a training step (forward + backward), for the padded layer in eager,
    under ``backend="inductor"``, and under ``backend="rec_ascend"`` (whose jagged pass runs it on the
    jagged values), with rec_ascend's output checked against eager.
-2. HSTU attention alone, jagged (``recompile.hstu_attention``, CPU kernel) against the padded
-   formulation (pad, dense attention over [B, H, N, N], unpad), as the longest history grows to 4096.
+2. HSTU attention alone, jagged (``recompile.hstu_attention``: the native C kernel and the
+   length-bucketed ATen kernel) against the padded formulation (pad, dense attention over
+   [B, H, N, N], unpad), as the longest history grows to 4096; forward, and forward + backward.
+3. With ``--main-job``: the main job's HSTU training step (near-full ML-100k histories), eager vs
+   Inductor vs the rewrite.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import ctypes.util
+import functools
 import gc
+import itertools
 import os
 import threading
 import time
@@ -122,32 +127,83 @@ def padded_hstu(q, k, v, offsets, lengths, n, rel_bias, args: HSTUArgs):
     return dense_to_jagged_reference(out.flatten(2), offsets, q.shape[0]).unflatten(1, v.shape[1:])
 
 
+ATTENTION_KERNELS = ("native", "cpu")  # recompile.hstu_attention's CPU kernels
+
+
 def attention_scaling(repeats: int, max_lens: list[int], batch: int) -> None:
     heads, dim = 1, 32
-    print(f"HSTU attention alone: {batch} long-tailed sequences, {heads} heads x {dim}; jagged vs padded")
-    print(f"  {'max len':>7s} {'items':>6s} {'padded ms':>10s} {'jagged ms':>10s} {'speedup':>8s} "
-          f"{'padded MB':>10s} {'jagged MB':>10s}")
+    print(f"HSTU attention alone: {batch} long-tailed sequences, {heads} heads x {dim}, relative position bias; "
+          f"jagged vs padded, forward (fwd) and forward + backward (train)")
+    print(f"  {'max len':>7s} {'items':>6s} {'padded fwd':>10s} " + " ".join(f"{k + ' fwd':>10s}" for k in ATTENTION_KERNELS)
+          + f" {'padded train':>12s} " + " ".join(f"{k + ' train':>12s}" for k in ATTENTION_KERNELS)
+          + f" {'native vs padded':>16s} {'padded MB':>10s} {'native MB':>10s}")
     gen = torch.Generator().manual_seed(1)
     for n in max_lens:
         lengths = long_tailed_lengths(batch, n, gen)
         offsets = torch.ops.recompile.complete_cumsum(lengths, "cpu")
         total = int(lengths.sum())
-        q, k, v = (torch.randn(total, heads, dim, generator=gen) for _ in range(3))
-        rel = torch.randn(2 * n - 1, generator=gen) * 0.02
+        q, k, v = (torch.randn(total, heads, dim, generator=gen).requires_grad_() for _ in range(3))
+        rel = (torch.randn(2 * n - 1, generator=gen) * 0.02).requires_grad_()
         args = HSTUArgs(n, 1.0 / dim**0.5, True, 0)
-        jagged = lambda: torch.ops.recompile.hstu_attention(q, k, v, offsets, n, args.alpha, True, None, 0, rel,  # noqa: E731
-                                                            None, None, "cpu")
-        padded = lambda: padded_hstu(q, k, v, offsets, lengths, n, rel, args)  # noqa: E731
-        torch.testing.assert_close(jagged(), padded(), rtol=1e-4, atol=1e-5)
-        tp, tj = best_ms(padded, repeats), best_ms(jagged, repeats)
-        mp, mj = peak_bytes(padded), peak_bytes(jagged)
-        print(f"  {n:7d} {total:6d} {tp:10.2f} {tj:10.2f} {tp / tj:8.2f} {mp / 2**20:10.1f} {mj / 2**20:10.1f}")
+        runs = {"padded": lambda: padded_hstu(q, k, v, offsets, lengths, n, rel, args)}
+        for kernel in ATTENTION_KERNELS:
+            runs[kernel] = functools.partial(torch.ops.recompile.hstu_attention, q, k, v, offsets, n, args.alpha, True,
+                                             None, 0, rel, None, None, kernel)
+        with torch.no_grad():
+            want = runs["padded"]()
+            for run in list(runs.values())[1:]:
+                torch.testing.assert_close(run(), want, rtol=1e-4, atol=1e-5)
+            fwd = {name: best_ms(run, repeats) for name, run in runs.items()}
+            mem = {name: peak_bytes(runs[name]) for name in ("padded", "native")}
+        train = {name: best_ms(lambda: run().sum().backward(), repeats) for name, run in runs.items()}
+        print(f"  {n:7d} {total:6d} {fwd['padded']:10.2f} " + " ".join(f"{fwd[k]:10.2f}" for k in ATTENTION_KERNELS)
+              + f" {train['padded']:12.2f} " + " ".join(f"{train[k]:12.2f}" for k in ATTENTION_KERNELS)
+              + f" {fwd['padded'] / fwd['native']:7.1f}x/{train['padded'] / train['native']:5.1f}x"
+              + f" {mem['padded'] / 2**20:10.1f} {mem['native'] / 2**20:10.1f}")
+
+
+def main_job_step(repeats: int, steps: int = 10) -> None:
+    """The main job's HSTU training step (``models.main``: ML-100k, last 100 items, batch 32, dim 64, two
+    layers, 256 sampled negatives, Adam) on the same batches: eager, Inductor, and rec_ascend's rewrite
+    through Inductor (autotune off: the rewrite itself is timed, not the autotuner's choice)."""
+    from models import data as D
+    from models.sequential import NextItemTask
+    from models.train import mark_sequence_dynamic, optimizer_step
+    from models.zoo import sequential_encoder
+    from recompile.backend import rec_ascend
+
+    split = D.leave_one_out(D.load_ratings())
+    windows = D.training_windows(split.train, 100)
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for rows in itertools.islice(D.batches(len(windows), 32, gen), steps):
+        inputs, targets = D.next_item_batch(windows, rows, "jagged", 100)
+        batches.append((targets, D.sample_negatives(targets.flatten(), 0, split.num_items, 256, gen), *inputs))
+    backends = {"eager": None, "inductor": "inductor",
+                "rec_ascend": functools.partial(rec_ascend, options={"autotune": False})}
+    times = {}
+    for name, backend in backends.items():
+        torch.manual_seed(0)
+        task = NextItemTask(sequential_encoder("hstu", split.num_items, max_len=100), temperature=0.05).train()
+        step = task if backend is None else torch.compile(task, backend=backend)
+        optimizer = torch.optim.Adam(task.parameters(), lr=3e-3)
+
+        def epoch(step=step, optimizer=optimizer):
+            for batch in batches:
+                optimizer_step(optimizer, lambda: step(*mark_sequence_dynamic(batch)))
+
+        times[name] = best_ms(epoch, repeats) / len(batches)
+    print(f"Main job HSTU training step ({len(batches)} ML-100k batches of 32 histories of up to 100 items), ms: "
+          + ", ".join(f"{name} {ms:.1f}" for name, ms in times.items())
+          + f"; rec_ascend {times['eager'] / times['rec_ascend']:.2f}x eager, "
+          f"{times['inductor'] / times['rec_ascend']:.2f}x inductor")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, attention up to 1024 only")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1: CPU time per op)")
+    parser.add_argument("--main-job", action="store_true", help="also the main job's HSTU training step (ML-100k)")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     track_resident_memory()
@@ -156,6 +212,8 @@ def main() -> None:
           f"memory: peak resident set above the level before the call")
     layer_benchmark(repeats, batch=64, max_len=256)
     attention_scaling(repeats, [256, 512, 1024] if opts.quick else [256, 512, 1024, 2048, 4096], batch=8)
+    if opts.main_job:
+        main_job_step(repeats)
 
 
 if __name__ == "__main__":

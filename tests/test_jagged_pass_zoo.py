@@ -8,8 +8,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import recompile
 from models.zoo import MODELS
 from recompile.backend import rec_ascend
-from runtime.kernels import KERNELS
 from tests.checks import train_step
+from tests.test_jagged_pass import count_hstu_kernel_calls
 
 
 def workload(name, seed=0, batch=None):
@@ -51,9 +51,7 @@ def test_zoo_hstu_forward_and_grads_equal_eager():
 
 
 def test_zoo_hstu_varying_batches_compile_at_most_twice(monkeypatch):
-    calls = []
-    kernel = KERNELS["hstu_attention"]["cpu"]
-    monkeypatch.setitem(KERNELS["hstu_attention"], "cpu", lambda *a: calls.append(1) or kernel(*a))
+    calls = count_hstu_kernel_calls(monkeypatch)
     torch._dynamo.reset()
     model = workload("hstu").model
     # Autotune off: the test pins the kernel it counts.

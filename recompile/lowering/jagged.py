@@ -1,6 +1,9 @@
 """Lowering of the jagged ops (runtime/jagged.py): FBGEMM where the target's library has the op,
-else the CPU kernel (index arithmetic, length buckets), else the reference."""
-from recompile.lowering.registry import Impl, has_fbgemm, has_triton, on_cpu, reference, register_lowering
+else the CPU kernel (index arithmetic, length buckets), else the reference. HSTU attention on CPU:
+the native C kernel (runtime/csrc/jagged_attention.c) first."""
+from recompile.lowering.registry import (Impl, has_fbgemm, has_triton, native_on_cpu, on_cpu, reference,
+                                         register_lowering)
+from runtime import jagged_attention_native
 
 # recompile op -> the FBGEMM op with its semantics.
 FBGEMM_EQUIVALENTS = {
@@ -22,17 +25,25 @@ for _op, _fbgemm in FBGEMM_EQUIVALENTS.items():
         reference(f"runtime.jagged.{_op}_reference"),
     )
 
-# Attention on jagged sequences: the Triton kernel on accelerators, length buckets on CPU.
+# Attention on jagged sequences: the Triton kernel on accelerators; on CPU the native kernel (HSTU), then
+# length buckets of dense ATen ops.
 TRITON_ATTENTION = {
     "hstu_attention": "runtime.triton_kernels.jagged_attention",
     "hstu_attention_backward": "length-bucketed dense on the device (after the Triton forward)",
 }
+NATIVE_ATTENTION = {
+    "hstu_attention": "csrc/jagged_attention.c: tiles of each sequence, bias and mask fused, no padding",
+    "hstu_attention_backward": "csrc/jagged_attention.c: scores recomputed per tile, dq dk dv and bias grads fused",
+}
+native_attention_runs = native_on_cpu(jagged_attention_native.available)
 for _op in ("hstu_attention", "hstu_attention_backward", "jagged_softmax_attention",
             "jagged_softmax_attention_backward"):
     triton_impl = (Impl("triton", "triton", has_triton, TRITON_ATTENTION[_op]),) if _op in TRITON_ATTENTION else ()
+    native_impl = (Impl("native", "cpu_kernel", native_attention_runs, NATIVE_ATTENTION[_op]),) if _op in NATIVE_ATTENTION else ()
     register_lowering(
         f"recompile::{_op}",
         *triton_impl,
+        *native_impl,
         Impl("cpu", "cpu_kernel", on_cpu, f"runtime.jagged_attention ({_op}, length-bucketed dense)"),
         reference(f"runtime.jagged_attention ({_op}, padded to the longest sequence)"),
     )
