@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import recompile
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 from recompile import cli, loader
+from recompile.frontends import tensorflow as tf_frontend
 from recompile.lowering import Impl, choose, detect_target
 from recompile.pipeline import PASS_ORDER, Region
 from recompile.report import runs_as
@@ -210,10 +211,7 @@ def test_tf_graph_target_uses_frontend(tmp_path, monkeypatch):
                 node.meta["example_value"] = example[node.name]
         return gm
 
-    frontend = types.ModuleType("recompile.frontends.tensorflow")
-    frontend.__spec__ = importlib.machinery.ModuleSpec(frontend.__name__, None)
-    frontend.import_graph = import_graph
-    monkeypatch.setitem(sys.modules, frontend.__name__, frontend)
+    monkeypatch.setattr(tf_frontend, "import_graph", import_graph)
     pb = tmp_path / "model.pb"
     pb.write_bytes(b"\x0a\x00")
     data = inspect_json(tmp_path, str(pb))
