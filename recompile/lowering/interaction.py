@@ -26,3 +26,15 @@ register_lowering(
     Impl("cpu", "cpu_kernel", on_cpu, "fp32 sum and sum of squares, combined in place"),
     reference("runtime.interaction.fm_second_order_reference"),
 )
+register_lowering(
+    "recompile::cross_stack",
+    Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.cross_stack (per layer tl.dot + epilogue)"),
+    Impl("cpu", "cpu_kernel", on_cpu, "per layer addmm (MKL) into the saved h + b, then one addcmul pass"),
+    reference("runtime.interaction.cross_stack_reference"),
+)
+register_lowering(
+    "recompile::cross_mixture",
+    Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.cross_mixture"),
+    Impl("cpu", "cpu_kernel", on_cpu, "all experts in three matmuls (concatenated V, one bmm of C, gate-scaled U)"),
+    reference("runtime.interaction.cross_mixture_reference"),
+)
