@@ -338,19 +338,26 @@ def cross_stack_reference(x0, x, weights, biases, downs):
     return x
 
 
+def stack_saved(saved: torch.Tensor, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_l, h_l + b_l) of ``layer`` from a cross stack's ``saved`` [2L - 1, B, D]: rows :L hold h_l + b_l, rows
+    L: the inputs x_1 .. x_{L-1} (x_0 is the stack's input ``x``)."""
+    layers = (saved.shape[0] + 1) // 2
+    return (x if layer == 0 else saved[layers + layer - 1]), saved[layer]
+
+
 def _cross_stack_torch(x0, x, weights, biases, downs):
-    """(x_L, saved): ``saved`` [L, 2, B, D] holds each layer's input x_l and h_l + b_l, what the backward needs;
-    the matmul (MKL) writes h_l + b_l in place, ``x0 * hb + x`` is one addcmul pass into the next slot."""
-    saved = x.new_empty(len(weights), 2, *x.shape)
+    """(x_L, saved): the matmul (MKL) writes h_l + b_l into ``saved``, ``x0 * hb + x`` is one addcmul pass
+    into the next layer's input slot, so what the backward reads is written once and never copied."""
+    layers = len(weights)
+    saved = x.new_empty(2 * layers - 1, *x.shape)
     for layer, weight in enumerate(weights):
-        x_in, hb = saved[layer]
-        x_in.copy_(x)
+        hb = saved[layer]
         z = x if not downs else torch.mm(x, downs[layer].t())
         if biases:
             torch.addmm(biases[layer], z, weight.t(), out=hb)
         else:
             torch.mm(z, weight.t(), out=hb)
-        x = torch.addcmul(x, x0, hb)
+        x = torch.addcmul(x, x0, hb) if layer == layers - 1 else torch.addcmul(x, x0, hb, out=saved[layers + layer])
     return x, saved
 
 
@@ -396,12 +403,12 @@ def cross_stack(
 @cross_stack.register_fake
 def _(x0, x, weights, biases, downs, impl):
     _check_cross_stack(x0, x, weights, biases, downs)
-    return torch.empty_like(x), x.new_empty(len(weights), 2, *x.shape)
+    return torch.empty_like(x), x.new_empty(2 * len(weights) - 1, *x.shape)
 
 
 @torch.library.custom_op("recompile::cross_stack_backward", mutates_args=())
 def cross_stack_backward(
-    grad: torch.Tensor, x0: torch.Tensor, weights: list[torch.Tensor], downs: list[torch.Tensor],
+    grad: torch.Tensor, x0: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], downs: list[torch.Tensor],
     saved: torch.Tensor, has_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """(grad_x0, grad_x, grad_weights, grad_biases, grad_downs), last layer first back to the first: per layer
@@ -410,7 +417,7 @@ def cross_stack_backward(
     g = grad
     grad_weights, grad_biases, grad_downs = [], [], []
     for layer in reversed(range(len(weights))):
-        x_in, hb = saved[layer]
+        x_in, hb = stack_saved(saved, x, layer)
         grad_hb = g * x0
         grad_x0.addcmul_(g, hb)
         z = x_in if not downs else torch.mm(x_in, downs[layer].t())
@@ -427,7 +434,7 @@ def cross_stack_backward(
 
 
 @cross_stack_backward.register_fake
-def _(grad, x0, weights, downs, saved, has_bias):
+def _(grad, x0, x, weights, downs, saved, has_bias):
     return (torch.empty_like(x0), torch.empty_like(grad), [torch.empty_like(w) for w in weights],
             [grad.new_empty(w.shape[0]) for w in weights] if has_bias else [], [torch.empty_like(v) for v in downs])
 
@@ -435,15 +442,15 @@ def _(grad, x0, weights, downs, saved, has_bias):
 def _cross_stack_setup(ctx, inputs, output):
     x0, x, weights, biases, downs, impl = inputs
     ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(x0, output[1], *weights, *downs)
+    ctx.save_for_backward(x0, x, output[1], *weights, *downs)
     ctx.layers, ctx.has_bias, ctx.low_rank = len(weights), bool(biases), bool(downs)
 
 
 def _cross_stack_backward(ctx, grad, grad_saved):
-    x0, saved, *params = ctx.saved_tensors
+    x0, x, saved, *params = ctx.saved_tensors
     weights, downs = params[:ctx.layers], params[ctx.layers:]
     grad_x0, grad_x, grad_weights, grad_biases, grad_downs = cross_stack_backward(
-        grad, x0, weights, downs, saved, ctx.has_bias)
+        grad, x0, x, weights, downs, saved, ctx.has_bias)
     return grad_x0, grad_x, grad_weights, grad_biases, grad_downs, None
 
 

@@ -120,10 +120,10 @@ def _linear_epilogue_kernel(
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _linear(a, w, bias, x0=None, x=None, hb=None, relu=False):
+def _linear(a, w, bias, x0=None, x=None, hb=None, relu=False, out=None):
     m, kdim = a.shape
     n = w.shape[0]
-    out = a.new_empty(m, n)
+    out = a.new_empty(m, n) if out is None else out
     if m == 0:
         return out
     block_m, block_n, block_k = 32, 32, 32
@@ -146,12 +146,13 @@ def cross_layer(x0, x, weight, bias, down):
 def cross_stack(x0, x, weights, biases, downs):
     """The layers in turn, each one matmul kernel with the cross epilogue that also stores h + b."""
     x0, x = x0.contiguous(), x.contiguous()
-    saved = x.new_empty(len(weights), 2, *x.shape)
+    layers = len(weights)
+    saved = x.new_empty(2 * layers - 1, *x.shape)  # runtime.interaction.stack_saved's layout
     for layer, weight in enumerate(weights):
-        saved[layer, 0].copy_(x)
         z = x if not downs else _linear(x, downs[layer].contiguous(), None)
         bias = biases[layer].contiguous() if biases else None
-        x = _linear(z, weight.contiguous(), bias, x0, x, hb=saved[layer, 1])
+        out = saved[layers + layer] if layer < layers - 1 else None
+        x = _linear(z, weight.contiguous(), bias, x0, x, hb=saved[layer], out=out)
     return x, saved
 
 
