@@ -338,27 +338,25 @@ def cross_stack_reference(x0, x, weights, biases, downs):
     return x
 
 
-def stack_saved(saved: torch.Tensor, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x_l, h_l + b_l) of ``layer`` from a cross stack's ``saved`` [2L - 1, B, D]: rows :L hold h_l + b_l, rows
-    L: the inputs x_1 .. x_{L-1} (x_0 is the stack's input ``x``)."""
-    layers = (saved.shape[0] + 1) // 2
+def stack_saved(saved: list[torch.Tensor], x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_l, h_l + b_l) of ``layer`` from a cross stack's ``saved`` (2L - 1 [B, D] tensors: h_l + b_l for every
+    layer, then the inputs x_1 .. x_{L-1}; x_0 is the stack's input ``x``)."""
+    layers = (len(saved) + 1) // 2
     return (x if layer == 0 else saved[layers + layer - 1]), saved[layer]
 
 
 def _cross_stack_torch(x0, x, weights, biases, downs):
-    """(x_L, saved): the matmul (MKL) writes h_l + b_l into ``saved``, ``x0 * hb + x`` is one addcmul pass
-    into the next layer's input slot, so what the backward reads is written once and never copied."""
-    layers = len(weights)
-    saved = x.new_empty(2 * layers - 1, *x.shape)
+    """(x_L, saved): per layer the matmul (MKL) with the bias, and ``x0 * hb + x`` as one addcmul pass; what the
+    backward reads is these results, kept (one [B, D] tensor each: a single block would be a fresh mapping,
+    page-faulted in, on every call)."""
+    hbs, inputs = [], []
     for layer, weight in enumerate(weights):
-        hb = saved[layer]
         z = x if not downs else torch.mm(x, downs[layer].t())
-        if biases:
-            torch.addmm(biases[layer], z, weight.t(), out=hb)
-        else:
-            torch.mm(z, weight.t(), out=hb)
-        x = torch.addcmul(x, x0, hb) if layer == layers - 1 else torch.addcmul(x, x0, hb, out=saved[layers + layer])
-    return x, saved
+        hb = torch.addmm(biases[layer], z, weight.t()) if biases else torch.mm(z, weight.t())
+        hbs.append(hb)
+        inputs.append(x)
+        x = torch.addcmul(x, x0, hb)
+    return x, hbs + inputs[1:]
 
 
 @register_kernel("cross_stack", "reference")
@@ -393,7 +391,7 @@ def _check_cross_stack(x0, x, weights, biases, downs):
 def cross_stack(
     x0: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
     downs: list[torch.Tensor], impl: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(x_L, saved): L DCN-v2 cross layers ``x_{l+1} = x0 * (x_l W_l^T + b_l) + x_l`` (W_l = U_l V_l when
     ``downs`` are given) from ``x_0 = x``; ``saved`` holds what the backward reads (not differentiable)."""
     _check_cross_stack(x0, x, weights, biases, downs)
@@ -403,13 +401,13 @@ def cross_stack(
 @cross_stack.register_fake
 def _(x0, x, weights, biases, downs, impl):
     _check_cross_stack(x0, x, weights, biases, downs)
-    return torch.empty_like(x), x.new_empty(2 * len(weights) - 1, *x.shape)
+    return torch.empty_like(x), [torch.empty_like(x) for _ in range(2 * len(weights) - 1)]
 
 
 @torch.library.custom_op("recompile::cross_stack_backward", mutates_args=())
 def cross_stack_backward(
     grad: torch.Tensor, x0: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], downs: list[torch.Tensor],
-    saved: torch.Tensor, has_bias: bool,
+    saved: list[torch.Tensor], has_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """(grad_x0, grad_x, grad_weights, grad_biases, grad_downs), last layer first back to the first: per layer
     two (full rank) or four (low rank) matmuls; grad_x0 accumulates ``g * (h_l + b_l)`` in place."""
@@ -441,14 +439,15 @@ def _(grad, x0, x, weights, downs, saved, has_bias):
 
 def _cross_stack_setup(ctx, inputs, output):
     x0, x, weights, biases, downs, impl = inputs
-    ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(x0, x, output[1], *weights, *downs)
+    ctx.mark_non_differentiable(*output[1])
+    ctx.save_for_backward(x0, x, *weights, *downs, *output[1])
     ctx.layers, ctx.has_bias, ctx.low_rank = len(weights), bool(biases), bool(downs)
 
 
 def _cross_stack_backward(ctx, grad, grad_saved):
-    x0, x, saved, *params = ctx.saved_tensors
-    weights, downs = params[:ctx.layers], params[ctx.layers:]
+    x0, x, *params = ctx.saved_tensors
+    layers, downs = ctx.layers, ctx.layers if ctx.low_rank else 0
+    weights, downs, saved = params[:layers], params[layers:layers + downs], params[layers + downs:]
     grad_x0, grad_x, grad_weights, grad_biases, grad_downs = cross_stack_backward(
         grad, x0, x, weights, downs, saved, ctx.has_bias)
     return grad_x0, grad_x, grad_weights, grad_biases, grad_downs, None

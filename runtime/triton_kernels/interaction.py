@@ -120,10 +120,10 @@ def _linear_epilogue_kernel(
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _linear(a, w, bias, x0=None, x=None, hb=None, relu=False, out=None):
+def _linear(a, w, bias, x0=None, x=None, hb=None, relu=False):
     m, kdim = a.shape
     n = w.shape[0]
-    out = a.new_empty(m, n) if out is None else out
+    out = a.new_empty(m, n)
     if m == 0:
         return out
     block_m, block_n, block_k = 32, 32, 32
@@ -146,14 +146,14 @@ def cross_layer(x0, x, weight, bias, down):
 def cross_stack(x0, x, weights, biases, downs):
     """The layers in turn, each one matmul kernel with the cross epilogue that also stores h + b."""
     x0, x = x0.contiguous(), x.contiguous()
-    layers = len(weights)
-    saved = x.new_empty(2 * layers - 1, *x.shape)  # runtime.interaction.stack_saved's layout
+    hbs, inputs = [], []  # runtime.interaction.stack_saved's layout
     for layer, weight in enumerate(weights):
         z = x if not downs else _linear(x, downs[layer].contiguous(), None)
         bias = biases[layer].contiguous() if biases else None
-        out = saved[layers + layer] if layer < layers - 1 else None
-        x = _linear(z, weight.contiguous(), bias, x0, x, hb=saved[layer], out=out)
-    return x, saved
+        hbs.append(torch.empty_like(x))
+        inputs.append(x)
+        x = _linear(z, weight.contiguous(), bias, x0, x, hb=hbs[-1])
+    return x, hbs + inputs[1:]
 
 
 
