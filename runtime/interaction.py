@@ -9,6 +9,11 @@
   ``cat([prefix, pairs], 1)`` layout directly.
 - ``cross_layer(x0, x, weight, bias, down)``: a DCN-v2 cross layer, ``x0 * (x @ W^T + b) + x``, or the
   low-rank ``x0 * ((x @ V^T) @ U^T + b) + x`` when ``down`` (V) is given (``weight`` is U).
+- ``cross_stack(x0, x, weights, biases, downs)``: L cross layers in a row over one ``x0`` (DCN-v2's cross
+  stack), full or low rank, biases all or none; returns ``(x_L, saved)``, ``saved`` the per-layer results
+  the backward reads (not differentiable).
+- ``cross_mixture(x0, x, gate, downs, mids, ups, biases, activation)``: one DCN-Mix layer (TorchRec's
+  ``LowRankMixtureCrossNet``), ``sum_e softmax(x G^T)_e * x0 * (U_e act(C_e act(V_e x)) + b_e) + x``.
 - ``fm_second_order(v, reduce)``: the factorisation-machine second order term over ``v`` ``[B, F, D]``,
   ``0.5 * ((sum_f v)^2 - sum_f v^2)`` per dimension ``[B, D]``, or summed over D to ``[B, 1]``
   (``reduce``; the flattened TorchRec ``FactorizationMachine`` is ``v = x.unsqueeze(-1)`` with ``reduce``).
@@ -16,7 +21,7 @@
 Kernels: ``reference`` (plain torch, the oracle), ``cpu`` (torch), ``native`` (C, ``csrc/interaction.c``
 through ``runtime.interaction_native``; the ``cpu`` kernel where it cannot run), ``triton``. Backward
 passes are ops of their own (``dot_interaction_backward``, ``cross_epilogue_backward``,
-``fm_second_order_backward``) taking the forward's ``impl``.
+``cross_stack_backward``, ``cross_mixture_backward``, ``fm_second_order_backward``).
 """
 from __future__ import annotations
 

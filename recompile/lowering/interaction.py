@@ -8,7 +8,7 @@ native_runs = native_on_cpu(interaction_native.available)  # runtime/csrc/intera
 register_lowering(
     "recompile::dot_interaction",
     Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.dot_interaction"),
-    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.c: the needed pairs only, features read in place"),
+    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.c: blocked GEMM of the needed pairs, features read in place"),
     Impl("cpu", "cpu_kernel", on_cpu, "bmm + index_select of the pairs"),
     reference("runtime.interaction.dot_interaction_reference"),
 )

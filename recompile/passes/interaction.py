@@ -19,7 +19,14 @@ below; every commuted and respelled variant is generated, none is an if-chain) a
   -> ``recompile.dot_interaction(features, x, upper, self_interaction)``.
 - DCN-v2 cross layer: ``x0 * linear(x, W, b) + x`` -> ``recompile.cross_layer(x0, x, W, b, None)``;
   low rank ``x0 * linear(linear(x, V), U, b) + x`` -> ``recompile.cross_layer(x0, x, U, b, V)``
-  (the bias, the product with ``x0`` and the residual add are the matmul's fused epilogue).
+  (the bias, the product with ``x0`` and the residual add are the matmul's fused epilogue). Two or more
+  such ops in a row (each output only the next one's ``x``, one ``x0``, one form) -> one
+  ``recompile.cross_stack(x0, x, [W...], [b...], [V...])`` (the layers' regions become the stack's).
+- DCN-Mix (TorchRec ``LowRankMixtureCrossNet``): ``g = softmax(linear(x, G), 1)``, ``experts =
+  stack([x0 * linear(act(linear(act(linear(x, V_e)), C_e)), U_e, b_e) ...], 2)`` (the C stage optional,
+  ``act`` relu or none, biases all or none), then ``sum(experts * unsqueeze(g, 1), 2) + x`` or
+  ``squeeze(matmul(experts, unsqueeze(g, 2)), 2) + x`` -> ``recompile.cross_mixture(x0, x, G, [V...],
+  [C...], [U...], [b...], act)``; every intermediate must be used only inside the layer.
 - FM second order, per dimension: ``0.5 * (sum(v, 1)^2 - sum(v * v, 1))`` for ``v`` ``[B, F, D]`` ->
   ``recompile.fm_second_order(v, False)``; a following ``sum(_, 1, keepdim=True)`` is fused
   (``reduce=True``), and so is DeepFM's ``0.5 * sum(_, 1, keepdim=True)`` (the half outside the sum).
