@@ -1,8 +1,9 @@
 """Interaction benchmark: DLRM (26 tables of dim 64) and DCN-v2 (20 tables of dim 16, 3 cross layers),
 forward and training step, eager vs inductor vs rec_ascend side by side, and cold compile times.
+``--models dcn_mix``: the same DCN-v2 with mixture-of-experts cross layers (4 experts of rank 32, DCN-Mix).
 
-    python -m models.bench_interaction [--quick] [--no-compile-time] [--models dlrm dcn] [--modes forward train]
-                                       [--batch N] [--threads N]
+    python -m models.bench_interaction [--quick] [--no-compile-time] [--models dlrm dcn dcn_mix]
+                                       [--modes forward train] [--batch N] [--threads N]
 
 Steps are timed with the wall clock (``time.perf_counter``), best of rounds that run every backend once in
 turn. Cold compile time is measured in a fresh process per backend with empty Inductor and recompile caches
@@ -26,7 +27,8 @@ from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 from models.timing import race_ms
 
 BACKENDS = ("eager", "inductor", "rec_ascend")
-MODELS = ("dlrm", "dcn")
+MODELS = ("dlrm", "dcn", "dcn_mix")
+DEFAULT_MODELS = ["dlrm", "dcn"]
 MODES = ("forward", "train")
 
 
@@ -35,7 +37,8 @@ def make(model: str, quick: bool):
     if model == "dlrm":
         cfg = DLRMConfig(table_rows=[rows] * 26, dim=64, bottom=[512, 256, 64], top=[512, 256, 1])
         return DLRM(cfg), cfg
-    cfg = DCNConfig(table_rows=[rows] * 20, dim=16, num_cross=3, deep=[512, 256])
+    mixture = dict(low_rank=32, num_experts=4) if model == "dcn_mix" else {}
+    cfg = DCNConfig(table_rows=[rows] * 20, dim=16, num_cross=3, deep=[512, 256], **mixture)
     return DCNv2(cfg), cfg
 
 
@@ -78,7 +81,7 @@ def run_steps(quick: bool, models: list[str], modes: list[str], batch: int | Non
 
 def _format(row: dict) -> str:
     best_other = min(row["eager"], row["inductor"])
-    return (f"{row['model']:5s} {row['mode']:8s} B={row['batch']:<5d} eager {row['eager']:8.2f} ms  "
+    return (f"{row['model']:7s} {row['mode']:8s} B={row['batch']:<5d} eager {row['eager']:8.2f} ms  "
             f"inductor {row['inductor']:8.2f} ms  rec_ascend {row['rec_ascend']:8.2f} ms  |  "
             f"rec/eager {row['eager'] / row['rec_ascend']:5.2f}x  rec/inductor {row['inductor'] / row['rec_ascend']:5.2f}x  "
             f"rec/min(eager,inductor) {best_other / row['rec_ascend']:5.2f}x")
@@ -108,7 +111,7 @@ def run_compile_times(quick: bool, models: list[str], threads: int) -> None:
             inductor = cold_compile(name, "inductor", quick, fresh_inductor, threads)
             rec = cold_compile(name, "rec_ascend", quick, fresh_rec, threads)
             rec_warm = cold_compile(name, "rec_ascend", quick, fresh_rec, threads)  # autotune decision cached
-        print(f"{name:5s} cold compile (train step): inductor {inductor:6.1f} s  rec_ascend {rec:6.1f} s "
+        print(f"{name:7s} cold compile (train step): inductor {inductor:6.1f} s  rec_ascend {rec:6.1f} s "
               f"(ratio {rec / inductor:4.2f})  rec_ascend with cached decision {rec_warm:6.1f} s", flush=True)
 
 
@@ -116,7 +119,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small tables and batch, few iterations")
     parser.add_argument("--no-compile-time", action="store_true", help="skip the cold compile measurements")
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=DEFAULT_MODELS)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--batch", type=int, help="batch size (default 256 with --quick, else 2048)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")

@@ -187,3 +187,16 @@ def test_mixture_batch_changes_compile_at_most_twice():
         x0, x = torch.randn(batch, 6), torch.randn(batch, 6)
         torch.testing.assert_close(compiled(x0, x), model(x0, x), rtol=1e-5, atol=1e-5)
     assert counter.frame_count <= 2
+
+
+def test_stack_batch_changes_compile_at_most_twice():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    cfg = DCNConfig(table_rows=[40, 50], dim=4, num_cross=3, low_rank=2, deep=[8])
+    model = DCNv2(cfg)
+    counter = CompileCounterWithBackend(pipeline_only)
+    compiled = torch.compile(model, backend=counter)
+    for batch in (1, 5, 9, 16):
+        args = synthetic_batch(cfg, batch)
+        torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-5, atol=1e-5)
+    assert counter.frame_count <= 2
