@@ -578,9 +578,11 @@ def stack_cross_layers(gm: fx.GraphModule, ctx: PassContext) -> None:
             stack = graph.call_function(torch.ops.recompile.cross_stack.default, (*args, impl.impl))
             out = graph.call_function(operator.getitem, (stack, 0))
         value = meta_value(last)
-        with value.fake_mode:
-            stack.meta["example_value"] = torch.ops.recompile.cross_stack.default(
-                *fx.node.map_arg(args, meta_value), impl.impl)
+        fake_mode = getattr(value, "fake_mode", None)
+        if fake_mode is not None:  # Dynamo's graphs; the stack's outputs are only needed by later passes
+            with fake_mode:
+                stack.meta["example_value"] = torch.ops.recompile.cross_stack.default(
+                    *fx.node.map_arg(args, meta_value), impl.impl)
         out.meta["example_value"] = value
         last.replace_all_uses_with(out)
         regions = [n.meta[REGION] for n in chain]
