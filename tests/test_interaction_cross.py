@@ -48,7 +48,7 @@ def _stack_fn(op, sizes):
 @settings(max_examples=20, deadline=None)
 @given(b=st.integers(0, 9), d=st.integers(1, 12), layers=st.integers(1, 4), rank=st.sampled_from([None, 1, 3]),
        bias=st.booleans(), impl=st.sampled_from(sorted(KERNELS["cross_stack"])),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
 def test_cross_stack_kernels_forward_and_backward(b, d, layers, rank, bias, impl, dtype):
     if impl == "triton" and dtype != torch.float32:
         dtype = torch.float32  # the interpreter's tl.dot: fp32 inputs
