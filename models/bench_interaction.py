@@ -114,7 +114,7 @@ def _cross_case(batch: int):
             x = x0 * layer(x) + x
         return x
     impl = choose("recompile::cross_stack", detect_target("cpu")).impl
-    return eager, lambda: torch.ops.recompile.cross_stack(x0, x0, weights, biases, [], impl)[0], [x0]
+    return eager, lambda: torch.ops.recompile.cross_stack(x0, x0, weights, biases, [], torch.is_grad_enabled(), impl)[0], [x0]
 
 
 def _mixture_case(batch: int):

@@ -9,9 +9,9 @@
   ``cat([prefix, pairs], 1)`` layout directly.
 - ``cross_layer(x0, x, weight, bias, down)``: a DCN-v2 cross layer, ``x0 * (x @ W^T + b) + x``, or the
   low-rank ``x0 * ((x @ V^T) @ U^T + b) + x`` when ``down`` (V) is given (``weight`` is U).
-- ``cross_stack(x0, x, weights, biases, downs)``: L cross layers in a row over one ``x0`` (DCN-v2's cross
-  stack), full or low rank, biases all or none; returns ``(x_L, saved)``, ``saved`` the per-layer results
-  the backward reads (not differentiable).
+- ``cross_stack(x0, x, weights, biases, downs, save)``: L cross layers in a row over one ``x0`` (DCN-v2's
+  cross stack), full or low rank, biases all or none; returns ``(x_L, saved)``, ``saved`` the per-layer
+  results the backward reads (not differentiable; none unless ``save``: an inference graph keeps nothing).
 - ``cross_mixture(x0, x, gate, downs, mids, ups, biases, activation)``: one DCN-Mix layer (TorchRec's
   ``LowRankMixtureCrossNet``), ``sum_e softmax(x G^T)_e * x0 * (U_e act(C_e act(V_e x)) + b_e) + x``.
 - ``fm_second_order(v, reduce)``: the factorisation-machine second order term over ``v`` ``[B, F, D]``,
@@ -350,33 +350,35 @@ def stack_saved(saved: list[torch.Tensor], x: torch.Tensor, layer: int) -> tuple
     return (x if layer == 0 else saved[layers + layer - 1]), saved[layer]
 
 
-def _cross_stack_torch(x0, x, weights, biases, downs):
+def _cross_stack_torch(x0, x, weights, biases, downs, save=True):
     """(x_L, saved): per layer the matmul (MKL) with the bias, and ``x0 * hb + x`` as one addcmul pass; what the
-    backward reads is these results, kept (one [B, D] tensor each: a single block would be a fresh mapping,
-    page-faulted in, on every call)."""
+    backward reads is these results, kept when ``save`` (one [B, D] tensor each: a single block would be a fresh
+    mapping, page-faulted in, on every call; and an inference call keeps none, so that its memory is reused)."""
     hbs, inputs = [], []
     for layer, weight in enumerate(weights):
         z = x if not downs else torch.mm(x, downs[layer].t())
         hb = torch.addmm(biases[layer], z, weight.t()) if biases else torch.mm(z, weight.t())
-        hbs.append(hb)
-        inputs.append(x)
+        if save:
+            hbs.append(hb)
+            inputs.append(x)
         x = torch.addcmul(x, x0, hb)
     return x, hbs + inputs[1:]
 
 
 @register_kernel("cross_stack", "reference")
-def _cross_stack_reference_kernel(x0, x, weights, biases, downs):
-    return cross_stack_reference(x0, x, weights, biases, downs), _cross_stack_torch(x0, x, weights, biases, downs)[1]
+def _cross_stack_reference_kernel(x0, x, weights, biases, downs, save):
+    return (cross_stack_reference(x0, x, weights, biases, downs),
+            _cross_stack_torch(x0, x, weights, biases, downs, save)[1])
 
 
 register_kernel("cross_stack", "cpu")(_cross_stack_torch)
 
 
 @register_kernel("cross_stack", "triton")
-def _cross_stack_triton(x0, x, weights, biases, downs):
+def _cross_stack_triton(x0, x, weights, biases, downs, save):
     from runtime.triton_kernels.interaction import cross_stack
 
-    return cross_stack(x0, x, weights, biases, downs)
+    return cross_stack(x0, x, weights, biases, downs, save)
 
 
 def _check_cross_stack(x0, x, weights, biases, downs):
@@ -395,18 +397,18 @@ def _check_cross_stack(x0, x, weights, biases, downs):
 @torch.library.custom_op("recompile::cross_stack", mutates_args=())
 def cross_stack(
     x0: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
-    downs: list[torch.Tensor], impl: str,
+    downs: list[torch.Tensor], save: bool, impl: str,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(x_L, saved): L DCN-v2 cross layers ``x_{l+1} = x0 * (x_l W_l^T + b_l) + x_l`` (W_l = U_l V_l when
     ``downs`` are given) from ``x_0 = x``; ``saved`` holds what the backward reads (not differentiable)."""
     _check_cross_stack(x0, x, weights, biases, downs)
-    return get_kernel("cross_stack", impl)(x0, x, weights, biases, downs)
+    return get_kernel("cross_stack", impl)(x0, x, weights, biases, downs, save)
 
 
 @cross_stack.register_fake
-def _(x0, x, weights, biases, downs, impl):
+def _(x0, x, weights, biases, downs, save, impl):
     _check_cross_stack(x0, x, weights, biases, downs)
-    return torch.empty_like(x), [torch.empty_like(x) for _ in range(2 * len(weights) - 1)]
+    return torch.empty_like(x), [torch.empty_like(x) for _ in range(2 * len(weights) - 1 if save else 0)]
 
 
 @torch.library.custom_op("recompile::cross_stack_backward", mutates_args=())
@@ -445,7 +447,7 @@ def _(grad, x0, x, weights, downs, saved, has_bias):
 
 
 def _cross_stack_setup(ctx, inputs, output):
-    x0, x, weights, biases, downs, impl = inputs
+    x0, x, weights, biases, downs, save, impl = inputs
     ctx.mark_non_differentiable(*output[1])
     ctx.set_materialize_grads(False)  # no zero-filled grads for the saved outputs
     ctx.save_for_backward(x0, x, *weights, *downs, *output[1])
@@ -457,10 +459,12 @@ def _cross_stack_backward(ctx, grad, grad_saved):
     layers, ranks = ctx.layers, ctx.layers if ctx.low_rank else 0
     weights, downs, saved = params[:layers], params[layers:layers + ranks], params[layers + ranks:]
     if grad is None:  # x_L unused (grads are not materialised)
-        return None, None, [None] * layers, [None] * layers if ctx.has_bias else [], [None] * ranks, None
+        return None, None, [None] * layers, [None] * layers if ctx.has_bias else [], [None] * ranks, None, None
+    if len(saved) != 2 * layers - 1:
+        raise RuntimeError("recompile.cross_stack: called with save=False (an inference graph), then differentiated")
     grad_x0, grad_x, grad_weights, grad_biases, grad_downs = cross_stack_backward(
         grad, x0, x, weights, downs, saved, ctx.has_bias)
-    return grad_x0, grad_x, grad_weights, grad_biases, grad_downs, None
+    return grad_x0, grad_x, grad_weights, grad_biases, grad_downs, None, None
 
 
 cross_stack.register_autograd(_cross_stack_backward, setup_context=_cross_stack_setup)

@@ -53,7 +53,7 @@ def test_cross_stack_kernels_forward_and_backward(b, d, layers, rank, bias, impl
     if impl == "triton" and dtype != torch.float32:
         dtype = torch.float32  # the interpreter's tl.dot: fp32 inputs
     args, sizes = _stack_args(b, d, layers, rank, bias, dtype)
-    op = _stack_fn(lambda *a: torch.ops.recompile.cross_stack(*a, impl), sizes)
+    op = _stack_fn(lambda *a: torch.ops.recompile.cross_stack(*a, True, impl), sizes)
     got = _forward_and_grads(op, _leaves(*args))
     want = _forward_and_grads(_stack_fn(cross_stack_reference, sizes), _leaves(*[a.float() for a in args]))
     tol = TOL[dtype]
@@ -94,12 +94,23 @@ def test_cross_mixture_kernels_forward_and_backward(b, d, experts, rank, mid, bi
 @pytest.mark.parametrize("rank", [None, 2])
 def test_cross_stack_gradcheck_and_opcheck(rank):
     args, sizes = _stack_args(3, 4, 2, rank, True, torch.float64)
-    assert gradcheck(_stack_fn(lambda *a: torch.ops.recompile.cross_stack(*a, "cpu"), sizes),
+    assert gradcheck(_stack_fn(lambda *a: torch.ops.recompile.cross_stack(*a, True, "cpu"), sizes),
                      _leaves(*args))
     x0, x, *p = _leaves(*args)
     layers = sizes[0]
     torch.library.opcheck(torch.ops.recompile.cross_stack.default,
-                          (x0, x, p[:layers], p[layers:2 * layers], p[2 * layers:], "cpu"))
+                          (x0, x, p[:layers], p[layers:2 * layers], p[2 * layers:], True, "cpu"))
+
+
+@pytest.mark.parametrize("impl", sorted(KERNELS["cross_stack"]))
+def test_cross_stack_for_inference_keeps_nothing(impl):
+    args, sizes = _stack_args(5, 6, 3, None, True)
+    x0, x, *p = _leaves(*args)
+    out, saved = torch.ops.recompile.cross_stack(x0, x, p[:3], p[3:], [], False, impl)
+    assert saved == []
+    torch.testing.assert_close(out, cross_stack_reference(x0, x, p[:3], p[3:], []), rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="save=False"):
+        out.sum().backward()
 
 
 def test_cross_mixture_gradcheck_and_opcheck():
@@ -115,9 +126,9 @@ def test_cross_mixture_gradcheck_and_opcheck():
 def test_bad_cross_inputs_name_the_op_and_layer():
     x = torch.randn(3, 4)
     with pytest.raises(ValueError, match="cross_stack: layer 1"):
-        torch.ops.recompile.cross_stack(x, x, [torch.randn(4, 4), torch.randn(5, 4)], [], [], "cpu")
+        torch.ops.recompile.cross_stack(x, x, [torch.randn(4, 4), torch.randn(5, 4)], [], [], True, "cpu")
     with pytest.raises(ValueError, match="cross_stack: expected one or more weights"):
-        torch.ops.recompile.cross_stack(x, x, [torch.randn(4, 4)], [torch.randn(4)] * 2, [], "cpu")
+        torch.ops.recompile.cross_stack(x, x, [torch.randn(4, 4)], [torch.randn(4)] * 2, [], True, "cpu")
     with pytest.raises(ValueError, match="cross_mixture: expected"):
         torch.ops.recompile.cross_mixture(x, x, torch.randn(2, 4), [torch.randn(2, 4)] * 2, [], [torch.randn(4, 3)] * 2,
                                           [], "relu", "cpu")
@@ -175,6 +186,9 @@ def test_dcn_of_the_zoo(cfg):
     assert ops == (["recompile::cross_mixture"] * 2 if cfg.num_experts > 1 else ["recompile::cross_stack"])
     _assert_same_training(model, args)
     _assert_same_training(model, args, backend=torch._dynamo.lookup_backend("rec_ascend"))
+    with torch.no_grad():  # an inference graph: the stack keeps nothing for a backward
+        torch.testing.assert_close(torch.compile(model, backend=pipeline_only)(*args), model(*args), rtol=1e-5,
+                                   atol=1e-5)
 
 
 def test_mixture_batch_changes_compile_at_most_twice():

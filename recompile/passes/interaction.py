@@ -21,7 +21,8 @@ below; every commuted and respelled variant is generated, none is an if-chain) a
   low rank ``x0 * linear(linear(x, V), U, b) + x`` -> ``recompile.cross_layer(x0, x, U, b, V)``
   (the bias, the product with ``x0`` and the residual add are the matmul's fused epilogue). Two or more
   such ops in a row (each output only the next one's ``x``, one ``x0``, one form) -> one
-  ``recompile.cross_stack(x0, x, [W...], [b...], [V...])`` (the layers' regions become the stack's).
+  ``recompile.cross_stack(x0, x, [W...], [b...], [V...], save)`` (the layers' regions become the stack's;
+  ``save``: autograd will run through the graph, so the op keeps what its backward reads).
 - DCN-Mix (TorchRec ``LowRankMixtureCrossNet``): ``g = softmax(linear(x, G), 1)``, ``experts =
   stack([x0 * linear(act(linear(act(linear(x, V_e)), C_e)), U_e, b_e) ...], 2)`` (the C stage optional,
   ``act`` relu or none, biases all or none), then ``sum(experts * unsqueeze(g, 1), 2) + x`` or
@@ -565,13 +566,21 @@ def _cross_chains(graph: fx.Graph) -> list[list[fx.Node]]:
     return chains
 
 
+def _autograd_runs(gm: fx.GraphModule) -> bool:
+    """Grad mode is on and an input requires grad (Dynamo guards on both, so the graph is never differentiated
+    otherwise)."""
+    inputs = [meta_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+
+
 def stack_cross_layers(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Replace each chain of cross layers by one ``cross_stack`` (its region takes over the layers' regions)."""
+    save = _autograd_runs(gm)
     for chain in _cross_chains(gm.graph):
         first, last = chain[0], chain[-1]
         x0, x, _, bias, down, _ = first.args
         args = (x0, x, [n.args[2] for n in chain], [] if bias is None else [n.args[3] for n in chain],
-                [] if down is None else [n.args[4] for n in chain])
+                [] if down is None else [n.args[4] for n in chain], save)
         impl = ctx.lower("recompile::cross_stack")
         graph = gm.graph
         with graph.inserting_before(last):

@@ -143,16 +143,17 @@ def cross_layer(x0, x, weight, bias, down):
     return _linear(z, weight, None if bias is None else bias.contiguous(), x0, x)
 
 
-def cross_stack(x0, x, weights, biases, downs):
-    """The layers in turn, each one matmul kernel with the cross epilogue that also stores h + b."""
+def cross_stack(x0, x, weights, biases, downs, save):
+    """The layers in turn, each one matmul kernel with the cross epilogue that also stores h + b when ``save``."""
     x0, x = x0.contiguous(), x.contiguous()
     hbs, inputs = [], []  # runtime.interaction.stack_saved's layout
     for layer, weight in enumerate(weights):
         z = x if not downs else _linear(x, downs[layer].contiguous(), None)
         bias = biases[layer].contiguous() if biases else None
-        hbs.append(torch.empty_like(x))
-        inputs.append(x)
-        x = _linear(z, weight.contiguous(), bias, x0, x, hb=hbs[-1])
+        if save:
+            hbs.append(torch.empty_like(x))
+            inputs.append(x)
+        x = _linear(z, weight.contiguous(), bias, x0, x, hb=hbs[-1] if save else None)
     return x, hbs + inputs[1:]
 
 
