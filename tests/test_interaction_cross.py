@@ -214,3 +214,11 @@ def test_stack_batch_changes_compile_at_most_twice():
         args = synthetic_batch(cfg, batch)
         torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-5, atol=1e-5)
     assert counter.frame_count <= 2
+
+
+def test_mixture_of_experts_of_different_ranks_is_left_alone():
+    layer = MixtureCrossLayer(6, 2, 2)
+    layer.experts[1] = nn.Sequential(nn.Linear(6, 3, bias=False), nn.ReLU(), nn.Linear(3, 3, bias=False), nn.ReLU(),
+                                     nn.Linear(3, 6))
+    x0, x = torch.randn(4, 6), torch.randn(4, 6)
+    assert _regions(layer, x0, x) == []

@@ -526,6 +526,12 @@ def _mixture_handler(ctx: PassContext, form: MixtureForm) -> Callable:
             return
         if not _same_shape(tensor_meta(x0), meta) or len({k["bias"] is None for k in kwargs}) != 1:
             return
+        shapes = {name: {tuple(tensor_meta(k[name]).shape) for k in kwargs if tensor_meta(k.get(name)) is not None}
+                  for name in ("down", "mid", "up")}
+        if len(shapes["down"]) != 1 or len(shapes["up"]) != 1 or len(shapes["mid"]) > 1:
+            return  # experts of one rank (the op batches them)
+        if not all(_same_shape(tensor_meta(node), meta) for node in stacked):
+            return  # x0 * expert must not broadcast
         nodes = {n for m, _, _ in found for n in m.nodes} | {experts, *match.nodes}
         anchor = match.output_node()
         if any(user not in nodes for n in nodes if n is not anchor for user in n.users):
