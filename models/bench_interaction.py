@@ -1,8 +1,11 @@
 """Interaction benchmark: DLRM (26 tables of dim 64) and DCN-v2 (20 tables of dim 16, 3 cross layers),
 forward and training step, eager vs inductor vs rec_ascend side by side, and cold compile times.
+``--models dcn_mix``: the same DCN-v2 with mixture-of-experts cross layers (4 experts of rank 32, DCN-Mix).
+``--ops``: each interaction op alone (the kernel the lowering picks on this CPU) against the eager spelling it
+replaces, forward and forward + backward, at the workloads' shapes.
 
-    python -m models.bench_interaction [--quick] [--no-compile-time] [--models dlrm dcn] [--modes forward train]
-                                       [--batch N] [--threads N]
+    python -m models.bench_interaction [--quick] [--no-compile-time] [--models dlrm dcn dcn_mix]
+                                       [--modes forward train] [--batch N] [--threads N] [--ops]
 
 Steps are timed with the wall clock (``time.perf_counter``), best of rounds that run every backend once in
 turn. Cold compile time is measured in a fresh process per backend with empty Inductor and recompile caches
@@ -21,12 +24,14 @@ import time
 
 import torch
 
-from models.ctr import DCNConfig, DCNv2
+from models.ctr import DCNConfig, DCNv2, MixtureCrossLayer
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 from models.timing import race_ms
+from recompile.lowering import choose, detect_target
 
 BACKENDS = ("eager", "inductor", "rec_ascend")
-MODELS = ("dlrm", "dcn")
+MODELS = ("dlrm", "dcn", "dcn_mix")
+DEFAULT_MODELS = ["dlrm", "dcn"]
 MODES = ("forward", "train")
 
 
@@ -35,7 +40,8 @@ def make(model: str, quick: bool):
     if model == "dlrm":
         cfg = DLRMConfig(table_rows=[rows] * 26, dim=64, bottom=[512, 256, 64], top=[512, 256, 1])
         return DLRM(cfg), cfg
-    cfg = DCNConfig(table_rows=[rows] * 20, dim=16, num_cross=3, deep=[512, 256])
+    mixture = dict(low_rank=32, num_experts=4) if model == "dcn_mix" else {}
+    cfg = DCNConfig(table_rows=[rows] * 20, dim=16, num_cross=3, deep=[512, 256], **mixture)
     return DCNv2(cfg), cfg
 
 
@@ -78,10 +84,71 @@ def run_steps(quick: bool, models: list[str], modes: list[str], batch: int | Non
 
 def _format(row: dict) -> str:
     best_other = min(row["eager"], row["inductor"])
-    return (f"{row['model']:5s} {row['mode']:8s} B={row['batch']:<5d} eager {row['eager']:8.2f} ms  "
+    return (f"{row['model']:7s} {row['mode']:8s} B={row['batch']:<5d} eager {row['eager']:8.2f} ms  "
             f"inductor {row['inductor']:8.2f} ms  rec_ascend {row['rec_ascend']:8.2f} ms  |  "
             f"rec/eager {row['eager'] / row['rec_ascend']:5.2f}x  rec/inductor {row['inductor'] / row['rec_ascend']:5.2f}x  "
             f"rec/min(eager,inductor) {best_other / row['rec_ascend']:5.2f}x")
+
+
+def _dot_case(batch: int):
+    """DLRM's interaction: the dense vector and 26 pooled embeddings of dim 64."""
+    feats = [torch.randn(batch, 64, requires_grad=True) for _ in range(27)]
+    rows, cols = torch.triu_indices(27, 27, 1)
+    impl = choose("recompile::dot_interaction", detect_target("cpu")).impl
+
+    def eager():
+        t = torch.stack(feats, 1)
+        return torch.cat([feats[0], torch.bmm(t, t.transpose(1, 2))[:, rows, cols]], 1)
+    return eager, lambda: torch.ops.recompile.dot_interaction(feats, feats[0], True, False, impl), feats
+
+
+def _cross_case(batch: int):
+    """DCN-v2's three full-rank cross layers over 13 dense + 20 x 16 embedding values."""
+    layers = [torch.nn.Linear(333, 333) for _ in range(3)]
+    x0 = torch.randn(batch, 333, requires_grad=True)
+    weights, biases = [layer.weight for layer in layers], [layer.bias for layer in layers]
+
+    def eager():
+        x = x0
+        for layer in layers:
+            x = x0 * layer(x) + x
+        return x
+    impl = choose("recompile::cross_stack", detect_target("cpu")).impl
+    return eager, lambda: torch.ops.recompile.cross_stack(x0, x0, weights, biases, [], torch.is_grad_enabled(), impl)[0], [x0]
+
+
+def _mixture_case(batch: int):
+    """One DCN-Mix layer of dcn_mix: 4 experts of rank 32 with the C stage, relu."""
+    layer = MixtureCrossLayer(333, 32, 4)
+    x0, x = torch.randn(batch, 333, requires_grad=True), torch.randn(batch, 333, requires_grad=True)
+    experts = [[expert[i].weight for expert in layer.experts] for i in (0, 2, 4)]
+    biases = [expert[4].bias for expert in layer.experts]
+    impl = choose("recompile::cross_mixture", detect_target("cpu")).impl
+    return (lambda: layer(x0, x),
+            lambda: torch.ops.recompile.cross_mixture(x0, x, layer.gate.weight, *experts, biases, "relu", impl), [x0, x])
+
+
+OP_CASES = {"dot_interaction": _dot_case, "cross_stack": _cross_case, "cross_mixture": _mixture_case}
+
+
+def run_ops(batch: int, rounds: int = 30) -> None:
+    def forward(fn):
+        with torch.no_grad():
+            fn()
+
+    def train(fn, grad):
+        fn().backward(grad)
+
+    for name, case in OP_CASES.items():
+        eager, op, _ = case(batch)
+        grad = torch.randn_like(eager().detach())
+        torch.testing.assert_close(op(), eager(), rtol=1e-4, atol=1e-3)
+        fwd = race_ms({"eager": functools.partial(forward, eager), "op": functools.partial(forward, op)}, rounds)
+        both = race_ms({"eager": functools.partial(train, eager, grad), "op": functools.partial(train, op, grad)},
+                       rounds)
+        print(f"{name:15s} B={batch:<5d} forward: eager {fwd['eager']:7.2f} ms  op {fwd['op']:7.2f} ms "
+              f"({fwd['eager'] / fwd['op']:4.2f}x)  forward+backward: eager {both['eager']:7.2f} ms  "
+              f"op {both['op']:7.2f} ms ({both['eager'] / both['op']:4.2f}x)", flush=True)
 
 
 def cold_compile(model: str, backend: str, quick: bool, cache: str, threads: int) -> float:
@@ -108,7 +175,7 @@ def run_compile_times(quick: bool, models: list[str], threads: int) -> None:
             inductor = cold_compile(name, "inductor", quick, fresh_inductor, threads)
             rec = cold_compile(name, "rec_ascend", quick, fresh_rec, threads)
             rec_warm = cold_compile(name, "rec_ascend", quick, fresh_rec, threads)  # autotune decision cached
-        print(f"{name:5s} cold compile (train step): inductor {inductor:6.1f} s  rec_ascend {rec:6.1f} s "
+        print(f"{name:7s} cold compile (train step): inductor {inductor:6.1f} s  rec_ascend {rec:6.1f} s "
               f"(ratio {rec / inductor:4.2f})  rec_ascend with cached decision {rec_warm:6.1f} s", flush=True)
 
 
@@ -116,13 +183,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small tables and batch, few iterations")
     parser.add_argument("--no-compile-time", action="store_true", help="skip the cold compile measurements")
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=DEFAULT_MODELS)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--batch", type=int, help="batch size (default 256 with --quick, else 2048)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
+    parser.add_argument("--ops", action="store_true", help="time each interaction op against its eager spelling")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.ops:
+        run_ops(args.batch or (256 if args.quick else 2048))
+        return
     run_steps(args.quick, args.models, args.modes, args.batch)
     if not args.no_compile_time:
         run_compile_times(args.quick, args.models, args.threads)

@@ -32,10 +32,15 @@ class DCNConfig(CTRConfig):
     # None: full-rank cross weights (D x D); an int r: low-rank W = U V^T with U, V of shape D x r.
     low_rank: int | None = None
     structure: str = "stacked"
+    # > 1 (with low_rank): each cross layer is a mixture of low-rank experts gated by a softmax over them
+    # (DCN-v2's DCN-Mix, TorchRec's LowRankMixtureCrossNet).
+    num_experts: int = 1
 
     def __post_init__(self):
         if self.structure not in DCN_STRUCTURES:
             raise ValueError(f"DCNConfig.structure got {self.structure!r}; valid values: {', '.join(DCN_STRUCTURES)}")
+        if self.num_experts > 1 and self.low_rank is None:
+            raise ValueError(f"DCNConfig.num_experts={self.num_experts} needs a low_rank (the experts' rank)")
 
 
 def lookup(tables: nn.ModuleList, indices: list[torch.Tensor], offsets: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -57,13 +62,38 @@ class CrossLayer(nn.Module):
         return x0 * self.proj(x) + x
 
 
+class MixtureCrossLayer(nn.Module):
+    """DCN-Mix cross layer: x_{l+1} = sum_e g_e(x_l) * x_0 * (U_e relu(C_e relu(V_e x_l)) + b_e) + x_l with the
+    gates g = softmax(G x_l) over the experts."""
+
+    def __init__(self, width: int, rank: int, num_experts: int):
+        super().__init__()
+        self.gate = nn.Linear(width, num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, rank, bias=False), nn.ReLU(), nn.Linear(rank, rank, bias=False), nn.ReLU(),
+                          nn.Linear(rank, width))
+            for _ in range(num_experts)
+        )
+
+    def forward(self, x0: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        gates = torch.softmax(self.gate(x), dim=1)
+        experts = torch.stack([x0 * expert(x) for expert in self.experts], dim=2)  # [B, D, E]
+        return (experts * gates.unsqueeze(1)).sum(dim=2) + x
+
+
+def cross_layer(width: int, cfg: DCNConfig) -> nn.Module:
+    if cfg.num_experts > 1:
+        return MixtureCrossLayer(width, cfg.low_rank, cfg.num_experts)
+    return CrossLayer(width, cfg.low_rank)
+
+
 class DCNv2(nn.Module):
     def __init__(self, cfg: DCNConfig):
         super().__init__()
         self.cfg = cfg
         self.embeddings = embedding_bags(cfg.table_rows, cfg.dim, cfg.dynamic_embeddings)
         width = cfg.num_dense + cfg.dim * len(cfg.table_rows)
-        self.cross = nn.ModuleList(CrossLayer(width, cfg.low_rank) for _ in range(cfg.num_cross))
+        self.cross = nn.ModuleList(cross_layer(width, cfg) for _ in range(cfg.num_cross))
         self.deep = mlp([width, *cfg.deep])
         head_in = cfg.deep[-1] if cfg.structure == "stacked" else width + cfg.deep[-1]
         self.head = nn.Linear(head_in, 1)

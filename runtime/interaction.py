@@ -9,6 +9,11 @@
   ``cat([prefix, pairs], 1)`` layout directly.
 - ``cross_layer(x0, x, weight, bias, down)``: a DCN-v2 cross layer, ``x0 * (x @ W^T + b) + x``, or the
   low-rank ``x0 * ((x @ V^T) @ U^T + b) + x`` when ``down`` (V) is given (``weight`` is U).
+- ``cross_stack(x0, x, weights, biases, downs, save)``: L cross layers in a row over one ``x0`` (DCN-v2's
+  cross stack), full or low rank, biases all or none; returns ``(x_L, saved)``, ``saved`` the per-layer
+  results the backward reads (not differentiable; none unless ``save``: an inference graph keeps nothing).
+- ``cross_mixture(x0, x, gate, downs, mids, ups, biases, activation)``: one DCN-Mix layer (TorchRec's
+  ``LowRankMixtureCrossNet``), ``sum_e softmax(x G^T)_e * x0 * (U_e act(C_e act(V_e x)) + b_e) + x``.
 - ``fm_second_order(v, reduce)``: the factorisation-machine second order term over ``v`` ``[B, F, D]``,
   ``0.5 * ((sum_f v)^2 - sum_f v^2)`` per dimension ``[B, D]``, or summed over D to ``[B, 1]``
   (``reduce``; the flattened TorchRec ``FactorizationMachine`` is ``v = x.unsqueeze(-1)`` with ``reduce``).
@@ -16,11 +21,12 @@
 Kernels: ``reference`` (plain torch, the oracle), ``cpu`` (torch), ``native`` (C, ``csrc/interaction.c``
 through ``runtime.interaction_native``; the ``cpu`` kernel where it cannot run), ``triton``. Backward
 passes are ops of their own (``dot_interaction_backward``, ``cross_epilogue_backward``,
-``fm_second_order_backward``) taking the forward's ``impl``.
+``cross_stack_backward``, ``cross_mixture_backward``, ``fm_second_order_backward``).
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -182,7 +188,11 @@ def dot_interaction_backward(
     grad: torch.Tensor, features: list[torch.Tensor], k: int, upper: bool, self_interaction: bool, impl: str
 ) -> list[torch.Tensor]:
     kernel = backward_kernel("dot_interaction_backward", impl)
-    grads = kernel(grad.contiguous(), features, k, upper, self_interaction)
+    return _unaliased(kernel(grad.contiguous(), features, k, upper, self_interaction))
+
+
+def _unaliased(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous tensors of their own (views of one result, e.g. its splits, may not be an op's outputs)."""
     return [g.contiguous() if g._base is None else g.clone(memory_format=torch.contiguous_format) for g in grads]
 
 
@@ -321,6 +331,300 @@ def _cross_backward(ctx, grad):
 
 
 cross_layer.register_autograd(_cross_backward, setup_context=_cross_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# DCN-v2 cross stack: L cross layers sharing x0 in one op
+
+
+def cross_stack_reference(x0, x, weights, biases, downs):
+    for layer, weight in enumerate(weights):
+        x = cross_layer_reference(x0, x, weight, biases[layer] if biases else None, downs[layer] if downs else None)
+    return x
+
+
+def stack_saved(saved: list[torch.Tensor], x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_l, h_l + b_l) of ``layer`` from a cross stack's ``saved`` (2L - 1 [B, D] tensors: h_l + b_l for every
+    layer, then the inputs x_1 .. x_{L-1}; x_0 is the stack's input ``x``)."""
+    layers = (len(saved) + 1) // 2
+    return (x if layer == 0 else saved[layers + layer - 1]), saved[layer]
+
+
+def _cross_stack_torch(x0, x, weights, biases, downs, save=True):
+    """(x_L, saved): per layer the matmul (MKL) with the bias, and ``x0 * hb + x`` as one addcmul pass; what the
+    backward reads is these results, kept when ``save`` (one [B, D] tensor each: a single block would be a fresh
+    mapping, page-faulted in, on every call; and an inference call keeps none, so that its memory is reused)."""
+    hbs, inputs = [], []
+    for layer, weight in enumerate(weights):
+        z = x if not downs else torch.mm(x, downs[layer].t())
+        hb = torch.addmm(biases[layer], z, weight.t()) if biases else torch.mm(z, weight.t())
+        if save:
+            hbs.append(hb)
+            inputs.append(x)
+        x = torch.addcmul(x, x0, hb)
+    return x, hbs + inputs[1:]
+
+
+@register_kernel("cross_stack", "reference")
+def _cross_stack_reference_kernel(x0, x, weights, biases, downs, save):
+    return (cross_stack_reference(x0, x, weights, biases, downs),
+            _cross_stack_torch(x0, x, weights, biases, downs, save)[1])
+
+
+register_kernel("cross_stack", "cpu")(_cross_stack_torch)
+
+
+@register_kernel("cross_stack", "triton")
+def _cross_stack_triton(x0, x, weights, biases, downs, save):
+    from runtime.triton_kernels.interaction import cross_stack
+
+    return cross_stack(x0, x, weights, biases, downs, save)
+
+
+def _check_cross_stack(x0, x, weights, biases, downs):
+    if not weights or len(biases) not in (0, len(weights)) or len(downs) not in (0, len(weights)):
+        raise ValueError(
+            "recompile.cross_stack: expected one or more weights and as many biases and downs (or none), got "
+            f"{len(weights)} weights, {len(biases)} biases, {len(downs)} downs"
+        )
+    for layer, weight in enumerate(weights):
+        try:
+            _check_cross_layer(x0, x, weight, biases[layer] if biases else None, downs[layer] if downs else None)
+        except ValueError as exc:
+            raise ValueError(f"recompile.cross_stack: layer {layer}: {exc}") from None
+
+
+@torch.library.custom_op("recompile::cross_stack", mutates_args=())
+def cross_stack(
+    x0: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
+    downs: list[torch.Tensor], save: bool, impl: str,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(x_L, saved): L DCN-v2 cross layers ``x_{l+1} = x0 * (x_l W_l^T + b_l) + x_l`` (W_l = U_l V_l when
+    ``downs`` are given) from ``x_0 = x``; ``saved`` holds what the backward reads (not differentiable)."""
+    _check_cross_stack(x0, x, weights, biases, downs)
+    return get_kernel("cross_stack", impl)(x0, x, weights, biases, downs, save)
+
+
+@cross_stack.register_fake
+def _(x0, x, weights, biases, downs, save, impl):
+    _check_cross_stack(x0, x, weights, biases, downs)
+    return torch.empty_like(x), [torch.empty_like(x) for _ in range(2 * len(weights) - 1 if save else 0)]
+
+
+@torch.library.custom_op("recompile::cross_stack_backward", mutates_args=())
+def cross_stack_backward(
+    grad: torch.Tensor, x0: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], downs: list[torch.Tensor],
+    saved: list[torch.Tensor], has_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """(grad_x0, grad_x, grad_weights, grad_biases, grad_downs), last layer first back to the first: per layer
+    two (full rank) or four (low rank) matmuls; grad_x0 and the grad of x_l accumulate in place (a C pass for
+    the elementwise part measured no faster than these ATen calls)."""
+    grad_x0 = None
+    g = grad
+    grad_weights, grad_biases, grad_downs = [], [], []
+    for layer in reversed(range(len(weights))):
+        x_in, hb = stack_saved(saved, x, layer)
+        grad_hb = g * x0
+        grad_x0 = g * hb if grad_x0 is None else grad_x0.addcmul_(g, hb)
+        z = x_in if not downs else torch.mm(x_in, downs[layer].t())
+        grad_weights.append(torch.mm(grad_hb.t(), z))
+        if has_bias:
+            grad_biases.append(grad_hb.sum(0))
+        if downs:
+            grad_z = torch.mm(grad_hb, weights[layer])
+            grad_downs.append(torch.mm(grad_z.t(), x_in))
+            grad_hb, weight = grad_z, downs[layer]
+        else:
+            weight = weights[layer]
+        g = torch.addmm(g, grad_hb, weight) if g is grad else g.addmm_(grad_hb, weight)  # g is ours after one
+    return grad_x0, g if g is not grad else g.clone(), grad_weights[::-1], grad_biases[::-1], grad_downs[::-1]
+
+
+@cross_stack_backward.register_fake
+def _(grad, x0, x, weights, downs, saved, has_bias):
+    return (torch.empty_like(x0), torch.empty_like(grad), [torch.empty_like(w) for w in weights],
+            [grad.new_empty(w.shape[0]) for w in weights] if has_bias else [], [torch.empty_like(v) for v in downs])
+
+
+def _cross_stack_setup(ctx, inputs, output):
+    x0, x, weights, biases, downs, save, impl = inputs
+    ctx.mark_non_differentiable(*output[1])
+    ctx.set_materialize_grads(False)  # no zero-filled grads for the saved outputs
+    ctx.save_for_backward(x0, x, *weights, *downs, *output[1])
+    ctx.layers, ctx.has_bias, ctx.low_rank = len(weights), bool(biases), bool(downs)
+
+
+def _cross_stack_backward(ctx, grad, grad_saved):
+    x0, x, *params = ctx.saved_tensors
+    layers, ranks = ctx.layers, ctx.layers if ctx.low_rank else 0
+    weights, downs, saved = params[:layers], params[layers:layers + ranks], params[layers + ranks:]
+    if grad is None:  # x_L unused (grads are not materialised)
+        return None, None, [None] * layers, [None] * layers if ctx.has_bias else [], [None] * ranks, None, None
+    if len(saved) != 2 * layers - 1:
+        raise RuntimeError("recompile.cross_stack: called with save=False (an inference graph), then differentiated")
+    grad_x0, grad_x, grad_weights, grad_biases, grad_downs = cross_stack_backward(
+        grad, x0, x, weights, downs, saved, ctx.has_bias)
+    return grad_x0, grad_x, grad_weights, grad_biases, grad_downs, None, None
+
+
+cross_stack.register_autograd(_cross_stack_backward, setup_context=_cross_stack_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# DCN-v2 mixture of low-rank experts (TorchRec LowRankMixtureCrossNet, one layer)
+
+@dataclass(frozen=True)
+class Activation:
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (grad of the output, the input) -> grad of the input
+
+
+ACTIVATIONS = {
+    "relu": Activation(torch.relu, lambda grad, pre: grad * (pre > 0)),
+    "identity": Activation(lambda t: t, lambda grad, pre: grad),
+}
+
+
+def cross_mixture_reference(x0, x, gate, downs, mids, ups, biases, activation):
+    """``sum_e g_e * x0 * (U_e act(C_e act(V_e x)) + b_e) + x`` with ``g = softmax(x G^T)`` over the experts
+    (without ``mids``: ``U_e act(V_e x)``)."""
+    act = ACTIVATIONS[activation].fn
+    gates = torch.softmax(F.linear(x, gate), 1)
+    out = x
+    for e, (down, up) in enumerate(zip(downs, ups)):
+        z = act(F.linear(x, down))
+        if mids:
+            z = act(F.linear(z, mids[e]))
+        out = out + gates[:, e:e + 1] * (x0 * F.linear(z, up, biases[e] if biases else None))
+    return out
+
+
+register_kernel("cross_mixture", "reference")(cross_mixture_reference)
+
+
+def _mixture_forward(x0, x, gate, downs, mids, ups, biases, activation):
+    """All experts in three matmuls: ``x [V_1; ...; V_E]^T``, the C_e as one bmm, and the U_e as one matmul over
+    the gate-scaled ranks (``sum_e g_e z_e U_e^T = (g * z) [U_1 ... U_E]^T``); biases as ``g [b_1; ...]``, then
+    ``x0 * y + x`` in one addcmul. Returns (out, the intermediates the backward reads)."""
+    act = ACTIVATIONS[activation].fn
+    batch, experts, rank = x.shape[0], len(downs), downs[0].shape[0]
+    gates = torch.softmax(torch.mm(x, gate.t()), 1)
+    a = torch.mm(x, torch.cat(downs).t()).view(batch, experts, rank)
+    z1 = act(a)
+    c = torch.bmm(z1.transpose(0, 1), torch.stack(mids).transpose(1, 2)).transpose(0, 1) if mids else None
+    z2 = z1 if c is None else act(c)
+    y = torch.mm((z2 * gates.unsqueeze(2)).reshape(batch, experts * rank), torch.cat(ups, 1).t())
+    if biases:
+        y = torch.addmm(y, gates, torch.stack(biases))
+    return torch.addcmul(x, x0, y), (gates, a, z1, c, z2, y)
+
+
+@register_kernel("cross_mixture", "cpu")
+def _cross_mixture_cpu(x0, x, gate, downs, mids, ups, biases, activation):
+    return _mixture_forward(x0, x, gate, downs, mids, ups, biases, activation)[0]
+
+
+def _mixture_backward(grad, x0, x, gate, downs, mids, ups, biases, activation):
+    """The gradients of (x0, x, gate, *downs, *mids, *ups, *biases), the forward's matmuls recomputed."""
+    act_grad = ACTIVATIONS[activation].grad
+    batch, experts, rank = x.shape[0], len(downs), downs[0].shape[0]
+    _, (gates, a, z1, c, z2, y) = _mixture_forward(x0, x, gate, downs, mids, ups, biases, activation)
+    grad_x0, grad_y = grad * y, grad * x0
+    s = (z2 * gates.unsqueeze(2)).reshape(batch, experts * rank)
+    grad_ups = torch.mm(grad_y.t(), s).split(rank, 1)
+    grad_s = torch.mm(grad_y, torch.cat(ups, 1)).view(batch, experts, rank)
+    grad_gates = (grad_s * z2).sum(2)
+    grad_biases = []
+    if biases:
+        grad_biases = list(torch.mm(gates.t(), grad_y).unbind(0))
+        grad_gates = grad_gates + torch.mm(grad_y, torch.stack(biases).t())
+    grad_z = grad_s * gates.unsqueeze(2)
+    grad_mids = []
+    if mids:
+        grad_c = act_grad(grad_z, c).transpose(0, 1)  # [E, B, r]
+        grad_mids = list(torch.bmm(grad_c.transpose(1, 2), z1.transpose(0, 1)).unbind(0))
+        grad_z = torch.bmm(grad_c, torch.stack(mids)).transpose(0, 1)
+    grad_a = act_grad(grad_z, a).reshape(batch, experts * rank)
+    grad_downs = torch.mm(grad_a.t(), x).split(rank, 0)
+    grad_logits = gates * (grad_gates - (grad_gates * gates).sum(1, keepdim=True))
+    grad_x = grad + torch.mm(grad_a, torch.cat(downs)) + torch.mm(grad_logits, gate)
+    return [grad_x0, grad_x, torch.mm(grad_logits.t(), x), *grad_downs, *grad_mids, *grad_ups, *grad_biases]
+
+
+@register_kernel("cross_mixture", "triton")
+def _cross_mixture_triton(x0, x, gate, downs, mids, ups, biases, activation):
+    from runtime.triton_kernels.interaction import cross_mixture
+
+    return cross_mixture(x0, x, gate, downs, mids, ups, biases, activation == "relu")
+
+
+def _check_cross_mixture(x0, x, gate, downs, mids, ups, biases, activation):
+    experts = len(downs)
+    d = x.shape[-1]
+    rank = downs[0].shape[0] if downs else 0
+    ok = experts > 0 and x0.shape == x.shape and x.dim() == 2 and tuple(gate.shape) == (experts, d)
+    ok = ok and len(ups) == experts and len(mids) in (0, experts) and len(biases) in (0, experts)
+    ok = ok and all(tuple(v.shape) == (rank, d) for v in downs) and all(tuple(u.shape) == (d, rank) for u in ups)
+    ok = ok and all(tuple(c.shape) == (rank, rank) for c in mids) and all(tuple(b.shape) == (d,) for b in biases)
+    if not ok or activation not in ACTIVATIONS:
+        raise ValueError(
+            "recompile.cross_mixture: expected x0, x [B, D], gate [E, D], E downs [r, D], E ups [D, r], E or no "
+            f"mids [r, r] and biases [D], activation in {sorted(ACTIVATIONS)}; got x {tuple(x.shape)}, "
+            f"gate {tuple(gate.shape)}, downs {[tuple(v.shape) for v in downs]}, ups {[tuple(u.shape) for u in ups]}, "
+            f"mids {[tuple(c.shape) for c in mids]}, biases {[tuple(b.shape) for b in biases]}, {activation!r}"
+        )
+
+
+@torch.library.custom_op("recompile::cross_mixture", mutates_args=())
+def cross_mixture(
+    x0: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, downs: list[torch.Tensor], mids: list[torch.Tensor],
+    ups: list[torch.Tensor], biases: list[torch.Tensor], activation: str, impl: str,
+) -> torch.Tensor:
+    _check_cross_mixture(x0, x, gate, downs, mids, ups, biases, activation)
+    return get_kernel("cross_mixture", impl)(x0, x, gate, downs, mids, ups, biases, activation)
+
+
+@cross_mixture.register_fake
+def _(x0, x, gate, downs, mids, ups, biases, activation, impl):
+    _check_cross_mixture(x0, x, gate, downs, mids, ups, biases, activation)
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("recompile::cross_mixture_backward", mutates_args=())
+def cross_mixture_backward(
+    grad: torch.Tensor, x0: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, downs: list[torch.Tensor],
+    mids: list[torch.Tensor], ups: list[torch.Tensor], biases: list[torch.Tensor], activation: str,
+) -> list[torch.Tensor]:
+    """The gradients of (x0, x, gate, *downs, *mids, *ups, *biases) (``_mixture_backward``)."""
+    return _unaliased(_mixture_backward(grad, x0, x, gate, downs, mids, ups, biases, activation))
+
+
+@cross_mixture_backward.register_fake
+def _(grad, x0, x, gate, downs, mids, ups, biases, activation):
+    return [torch.empty_like(t) for t in (x0, x, gate, *downs, *mids, *ups, *biases)]
+
+
+def _expert_params(params: list, experts: int, mids: int) -> tuple[list, list, list, list]:
+    """(downs, mids, ups, biases) from their concatenation."""
+    e, m = experts, mids
+    return params[:e], params[e:e + m], params[e + m:2 * e + m], params[2 * e + m:]
+
+
+def _cross_mixture_setup(ctx, inputs, output):
+    x0, x, gate, downs, mids, ups, biases, activation, impl = inputs
+    ctx.save_for_backward(x0, x, gate, *downs, *mids, *ups, *biases)
+    ctx.sizes, ctx.activation = (len(downs), len(mids)), activation
+
+
+def _cross_mixture_backward(ctx, grad):
+    x0, x, gate, *params = ctx.saved_tensors
+    downs, mids, ups, biases = _expert_params(params, *ctx.sizes)
+    grad_x0, grad_x, grad_gate, *grads = cross_mixture_backward(grad, x0, x, gate, downs, mids, ups, biases,
+                                                                ctx.activation)
+    return grad_x0, grad_x, grad_gate, *_expert_params(grads, *ctx.sizes), None, None
+
+
+cross_mixture.register_autograd(_cross_mixture_backward, setup_context=_cross_mixture_setup)
 
 
 # ---------------------------------------------------------------------------------------------

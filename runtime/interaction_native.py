@@ -15,8 +15,8 @@ from hkv.native import i32, i64, load, ptr
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "interaction.c")
 SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _ARGTYPES = {
-    "dot_interaction_fwd": (ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i32),
-    "dot_interaction_bwd": (ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i32),
+    "dot_interaction_fwd": (ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32),
+    "dot_interaction_bwd": (ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i32),
     "cross_epilogue_fwd": (ptr, ptr, ptr, ptr, ptr, i64, i64, i32),
     "cross_epilogue_bwd": (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32),
     "fm_second_order_fwd": (ptr, i64, i64, i64, i32, ptr, i32),
@@ -70,21 +70,29 @@ def feature_rows(items: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @functools.lru_cache(maxsize=64)
-def _pairs_i32(rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return rows.to(torch.int32), cols.to(torch.int32)
+def row_ranges(rows: torch.Tensor, cols: torch.Tensor, num_features: int) -> torch.Tensor:
+    """[3, F] int32 (lo, hi, off): row r's pairs are the columns ``lo[r]:hi[r]``, written from ``off[r]`` on.
+    The pairs must come row by row with consecutive columns, as in each of the four triangle orders."""
+    rows, cols = rows.long(), cols.long()
+    counts = torch.bincount(rows, minlength=num_features)
+    off = torch.cumsum(counts, 0) - counts
+    lo = torch.zeros_like(counts).scatter_reduce_(0, rows, cols, "amin", include_self=False)
+    if not torch.equal(cols, lo[rows] + torch.arange(rows.numel()) - off[rows]):
+        raise ValueError("recompile.dot_interaction: the native kernel takes pairs row by row with consecutive columns")
+    return torch.stack([lo, lo + counts, off]).to(torch.int32)
 
 
 def dot_interaction(items, prefix, rows, cols):
     items = [_rows(t) for t in items]
     batch, dim = items[0].shape[0], items[0].shape[-1]
     pointers, strides = feature_rows(items)
-    rows, cols = _pairs_i32(rows, cols)
+    lo, hi, off = row_ranges(rows, cols, pointers.numel())
     k = 0 if prefix is None else prefix.shape[1]
     prefix = None if prefix is None else _rows(prefix)
     out = items[0].new_empty(batch, k + rows.numel())
     _kernel("dot_interaction_fwd", out.dtype)(
         pointers.data_ptr(), strides.data_ptr(), pointers.numel(), batch, dim, _ptr(prefix),
-        0 if prefix is None else prefix.stride(0), k, rows.data_ptr(), cols.data_ptr(), rows.numel(),
+        0 if prefix is None else prefix.stride(0), k, lo.data_ptr(), hi.data_ptr(), off.data_ptr(), rows.numel(),
         out.data_ptr(), torch.get_num_threads())
     return out
 
@@ -96,11 +104,11 @@ def dot_interaction_backward(grad, items, k, rows, cols):
     pairs = _rows(grad[:, k:])
     pointers, strides = feature_rows(items)
     out_pointers, out_strides = feature_rows(grads)
-    rows, cols = _pairs_i32(rows, cols)
+    lo, hi, off = row_ranges(rows, cols, pointers.numel())
     _kernel("dot_interaction_bwd", grad.dtype)(
         pairs.data_ptr(), pairs.stride(0), pointers.data_ptr(), strides.data_ptr(), out_pointers.data_ptr(),
-        out_strides.data_ptr(), pointers.numel(), grad.shape[0], items[0].shape[-1], rows.data_ptr(),
-        cols.data_ptr(), rows.numel(), torch.get_num_threads())
+        out_strides.data_ptr(), pointers.numel(), grad.shape[0], items[0].shape[-1], lo.data_ptr(), hi.data_ptr(),
+        off.data_ptr(), torch.get_num_threads())
     return grads
 
 

@@ -139,7 +139,7 @@ def test_bad_inputs_name_the_op_and_tensor():
 
 
 def test_lowering_tables_end_with_reference_and_cover_kernels():
-    for op in ("dot_interaction", "cross_layer", "fm_second_order"):
+    for op in ("dot_interaction", "cross_layer", "cross_stack", "cross_mixture", "fm_second_order"):
         impls = [i.impl for i in LOWERINGS[f"recompile::{op}"]]
         assert impls[-1] == "reference" and set(impls) == set(KERNELS[op])
 

@@ -8,7 +8,7 @@ native_runs = native_on_cpu(interaction_native.available)  # runtime/csrc/intera
 register_lowering(
     "recompile::dot_interaction",
     Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.dot_interaction"),
-    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.c: the needed pairs only, features read in place"),
+    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.c: blocked GEMM of the needed pairs, features read in place"),
     Impl("cpu", "cpu_kernel", on_cpu, "bmm + index_select of the pairs"),
     reference("runtime.interaction.dot_interaction_reference"),
 )
@@ -25,4 +25,16 @@ register_lowering(
     Impl("native", "cpu_kernel", native_runs, "csrc/interaction.c: sum and sum of squares in one pass"),
     Impl("cpu", "cpu_kernel", on_cpu, "fp32 sum and sum of squares, combined in place"),
     reference("runtime.interaction.fm_second_order_reference"),
+)
+register_lowering(
+    "recompile::cross_stack",
+    Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.cross_stack (per layer tl.dot + epilogue)"),
+    Impl("cpu", "cpu_kernel", on_cpu, "per layer addmm (MKL) into the saved h + b, then one addcmul pass"),
+    reference("runtime.interaction.cross_stack_reference"),
+)
+register_lowering(
+    "recompile::cross_mixture",
+    Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.cross_mixture"),
+    Impl("cpu", "cpu_kernel", on_cpu, "all experts in three matmuls (concatenated V, one bmm of C, gate-scaled U)"),
+    reference("runtime.interaction.cross_mixture_reference"),
 )

@@ -19,7 +19,15 @@ below; every commuted and respelled variant is generated, none is an if-chain) a
   -> ``recompile.dot_interaction(features, x, upper, self_interaction)``.
 - DCN-v2 cross layer: ``x0 * linear(x, W, b) + x`` -> ``recompile.cross_layer(x0, x, W, b, None)``;
   low rank ``x0 * linear(linear(x, V), U, b) + x`` -> ``recompile.cross_layer(x0, x, U, b, V)``
-  (the bias, the product with ``x0`` and the residual add are the matmul's fused epilogue).
+  (the bias, the product with ``x0`` and the residual add are the matmul's fused epilogue). Two or more
+  such ops in a row (each output only the next one's ``x``, one ``x0``, one form) -> one
+  ``recompile.cross_stack(x0, x, [W...], [b...], [V...], save)`` (the layers' regions become the stack's;
+  ``save``: autograd will run through the graph, so the op keeps what its backward reads).
+- DCN-Mix (TorchRec ``LowRankMixtureCrossNet``): ``g = softmax(linear(x, G), 1)``, ``experts =
+  stack([x0 * linear(act(linear(act(linear(x, V_e)), C_e)), U_e, b_e) ...], 2)`` (the C stage optional,
+  ``act`` relu or none, biases all or none), then ``sum(experts * unsqueeze(g, 1), 2) + x`` or
+  ``squeeze(matmul(experts, unsqueeze(g, 2)), 2) + x`` -> ``recompile.cross_mixture(x0, x, G, [V...],
+  [C...], [U...], [b...], act)``; every intermediate must be used only inside the layer.
 - FM second order, per dimension: ``0.5 * (sum(v, 1)^2 - sum(v * v, 1))`` for ``v`` ``[B, F, D]`` ->
   ``recompile.fm_second_order(v, False)``; a following ``sum(_, 1, keepdim=True)`` is fused
   (``reduce=True``), and so is DeepFM's ``0.5 * sum(_, 1, keepdim=True)`` (the half outside the sum).
@@ -45,6 +53,7 @@ from torch._inductor.pattern_matcher import (
     Match,
     PatternExpr,
     PatternMatcherPass,
+    is_match,
     register_graph_pattern,
 )
 
@@ -52,13 +61,14 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
 from recompile.pipeline import PassContext, register_pass
-from runtime.interaction import pair_indices
+from runtime.interaction import ACTIVATIONS, pair_indices
 
 MUL = [torch.mul, operator.mul]
 ADD = [torch.add, operator.add]
 SUB = [torch.sub, operator.sub]
 LINEAR = [torch._C._nn.linear, torch.nn.functional.linear]
 SUM = [torch.sum]
+REGION = "recompile_region"  # node meta: the region an op node replaced (a cross stack takes its layers' over)
 
 
 def commuted(fns: list, a: Any, b: Any) -> list[PatternExpr]:
@@ -279,6 +289,7 @@ def _replace(ctx: PassContext, match: Match, anchor: fx.Node, op: str, args: tup
             new = graph.call_function(then, (new,))
     new.meta["example_value"] = meta_value(anchor)
     ctx.record_region("interaction", replaced, op, impl)
+    new.meta[REGION] = ctx.regions[-1]
     anchor.replace_all_uses_with(new)
     for node in reversed(replaced):
         if not node._erased and not node.users:
@@ -428,6 +439,174 @@ def _is_keepdim_sum(node: fx.Node) -> bool:
     return dim in (1, -1) and keepdim is True
 
 
+# --------------------------------------------------------------------------------------------------
+# mixture of low-rank experts (DCN-Mix): the combine is the registered pattern, the stacked experts are
+# matched one by one against the expert table below.
+
+def _activated(t: PatternExpr, activation: str) -> list[PatternExpr]:
+    """``t`` after the activation as Dynamo records it (``nn.ReLU``, ``F.relu``, ``torch.relu``)."""
+    if activation == "identity":
+        return [t]
+    return [CallFunction(torch.nn.functional.relu, t, inplace=False),
+            CallFunction([torch.relu, torch.nn.functional.relu], t)]
+
+
+def expert_patterns() -> Iterator[tuple[PatternExpr, bool, str]]:
+    """(pattern, has_mid, activation) of one expert: ``x0 * linear(act(linear(act(linear(x, V)), C)), U, b)``
+    (TorchRec's ``U act(C act(V x))``) or without C; ``b`` may be None."""
+    x0, x = KeywordArg("x0"), KeywordArg("x")
+    for activation in ACTIVATIONS:
+        for down in _activated(CallFunction(LINEAR, x, KeywordArg("down"), None), activation):
+            mid = CallFunction(LINEAR, down, KeywordArg("mid"), None)
+            for z, has_mid in [(down, False), *((m, True) for m in _activated(mid, activation))]:
+                up = CallFunction(LINEAR, z, KeywordArg("up"), KeywordArg("bias"))
+                for expert in commuted(MUL, x0, up):
+                    yield expert, has_mid, activation
+
+
+@dataclass(frozen=True)
+class MixtureForm:
+    """How the gates meet the stacked experts [B, D, E]: the axis ``g`` [B, E] is unsqueezed at."""
+
+    gate_axes: tuple[int, ...]  # (1, -2): weighted sum over [B, 1, E]; (2, -1): matmul with [B, E, 1]
+
+
+WEIGHTED_SUM, MATMUL = MixtureForm((1, -2)), MixtureForm((2, -1))
+
+
+def mixture_patterns() -> Iterator[tuple[PatternExpr, MixtureForm]]:
+    """``sum(experts * unsqueeze(g, 1), 2) + x`` or ``squeeze(matmul(experts, unsqueeze(g, 2)), 2) + x`` with
+    ``g = softmax(linear(x, G), 1)``; the handler checks the axes and that ``experts`` stacks experts."""
+    x, experts = KeywordArg("x"), KeywordArg("experts")
+    logits = CallFunction(LINEAR, x, KeywordArg("gate"), None)
+    softmaxes = [CallFunction([torch.softmax, torch.nn.functional.softmax], logits, dim=KeywordArg("gate_dim")),
+                 CallFunction(torch.softmax, logits, KeywordArg("gate_dim"))]
+    for gates in softmaxes:
+        column = CallFunction(torch.unsqueeze, gates, KeywordArg("gate_axis"))
+        product = CallFunction([torch.matmul, operator.matmul], experts, column)
+        combined = [(CallFunction(torch.squeeze, product, KeywordArg("expert_dim")), MATMUL)]
+        for weighted in commuted(MUL, experts, column):
+            combined += [(CallFunction(SUM, weighted, KeywordArg("expert_dim")), WEIGHTED_SUM),
+                         (CallFunction(SUM, weighted, dim=KeywordArg("expert_dim")), WEIGHTED_SUM)]
+        for combine, form in combined:
+            for pattern in commuted(ADD, combine, x):
+                yield pattern, form
+
+
+@functools.lru_cache(maxsize=1)
+def _expert_table() -> list[tuple[PatternExpr, bool, str]]:
+    return list(expert_patterns())
+
+
+def _match_expert(node: fx.Node, x: fx.Node) -> tuple[Match, bool, str] | None:
+    """The first expert form ``node`` computes from ``x`` (without C, ``U relu(V x')`` also matches a C stage
+    with x' = relu(V x): the input pins it down)."""
+    for pattern, has_mid, activation in _expert_table():
+        m = pattern.match(node)
+        if is_match(m) and m.kwargs["x"] is x:
+            return m, has_mid, activation
+    return None
+
+
+def _mixture_handler(ctx: PassContext, form: MixtureForm) -> Callable:
+    def handle(match: Match, x: fx.Node, gate: fx.Node, experts: fx.Node, gate_dim: int, gate_axis: int,
+               expert_dim: int) -> None:
+        meta = _float_tensor(x, 2)
+        if meta is None or not is_call(experts, torch.stack) or arg(experts, 1, "dim", 0) not in (2, -1):
+            return
+        if gate_dim not in (1, -1) or gate_axis not in form.gate_axes or expert_dim not in (2, -1):
+            return
+        stacked = arg(experts, 0, "tensors")
+        found = [_match_expert(node, x) for node in stacked]
+        if any(f is None for f in found) or len({(has_mid, act) for _, has_mid, act in found}) != 1:
+            return
+        kwargs = [m.kwargs for m, _, _ in found]
+        x0 = kwargs[0]["x0"]
+        if any(k["x0"] is not x0 for k in kwargs) or _float_tensor(x0, 2) is None:
+            return
+        if not _same_shape(tensor_meta(x0), meta) or len({k["bias"] is None for k in kwargs}) != 1:
+            return
+        shapes = {name: {tuple(tensor_meta(k[name]).shape) for k in kwargs if tensor_meta(k.get(name)) is not None}
+                  for name in ("down", "mid", "up")}
+        if len(shapes["down"]) != 1 or len(shapes["up"]) != 1 or len(shapes["mid"]) > 1:
+            return  # experts of one rank (the op batches them)
+        if not all(_same_shape(tensor_meta(node), meta) for node in stacked):
+            return  # x0 * expert must not broadcast
+        nodes = {n for m, _, _ in found for n in m.nodes} | {experts, *match.nodes}
+        anchor = match.output_node()
+        if any(user not in nodes for n in nodes if n is not anchor for user in n.users):
+            return  # an intermediate is used elsewhere
+        has_mid, activation = found[0][1], found[0][2]
+        params = ([k["down"] for k in kwargs], [k["mid"] for k in kwargs] if has_mid else [],
+                  [k["up"] for k in kwargs], [] if kwargs[0]["bias"] is None else [k["bias"] for k in kwargs])
+        order = {n: i for i, n in enumerate(anchor.graph.nodes)}
+        replaced = sorted(nodes, key=order.__getitem__)
+        _replace(ctx, match, anchor, "recompile::cross_mixture", (x0, x, gate, *params, activation), replaced)
+
+    return handle
+
+
+# --------------------------------------------------------------------------------------------------
+# cross stacks: consecutive cross_layer ops over one x0 -> one cross_stack
+
+
+def _cross_chains(graph: fx.Graph) -> list[list[fx.Node]]:
+    """Runs of ``cross_layer`` nodes where each one's output is only the next one's ``x``, all with the same
+    ``x0`` and the same form (with or without bias, full or low rank)."""
+    layer = torch.ops.recompile.cross_layer.default
+    chains, seen = [], set()
+    for node in graph.nodes:
+        if node.target is not layer or node in seen:
+            continue
+        chain = [node]
+        while True:
+            last, nxt = chain[-1], _only_user(chain[-1])
+            if nxt is None or nxt.target is not layer or nxt.args[1] is not last or nxt.args[0] is not node.args[0]:
+                break
+            if any((nxt.args[i] is None) != (node.args[i] is None) for i in (3, 4)):
+                break
+            chain.append(nxt)
+        seen.update(chain)
+        if len(chain) > 1:
+            chains.append(chain)
+    return chains
+
+
+def _autograd_runs(gm: fx.GraphModule) -> bool:
+    """Grad mode is on and an input requires grad (Dynamo guards on both, so the graph is never differentiated
+    otherwise)."""
+    inputs = [meta_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+
+
+def stack_cross_layers(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Replace each chain of cross layers by one ``cross_stack`` (its region takes over the layers' regions)."""
+    save = _autograd_runs(gm)
+    for chain in _cross_chains(gm.graph):
+        first, last = chain[0], chain[-1]
+        x0, x, _, bias, down, _ = first.args
+        args = (x0, x, [n.args[2] for n in chain], [] if bias is None else [n.args[3] for n in chain],
+                [] if down is None else [n.args[4] for n in chain], save)
+        impl = ctx.lower("recompile::cross_stack")
+        graph = gm.graph
+        with graph.inserting_before(last):
+            stack = graph.call_function(torch.ops.recompile.cross_stack.default, (*args, impl.impl))
+            out = graph.call_function(operator.getitem, (stack, 0))
+        value = meta_value(last)
+        fake_mode = getattr(value, "fake_mode", None)
+        if fake_mode is not None:  # Dynamo's graphs; the stack's outputs are only needed by later passes
+            with fake_mode:
+                stack.meta["example_value"] = torch.ops.recompile.cross_stack.default(
+                    *fx.node.map_arg(args, meta_value), impl.impl)
+        out.meta["example_value"] = value
+        last.replace_all_uses_with(out)
+        regions = [n.meta[REGION] for n in chain]
+        ctx.regions[:] = [r for r in ctx.regions if not any(r is q for q in regions)]
+        ctx.record_region("interaction", [name for r in regions for name in r.replaced], "recompile::cross_stack", impl)
+        for node in reversed(chain):
+            graph.erase_node(node)
+
+
 def build_matcher(ctx: PassContext) -> PatternMatcherPass:
     matcher = PatternMatcherPass(pass_name="recompile.interaction")
     for pattern in dot_patterns():
@@ -438,11 +617,14 @@ def build_matcher(ctx: PassContext) -> PatternMatcherPass:
         register_graph_pattern(pattern, pass_dict=matcher)(_cross_handler(ctx))
     for pattern, form in fm_patterns():
         register_graph_pattern(pattern, pass_dict=matcher)(_fm_handler(ctx, form))
+    for pattern, form in mixture_patterns():
+        register_graph_pattern(pattern, pass_dict=matcher)(_mixture_handler(ctx, form))
     return matcher
 
 
 @register_pass("interaction")
 def interaction(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     build_matcher(ctx).apply(gm)
+    stack_cross_layers(gm, ctx)
     gm.graph.eliminate_dead_code()
     return gm

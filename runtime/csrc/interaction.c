@@ -8,24 +8,32 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 typedef uint16_t bf16_t;
 
-enum { VL = 16, NB = 8 }; /* D tile (one AVX-512 vector of float), pairs per run */
+enum { VL = 16, FR = 12, BR = 6, BV = 4 }; /* one AVX-512 vector of float; forward tile rows; backward tile */
 typedef float vf __attribute__((vector_size(VL * sizeof(float)))); /* GCC lowers it to the machine's vectors */
 
-static inline float hsum(vf v) {
-#ifdef __AVX512F__
-    return _mm512_reduce_add_ps((__m512)v);
-#else
-    float s = 0.f;
-    for (int i = 0; i < VL; i++) s += v[i];
-    return s;
-#endif
-}
+/* fn(args..., n) with n a compile-time constant in each case (register tiles of n rows or vectors). */
+#define SWITCH_4(n, fn, ...)                                                                                   \
+    switch (n) {                                                                                               \
+        case 1: fn(__VA_ARGS__, 1); break;                                                                     \
+        case 2: fn(__VA_ARGS__, 2); break;                                                                     \
+        case 3: fn(__VA_ARGS__, 3); break;                                                                     \
+        case 4: fn(__VA_ARGS__, 4); break;                                                                     \
+    }
+#define SWITCH_12(n, fn, ...)                                                                                  \
+    switch (n) {                                                                                               \
+        case 5: fn(__VA_ARGS__, 5); break;                                                                     \
+        case 6: fn(__VA_ARGS__, 6); break;                                                                     \
+        case 7: fn(__VA_ARGS__, 7); break;                                                                     \
+        case 8: fn(__VA_ARGS__, 8); break;                                                                     \
+        case 9: fn(__VA_ARGS__, 9); break;                                                                     \
+        case 10: fn(__VA_ARGS__, 10); break;                                                                   \
+        case 11: fn(__VA_ARGS__, 11); break;                                                                   \
+        case 12: fn(__VA_ARGS__, 12); break;                                                                   \
+        default: SWITCH_4(n, fn, __VA_ARGS__)                                                                  \
+    }
 
 static inline float load_f32(const float *p) { return *p; }
 static inline void store_f32(float *p, float v) { *p = v; }
@@ -56,85 +64,203 @@ DEFINE_LOADV(f32, float)
 DEFINE_LOADV(f16, _Float16)
 DEFINE_LOADV(bf16, bf16_t)
 
-#define DEFINE_KERNELS(S, T)                                                                                   \
-/* out[b] = [prefix[b] (K values) | <f_rows[p], f_cols[p]> for p < P]; out is [B, K + P] contiguous.         \
-   Runs of up to NB pairs sharing a row are computed together, D in VL-wide tiles: NB independent vector        \
-   accumulators, one horizontal sum per pair. */                                                               \
-void dot_interaction_fwd_##S(const int64_t *feat, const int64_t *stride, int64_t F, int64_t B, int64_t D,      \
-                             const T *prefix, int64_t prefix_stride, int64_t K, const int32_t *rows,           \
-                             const int32_t *cols, int64_t P, T *out, int threads) {                            \
-    (void)F;                                                                                                   \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                          \
-    for (int64_t b = 0; b < B; b++) {                                                                          \
-        T *o = out + b * (K + P);                                                                              \
-        for (int64_t k = 0; k < K; k++) o[k] = prefix[b * prefix_stride + k];                                 \
-        for (int64_t p0 = 0; p0 < P;) {                                                                        \
-            int64_t n = 1;                                                                                     \
-            while (n < NB && p0 + n < P && rows[p0 + n] == rows[p0]) n++;                                      \
-            const T *x = (const T *)feat[rows[p0]] + b * stride[rows[p0]];                                     \
-            const T *y[NB];                                                                                    \
-            for (int64_t j = 0; j < NB; j++) {                                                                 \
-                int32_t c = cols[p0 + (j < n ? j : 0)];                                                        \
-                y[j] = (const T *)feat[c] + b * stride[c];                                                     \
-            }                                                                                                  \
-            vf acc[NB];                                                                                        \
-            _Pragma("GCC unroll 8")                                                                            \
-            for (int j = 0; j < NB; j++) acc[j] = (vf){0};                                                     \
-            int64_t d0 = 0;                                                                                    \
-            for (; d0 + VL <= D; d0 += VL) {                                                                   \
-                const vf xv = loadv_##S(x + d0);                                                               \
-                _Pragma("GCC unroll 8")                                                                        \
-                for (int j = 0; j < NB; j++) acc[j] += xv * loadv_##S(y[j] + d0);                              \
-            }                                                                                                  \
-            for (int64_t j = 0; j < n; j++) {                                                                  \
-                float sum = hsum(acc[j]);                                                                      \
-                for (int64_t d = d0; d < D; d++) sum += load_##S(x + d) * load_##S(y[j] + d);                  \
-                store_##S(o + K + p0 + j, sum);                                                                \
-            }                                                                                                  \
-            p0 += n;                                                                                           \
+/* pack_<S>(feat, stride, F, b, D, xt, FP): xt[d * FP + f] = feature f's row b at d in fp32, the transposed tile of
+   one sample. With AVX-512, 16 x 16 blocks are transposed in registers (16 loads, 64 shuffles, 16 stores)
+   instead of one strided store per element. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+static inline __m512 load16_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 load16_f16(const _Float16 *p, __mmask16 m) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+static inline __m512 load16_bf16(const bf16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* r[k] <- column k of the 16 x 16 matrix whose rows are r[0..16). */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xDD);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    }
+}
+#define DEFINE_PACK(S, T)                                                                                      \
+static void pack_##S(const int64_t *feat, const int64_t *stride, int64_t F, int64_t b, int64_t D, float *xt,   \
+                     int64_t FP) {                                                                             \
+    for (int64_t f0 = 0; f0 < F; f0 += 16)                                                                     \
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {                                                               \
+            const int nd = D - d0 < 16 ? (int)(D - d0) : 16;                                                   \
+            const __mmask16 m = (__mmask16)((1u << nd) - 1);                                                   \
+            __m512 r[16];                                                                                      \
+            for (int i = 0; i < 16; i++)                                                                       \
+                r[i] = f0 + i < F ? load16_##S((const T *)feat[f0 + i] + b * stride[f0 + i] + d0, m)           \
+                                  : _mm512_setzero_ps();                                                       \
+            transpose16(r);                                                                                    \
+            for (int k = 0; k < nd; k++) _mm512_store_ps(xt + (d0 + k) * FP + f0, r[k]);                       \
         }                                                                                                      \
+}
+#else
+#define DEFINE_PACK(S, T)                                                                                      \
+static void pack_##S(const int64_t *feat, const int64_t *stride, int64_t F, int64_t b, int64_t D, float *xt,   \
+                     int64_t FP) {                                                                             \
+    for (int64_t f = 0; f < F; f++) {                                                                          \
+        const T *x = (const T *)feat[f] + b * stride[f];                                                       \
+        for (int64_t d = 0; d < D; d++) xt[d * FP + f] = load_##S(x + d);                                      \
+    }                                                                                                          \
+}
+#endif
+DEFINE_PACK(f32, float)
+DEFINE_PACK(f16, _Float16)
+DEFINE_PACK(bf16, bf16_t)
+
+#define DEFINE_DOT_KERNELS(S, T)                                                                               \
+/* One register tile: rows[0..N) against the columns [c0, c0 + VL), acc[i] = sum_d xt[d, rows[i]] *            \
+   xt[d, c0 : c0 + VL] (one broadcast FMA per row and d); each row's wanted columns are written at their place \
+   in the output row o. N is a constant at every call (gram_tile_any), so acc stays in registers. */           \
+static inline __attribute__((always_inline)) void gram_tile_##S(                                               \
+    const float *xt, int64_t FP, int64_t D, int64_t c0, const int32_t *rows, const int32_t *lo,                \
+    const int32_t *hi, const int32_t *off, T *o, const int N) {                                                \
+    vf acc[FR];                                                                                                \
+    for (int i = 0; i < N; i++) acc[i] = (vf){0};                                                              \
+    for (int64_t d = 0; d < D; d++) {                                                                          \
+        const float *x = xt + d * FP;                                                                          \
+        const vf v = *(const vf *)(x + c0);                                                                    \
+        for (int i = 0; i < N; i++) acc[i] += x[rows[i]] * v;                                                  \
+    }                                                                                                          \
+    for (int i = 0; i < N; i++) {                                                                              \
+        const int32_t r = rows[i];                                                                             \
+        const int64_t a = lo[r] > c0 ? lo[r] : c0, e = hi[r] < c0 + VL ? hi[r] : c0 + VL;                      \
+        for (int64_t c = a; c < e; c++) store_##S(o + off[r] + c - lo[r], acc[i][c - c0]);                     \
     }                                                                                                          \
 }                                                                                                              \
                                                                                                                \
-/* grad_f = sum_g S[f, g] f_g with S = G + G^T, G the pair grads placed at (rows[p], cols[p]). */              \
+static void gram_tile_any_##S(const float *xt, int64_t FP, int64_t D, int64_t c0, const int32_t *rows,         \
+                              int n, const int32_t *lo, const int32_t *hi, const int32_t *off, T *o) {         \
+    SWITCH_12(n, gram_tile_##S, xt, FP, D, c0, rows, lo, hi, off, o);                                          \
+}                                                                                                              \
+                                                                                                               \
+/* out[b] = [prefix[b] (K values) | the P pairs], out [B, K + P] contiguous. Row r's pairs are the             \
+   columns [lo[r], hi[r]) at out[b, K + off[r] ...] (each of the four triangle orders has this form). Per      \
+   sample the F features are packed once, transposed, into an fp32 [D, FP] tile (FP: F rounded up to VL,       \
+   zero padded); the Gram matrix is computed in register tiles of up to FR rows x VL columns, only the tiles   \
+   that hold wanted pairs, every FMA a full vector (a blocked GEMM with no horizontal sums). */                \
+void dot_interaction_fwd_##S(const int64_t *feat, const int64_t *stride, int64_t F, int64_t B, int64_t D,      \
+                             const T *prefix, int64_t prefix_stride, int64_t K, const int32_t *lo,             \
+                             const int32_t *hi, const int32_t *off, int64_t P, T *out, int threads) {          \
+    const int64_t FP = (F + VL - 1) / VL * VL, tiles = FP / VL;                                                \
+    int32_t *tile_rows = malloc(sizeof(int32_t) * (tiles * F + tiles));                                        \
+    int32_t *tile_count = tile_rows + tiles * F;                                                               \
+    for (int64_t t = 0; t < tiles; t++) {                                                                      \
+        int32_t n = 0;                                                                                         \
+        for (int32_t r = 0; r < F; r++)                                                                        \
+            if (lo[r] < hi[r] && hi[r] > t * VL && lo[r] < (t + 1) * VL) tile_rows[t * F + n++] = r;           \
+        tile_count[t] = n;                                                                                     \
+    }                                                                                                          \
+    _Pragma("omp parallel num_threads(threads)")                                                               \
+    {                                                                                                          \
+        float *xt = aligned_alloc(64, (sizeof(float) * D * FP + 63) / 64 * 64);                                \
+        memset(xt, 0, sizeof(float) * D * FP);                                                                 \
+        _Pragma("omp for schedule(static)")                                                                    \
+        for (int64_t b = 0; b < B; b++) {                                                                      \
+            pack_##S(feat, stride, F, b, D, xt, FP);                                                           \
+            T *o = out + b * (K + P);                                                                          \
+            for (int64_t k = 0; k < K; k++) o[k] = prefix[b * prefix_stride + k];                              \
+            for (int64_t t = 0; t < tiles; t++) {                                                              \
+                const int32_t n = tile_count[t], groups = (n + FR - 1) / FR;                                   \
+                for (int32_t g = 0, i0 = 0; g < groups; g++) { /* groups of near-equal size */                 \
+                    const int32_t m = (n - i0) / (groups - g);                                                 \
+                    gram_tile_any_##S(xt, FP, D, t * VL, tile_rows + t * F + i0, m, lo, hi, off, o + K);       \
+                    i0 += m;                                                                                   \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        free(xt);                                                                                              \
+    }                                                                                                          \
+    free(tile_rows);                                                                                           \
+}                                                                                                              \
+                                                                                                               \
+/* grad rows f0 .. f0 + BR (clamped to F - 1: duplicates recompute the last row) x NV vectors of D from d0:    \
+   acc[i][v] = sum_g s[f_i, g] * y_g[d0 + v VL ...]. */                                                        \
+static inline __attribute__((always_inline)) void pair_grad_tile_##S(                                          \
+    const float *s, int64_t F, const T **y, int64_t f0, int64_t d0, T *const *o, const int NV) {               \
+    vf acc[BR][BV];                                                                                            \
+    const float *sr[BR];                                                                                       \
+    for (int i = 0; i < BR; i++) {                                                                             \
+        sr[i] = s + (f0 + i < F ? f0 + i : F - 1) * F;                                                         \
+        for (int v = 0; v < NV; v++) acc[i][v] = (vf){0};                                                      \
+    }                                                                                                          \
+    for (int64_t g = 0; g < F; g++) {                                                                          \
+        vf yv[BV];                                                                                             \
+        for (int v = 0; v < NV; v++) yv[v] = loadv_##S(y[g] + d0 + v * VL);                                    \
+        for (int i = 0; i < BR; i++)                                                                           \
+            for (int v = 0; v < NV; v++) acc[i][v] += sr[i][g] * yv[v];                                        \
+    }                                                                                                          \
+    for (int i = 0; i < BR && f0 + i < F; i++)                                                                 \
+        for (int v = 0; v < NV; v++)                                                                           \
+            for (int l = 0; l < VL; l++) store_##S(o[f0 + i] + d0 + v * VL + l, acc[i][v][l]);                 \
+}                                                                                                              \
+                                                                                                               \
+/* grad_f = sum_g S[f, g] f_g with S = G + G^T, G the pair grads placed at (r, c): per sample S (fp32          \
+   [F, F]) is built from the row ranges, then [F, F] x [F, D] runs in register tiles of BR rows x BV           \
+   vectors. */                                                                                                 \
 void dot_interaction_bwd_##S(const T *grad, int64_t grad_stride, const int64_t *feat, const int64_t *stride,   \
                              const int64_t *out, const int64_t *out_stride, int64_t F, int64_t B, int64_t D,   \
-                             const int32_t *rows, const int32_t *cols, int64_t P, int threads) {               \
+                             const int32_t *lo, const int32_t *hi, const int32_t *off, int threads) {          \
     _Pragma("omp parallel num_threads(threads)")                                                               \
     {                                                                                                          \
         float *s = malloc(sizeof(float) * F * F);                                                              \
         const T **y = malloc(sizeof(T *) * F);                                                                 \
+        T **o = malloc(sizeof(T *) * F);                                                                       \
         _Pragma("omp for schedule(static)")                                                                    \
         for (int64_t b = 0; b < B; b++) {                                                                      \
             memset(s, 0, sizeof(float) * F * F);                                                               \
             const T *g = grad + b * grad_stride;                                                               \
-            for (int64_t p = 0; p < P; p++) {                                                                  \
-                float v = load_##S(g + p);                                                                     \
-                s[rows[p] * F + cols[p]] += v;                                                                 \
-                s[cols[p] * F + rows[p]] += v;                                                                 \
-            }                                                                                                  \
-            for (int64_t h = 0; h < F; h++) y[h] = (const T *)feat[h] + b * stride[h];                          \
+            for (int64_t r = 0; r < F; r++)                                                                    \
+                for (int64_t c = lo[r]; c < hi[r]; c++) {                                                      \
+                    const float v = load_##S(g + off[r] + c - lo[r]);                                          \
+                    s[r * F + c] += v;                                                                         \
+                    s[c * F + r] += v;                                                                         \
+                }                                                                                              \
             for (int64_t f = 0; f < F; f++) {                                                                  \
-                T *o = (T *)out[f] + b * out_stride[f];                                                        \
-                const float *sf = s + f * F;                                                                   \
-                int64_t d0 = 0;                                                                                \
-                for (; d0 + VL <= D; d0 += VL) {                                                               \
-                    vf a = {0};                                                                                \
-                    for (int64_t h = 0; h < F; h++) a += sf[h] * loadv_##S(y[h] + d0);                         \
-                    for (int v = 0; v < VL; v++) store_##S(o + d0 + v, a[v]);                                  \
-                }                                                                                              \
-                for (int64_t d = d0; d < D; d++) {                                                             \
-                    float a = 0.f;                                                                             \
-                    for (int64_t h = 0; h < F; h++) a += sf[h] * load_##S(y[h] + d);                           \
-                    store_##S(o + d, a);                                                                       \
-                }                                                                                              \
+                y[f] = (const T *)feat[f] + b * stride[f];                                                     \
+                o[f] = (T *)out[f] + b * out_stride[f];                                                        \
             }                                                                                                  \
+            const int64_t full = D / VL * VL;                                                                  \
+            for (int64_t f0 = 0; f0 < F; f0 += BR)                                                             \
+                for (int64_t d0 = 0; d0 < full; d0 += BV * VL) {                                               \
+                    const int64_t nv = (full - d0) / VL < BV ? (full - d0) / VL : BV;                          \
+                    SWITCH_4(nv, pair_grad_tile_##S, s, F, y, f0, d0, o);                                      \
+                }                                                                                              \
+            for (int64_t f = 0; f < F; f++) /* the last D % VL columns */                                      \
+                for (int64_t d = full; d < D; d++) {                                                           \
+                    float a = 0.f;                                                                             \
+                    for (int64_t h = 0; h < F; h++) a += s[f * F + h] * load_##S(y[h] + d);                    \
+                    store_##S(o[f] + d, a);                                                                    \
+                }                                                                                              \
         }                                                                                                      \
         free(s);                                                                                               \
         free(y);                                                                                               \
+        free(o);                                                                                               \
     }                                                                                                          \
-}                                                                                                              \
-                                                                                                               \
+}
+
+#define DEFINE_KERNELS(S, T)                                                                                   \
 /* out = x0 * (h + bias) + x, all [B, D] contiguous; bias may be NULL. */                                      \
 void cross_epilogue_fwd_##S(const T *x0, const T *x, const T *h, const T *bias, T *out, int64_t B, int64_t D,   \
                             int threads) {                                                                     \
@@ -229,6 +355,9 @@ void fm_second_order_bwd_##S(const T *grad, const T *v, int64_t B, int64_t F, in
     }                                                                                                          \
 }
 
+DEFINE_DOT_KERNELS(f32, float)
 DEFINE_KERNELS(f32, float)
+DEFINE_DOT_KERNELS(f16, _Float16)
 DEFINE_KERNELS(f16, _Float16)
+DEFINE_DOT_KERNELS(bf16, bf16_t)
 DEFINE_KERNELS(bf16, bf16_t)

@@ -5,11 +5,14 @@
   position in the output row (after the ``prefix`` columns, which are copied first).
 - cross layer: tiles of ``x @ W^T`` with ``tl.dot``; the epilogue adds the bias and writes
   ``x0 * h + x`` from registers. The low-rank form runs the same kernel twice (``x V^T``, no epilogue).
+- mixture of low-rank experts: each expert's matmuls through the same kernel (relu epilogue), then one pass
+  per batch row: the gating softmax and ``x0 * sum_e g_e h_e + x``.
 - FM second order: one batch row per iteration, the sum and the sum of squares over F accumulated in
   fp32 per D chunk, optionally summed over D.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -80,11 +83,12 @@ def dot_interaction(features, prefix, upper, self_interaction):
 
 @triton.jit
 def _linear_epilogue_kernel(
-    a_ptr, w_ptr, bias_ptr, x0_ptr, x_ptr, out_ptr, m, n, kdim,
-    HAS_BIAS: tl.constexpr, CROSS: tl.constexpr,
+    a_ptr, w_ptr, bias_ptr, x0_ptr, x_ptr, out_ptr, hb_ptr, m, n, kdim,
+    HAS_BIAS: tl.constexpr, CROSS: tl.constexpr, STORE_HB: tl.constexpr, RELU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out = a @ w^T (+ bias); with CROSS: out = x0 * (a @ w^T + bias) + x."""
+    """out = a @ w^T (+ bias), then relu with RELU; with CROSS: out = x0 * (a @ w^T + bias) + x, and with
+    STORE_HB also hb = a @ w^T + bias (what the cross stack's backward reads)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     tiles_n = tl.cdiv(n, BLOCK_N)
@@ -105,6 +109,10 @@ def _linear_epilogue_kernel(
             acc += tl.load(bias_ptr + rn, mask=rn < n, other=0.0).to(tl.float32)[None, :]
         mask = (rm[:, None] < m) & (rn[None, :] < n)
         offs = rm[:, None] * n + rn[None, :]
+        if STORE_HB:
+            tl.store(hb_ptr + offs, acc.to(hb_ptr.dtype.element_ty), mask=mask)
+        if RELU:
+            acc = tl.maximum(acc, 0.0)
         if CROSS:
             x0 = tl.load(x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -112,7 +120,7 @@ def _linear_epilogue_kernel(
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _linear(a, w, bias, x0=None, x=None):
+def _linear(a, w, bias, x0=None, x=None, hb=None, relu=False):
     m, kdim = a.shape
     n = w.shape[0]
     out = a.new_empty(m, n)
@@ -121,8 +129,9 @@ def _linear(a, w, bias, x0=None, x=None):
     block_m, block_n, block_k = 32, 32, 32
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     _linear_epilogue_kernel[(min(tiles, num_programs(a.device)),)](
-        a, w, a if bias is None else bias, a if x0 is None else x0, a if x is None else x, out, m, n, kdim,
-        HAS_BIAS=bias is not None, CROSS=x0 is not None,
+        a, w, a if bias is None else bias, a if x0 is None else x0, a if x is None else x, out,
+        out if hb is None else hb, m, n, kdim,
+        HAS_BIAS=bias is not None, CROSS=x0 is not None, STORE_HB=hb is not None, RELU=relu,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     return out
@@ -133,6 +142,65 @@ def cross_layer(x0, x, weight, bias, down):
     z = x if down is None else _linear(x, down.contiguous(), None)
     return _linear(z, weight, None if bias is None else bias.contiguous(), x0, x)
 
+
+def cross_stack(x0, x, weights, biases, downs, save):
+    """The layers in turn, each one matmul kernel with the cross epilogue that also stores h + b when ``save``."""
+    x0, x = x0.contiguous(), x.contiguous()
+    hbs, inputs = [], []  # runtime.interaction.stack_saved's layout
+    for layer, weight in enumerate(weights):
+        z = x if not downs else _linear(x, downs[layer].contiguous(), None)
+        bias = biases[layer].contiguous() if biases else None
+        if save:
+            hbs.append(torch.empty_like(x))
+            inputs.append(x)
+        x = _linear(z, weight.contiguous(), bias, x0, x, hb=hbs[-1] if save else None)
+    return x, hbs + inputs[1:]
+
+
+
+@triton.jit
+def _mixture_combine_kernel(logits_ptr, h_ptr, x0_ptr, x_ptr, out_ptr, batch, d, experts,
+                            BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[b] = x0[b] * sum_e softmax(logits[b])_e h[e, b] + x[b], one batch row per iteration."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    ee = tl.arange(0, BLOCK_E)
+    dd = tl.arange(0, BLOCK_D)
+    for b in range(pid, batch, nprog):
+        logit = tl.load(logits_ptr + b * experts + ee, mask=ee < experts, other=float("-inf")).to(tl.float32)
+        p = tl.exp(logit - tl.max(logit, 0))
+        g = p / tl.sum(p, 0)
+        for d0 in range(0, d, BLOCK_D):
+            dm = d0 + dd < d
+            h = tl.load(h_ptr + ee[:, None] * batch * d + b * d + d0 + dd[None, :],
+                        mask=(ee[:, None] < experts) & dm[None, :], other=0.0).to(tl.float32)
+            y = tl.sum(g[:, None] * h, 0)
+            x0 = tl.load(x0_ptr + b * d + d0 + dd, mask=dm, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + b * d + d0 + dd, mask=dm, other=0.0).to(tl.float32)
+            tl.store(out_ptr + b * d + d0 + dd, (x0 * y + x).to(out_ptr.dtype.element_ty), mask=dm)
+
+
+def cross_mixture(x0, x, gate, downs, mids, ups, biases, relu):
+    """Each expert's matmuls with the activation (and U's bias) as their epilogue, then the gating softmax and
+    the gate-weighted cross update in one pass."""
+    x0, x = x0.contiguous(), x.contiguous()
+    logits = _linear(x, gate.contiguous(), None)
+    hs = []
+    for e, (down, up) in enumerate(zip(downs, ups)):
+        z = _linear(x, down.contiguous(), None, relu=relu)
+        if mids:
+            z = _linear(z, mids[e].contiguous(), None, relu=relu)
+        hs.append(_linear(z, up.contiguous(), biases[e].contiguous() if biases else None))
+    h = torch.stack(hs)
+    batch, d = x.shape
+    out = torch.empty_like(x)
+    if batch == 0:
+        return out
+    _mixture_combine_kernel[(min(batch, num_programs(x.device)),)](
+        logits, h, x0, x, out, batch, d, len(downs),
+        BLOCK_E=max(triton.next_power_of_2(len(downs)), 2), BLOCK_D=min(max(triton.next_power_of_2(d), 16), 256),
+    )
+    return out
 
 @triton.jit
 def _fm_kernel(v_ptr, out_ptr, batch, n, d, REDUCE: tl.constexpr, BLOCK_D: tl.constexpr):

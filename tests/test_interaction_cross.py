@@ -1,0 +1,224 @@
+"""recompile::cross_stack and cross_mixture: every kernel against the reference, forward and backward, and the
+pass finding the stacked and the mixture-of-experts cross layers as practitioners write them."""
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.autograd import gradcheck
+
+from models.ctr import DCNConfig, DCNv2, MixtureCrossLayer
+from models.dlrm import synthetic_batch
+from runtime.interaction import ACTIVATIONS, cross_mixture_reference, cross_stack_reference
+from runtime.kernels import KERNELS
+from tests.test_interaction_pass import _assert_same_training, _regions, pipeline_only
+
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=1e-1),
+       torch.float16: dict(rtol=1e-2, atol=3e-2)}
+
+
+def _leaves(*tensors):
+    return [t.detach().requires_grad_() for t in tensors]
+
+
+def _forward_and_grads(fn, leaves):
+    out = fn(*leaves)
+    weight = torch.linspace(0.5, 1.5, out.numel()).view_as(out).to(out.dtype)
+    return out.detach(), torch.autograd.grad((out * weight).sum(), leaves)
+
+
+def _stack_args(b, d, layers, rank, bias, dtype=torch.float32):
+    x0, x = torch.randn(b, d), torch.randn(b, d)
+    weights = [torch.randn(d, rank or d) / d ** 0.5 for _ in range(layers)]
+    biases = [torch.randn(d) for _ in range(layers)] if bias else []
+    downs = [torch.randn(rank, d) / d ** 0.5 for _ in range(layers)] if rank else []
+    return [t.to(dtype) for t in (x0, x, *weights, *biases, *downs)], (layers, len(biases), len(downs))
+
+
+def _stack_fn(op, sizes):
+    layers, nb, nd = sizes
+
+    def fn(x0, x, *params):
+        weights, biases, downs = params[:layers], params[layers:layers + nb], params[layers + nb:]
+        result = op(x0, x, list(weights), list(biases), list(downs))
+        return result[0] if isinstance(result, tuple) else result
+    return fn
+
+
+@settings(max_examples=20, deadline=None)
+@given(b=st.integers(0, 9), d=st.integers(1, 12), layers=st.integers(1, 4), rank=st.sampled_from([None, 1, 3]),
+       bias=st.booleans(), impl=st.sampled_from(sorted(KERNELS["cross_stack"])),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_cross_stack_kernels_forward_and_backward(b, d, layers, rank, bias, impl, dtype):
+    if impl == "triton" and dtype != torch.float32:
+        dtype = torch.float32  # the interpreter's tl.dot: fp32 inputs
+    args, sizes = _stack_args(b, d, layers, rank, bias, dtype)
+    op = _stack_fn(lambda *a: torch.ops.recompile.cross_stack(*a, True, impl), sizes)
+    got = _forward_and_grads(op, _leaves(*args))
+    want = _forward_and_grads(_stack_fn(cross_stack_reference, sizes), _leaves(*[a.float() for a in args]))
+    tol = TOL[dtype]
+    torch.testing.assert_close((got[0].float(), [g.float() for g in got[1]]), (want[0], list(want[1])),
+                               rtol=tol["rtol"], atol=tol["atol"] * d * layers * max(b, 1))
+
+
+def _mixture_args(b, d, experts, rank, mid, bias):
+    x0, x, gate = torch.randn(b, d), torch.randn(b, d), torch.randn(experts, d)
+    downs = [torch.randn(rank, d) for _ in range(experts)]
+    mids = [torch.randn(rank, rank) for _ in range(experts)] if mid else []
+    ups = [torch.randn(d, rank) for _ in range(experts)]
+    biases = [torch.randn(d) for _ in range(experts)] if bias else []
+    return [x0, x, gate, *downs, *mids, *ups, *biases], (experts, len(mids), len(biases))
+
+
+def _mixture_fn(op, sizes, activation):
+    e, m, nb = sizes
+
+    def fn(x0, x, gate, *p):
+        return op(x0, x, gate, list(p[:e]), list(p[e:e + m]), list(p[e + m:2 * e + m]), list(p[2 * e + m:]),
+                  activation)
+    return fn
+
+
+@settings(max_examples=20, deadline=None)
+@given(b=st.integers(0, 9), d=st.integers(1, 12), experts=st.integers(1, 4), rank=st.integers(1, 4),
+       mid=st.booleans(), bias=st.booleans(), activation=st.sampled_from(sorted(ACTIVATIONS)),
+       impl=st.sampled_from(sorted(KERNELS["cross_mixture"])))
+def test_cross_mixture_kernels_forward_and_backward(b, d, experts, rank, mid, bias, activation, impl):
+    args, sizes = _mixture_args(b, d, experts, rank, mid, bias)
+    got = _forward_and_grads(_mixture_fn(lambda *a: torch.ops.recompile.cross_mixture(*a, impl), sizes, activation),
+                             _leaves(*args))
+    want = _forward_and_grads(_mixture_fn(cross_mixture_reference, sizes, activation), _leaves(*args))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * d * rank)
+
+
+@pytest.mark.parametrize("rank", [None, 2])
+def test_cross_stack_gradcheck_and_opcheck(rank):
+    args, sizes = _stack_args(3, 4, 2, rank, True, torch.float64)
+    assert gradcheck(_stack_fn(lambda *a: torch.ops.recompile.cross_stack(*a, True, "cpu"), sizes),
+                     _leaves(*args))
+    x0, x, *p = _leaves(*args)
+    layers = sizes[0]
+    torch.library.opcheck(torch.ops.recompile.cross_stack.default,
+                          (x0, x, p[:layers], p[layers:2 * layers], p[2 * layers:], True, "cpu"))
+
+
+@pytest.mark.parametrize("impl", sorted(KERNELS["cross_stack"]))
+def test_cross_stack_for_inference_keeps_nothing(impl):
+    args, sizes = _stack_args(5, 6, 3, None, True)
+    x0, x, *p = _leaves(*args)
+    out, saved = torch.ops.recompile.cross_stack(x0, x, p[:3], p[3:], [], False, impl)
+    assert saved == []
+    torch.testing.assert_close(out, cross_stack_reference(x0, x, p[:3], p[3:], []), rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="save=False"):
+        out.sum().backward()
+
+
+def test_cross_mixture_gradcheck_and_opcheck():
+    args, sizes = _mixture_args(3, 4, 2, 2, True, True)
+    args = [a.double() for a in args]
+    assert gradcheck(_mixture_fn(lambda *a: torch.ops.recompile.cross_mixture(*a, "cpu"), sizes, "relu"),
+                     _leaves(*args))
+    x0, x, gate, *p = _leaves(*args)
+    torch.library.opcheck(torch.ops.recompile.cross_mixture.default,
+                          (x0, x, gate, p[:2], p[2:4], p[4:6], p[6:], "identity", "cpu"))
+
+
+def test_bad_cross_inputs_name_the_op_and_layer():
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="cross_stack: layer 1"):
+        torch.ops.recompile.cross_stack(x, x, [torch.randn(4, 4), torch.randn(5, 4)], [], [], True, "cpu")
+    with pytest.raises(ValueError, match="cross_stack: expected one or more weights"):
+        torch.ops.recompile.cross_stack(x, x, [torch.randn(4, 4)], [torch.randn(4)] * 2, [], True, "cpu")
+    with pytest.raises(ValueError, match="cross_mixture: expected"):
+        torch.ops.recompile.cross_mixture(x, x, torch.randn(2, 4), [torch.randn(2, 4)] * 2, [], [torch.randn(4, 3)] * 2,
+                                          [], "relu", "cpu")
+
+
+class TorchRecStyleMixture(nn.Module):
+    """TorchRec LowRankMixtureCrossNet's spelling over [B, D]: no C stage, one shared-free bias per expert,
+    ``matmul(experts, softmax(gates).unsqueeze(-1)).squeeze(-1)``, two layers."""
+
+    def __init__(self, d=10, rank=3, experts=2, layers=2):
+        super().__init__()
+        self.gates = nn.ModuleList(nn.Linear(d, experts, bias=False) for _ in range(layers))
+        self.v = nn.ModuleList(nn.ModuleList(nn.Linear(d, rank, bias=False) for _ in range(experts))
+                               for _ in range(layers))
+        self.u = nn.ModuleList(nn.ModuleList(nn.Linear(rank, d) for _ in range(experts)) for _ in range(layers))
+
+    def forward(self, x0):
+        x = x0
+        for gate, vs, us in zip(self.gates, self.v, self.u):
+            g = torch.softmax(gate(x), -1)
+            experts = torch.stack([x0 * u(torch.relu(v(x))) for v, u in zip(vs, us)], -1)
+            x = torch.matmul(experts, g.unsqueeze(-1)).squeeze(-1) + x
+        return x.sum(1)
+
+
+def test_mixture_forms_found_and_equal_eager():
+    x0 = torch.randn(7, 10)
+    model = TorchRecStyleMixture()
+    assert [r["op"] for r in _regions(model, x0)] == ["recompile::cross_mixture"] * 2
+    _assert_same_training(model, (x0,))
+    layer = MixtureCrossLayer(10, 3, 4)
+    [region] = _regions(layer, x0, torch.randn(7, 10))
+    assert region["op"] == "recompile::cross_mixture"
+    _assert_same_training(layer, (x0, torch.randn(7, 10)))
+
+
+def test_mixture_with_an_outside_use_is_left_alone():
+    class Leaky(MixtureCrossLayer):
+        def forward(self, x0, x):
+            gates = torch.softmax(self.gate(x), dim=1)
+            experts = torch.stack([x0 * expert(x) for expert in self.experts], dim=2)
+            return (experts * gates.unsqueeze(1)).sum(dim=2) + x, experts.mean()
+
+    assert _regions(Leaky(6, 2, 3), torch.randn(4, 6), torch.randn(4, 6)) == []
+
+
+@pytest.mark.parametrize("cfg", [
+    DCNConfig(table_rows=[40, 50, 60], dim=4, num_cross=3, deep=[8]),
+    DCNConfig(table_rows=[40, 50, 60], dim=4, num_cross=3, low_rank=3, deep=[8]),
+    DCNConfig(table_rows=[40, 50, 60], dim=4, num_cross=2, low_rank=3, num_experts=3, deep=[8]),
+], ids=["stacked", "stacked_low_rank", "mixture"])
+def test_dcn_of_the_zoo(cfg):
+    model, args = DCNv2(cfg), synthetic_batch(cfg, 6)
+    ops = [r["op"] for r in _regions(model, *args) if r["kind"] == "interaction"]
+    assert ops == (["recompile::cross_mixture"] * 2 if cfg.num_experts > 1 else ["recompile::cross_stack"])
+    _assert_same_training(model, args)
+    _assert_same_training(model, args, backend=torch._dynamo.lookup_backend("rec_ascend"))
+    with torch.no_grad():  # an inference graph: the stack keeps nothing for a backward
+        torch.testing.assert_close(torch.compile(model, backend=pipeline_only)(*args), model(*args), rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_mixture_batch_changes_compile_at_most_twice():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = MixtureCrossLayer(6, 2, 3)
+    counter = CompileCounterWithBackend(pipeline_only)
+    compiled = torch.compile(model, backend=counter)
+    for batch in (1, 5, 9, 16):
+        x0, x = torch.randn(batch, 6), torch.randn(batch, 6)
+        torch.testing.assert_close(compiled(x0, x), model(x0, x), rtol=1e-5, atol=1e-5)
+    assert counter.frame_count <= 2
+
+
+def test_stack_batch_changes_compile_at_most_twice():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    cfg = DCNConfig(table_rows=[40, 50], dim=4, num_cross=3, low_rank=2, deep=[8])
+    model = DCNv2(cfg)
+    counter = CompileCounterWithBackend(pipeline_only)
+    compiled = torch.compile(model, backend=counter)
+    for batch in (1, 5, 9, 16):
+        args = synthetic_batch(cfg, batch)
+        torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-5, atol=1e-5)
+    assert counter.frame_count <= 2
+
+
+def test_mixture_of_experts_of_different_ranks_is_left_alone():
+    layer = MixtureCrossLayer(6, 2, 2)
+    layer.experts[1] = nn.Sequential(nn.Linear(6, 3, bias=False), nn.ReLU(), nn.Linear(3, 3, bias=False), nn.ReLU(),
+                                     nn.Linear(3, 6))
+    x0, x = torch.randn(4, 6), torch.randn(4, 6)
+    assert _regions(layer, x0, x) == []
