@@ -12,9 +12,9 @@ example inputs and within ``BUDGET_S`` seconds:
    ``inductor-captured`` (the Inductor a user would otherwise get), ``inductor-<pass>``. Inductor's compile
    is most of a cold compile, so only the Inductor graphs that can win are compiled (``choose_compiles``):
    the graphs differ only in their rec regions, so Inductor compiles the one whose regions ran fastest
-   eagerly (one compile for training graphs); inference graphs also compile the captured graph, and skip the fastest one where
-   Inductor has little to fuse around our ops (``inductor_can_win``). Without rec regions the rewrite is the
-   captured graph: one Inductor compile.
+   eagerly (one compile for training graphs); inference graphs also compile the captured graph, and skip
+   the fastest one where Inductor has little to fuse around our ops (``inductor_can_win``). Without rec
+   regions the rewrite is the captured graph: one Inductor compile.
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
@@ -31,6 +31,7 @@ import functools
 import hashlib
 import inspect
 import json
+import operator
 import os
 import tempfile
 import time
@@ -173,6 +174,21 @@ def _inactive_dropout(node: fx.Node) -> bool:
     return bound.arguments.get("training") is False or bound.arguments.get("p") == 0
 
 
+# Python's augmented assignments (``x += y``), which Dynamo records as these operator functions.
+INPLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+    operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+})
+
+
+def _in_place(node: fx.Node, name: str) -> bool:
+    """``x.add_(y)``, ``torch.relu_(x)``, ``x += y``; not ``operator.and_`` / ``or_`` (``x & y``), whose
+    trailing underscore only avoids the keyword."""
+    if node.target in INPLACE_OPERATORS:
+        return True
+    return name.endswith("_") and not name.endswith("__") and getattr(node.target, "__module__", None) != "_operator"
+
+
 def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, allow_random: bool = False) -> bool:
     """Repeatable runs only: real inputs, no random ops (unless ``allow_random``), no in-place or mutating ops,
     no op that changes state outside the graph (``STATEFUL_NAMESPACES``, ``UPDATES_IN_BACKWARD``)."""
@@ -182,7 +198,7 @@ def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, allow_rand
         if node.op not in ("call_function", "call_method") or _inactive_dropout(node):
             continue
         name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-        if (_is_random(name) and not allow_random) or (name.endswith("_") and not name.endswith("__")):
+        if (_is_random(name) and not allow_random) or _in_place(node, name):
             return False
         if node.kwargs.get("inplace") is True:
             return False

@@ -176,3 +176,29 @@ def test_a_stream_of_batches_compiles_at_most_twice(_cache, inductor_graphs, tra
             if training:
                 out.sum().backward()
     assert counter.frame_count <= 2
+
+
+def _dynamo_graph(fn, *args):
+    captured = {}
+
+    def backend(gm, example_inputs):
+        captured["gm"] = gm
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(*args)
+    return captured["gm"]
+
+
+def test_logical_operators_are_not_in_place_but_augmented_assignments_are():
+    """``x & y`` is ``operator.and_`` (a trailing underscore, not in-place); ``x += y`` is ``operator.iadd``."""
+    def masked(x, y):
+        return torch.where((x > 0) & (y > 0) | (x < -1), x, y)
+
+    def accumulate(x, y):
+        x += y
+        return x * 2
+
+    args = (torch.randn(6), torch.randn(6))
+    assert autotune.tunable(_dynamo_graph(masked, *args), args)
+    assert not autotune.tunable(_dynamo_graph(accumulate, *[a.clone() for a in args]), args)
