@@ -1,6 +1,6 @@
 """ms/step of every zoo model under eager, Inductor and rec_ascend, measured side by side in one run.
 
-    python -m models.bench [--models hstu sasrec ...] [--train] [--quick] [--json bench.json] [--png bench.png]
+    python -m models.bench [--models hstu sasrec ...] [--train] [--quick] [--threads N] [--json bench.json] [--png bench.png]
 
 Inputs are the zoo's synthetic example inputs (labelled so). ``--train`` times forward + backward of the
 training loss; otherwise a forward pass under ``torch.no_grad``. Each backend gets a fresh model built from
@@ -103,9 +103,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--size", default="bench", choices=SIZES)
     p.add_argument("--quick", action="store_true", help="small configs, 5 timed rounds")
     p.add_argument("--rounds", type=int, default=20, help="timed rounds, each running every backend once in turn")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--json", default="bench.json")
     p.add_argument("--png", default="bench.png")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     size, rounds = ("small", 5) if args.quick else (args.size, args.rounds)
     print(f"{'train' if args.train else 'forward'} ms/step, {size} configs, synthetic example inputs, "
           f"{torch.get_num_threads()} threads")
