@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from models.bench import backend_step
 from models.timing import race_ms
 from models.zoo import MODELS as ZOO
 
@@ -47,22 +48,6 @@ def _interaction_step(name: str, mode: str, backend: str):
     return functools.partial(fn, *args)
 
 
-def _zoo_step(name: str, mode: str, backend: str, batch: int | None = None):
-    workload = ZOO[name]("small", batch=batch)
-    model = workload.model.train(mode == "train")
-    fn = torch.compile(model, backend=backend) if backend != "eager" else model
-    inputs = workload.mark_dynamic()
-
-    def step():
-        if mode == "train":
-            model.zero_grad(set_to_none=True)
-            workload.loss(fn(*inputs)).backward()
-        else:
-            with torch.no_grad():
-                fn(*inputs)
-    return step
-
-
 def _main_job_compile_s(backend: str) -> float:
     from models.train import parser, run_training
 
@@ -76,7 +61,8 @@ def child(model: str, mode: str, backend: str) -> dict:
     if model == MAIN_JOB:
         cold = _main_job_compile_s(backend)
     else:
-        step = (_interaction_step if model in ("dlrm", "dcn") else _zoo_step)(model, mode, backend)
+        step = _interaction_step(model, mode, backend) if model in ("dlrm", "dcn") else \
+            backend_step(model, "small", backend, mode == "train")
         start = time.perf_counter()
         step()
         first = time.perf_counter() - start
@@ -141,7 +127,7 @@ def run_overhead(rounds: int = 20) -> None:
     print("per call, x + 1 on 8 elements: " + "  ".join(f"{n} {v:6.1f} us" for n, v in us.items()), flush=True)
     for name in sorted(ZOO):
         torch._dynamo.reset()
-        steps = {backend: _zoo_step(name, "forward", backend, batch=1) for backend in ("eager", *COMPILED)}
+        steps = {backend: backend_step(name, "small", backend, False, batch=1) for backend in ("eager", *COMPILED)}
         us = {n: ms * 1e3 for n, ms in race_ms(steps, rounds, iters=20).items()}
         print(f"per call, {name} forward at batch 1: " + "  ".join(f"{n} {v:8.1f} us" for n, v in us.items()),
               flush=True)

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from recompile import autotune
 from recompile import backend as rec_backend
+from tests.test_interaction_autotune import Cross
 
 
 @pytest.fixture(autouse=True)
@@ -28,18 +29,6 @@ def inductor_graphs(monkeypatch):
 
     monkeypatch.setattr(rec_backend, "compile_fx", compile_fx)
     return compiled
-
-
-class Cross(nn.Module):
-    """Two DCN cross layers: interaction regions, and a tanh Inductor could fuse."""
-
-    def __init__(self, d=16):
-        super().__init__()
-        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
-
-    def forward(self, x0):
-        x = x0 * self.a(x0) + x0
-        return torch.tanh(x0 * self.b(x) + x)
 
 
 class Plain(nn.Module):
