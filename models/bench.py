@@ -6,7 +6,9 @@ Inputs are the zoo's synthetic example inputs (labelled so). ``--train`` times f
 training loss; otherwise a forward pass under ``torch.no_grad``. Each backend gets a fresh model built from
 the same seed and warm-up steps (which compile); then the best of rounds that run every backend once in turn,
 so that load from other processes falls on all of them alike. A row where rec_ascend is slower than the faster
-of eager and Inductor by more than ``LOSS_MARGIN`` is flagged ``LOSS`` (the autotuner should have kept that one).
+of eager and Inductor by more than ``LOSS_MARGIN`` is flagged ``LOSS`` (the autotuner should have kept that one),
+and ``LOSS (dynamo)`` where Dynamo alone (``backend="eager"``: the captured graphs run as they are, the floor of
+every compiled backend) is as slow, so that the loss is Dynamo's per-call cost, not a choice of the autotuner.
 """
 from __future__ import annotations
 
@@ -23,13 +25,16 @@ from models.zoo import MODELS, SIZES
 # rec_ascend slower than the faster of eager and Inductor by more than this share is flagged as a loss
 # (the autotuner should have kept that one); below it, the difference is within this machine's noise.
 LOSS_MARGIN = 0.10
+# Dynamo with no compiler behind it: the per-call floor of any torch.compile backend.
+DYNAMO = "dynamo"
+COLUMNS = (*BACKENDS, DYNAMO)
 
 
 def backend_step(name: str, size: str, backend: str, train: bool, batch: int | None = None):
     """One step of a fresh zoo model (same seed for every backend) under ``backend``."""
     workload = MODELS[name](size, batch=batch)
     model = workload.model.train(train)
-    fn = compile_for(model, backend)
+    fn = torch.compile(model, backend="eager") if backend == DYNAMO else compile_for(model, backend)
     inputs = workload.mark_dynamic()
 
     def step():
@@ -46,30 +51,35 @@ def run(models: list[str], size: str, train: bool, rounds: int, progress=print) 
     rows = []
     for name in models:
         torch._dynamo.reset()
-        steps = {backend: backend_step(name, size, backend, train) for backend in BACKENDS}
+        steps = {backend: backend_step(name, size, backend, train) for backend in COLUMNS}
         ms = race_ms(steps, rounds)
         best_other = min(ms["eager"], ms["inductor"])
         row = {"model": name, "ms": ms, "eager_over_rec_ascend": ms["eager"] / ms["rec_ascend"],
                "inductor_over_rec_ascend": ms["inductor"] / ms["rec_ascend"],
-               "loses": ms["rec_ascend"] > best_other * (1 + LOSS_MARGIN)}
+               "loses": ms["rec_ascend"] > best_other * (1 + LOSS_MARGIN),
+               "dynamo_floor": ms["rec_ascend"] <= ms[DYNAMO] * (1 + LOSS_MARGIN)}
         progress(format_row(row))
         rows.append(row)
-    losses = [row["model"] for row in rows if row["loses"]]
+    losses = [row["model"] + (" (dynamo)" if row["dynamo_floor"] else "") for row in rows if row["loses"]]
     progress(f"rec_ascend slower than min(eager, inductor) by more than {LOSS_MARGIN:.0%}: "
-             f"{', '.join(losses) if losses else 'none'}")
+             f"{', '.join(losses) if losses else 'none'} (dynamo: Dynamo alone is as slow)")
     return {"mode": "train (forward + backward)" if train else "inference (forward)", "size": size,
             "data": "synthetic example inputs", "threads": torch.get_num_threads(), "rows": rows, "losses": losses}
 
 
 HEADER = (f"{'model':26s} {'eager ms':>10s} {'inductor ms':>12s} {'rec_ascend ms':>14s} {'eager/rec':>10s} "
-          f"{'inductor/rec':>13s}  loss")
+          f"{'inductor/rec':>13s} {'dynamo ms':>10s}  loss")
 
 
 def format_row(row: dict) -> str:
     ms = row["ms"]
     return (f"{row['model']:26s} {ms['eager']:10.2f} {ms['inductor']:12.2f} {ms['rec_ascend']:14.2f} "
-            f"{row['eager_over_rec_ascend']:9.2f}x {row['inductor_over_rec_ascend']:12.2f}x  "
-            f"{'LOSS' if row['loses'] else ''}")
+            f"{row['eager_over_rec_ascend']:9.2f}x {row['inductor_over_rec_ascend']:12.2f}x "
+            f"{ms[DYNAMO]:10.2f}  {_loss(row)}")
+
+
+def _loss(row: dict) -> str:
+    return ("LOSS (dynamo)" if row["dynamo_floor"] else "LOSS") if row["loses"] else ""
 
 
 def write_chart(result: dict, path: str) -> None:
