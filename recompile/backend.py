@@ -51,8 +51,8 @@ def rec_ascend(
 ):
     """Run the rec pass pipeline on ``gm`` (torch-level, before autograd) and compile the result with Inductor.
 
-    With ``options.autotune`` the result is instead the fastest correct of: the rewritten graph through
-    Inductor, the rewritten graph run eagerly, and the captured graph run eagerly (``recompile.autotune``).
+    With ``options.autotune`` the result is instead the fastest correct of the rewritten and the captured graph
+    (and the rewrite without one pass), run eagerly or through Inductor where that can win (``recompile.autotune``).
     """
     opts = RecompileOptions.coerce(options)
     # As Inductor's own backend does: its kernel-compile workers start now, while our passes and races run.
