@@ -6,21 +6,24 @@ example inputs and within ``BUDGET_S`` seconds:
 1. each rec region: every kernel the lowering table offers the target (library op, Triton, CPU
    kernel, reference = eager ATen), forward (and backward when the graph trains); the fastest whose
    result matches the reference kernel's is written into the op's ``impl`` argument;
-2. the whole graph: ``inductor`` (the rewritten graph through Inductor), ``rec+eager`` (the rewritten
-   graph with the rec ops and eager ATen for the rest), ``rec+eager-<pass>`` (the same without one
-   pass's regions, when several passes replaced some) and ``eager`` (the captured graph as it was).
-   Inference graphs also race ``inductor-captured`` (plain Inductor on the captured graph: the Inductor a
-   user would otherwise get, so the choice never loses to it); where Inductor has little to fuse around
-   our ops (``inductor_can_win``) it replaces ``inductor``, for one Inductor compile.
+2. the whole graph: ``rec+eager`` (the rewritten graph with the rec ops and eager ATen for the rest),
+   ``eager`` (the captured graph as it was), ``rec+eager-<pass>`` (the rewrite without one pass's regions,
+   when several passes replaced some), and Inductor on some of these graphs: ``inductor`` (the rewrite),
+   ``inductor-captured`` (the Inductor a user would otherwise get), ``inductor-<pass>``. Inductor's compile
+   is most of a cold compile, so only the Inductor graphs that can win are compiled (``choose_compiles``):
+   the graphs differ only in their rec regions, so Inductor compiles the one whose regions ran fastest
+   eagerly (one compile for training graphs); inference graphs also compile the captured graph, and skip
+   the fastest one where Inductor has little to fuse around our ops (``inductor_can_win``). Without rec
+   regions the rewrite is the captured graph: one Inductor compile.
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
 The decision is cached on disk (``$RECOMPILE_CACHE_DIR`` or ``~/.cache/recompile``), keyed by the
 rewritten graph's code, the input shapes/dtypes, grad mode, target and torch version; a cached
-decision is applied without timing (and without compiling candidates it did not keep). Graphs with
-random ops (dropout in training) cannot be compared between runs: they race timed only, among the graphs
-the backend could run (``autotune(..., random=True)``). Graphs with in-place or mutating ops are not tuned: Inductor
-is kept for them.
+decision is applied without timing (and without compiling candidates it did not keep). It records the
+seconds each candidate took to build (``compile_s``). Graphs with random ops (dropout in training) cannot be
+compared between runs: they race timed only, without region tuning (``autotune(..., random=True)``). Graphs
+with in-place or mutating ops are not tuned: Inductor is kept for them.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import functools
 import hashlib
 import inspect
 import json
+import operator
 import os
 import tempfile
 import time
@@ -52,8 +56,8 @@ LIBRARY_BOUND = frozenset({
     torch.nn.functional.embedding_bag, torch.nn.functional.embedding,
 })
 MIN_ROUNDS, MAX_ROUNDS = 3, 50
+EAGER_ROUNDS = 2  # rounds of the eager race that picks the graph Inductor compiles (a coarse choice)
 CACHE_VERSION = 1
-GRAPH_CANDIDATES = ("inductor", "rec+eager", "eager")
 # Ops whose results are random (matched on the op's base name: in-place ``_`` and ``_like`` forms stripped).
 RANDOM_OPS = frozenset({
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
@@ -71,14 +75,17 @@ class Decision:
     mode: str = "inference"
     cached: bool = False
     key: str = ""
+    compile_s: dict[str, float] = field(default_factory=dict)  # candidate -> seconds to build (Inductor's compile)
 
     def to_dict(self) -> dict:
         return {"choice": self.choice, "regions": dict(self.regions), "timings_ms": dict(self.timings_ms),
-                "rejected": dict(self.rejected), "mode": self.mode, "cached": self.cached, "key": self.key}
+                "rejected": dict(self.rejected), "mode": self.mode, "cached": self.cached, "key": self.key,
+                "compile_s": dict(self.compile_s)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Decision":
-        return cls(d["choice"], d["regions"], d["timings_ms"], d["rejected"], d["mode"], True, d["key"])
+        return cls(d["choice"], d["regions"], d["timings_ms"], d["rejected"], d["mode"], True, d["key"],
+                   d.get("compile_s", {}))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -167,6 +174,21 @@ def _inactive_dropout(node: fx.Node) -> bool:
     return bound.arguments.get("training") is False or bound.arguments.get("p") == 0
 
 
+# Python's augmented assignments (``x += y``), which Dynamo records as these operator functions.
+INPLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+    operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+})
+
+
+def _in_place(node: fx.Node, name: str) -> bool:
+    """``x.add_(y)``, ``torch.relu_(x)``, ``x += y``; not ``operator.and_`` / ``or_`` (``x & y``), whose
+    trailing underscore only avoids the keyword."""
+    if node.target in INPLACE_OPERATORS:
+        return True
+    return name.endswith("_") and not name.endswith("__") and getattr(node.target, "__module__", None) != "_operator"
+
+
 def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, allow_random: bool = False) -> bool:
     """Repeatable runs only: real inputs, no random ops (unless ``allow_random``), no in-place or mutating ops,
     no op that changes state outside the graph (``STATEFUL_NAMESPACES``, ``UPDATES_IN_BACKWARD``)."""
@@ -176,7 +198,7 @@ def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, allow_rand
         if node.op not in ("call_function", "call_method") or _inactive_dropout(node):
             continue
         name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-        if (_is_random(name) and not allow_random) or (name.endswith("_") and not name.endswith("__")):
+        if (_is_random(name) and not allow_random) or _in_place(node, name):
             return False
         if node.kwargs.get("inplace") is True:
             return False
@@ -222,13 +244,13 @@ def matches(got: list[torch.Tensor], want: list[torch.Tensor]) -> str | None:
     return None
 
 
-def race(steps: dict[str, Callable[[], Any]], budget_s: float) -> dict[str, float]:
+def race(steps: dict[str, Callable[[], Any]], budget_s: float, min_rounds: int = MIN_ROUNDS) -> dict[str, float]:
     """Milliseconds per step of each candidate: the best of rounds that run every candidate once in turn,
     so that load from other processes falls on all of them alike."""
     best = {name: float("inf") for name in steps}
     start = time.perf_counter()
     rounds = 0
-    while steps and (rounds < MIN_ROUNDS or (rounds < MAX_ROUNDS and time.perf_counter() - start < budget_s)):
+    while steps and (rounds < min_rounds or (rounds < MAX_ROUNDS and time.perf_counter() - start < budget_s)):
         for name, step in steps.items():
             t0 = time.perf_counter()
             step()
@@ -419,21 +441,100 @@ def compiled_graph(chooser: GraphChooser) -> Callable:
     return call
 
 
-def without_pass(original: fx.GraphModule, ctx, name: str, regions: dict[str, str]) -> Callable:
-    """The captured graph rewritten by every pass but ``name`` (with the kernels chosen for its regions), run eagerly."""
+def without_pass(original: fx.GraphModule, ctx, name: str, regions: dict[str, str]) -> fx.GraphModule:
+    """The captured graph rewritten by every pass but ``name``, with the kernels chosen for its regions."""
     options = replace(ctx.options, passes={**ctx.options.passes, name: False}, verify=False, dump_dir=None)
     gm = run_pipeline(original, PassContext(options, ctx.target, ctx.example_inputs, graph_id=ctx.graph_id))
     apply_regions(gm, regions)
-    return gm.forward
+    return gm
 
 
-def ablation_builders(original: fx.GraphModule, ctx, decision: Decision) -> dict[str, Callable[[], Callable]]:
-    """``rec+eager-<pass>`` for each pass that replaced regions, when several did: the rewrite without that
-    pass's regions, so that one pass's gain is kept when another's regions measure slower than what they replaced."""
+def candidate_graphs(original: fx.GraphModule, rewritten: fx.GraphModule, ctx,
+                     regions: dict[str, str] | None) -> dict[str, Callable[[], fx.GraphModule]]:
+    """The graphs the whole-graph candidates run, unbuilt, by the name of their eager candidate: ``rec+eager``
+    (the rewrite), ``eager`` (the captured graph) and, given the kernels chosen for the regions, ``rec+eager-<pass>``
+    for each pass that replaced regions when several did, so that one pass's gain is kept when another's regions
+    measure slower than what they replaced. Without rec regions the rewrite is the captured graph (normalized).
+    With lookups whose bounds_check clamps or skips ids the captured graph would raise on, no graph keeps the
+    captured lookups."""
+    graphs = {"rec+eager": lambda: rewritten, "eager": lambda: original}
+    ops = {_op_name(node) for node in rewritten.graph.nodes} - {None}
+    if not ops:
+        del graphs["rec+eager"]
+    clamped = ops & BOUNDS_CHECKED and ctx.options.bounds_check != "fatal"
+    if clamped:
+        del graphs["eager"]
     passes = list(dict.fromkeys(region.pass_name for region in ctx.regions))
-    if len(passes) < 2:
-        return {}
-    return {f"rec+eager-{name}": functools.partial(without_pass, original, ctx, name, decision.regions) for name in passes}
+    if regions is not None and len(passes) > 1:
+        keeps_lookups = {r.pass_name for r in ctx.regions if r.op in BOUNDS_CHECKED} if clamped else set()
+        graphs.update({f"rec+eager-{name}": functools.cache(functools.partial(without_pass, original, ctx, name, regions))
+                       for name in passes if name not in keeps_lookups})
+    return graphs
+
+
+def inductor_of(name: str) -> str:
+    """The Inductor candidate compiling the graph of eager candidate ``name``: ``inductor`` (the rewrite),
+    ``inductor-captured`` (the captured graph: the Inductor a user would otherwise get), ``inductor-<pass>``."""
+    return "inductor-captured" if name == "eager" else name.replace("rec+eager", "inductor")
+
+
+def graph_builders(graphs: dict[str, Callable[[], fx.GraphModule]],
+                   compile_inductor: Callable[[fx.GraphModule], Callable]) -> dict[str, Callable[[], Callable]]:
+    """Every whole-graph candidate, unbuilt: each graph run eagerly and through Inductor (compiled when built)."""
+    builders = {}
+    for name, graph in graphs.items():
+        builders[name] = lambda graph=graph: graph().forward
+        builders[inductor_of(name)] = lambda graph=graph: compile_inductor(graph())
+    return builders
+
+
+def fastest_eagerly(graphs: dict[str, Callable[[], fx.GraphModule]], args: Sequence[Any], training: bool,
+                    decision: Decision, budget_s: float) -> str:
+    """The graph that runs fastest eagerly (timed only, under a forked RNG); a graph that fails here is left out
+    (it fails again in the race, which keeps its error)."""
+    steps = {}
+    for name, graph in graphs.items():
+        fn = graph().forward
+        try:
+            with torch.random.fork_rng():
+                run_step(fn, args, training)
+        except Exception:
+            continue
+        steps[name] = functools.partial(run_step, fn, args, training)
+    with torch.random.fork_rng():
+        timings = race(steps, budget_s, min_rounds=EAGER_ROUNDS)
+    decision.timings_ms.update({f"eagerly:{name}": ms for name, ms in timings.items()})
+    return min(timings, key=timings.get) if timings else next(iter(graphs))
+
+
+def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: dict, args: Sequence[Any],
+                    decision: Decision, training: bool, budget_s: float) -> None:
+    """Leave in ``builders`` only the Inductor candidates that can win: Inductor compiles what the graphs share
+    alike, so it compiles the graph that ran fastest eagerly (its regions are the fastest); inference graphs
+    also compile the captured graph (the Inductor a user would otherwise get), and skip the fastest one where
+    Inductor has little to fuse around our ops (``inductor_can_win``)."""
+    fastest = fastest_eagerly(graphs, args, training, decision, budget_s) if len(graphs) > 1 else next(iter(graphs))
+    keep = {inductor_of(fastest)}
+    why = f"{fastest} ran fastest eagerly"
+    if not training and "eager" in graphs:
+        keep.add("inductor-captured")
+        if fastest != "eager" and not inductor_can_win(graphs[fastest](), args):
+            keep.discard(inductor_of(fastest))
+            decision.rejected[inductor_of(fastest)] = (f"not compiled: the nodes it could fuse take under "
+                                                       f"{MIN_FUSABLE_SHARE:.0%} of a call")
+    for name in {inductor_of(name) for name in graphs} - keep:
+        del builders[name]
+        decision.rejected.setdefault(name, f"not compiled: {why}")
+
+
+def build(builders: dict[str, Callable[[], Callable]], decision: Decision) -> dict[str, Callable]:
+    """The candidates, built; seconds spent compiling each go into the decision."""
+    built = {}
+    for name, builder in builders.items():
+        start = time.perf_counter()
+        built[name] = builder()
+        decision.compile_s[name] = round(time.perf_counter() - start, 3)
+    return built
 
 
 def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[Any], ctx,
@@ -441,53 +542,28 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     """The compiled callable for ``rewritten``: the cached decision, or a GraphChooser over the candidates.
 
     ``random``: the graph has random ops (dropout in training), so its outputs cannot be compared between
-    runs: the graphs the backend could run (the rewrite and the captured graph, each through Inductor and
-    eagerly) race timed only, under a forked RNG, with no region tuning."""
+    runs: the candidates race timed only, under a forked RNG, with no region tuning and no ablations."""
     training = is_training(rewritten)
     key = graph_key(rewritten, ctx.target.name, training)
-    builders = {
-        "inductor": lambda: compile_inductor(rewritten),
-        "rec+eager": lambda: rewritten.forward,
-        "eager": lambda: original.forward,
-    }
-    # Candidates that run the captured graph, as the user wrote it; not with lookups whose bounds_check
-    # clamps or skips ids the captured graph would raise on.
-    captured = {"inductor-captured": lambda: compile_inductor(original)}
-    ops = {_op_name(node) for node in rewritten.graph.nodes} - {None}
-    if not ops:
-        del builders["rec+eager"]  # no rec region: the same graph as "eager"
-    if ops & BOUNDS_CHECKED and ctx.options.bounds_check != "fatal":
-        del builders["eager"]
-        captured = {}
-    if random and not (ops and captured):  # nothing to race but the rewrite through Inductor
-        return compile_inductor(rewritten)
     cached = load(key)
-    if cached is not None:
-        builders.update(ablation_builders(original, ctx, cached), **captured)
+    graphs = candidate_graphs(original, rewritten, ctx, None if random else (cached.regions if cached else {}))
+    if random and "rec+eager" not in graphs:  # nothing to race but the graph through Inductor
+        return compile_inductor(rewritten)
+    builders = graph_builders(graphs, compile_inductor)
     if cached is not None and cached.choice in builders:
         apply_regions(rewritten, cached.regions)
         ctx.tuning = cached.to_dict()
-        rec = {"rec+eager": rewritten.forward} if ops else {}
+        rec = {"rec+eager": rewritten.forward} if "rec+eager" in graphs else {}
         return compiled_graph(GraphChooser(rec, original.forward, cached, 0.0, chosen=builders[cached.choice]()))
     decision = Decision("eager", mode="training" if training else "inference", key=key)
-    if random:
-        builders.update(captured)
-        ctx.tuning = decision.to_dict()
-        return compiled_graph(GraphChooser({name: build() for name, build in builders.items()}, None, decision,
-                                           BUDGET_S))
     start = time.perf_counter()
     args = concrete_inputs(example_inputs)
-    tune_regions(rewritten, args, ctx.target, training, decision, start + BUDGET_S / 2)
-    if not training:  # the Inductor a user would otherwise get races too (a backward's gains are not timed here)
-        builders.update(captured)
-        if not inductor_can_win(rewritten, args):  # little to fuse around our ops: one Inductor compile only
-            del builders["inductor"]
-            decision.rejected["inductor"] = (f"not compiled: the nodes it could fuse take under "
-                                             f"{MIN_FUSABLE_SHARE:.0%} of a call")
-    if "rec+eager" in builders:
-        builders.update(ablation_builders(original, ctx, decision))
+    if not random:
+        tune_regions(rewritten, args, ctx.target, training, decision, start + BUDGET_S / 2)
+        graphs = candidate_graphs(original, rewritten, ctx, decision.regions)
+        builders = graph_builders(graphs, compile_inductor)
+    choose_compiles(graphs, builders, args, decision, training, BUDGET_S / 8)
     ctx.tuning = decision.to_dict()
     budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
-    return compiled_graph(GraphChooser({name: build() for name, build in builders.items()}, original.forward,
-                                       decision, budget))
-
+    return compiled_graph(GraphChooser(build(builders, decision), None if random else original.forward, decision,
+                                       budget))

@@ -7,6 +7,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from torch._inductor.async_compile import maybe_warm_pool
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.decomposition import select_decomp_table
 
@@ -50,10 +51,12 @@ def rec_ascend(
 ):
     """Run the rec pass pipeline on ``gm`` (torch-level, before autograd) and compile the result with Inductor.
 
-    With ``options.autotune`` the result is instead the fastest correct of: the rewritten graph through
-    Inductor, the rewritten graph run eagerly, and the captured graph run eagerly (``recompile.autotune``).
+    With ``options.autotune`` the result is instead the fastest correct of the rewritten and the captured graph
+    (and the rewrite without one pass), run eagerly or through Inductor where that can win (``recompile.autotune``).
     """
     opts = RecompileOptions.coerce(options)
+    # As Inductor's own backend does: its kernel-compile workers start now, while our passes and races run.
+    maybe_warm_pool()
     ctx = PassContext(opts, resolve_target(opts), example_inputs, graph_id=next(_graph_ids))
     rewritten = run_pipeline(gm, ctx)
     config_patches = torch._inductor.list_mode_options(mode) if mode else None

@@ -1,0 +1,159 @@
+"""Compile cost of rec_ascend against Inductor: cold compile time of a step, and the per-call overhead.
+
+    python -m models.bench_compile [--models interaction-dlrm interaction-dcn hstu-ml100k deepfm ...]
+                                   [--modes train forward] [--repeats N] [--threads N] [--no-overhead]
+
+Cold compile: each (model, mode, backend) runs in a fresh process with empty Inductor and recompile caches
+(``TORCHINDUCTOR_CACHE_DIR``, ``RECOMPILE_CACHE_DIR``); the figure is the first step's time minus a steady
+step's. Backends alternate within each repeat, so that load from other processes falls on both alike; the
+median of the repeats is printed, with rec_ascend's autotune decisions: the candidate kept, the seconds each
+candidate took to build (Inductor's compile) and the Inductor graphs it left uncompiled. Models:
+``interaction-dlrm`` and ``interaction-dcn`` are ``models.bench_interaction``'s (batch 256), ``hstu-ml100k`` the
+main job's HSTU on MovieLens-100k (training only, 3 steps of ``models.train``), any other name a zoo model's
+small config.
+
+Per-call overhead: microseconds per call of a one-op graph on an 8-element tensor, and of each zoo model's
+forward at batch 1 (small configs), under eager, Inductor and rec_ascend, timed side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from models.bench import backend_step
+from models.timing import race_ms
+from models.zoo import MODELS as ZOO
+
+COMPILED = ("inductor", "rec_ascend")
+MAIN_JOB = "hstu-ml100k"
+# models.bench_interaction's DLRM and DCN-v2 (batch 256), by their name there.
+INTERACTION = {"interaction-dlrm": "dlrm", "interaction-dcn": "dcn"}
+MODELS = (*INTERACTION, MAIN_JOB, *sorted(ZOO))
+MODES = ("train", "forward")
+
+
+def _interaction_step(name: str, mode: str, backend: str):
+    from models.bench_interaction import make, step_fn, synthetic_batch
+
+    model, cfg = make(name, True)
+    args = synthetic_batch(cfg, 256, torch.Generator().manual_seed(1))
+    fn = step_fn(torch.compile(model, backend=backend), mode)
+    return functools.partial(fn, *args)
+
+
+def _main_job_compile_s(backend: str) -> float:
+    from models.train import parser, run_training
+
+    args = parser().parse_args(["--model", "hstu", "--data", "ml-100k", "--epochs", "1", "--max-steps", "3",
+                                "--quiet", "--backend", backend])
+    return run_training(args)["compile_s"]
+
+
+def child(model: str, mode: str, backend: str) -> dict:
+    """In a fresh process: seconds of the first step beyond a steady one, and the autotune decisions stored."""
+    if model == MAIN_JOB:
+        cold = _main_job_compile_s(backend)
+    else:
+        step = _interaction_step(INTERACTION[model], mode, backend) if model in INTERACTION else \
+            backend_step(model, "small", backend, mode == "train")
+        start = time.perf_counter()
+        step()
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        step()
+        cold = first - (time.perf_counter() - start)
+    folder = Path(os.environ["RECOMPILE_CACHE_DIR"]) / "autotune"
+    decisions = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+    return {"cold_s": cold, "decisions": [
+        {"choice": d["choice"], "compile_s": d.get("compile_s", {}),
+         "not_compiled": sorted(n for n, why in d["rejected"].items() if why.startswith("not compiled"))}
+        for d in decisions]}
+
+
+def cold_compile(model: str, mode: str, backend: str, threads: int) -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+                   RECOMPILE_CACHE_DIR=os.path.join(cache, "recompile"), OMP_NUM_THREADS=str(threads))
+        out = subprocess.run([sys.executable, "-m", "models.bench_compile", "--child", model, mode, backend],
+                             env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"cold compile of {model} ({mode}, {backend}) failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _describe(decisions: list[dict]) -> str:
+    parts = []
+    for d in decisions:
+        built = ", ".join(f"{name} {s:.1f} s" for name, s in d["compile_s"].items() if s >= 0.05)
+        skipped = f"; not compiled: {', '.join(d['not_compiled'])}" if d["not_compiled"] else ""
+        parts.append(f"kept {d['choice']} (built: {built or 'nothing to compile'}{skipped})")
+    return " | ".join(parts)
+
+
+def run_cold(models: list[str], modes: list[str], repeats: int, threads: int) -> list[dict]:
+    rows = []
+    for model in models:
+        for mode in (["train"] if model == MAIN_JOB else modes):
+            runs = {backend: [] for backend in COMPILED}
+            for _ in range(repeats):
+                for backend in COMPILED:
+                    runs[backend].append(cold_compile(model, mode, backend, threads))
+            seconds = {backend: statistics.median(r["cold_s"] for r in results) for backend, results in runs.items()}
+            row = {"model": model, "mode": mode, **seconds, "ratio": seconds["rec_ascend"] / seconds["inductor"],
+                   "decisions": runs["rec_ascend"][-1]["decisions"]}
+            rows.append(row)
+            print(f"{model:24s} {mode:8s} cold compile: inductor {row['inductor']:6.1f} s  rec_ascend "
+                  f"{row['rec_ascend']:6.1f} s  ({row['ratio']:4.2f}x Inductor's)  {_describe(row['decisions'])}",
+                  flush=True)
+    return rows
+
+
+def run_overhead(rounds: int = 20) -> None:
+    """Microseconds per call, eager vs Inductor vs rec_ascend, side by side."""
+    torch._dynamo.reset()
+    x = torch.randn(8)
+    fns = {backend: (lambda t: t + 1) if backend == "eager" else torch.compile(lambda t: t + 1, backend=backend)
+           for backend in ("eager", *COMPILED)}
+    with torch.no_grad():
+        us = {name: ms * 1e3 for name, ms in race_ms({n: functools.partial(f, x) for n, f in fns.items()},
+                                                     rounds, iters=200).items()}
+    print("per call, x + 1 on 8 elements: " + "  ".join(f"{n} {v:6.1f} us" for n, v in us.items()), flush=True)
+    for name in sorted(ZOO):
+        torch._dynamo.reset()
+        steps = {backend: backend_step(name, "small", backend, False, batch=1) for backend in ("eager", *COMPILED)}
+        us = {n: ms * 1e3 for n, ms in race_ms(steps, rounds, iters=20).items()}
+        print(f"per call, {name} forward at batch 1: " + "  ".join(f"{n} {v:8.1f} us" for n, v in us.items()),
+              flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m models.bench_compile", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=[*INTERACTION, MAIN_JOB])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=["train"])
+    parser.add_argument("--repeats", type=int, default=1, help="cold compiles per backend (the median is printed)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
+    parser.add_argument("--no-overhead", action="store_true", help="skip the per-call overhead measurements")
+    parser.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "BACKEND"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(*args.child)))
+        return
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    run_cold(args.models, args.modes, args.repeats, args.threads)
+    if not args.no_overhead:
+        run_overhead()
+
+
+if __name__ == "__main__":
+    main()

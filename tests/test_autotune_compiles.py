@@ -1,0 +1,193 @@
+"""Autotune's compiles: Inductor compiles only the graphs that can win, decisions are keyed by graph and shapes,
+and a stream of batches compiles at most twice."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from recompile import autotune
+from recompile import backend as rec_backend
+from tests.test_interaction_autotune import Cross
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RECOMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "BUDGET_S", 0.2)
+    return tmp_path
+
+
+@pytest.fixture
+def inductor_graphs(monkeypatch):
+    """The graphs the backend hands to Inductor, which here runs them eagerly (no C++ compile in these tests)."""
+    compiled = []
+
+    def compile_fx(graph, example_inputs, **kwargs):
+        compiled.append(graph)
+        return graph.forward
+
+    monkeypatch.setattr(rec_backend, "compile_fx", compile_fx)
+    return compiled
+
+
+class Plain(nn.Module):
+    """No rec region at all."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * 2
+
+
+def _decisions(cache_dir):
+    return [json.loads(p.read_text()) for p in sorted((cache_dir / "autotune").glob("*.json"))]
+
+
+def _has_rec_ops(graph) -> bool:
+    return any(autotune._op_name(node) for node in graph.graph.nodes)
+
+
+def _run(model, x, training):
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(training):
+        out = torch.compile(model, backend="rec_ascend")(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    if training:
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_graph_without_rec_regions_compiles_inductor_once(_cache, inductor_graphs, training):
+    _run(Plain(), torch.randn(8, 16, requires_grad=training), training)
+    assert len(inductor_graphs) == 1
+    [decision] = _decisions(_cache)
+    assert "rec+eager" not in decision["timings_ms"] and set(decision["compile_s"]) == {"eager", "inductor-captured"}
+
+
+@pytest.mark.parametrize("fastest", ["eager", "rec+eager"])
+def test_training_compiles_inductor_once_on_the_graph_fastest_eagerly(_cache, inductor_graphs, monkeypatch, fastest):
+    monkeypatch.setattr(autotune, "fastest_eagerly", lambda *args: fastest)
+    _run(Cross(), torch.randn(8, 16, requires_grad=True), True)
+    [graph] = inductor_graphs
+    assert _has_rec_ops(graph) == (fastest == "rec+eager")
+    [decision] = _decisions(_cache)
+    other = "inductor-captured" if fastest == "rec+eager" else "inductor"
+    assert decision["rejected"][other] == f"not compiled: {fastest} ran fastest eagerly"
+
+
+@pytest.mark.parametrize("fastest, can_win, compiled", [
+    ("eager", True, {"inductor-captured"}),
+    ("rec+eager", True, {"inductor", "inductor-captured"}),
+    ("rec+eager", False, {"inductor-captured"}),
+])
+def test_inference_always_compiles_the_captured_graph(_cache, inductor_graphs, monkeypatch, fastest, can_win, compiled):
+    monkeypatch.setattr(autotune, "fastest_eagerly", lambda *args: fastest)
+    monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: can_win)
+    _run(Cross(), torch.randn(8, 16), False)
+    [decision] = _decisions(_cache)
+    assert decision["compile_s"].keys() & {"inductor", "inductor-captured"} == compiled
+    assert len(inductor_graphs) == len(compiled)
+
+
+def test_fastest_eagerly_times_every_graph_and_returns_the_fastest():
+    slow = torch.fx.symbolic_trace(lambda x: torch.stack([x.sin() for _ in range(200)]).sum(0))
+    fast = torch.fx.symbolic_trace(lambda x: x.sin() * 200)
+    decision = autotune.Decision("eager")
+    graphs = {"rec+eager": lambda: fast, "eager": lambda: slow}
+    assert autotune.fastest_eagerly(graphs, [torch.randn(64, 64)], False, decision, 0.05) == "rec+eager"
+    assert decision.timings_ms["eagerly:rec+eager"] < decision.timings_ms["eagerly:eager"]
+
+
+def test_random_graphs_compile_inductor_once(_cache, inductor_graphs):
+    class DroppedCross(Cross):
+        def forward(self, x0):
+            return torch.nn.functional.dropout(super().forward(x0), 0.5, training=True)
+
+    torch._dynamo.reset()
+    torch.compile(DroppedCross(), backend="rec_ascend")(torch.randn(8, 16, requires_grad=True)).sum().backward()
+    assert len(inductor_graphs) == 1
+    [decision] = _decisions(_cache)
+    timings = decision["timings_ms"]
+    fastest = min(("rec+eager", "eager"), key=lambda name: timings[f"eagerly:{name}"])
+    assert _has_rec_ops(inductor_graphs[0]) == (fastest == "rec+eager")
+
+
+def test_clamping_lookups_keep_no_graph_with_the_captured_lookups(_cache, inductor_graphs):
+    """bounds_check="warning" clamps ids the captured lookups would raise on: neither the captured graph nor the
+    rewrite without the embedding pass is a candidate; the rewrite without the interaction pass is."""
+    from models.dlrm import DLRM, DLRMConfig, synthetic_batch
+
+    cfg = DLRMConfig(table_rows=[50, 80, 120], dim=8, bottom=[16, 8], top=[16, 1])
+    model, args = DLRM(cfg), synthetic_batch(cfg, 9)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend="rec_ascend", options={"bounds_check": "warning"})(*args)
+        torch.testing.assert_close(out, model(*args), rtol=1e-5, atol=1e-5)
+    [decision] = _decisions(_cache)
+    assert "rec+eager-interaction" in decision["compile_s"]
+    assert not decision["compile_s"].keys() & {"eager", "inductor-captured", "rec+eager-embedding", "inductor-embedding"}
+    assert all(_has_rec_ops(graph) for graph in inductor_graphs)
+
+
+def test_decision_is_keyed_by_graph_and_shapes(_cache):
+    model = Cross()
+    with torch.no_grad():
+        for batch in (8, 8, 12):
+            torch._dynamo.reset()
+            torch.compile(model, backend="rec_ascend", dynamic=False)(torch.randn(batch, 16))
+        assert len(_decisions(_cache)) == 2  # the second batch of 8 used the first's decision
+        torch._dynamo.reset()
+        torch.compile(Plain(), backend="rec_ascend", dynamic=False)(torch.randn(8, 16))
+    assert len(_decisions(_cache)) == 3
+    gm = torch.fx.symbolic_trace(lambda x: x * 2)
+    for node in gm.graph.find_nodes(op="placeholder"):
+        node.meta["example_value"] = torch.empty(4, 3)
+    key = autotune.graph_key(gm, "cpu", False)
+    assert key != autotune.graph_key(gm, "cpu", True) and key != autotune.graph_key(gm, "cuda", False)
+    node.meta["example_value"] = torch.empty(5, 3)
+    assert key != autotune.graph_key(gm, "cpu", False)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_stream_of_batches_compiles_at_most_twice(_cache, inductor_graphs, training):
+    model = Cross()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("rec_ascend")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counter)
+    with torch.set_grad_enabled(training):
+        for batch in (8, 9, 10, 13, 17):
+            x = torch.randn(batch, 16, requires_grad=training)
+            out = compiled(x)
+            torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+            if training:
+                out.sum().backward()
+    assert counter.frame_count <= 2
+
+
+def _dynamo_graph(fn, *args):
+    captured = {}
+
+    def backend(gm, example_inputs):
+        captured["gm"] = gm
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(*args)
+    return captured["gm"]
+
+
+def test_logical_operators_are_not_in_place_but_augmented_assignments_are():
+    """``x & y`` is ``operator.and_`` (a trailing underscore, not in-place); ``x += y`` is ``operator.iadd``."""
+    def masked(x, y):
+        return torch.where((x > 0) & (y > 0) | (x < -1), x, y)
+
+    def accumulate(x, y):
+        x += y
+        return x * 2
+
+    args = (torch.randn(6), torch.randn(6))
+    assert autotune.tunable(_dynamo_graph(masked, *args), args)
+    assert not autotune.tunable(_dynamo_graph(accumulate, *[a.clone() for a in args]), args)
