@@ -63,6 +63,9 @@ class Run:
     step_seconds: list[float] = field(default_factory=list)
     examples: int = 0
     max_steps: int | None = None
+    # per epoch: its mean training loss and, with --eval-every-epoch, the held-out metrics after it
+    curve: list[dict] = field(default_factory=list)
+    _epoch_start: int = 0
 
     def step(self, fn, examples: int) -> float:
         start = time.perf_counter()
@@ -71,6 +74,14 @@ class Run:
         self.losses.append(loss)
         self.examples += examples
         return loss
+
+    def end_epoch(self, held_out_ranks=None) -> None:
+        losses = self.losses[self._epoch_start:]
+        self._epoch_start = len(self.losses)
+        record = {"epoch": len(self.curve) + 1, "mean_loss": float(np.mean(losses))}
+        if held_out_ranks is not None:
+            record["metrics"] = ranking_metrics(held_out_ranks())
+        self.curve.append(record)
 
     @property
     def finished(self) -> bool:
@@ -85,15 +96,27 @@ class Run:
             "examples_per_s": self.examples / sum(self.step_seconds),
             "compile_s": max(0.0, self.step_seconds[0] - step_s),
             "losses": self.losses,
+            "curve": self.curve,
         }
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, compute_loss) -> float:
-    optimizer.zero_grad()
-    loss = compute_loss()
-    loss.backward()
-    optimizer.step()
-    return loss.item()
+class Optimizer:
+    """Adam at ``--lr``, constant or (``--lr-schedule cosine``) annealed to 0 over the run's steps."""
+
+    def __init__(self, params, args, steps_per_epoch: int):
+        self.adam = torch.optim.Adam(params, lr=args.lr)
+        steps = steps_per_epoch * args.epochs
+        self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(self.adam, steps) \
+            if args.lr_schedule == "cosine" else None
+
+    def step(self, compute_loss) -> float:
+        self.adam.zero_grad()
+        loss = compute_loss()
+        loss.backward()
+        self.adam.step()
+        if self.schedule is not None:
+            self.schedule.step()
+        return loss.item()
 
 
 def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, dict]:
@@ -102,10 +125,11 @@ def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, d
     fmt = encoder.input_format
     task = NextItemTask(encoder, temperature=args.temperature)
     step_fn = compile_for(task, args.backend)
-    optimizer = torch.optim.Adam(task.parameters(), lr=args.lr)
     windows = D.training_windows(split.train, args.max_len)
     g = torch.Generator().manual_seed(args.seed)
     num_batches = math.ceil(len(windows) / args.batch_size)
+    optimizer = Optimizer(task.parameters(), args, num_batches)
+    ranks = lambda: sequential_ranks(task, split, fmt, args.max_len, args.eval_split)  # noqa: E731
     for epoch in range(args.epochs):
         task.train()
         bar = Progress(num_batches, f"{args.model} epoch {epoch + 1}/{args.epochs}", not args.quiet)
@@ -114,10 +138,11 @@ def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, d
             negatives = D.sample_negatives(targets.flatten(), args.in_batch_negatives, split.num_items,
                                            args.sampled_negatives, g)
             batch = mark_sequence_dynamic((targets, negatives, *inputs))
-            bar.update(run.step(lambda: optimizer_step(optimizer, lambda: step_fn(*batch)), len(rows)))
+            bar.update(run.step(lambda: optimizer.step(lambda: step_fn(*batch)), len(rows)))
             if run.finished:
-                return task, {}
-    return task, evaluate_sequential(task, split, fmt, args.max_len, args.eval_split)
+                return task, None
+        run.end_epoch(ranks if args.eval_every_epoch else None)
+    return task, ranks()
 
 
 def mark_sequence_dynamic(batch: tuple) -> tuple:
@@ -129,8 +154,9 @@ def mark_sequence_dynamic(batch: tuple) -> tuple:
 
 
 @torch.no_grad()
-def evaluate_sequential(task: NextItemTask, split: D.LeaveOneOut, fmt: str, max_len: int,
-                        which: str = "test") -> dict:
+def sequential_ranks(task: NextItemTask, split: D.LeaveOneOut, fmt: str, max_len: int,
+                     which: str = "test") -> torch.Tensor:
+    """0-based rank of every user's held-out item among all items (see ``metrics.target_ranks``)."""
     task.eval()
     history, targets = split.held_out(which)
     items = task.item_embeddings()
@@ -139,7 +165,7 @@ def evaluate_sequential(task: NextItemTask, split: D.LeaveOneOut, fmt: str, max_
         inputs, last = D.history_inputs(history, rows, fmt, max_len)
         users = task.user_embeddings(*inputs, last=last)
         ranks.append(target_ranks(users @ items.t(), torch.from_numpy(targets[rows])))
-    return ranking_metrics(torch.cat(ranks))
+    return torch.cat(ranks)
 
 
 def train_two_tower(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, dict]:
@@ -147,10 +173,11 @@ def train_two_tower(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, di
     model = two_tower(args.model, num_users, split.num_items, args.dim)
     task = InBatchSoftmaxTask(model)
     step_fn = compile_for(task, args.backend)
-    optimizer = torch.optim.Adam(task.parameters(), lr=args.lr)
     pairs = D.user_item_pairs(split.train, args.max_len)
     g = torch.Generator().manual_seed(args.seed)
     num_batches = math.ceil(len(pairs.users) / args.batch_size)
+    optimizer = Optimizer(task.parameters(), args, num_batches)
+    ranks = lambda: two_tower_ranks(model, split, args.max_len, args.eval_split)  # noqa: E731
     for epoch in range(args.epochs):
         task.train()
         bar = Progress(num_batches, f"{args.model} epoch {epoch + 1}/{args.epochs}", not args.quiet)
@@ -161,14 +188,15 @@ def train_two_tower(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, di
             batch = (pairs.users[rows], history, offsets, positives, negatives)
             for tensor in batch[:4]:
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
-            bar.update(run.step(lambda: optimizer_step(optimizer, lambda: step_fn(*batch)), len(rows)))
+            bar.update(run.step(lambda: optimizer.step(lambda: step_fn(*batch)), len(rows)))
             if run.finished:
-                return task, {}
-    return task, evaluate_two_tower(model, split, args.max_len, args.eval_split)
+                return task, None
+        run.end_epoch(ranks if args.eval_every_epoch else None)
+    return task, ranks()
 
 
 @torch.no_grad()
-def evaluate_two_tower(model, split: D.LeaveOneOut, history_len: int, which: str = "test") -> dict:
+def two_tower_ranks(model, split: D.LeaveOneOut, history_len: int, which: str = "test") -> torch.Tensor:
     model.eval()
     history, targets = split.held_out(which)
     items = torch.arange(1, split.num_items + 1)
@@ -177,7 +205,7 @@ def evaluate_two_tower(model, split: D.LeaveOneOut, history_len: int, which: str
         bags, offsets = D.bags([history.items[r][-history_len:] for r in rows])
         scores = model(torch.from_numpy(rows), bags, offsets, items)
         ranks.append(target_ranks(scores, torch.from_numpy(targets[rows])))
-    return ranking_metrics(torch.cat(ranks))
+    return torch.cat(ranks)
 
 
 def train_ctr(args, run: Run) -> tuple[nn.Module, dict]:
@@ -192,9 +220,9 @@ def train_ctr(args, run: Run) -> tuple[nn.Module, dict]:
     model, rank, world_size = shard_ctr_model(args.model, model, args.batch_size, args.backend) if distributed \
         else (model, 0, 1)
     step_fn = compile_for(model, args.backend)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(args.seed)
     num_batches = math.ceil(args.ctr_rows / args.batch_size)
+    optimizer = Optimizer(model.parameters(), args, num_batches)
     for epoch in range(args.epochs):
         model.train()
         bar = Progress(num_batches, f"{args.model} epoch {epoch + 1}/{args.epochs}", not args.quiet and rank == 0)
@@ -204,7 +232,7 @@ def train_ctr(args, run: Run) -> tuple[nn.Module, dict]:
             batch = rows.batch(np.array_split(index, world_size)[rank])  # this rank's slice of the global batch
             inputs = workload.mark_dynamic(as_inputs(batch))
             loss = lambda: nn.functional.binary_cross_entropy_with_logits(step_fn(*inputs), batch[3])  # noqa: E731
-            bar.update(run.step(lambda: optimizer_step(optimizer, loss), len(index)))
+            bar.update(run.step(lambda: optimizer.step(loss), len(index)))
             if run.finished:
                 return model, {}
     model.eval()
@@ -224,6 +252,7 @@ def run_training(args) -> dict:
         if args.data != "criteo-synthetic":
             raise ValueError(f"CTR model {args.model!r} trains on --data criteo-synthetic, not {args.data!r}")
         _, metrics = train_ctr(args, run)
+        held_out = {}
         data_desc = f"criteo-synthetic ({D.SYNTHETIC_NOTE}), {args.ctr_rows} training rows"
     else:
         if args.data == "criteo-synthetic":
@@ -231,12 +260,15 @@ def run_training(args) -> dict:
         ratings = D.load_ratings(args.data, args.data_path)
         split = D.leave_one_out(ratings)
         train = train_sequential if args.model in SEQUENTIAL else train_two_tower
-        _, metrics = train(args, split, run)
+        _, ranks = train(args, split, run)
+        metrics = {} if ranks is None else ranking_metrics(ranks)
+        held_out = {} if ranks is None else {"ranks": ranks.tolist()}  # per user, for paired comparisons
         data_desc = f"{args.data} ({len(ratings)} ratings, {ratings.num_users} users, {ratings.num_items} items)"
     return {
         "model": args.model, "data": data_desc, "backend": args.backend, "epochs": args.epochs, "dim": args.dim,
         "max_len": args.max_len, "eval_split": args.eval_split, "seed": args.seed,
-        "dynamic_embeddings": args.dynamic_embeddings, "metrics": metrics, **run.summary(),
+        "dynamic_embeddings": args.dynamic_embeddings, "metrics": metrics, **held_out,
+        **run.summary(),
     }
 
 
@@ -249,6 +281,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
+                   help="cosine: anneal the learning rate to 0 over the run (--epochs)")
     p.add_argument("--dim", type=int, default=64, help="embedding size (sequential and two-tower models)")
     p.add_argument("--max-len", type=int, default=100, help="history length (sequential and two-tower models)")
     p.add_argument("--num-layers", type=int, default=2)
@@ -260,6 +294,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.05, help="softmax temperature (sequential models)")
     p.add_argument("--eval-split", default="test", choices=D.EVAL_SPLITS,
                    help="held-out item to rank: valid (second-to-last, for choosing settings) or test (last)")
+    p.add_argument("--eval-every-epoch", action="store_true",
+                   help="sequential and two-tower models: evaluate on --eval-split after every epoch (the curve in "
+                        "the JSON's 'curve')")
     p.add_argument("--size", default="small", choices=("small", "bench"), help="CTR model size")
     p.add_argument("--ctr-rows", type=int, default=50_000, help="synthetic CTR training rows")
     p.add_argument("--dynamic-embeddings", action="store_true",
