@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     train_argv = ["--data", "ml-100k", "--epochs", str(args.epochs), *train_argv]
     settings = train_parser().parse_args(train_argv)
     common = ["--backend", args.backend, "--eval-split", args.eval_split, "--quiet", *train_argv]
-    print(f"Quality on MovieLens-100k, {args.eval_split} item, full ranking; seeds {args.seeds}; every model "
+    print(f"Quality on MovieLens-100k, {args.eval_split} item, full ranking; seeds {args.seeds}; HSTU and SASRec "
           f"{settings.epochs} epochs, dim {settings.dim}, max_len {settings.max_len}, lr {settings.lr}, "
           f"{settings.sampled_negatives} sampled negatives, temperature {settings.temperature} (two-tower: "
           f"{' '.join(TWO_TOWER_ARGS)}); {args.backend}, {args.workers} workers x 1 thread", flush=True)
