@@ -30,6 +30,7 @@ MODELS = ("hstu", "sasrec", "two_tower_mol", "two_tower")  # longest first: the 
 LABELS = {"hstu": "HSTU", "sasrec": "SASRec", "two_tower": "two-tower dot", "two_tower_mol": "two-tower MoL",
           "popularity": "popularity"}
 K = 10
+METRICS = (f"HR@{K}", f"NDCG@{K}")
 # The two-tower model trains on (user, item) pairs, one per training interaction: fewer epochs, a larger batch,
 # the 20 most recent items as the user's history, fewer sampled negatives (both heads alike; chosen on the
 # validation item).
@@ -89,48 +90,37 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args, train_argv = parser().parse_known_args(argv)
-    train_argv = ["--data", "ml-100k", "--epochs", str(args.epochs), *train_argv]
-    settings = train_parser().parse_args(train_argv)
-    common = ["--backend", args.backend, "--eval-split", args.eval_split, "--quiet", *train_argv]
-    print(f"Quality on MovieLens-100k, {args.eval_split} item, full ranking; seeds {args.seeds}; HSTU and SASRec "
-          f"{settings.epochs} epochs, dim {settings.dim}, max_len {settings.max_len}, lr {settings.lr}, "
-          f"{settings.sampled_negatives} sampled negatives, temperature {settings.temperature} (two-tower: "
-          f"{' '.join(TWO_TOWER_ARGS)}); {args.backend}, {args.workers} workers x 1 thread", flush=True)
-    start = time.perf_counter()
+def train_runs(args, common: list[str]) -> dict[str, list[dict]]:
+    """model -> its runs, one per seed, ``args.workers`` at a time."""
     jobs = [["--model", m, "--seed", str(s), *common, *(TWO_TOWER_ARGS if m.startswith("two_tower") else [])]
             for m in args.models for s in args.seeds]
     with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"), initializer=_init_worker,
                              initargs=(1,)) as pool:
         runs = list(pool.map(_train, jobs))
-    by_model = {m: [r for r in runs if r["model"] == m] for m in args.models}
+    return {m: [r for r in runs if r["model"] == m] for m in args.models}
 
-    split = D.leave_one_out(D.load_ratings())
-    _, targets = split.held_out(args.eval_split)
-    baseline_ranks = popularity_ranks(split, args.eval_split)
-    popularity = ranking_metrics(baseline_ranks)
-    metrics = (f"HR@{K}", f"NDCG@{K}")
 
-    print(f"\n{'model':14s} {'metric':8s} " + " ".join(f"{'seed ' + str(s):>8s}" for s in args.seeds)
+def seed_table(by_model: dict[str, list[dict]], popularity: dict, seeds: list[int]) -> dict:
+    """Print and return every model's metrics per seed, mean and std."""
+    print(f"\n{'model':14s} {'metric':8s} " + " ".join(f"{'seed ' + str(s):>8s}" for s in seeds)
           + f" {'mean':>8s} {'std':>7s}")
     summary = {}
     for model, model_runs in by_model.items():
         summary[model] = {}
-        for metric in metrics:
+        for metric in METRICS:
             values = [r["metrics"][metric] for r in model_runs]
             mean, std = float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
             summary[model][metric] = {"per_seed": values, "mean": mean, "std": std}
             print(f"{LABELS[model]:14s} {metric:8s} " + " ".join(f"{v:8.4f}" for v in values)
                   + f" {mean:8.4f} {std:7.4f}")
-    for metric in metrics:
-        print(f"{'popularity':14s} {metric:8s} {' ' * 9 * len(args.seeds)}{popularity[metric]:8.4f}")
-    summary["popularity"] = {m: {"per_seed": None, "mean": popularity[m], "std": 0.0} for m in metrics}
+    for metric in METRICS:
+        print(f"{'popularity':14s} {metric:8s} {' ' * 9 * len(seeds)}{popularity[metric]:8.4f}")
+    summary["popularity"] = {m: {"per_seed": None, "mean": popularity[m], "std": 0.0} for m in METRICS}
+    return summary
 
-    gains = {m: {metric: torch.stack([user_gains(torch.tensor(r["ranks"]), metric) for r in rs]).numpy()
-                 for metric in metrics} for m, rs in by_model.items()}
-    gains["popularity"] = {metric: user_gains(baseline_ranks, metric)[None].numpy() for metric in metrics}
-    print(f"\nbars (paired: differences per seed; bootstrap over {len(targets)} users of the seed-averaged gains)")
+
+def check_bars(summary: dict, gains: dict[str, dict[str, np.ndarray]], num_seeds: int) -> list[dict]:
+    """Print and return each bar's paired comparison (bars over models not trained are skipped)."""
     comparisons = []
     for bar in BARS:
         if bar.better not in gains or bar.worse not in gains:
@@ -142,13 +132,38 @@ def main(argv: list[str] | None = None) -> dict:
         comparisons.append({"better": bar.better, "worse": bar.worse, "metric": bar.metric, "holds": holds,
                             **result})
         lo, hi = result["bootstrap_ci95"]
-        seeds = "" if per_seed is None else (f"; wins on {result['seed_wins']}/{len(args.seeds)} seeds, "
+        seeds = "" if per_seed is None else (f"; wins on {result['seed_wins']}/{num_seeds} seeds, "
                                              f"per-seed diff std {result['seed_diff_std']:.4f}")
         print(f"  {LABELS[bar.better]} > {LABELS[bar.worse]} on {bar.metric}: "
               f"{summary[bar.better][bar.metric]['mean']:.4f} vs {summary[bar.worse][bar.metric]['mean']:.4f} "
               f"(x{result['ratio']:.2f}, diff {result['mean_diff']:+.4f}, 95% CI [{lo:+.4f}, {hi:+.4f}], "
               f"P(diff<=0) {result['bootstrap_p_not_better']:.3f}{seeds}) -> {'holds' if holds else 'NOT shown'}")
+    return comparisons
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, train_argv = parser().parse_known_args(argv)
+    train_argv = ["--data", "ml-100k", "--epochs", str(args.epochs), *train_argv]
+    settings = train_parser().parse_args(train_argv)
+    common = ["--backend", args.backend, "--eval-split", args.eval_split, "--quiet", *train_argv]
+    print(f"Quality on MovieLens-100k, {args.eval_split} item, full ranking; seeds {args.seeds}; HSTU and SASRec "
+          f"{settings.epochs} epochs, dim {settings.dim}, max_len {settings.max_len}, lr {settings.lr}, "
+          f"{settings.sampled_negatives} sampled negatives, temperature {settings.temperature} (two-tower: "
+          f"{' '.join(TWO_TOWER_ARGS)}); {args.backend}, {args.workers} workers x 1 thread", flush=True)
+    start = time.perf_counter()
+    by_model = train_runs(args, common)
+
+    split = D.leave_one_out(D.load_ratings())
+    baseline_ranks = popularity_ranks(split, args.eval_split)
+    summary = seed_table(by_model, ranking_metrics(baseline_ranks), args.seeds)
+    gains = {m: {metric: torch.stack([user_gains(torch.tensor(r["ranks"]), metric) for r in rs]).numpy()
+                 for metric in METRICS} for m, rs in by_model.items()}
+    gains["popularity"] = {metric: user_gains(baseline_ranks, metric)[None].numpy() for metric in METRICS}
+    print(f"\nbars (paired: differences per seed; bootstrap over {len(baseline_ranks)} users of the seed-averaged "
+          "gains)")
+    comparisons = check_bars(summary, gains, len(args.seeds))
     elapsed = time.perf_counter() - start
+    runs = [r for model_runs in by_model.values() for r in model_runs]
     print(f"\n{len(runs)} training runs in {elapsed / 60:.1f} min")
     out = {"eval_split": args.eval_split, "seeds": args.seeds, "backend": args.backend, "settings": vars(settings),
            "summary": summary, "bars": comparisons, "runs": [{k: r[k] for k in r if k != "ranks"} for r in runs],

@@ -100,23 +100,12 @@ class Run:
         }
 
 
-class Optimizer:
-    """Adam at ``--lr``, constant or (``--lr-schedule cosine``) annealed to 0 over the run's steps."""
-
-    def __init__(self, params, args, steps_per_epoch: int):
-        self.adam = torch.optim.Adam(params, lr=args.lr)
-        steps = steps_per_epoch * args.epochs
-        self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(self.adam, steps) \
-            if args.lr_schedule == "cosine" else None
-
-    def step(self, compute_loss) -> float:
-        self.adam.zero_grad()
-        loss = compute_loss()
-        loss.backward()
-        self.adam.step()
-        if self.schedule is not None:
-            self.schedule.step()
-        return loss.item()
+def optimizer_step(optimizer: torch.optim.Optimizer, compute_loss) -> float:
+    optimizer.zero_grad()
+    loss = compute_loss()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
 
 
 def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, dict]:
@@ -125,10 +114,10 @@ def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, d
     fmt = encoder.input_format
     task = NextItemTask(encoder, temperature=args.temperature)
     step_fn = compile_for(task, args.backend)
+    optimizer = torch.optim.Adam(task.parameters(), lr=args.lr)
     windows = D.training_windows(split.train, args.max_len)
     g = torch.Generator().manual_seed(args.seed)
     num_batches = math.ceil(len(windows) / args.batch_size)
-    optimizer = Optimizer(task.parameters(), args, num_batches)
     ranks = lambda: sequential_ranks(task, split, fmt, args.max_len, args.eval_split)  # noqa: E731
     for epoch in range(args.epochs):
         task.train()
@@ -138,7 +127,7 @@ def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, d
             negatives = D.sample_negatives(targets.flatten(), args.in_batch_negatives, split.num_items,
                                            args.sampled_negatives, g)
             batch = mark_sequence_dynamic((targets, negatives, *inputs))
-            bar.update(run.step(lambda: optimizer.step(lambda: step_fn(*batch)), len(rows)))
+            bar.update(run.step(lambda: optimizer_step(optimizer, lambda: step_fn(*batch)), len(rows)))
             if run.finished:
                 return task, None
         run.end_epoch(ranks if args.eval_every_epoch else None)
@@ -173,10 +162,10 @@ def train_two_tower(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, di
     model = two_tower(args.model, num_users, split.num_items, args.dim)
     task = InBatchSoftmaxTask(model)
     step_fn = compile_for(task, args.backend)
+    optimizer = torch.optim.Adam(task.parameters(), lr=args.lr)
     pairs = D.user_item_pairs(split.train, args.max_len)
     g = torch.Generator().manual_seed(args.seed)
     num_batches = math.ceil(len(pairs.users) / args.batch_size)
-    optimizer = Optimizer(task.parameters(), args, num_batches)
     ranks = lambda: two_tower_ranks(model, split, args.max_len, args.eval_split)  # noqa: E731
     for epoch in range(args.epochs):
         task.train()
@@ -188,7 +177,7 @@ def train_two_tower(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, di
             batch = (pairs.users[rows], history, offsets, positives, negatives)
             for tensor in batch[:4]:
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
-            bar.update(run.step(lambda: optimizer.step(lambda: step_fn(*batch)), len(rows)))
+            bar.update(run.step(lambda: optimizer_step(optimizer, lambda: step_fn(*batch)), len(rows)))
             if run.finished:
                 return task, None
         run.end_epoch(ranks if args.eval_every_epoch else None)
@@ -220,9 +209,9 @@ def train_ctr(args, run: Run) -> tuple[nn.Module, dict]:
     model, rank, world_size = shard_ctr_model(args.model, model, args.batch_size, args.backend) if distributed \
         else (model, 0, 1)
     step_fn = compile_for(model, args.backend)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(args.seed)
     num_batches = math.ceil(args.ctr_rows / args.batch_size)
-    optimizer = Optimizer(model.parameters(), args, num_batches)
     for epoch in range(args.epochs):
         model.train()
         bar = Progress(num_batches, f"{args.model} epoch {epoch + 1}/{args.epochs}", not args.quiet and rank == 0)
@@ -232,7 +221,7 @@ def train_ctr(args, run: Run) -> tuple[nn.Module, dict]:
             batch = rows.batch(np.array_split(index, world_size)[rank])  # this rank's slice of the global batch
             inputs = workload.mark_dynamic(as_inputs(batch))
             loss = lambda: nn.functional.binary_cross_entropy_with_logits(step_fn(*inputs), batch[3])  # noqa: E731
-            bar.update(run.step(lambda: optimizer.step(loss), len(index)))
+            bar.update(run.step(lambda: optimizer_step(optimizer, loss), len(index)))
             if run.finished:
                 return model, {}
     model.eval()
@@ -281,8 +270,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
-                   help="cosine: anneal the learning rate to 0 over the run (--epochs)")
     p.add_argument("--dim", type=int, default=64, help="embedding size (sequential and two-tower models)")
     p.add_argument("--max-len", type=int, default=100, help="history length (sequential and two-tower models)")
     p.add_argument("--num-layers", type=int, default=2)
