@@ -15,14 +15,31 @@ def target_ranks(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return (scores > target_scores).sum(1)
 
 
+def hits(ranks: torch.Tensor, k: int) -> torch.Tensor:
+    """Per user: 1 when the target ranks in the top K."""
+    return (ranks < k).double()
+
+
+def ndcg_gains(ranks: torch.Tensor, k: int) -> torch.Tensor:
+    """Per user, NDCG@K with one relevant item: 1 / log2(rank + 2) when it ranks in the top K."""
+    return torch.where(ranks < k, 1.0 / torch.log2(ranks.double() + 2), torch.zeros((), dtype=torch.double))
+
+
+USER_GAINS = {"HR": hits, "NDCG": ndcg_gains}
+
+
+def user_gains(ranks: torch.Tensor, metric: str) -> torch.Tensor:
+    """Per-user gains of a metric named like ``ranking_metrics``' keys ("HR@10", "NDCG@10"): their mean is it."""
+    name, k = metric.split("@")
+    return USER_GAINS[name](ranks, int(k))
+
+
 def hit_rate(ranks: torch.Tensor, k: int) -> float:
-    return (ranks < k).double().mean().item()
+    return hits(ranks, k).mean().item()
 
 
 def ndcg(ranks: torch.Tensor, k: int) -> float:
-    """NDCG@K with one relevant item: 1 / log2(rank + 2) when it ranks in the top K."""
-    gains = torch.where(ranks < k, 1.0 / torch.log2(ranks.double() + 2), torch.zeros((), dtype=torch.double))
-    return gains.mean().item()
+    return ndcg_gains(ranks, k).mean().item()
 
 
 def ranking_metrics(ranks: torch.Tensor, ks: tuple[int, ...] = (10, 50)) -> dict[str, float]:

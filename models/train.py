@@ -63,6 +63,9 @@ class Run:
     step_seconds: list[float] = field(default_factory=list)
     examples: int = 0
     max_steps: int | None = None
+    # per epoch: its mean training loss and, with --eval-every-epoch, the held-out metrics after it
+    curve: list[dict] = field(default_factory=list)
+    _epoch_start: int = 0
 
     def step(self, fn, examples: int) -> float:
         start = time.perf_counter()
@@ -71,6 +74,14 @@ class Run:
         self.losses.append(loss)
         self.examples += examples
         return loss
+
+    def end_epoch(self, held_out_ranks=None) -> None:
+        losses = self.losses[self._epoch_start:]
+        self._epoch_start = len(self.losses)
+        record = {"epoch": len(self.curve) + 1, "mean_loss": float(np.mean(losses))}
+        if held_out_ranks is not None:
+            record["metrics"] = ranking_metrics(held_out_ranks())
+        self.curve.append(record)
 
     @property
     def finished(self) -> bool:
@@ -85,6 +96,7 @@ class Run:
             "examples_per_s": self.examples / sum(self.step_seconds),
             "compile_s": max(0.0, self.step_seconds[0] - step_s),
             "losses": self.losses,
+            "curve": self.curve,
         }
 
 
@@ -106,6 +118,7 @@ def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, d
     windows = D.training_windows(split.train, args.max_len)
     g = torch.Generator().manual_seed(args.seed)
     num_batches = math.ceil(len(windows) / args.batch_size)
+    ranks = lambda: sequential_ranks(task, split, fmt, args.max_len, args.eval_split)  # noqa: E731
     for epoch in range(args.epochs):
         task.train()
         bar = Progress(num_batches, f"{args.model} epoch {epoch + 1}/{args.epochs}", not args.quiet)
@@ -116,8 +129,9 @@ def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, d
             batch = mark_sequence_dynamic((targets, negatives, *inputs))
             bar.update(run.step(lambda: optimizer_step(optimizer, lambda: step_fn(*batch)), len(rows)))
             if run.finished:
-                return task, {}
-    return task, evaluate_sequential(task, split, fmt, args.max_len, args.eval_split)
+                return task, None
+        run.end_epoch(ranks if args.eval_every_epoch else None)
+    return task, ranks()
 
 
 def mark_sequence_dynamic(batch: tuple) -> tuple:
@@ -129,8 +143,9 @@ def mark_sequence_dynamic(batch: tuple) -> tuple:
 
 
 @torch.no_grad()
-def evaluate_sequential(task: NextItemTask, split: D.LeaveOneOut, fmt: str, max_len: int,
-                        which: str = "test") -> dict:
+def sequential_ranks(task: NextItemTask, split: D.LeaveOneOut, fmt: str, max_len: int,
+                     which: str = "test") -> torch.Tensor:
+    """0-based rank of every user's held-out item among all items (see ``metrics.target_ranks``)."""
     task.eval()
     history, targets = split.held_out(which)
     items = task.item_embeddings()
@@ -139,7 +154,7 @@ def evaluate_sequential(task: NextItemTask, split: D.LeaveOneOut, fmt: str, max_
         inputs, last = D.history_inputs(history, rows, fmt, max_len)
         users = task.user_embeddings(*inputs, last=last)
         ranks.append(target_ranks(users @ items.t(), torch.from_numpy(targets[rows])))
-    return ranking_metrics(torch.cat(ranks))
+    return torch.cat(ranks)
 
 
 def train_two_tower(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, dict]:
@@ -151,6 +166,7 @@ def train_two_tower(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, di
     pairs = D.user_item_pairs(split.train, args.max_len)
     g = torch.Generator().manual_seed(args.seed)
     num_batches = math.ceil(len(pairs.users) / args.batch_size)
+    ranks = lambda: two_tower_ranks(model, split, args.max_len, args.eval_split)  # noqa: E731
     for epoch in range(args.epochs):
         task.train()
         bar = Progress(num_batches, f"{args.model} epoch {epoch + 1}/{args.epochs}", not args.quiet)
@@ -163,12 +179,13 @@ def train_two_tower(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, di
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
             bar.update(run.step(lambda: optimizer_step(optimizer, lambda: step_fn(*batch)), len(rows)))
             if run.finished:
-                return task, {}
-    return task, evaluate_two_tower(model, split, args.max_len, args.eval_split)
+                return task, None
+        run.end_epoch(ranks if args.eval_every_epoch else None)
+    return task, ranks()
 
 
 @torch.no_grad()
-def evaluate_two_tower(model, split: D.LeaveOneOut, history_len: int, which: str = "test") -> dict:
+def two_tower_ranks(model, split: D.LeaveOneOut, history_len: int, which: str = "test") -> torch.Tensor:
     model.eval()
     history, targets = split.held_out(which)
     items = torch.arange(1, split.num_items + 1)
@@ -177,7 +194,7 @@ def evaluate_two_tower(model, split: D.LeaveOneOut, history_len: int, which: str
         bags, offsets = D.bags([history.items[r][-history_len:] for r in rows])
         scores = model(torch.from_numpy(rows), bags, offsets, items)
         ranks.append(target_ranks(scores, torch.from_numpy(targets[rows])))
-    return ranking_metrics(torch.cat(ranks))
+    return torch.cat(ranks)
 
 
 def train_ctr(args, run: Run) -> tuple[nn.Module, dict]:
@@ -224,6 +241,7 @@ def run_training(args) -> dict:
         if args.data != "criteo-synthetic":
             raise ValueError(f"CTR model {args.model!r} trains on --data criteo-synthetic, not {args.data!r}")
         _, metrics = train_ctr(args, run)
+        held_out = {}
         data_desc = f"criteo-synthetic ({D.SYNTHETIC_NOTE}), {args.ctr_rows} training rows"
     else:
         if args.data == "criteo-synthetic":
@@ -231,12 +249,15 @@ def run_training(args) -> dict:
         ratings = D.load_ratings(args.data, args.data_path)
         split = D.leave_one_out(ratings)
         train = train_sequential if args.model in SEQUENTIAL else train_two_tower
-        _, metrics = train(args, split, run)
+        _, ranks = train(args, split, run)
+        metrics = {} if ranks is None else ranking_metrics(ranks)
+        held_out = {} if ranks is None else {"ranks": ranks.tolist()}  # per user, for paired comparisons
         data_desc = f"{args.data} ({len(ratings)} ratings, {ratings.num_users} users, {ratings.num_items} items)"
     return {
         "model": args.model, "data": data_desc, "backend": args.backend, "epochs": args.epochs, "dim": args.dim,
         "max_len": args.max_len, "eval_split": args.eval_split, "seed": args.seed,
-        "dynamic_embeddings": args.dynamic_embeddings, "metrics": metrics, **run.summary(),
+        "dynamic_embeddings": args.dynamic_embeddings, "metrics": metrics, **held_out,
+        **run.summary(),
     }
 
 
@@ -260,6 +281,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.05, help="softmax temperature (sequential models)")
     p.add_argument("--eval-split", default="test", choices=D.EVAL_SPLITS,
                    help="held-out item to rank: valid (second-to-last, for choosing settings) or test (last)")
+    p.add_argument("--eval-every-epoch", action="store_true",
+                   help="sequential and two-tower models: evaluate on --eval-split after every epoch (the curve in "
+                        "the JSON's 'curve')")
     p.add_argument("--size", default="small", choices=("small", "bench"), help="CTR model size")
     p.add_argument("--ctr-rows", type=int, default=50_000, help="synthetic CTR training rows")
     p.add_argument("--dynamic-embeddings", action="store_true",

@@ -5,6 +5,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from models import train
+from models.metrics import ranking_metrics
 from models.retrieval import TwoTowerConfig
 from models.zoo import MODELS, two_tower
 
@@ -89,3 +90,16 @@ def test_two_tower_heads():
     assert not torch.allclose(logits, cosine / mol.cfg.temperature)
     with pytest.raises(ValueError, match=r"tower must end in dim=8 \(got \[16, 4\]\)"):
         TwoTowerConfig(dim=8, tower=[16, 4])
+
+
+def test_ranks_and_curve_on_the_held_out_item():
+    """Per-user ranks of the held-out item come with the metrics, and --eval-every-epoch records the curve."""
+    argv = ["--model", "two_tower", "--epochs", "2", "--batch-size", "4096", "--max-len", "5", "--dim", "8",
+            "--sampled-negatives", "16", "--eval-split", "valid", "--eval-every-epoch", "--backend", "eager", "--quiet"]
+    result = train.run_training(train.parser().parse_args(argv))
+    ranks = torch.tensor(result["ranks"])
+    assert ranks.shape == (943,) and ranks.min() >= 0 and ranks.max() < 1682
+    assert result["metrics"] == ranking_metrics(ranks)
+    assert [c["epoch"] for c in result["curve"]] == [1, 2]
+    assert result["curve"][-1]["metrics"] == result["metrics"]  # the last epoch's evaluation is the final one
+    assert result["curve"][0]["mean_loss"] > result["curve"][1]["mean_loss"]

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from models import data as D
-from models.metrics import auc, hit_rate, log_loss, ndcg, popularity_scores, ranking_metrics, target_ranks
+from models.compare import paired
+from models.metrics import (
+    auc, hit_rate, log_loss, ndcg, popularity_scores, ranking_metrics, target_ranks, user_gains,
+)
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +130,25 @@ def test_auc_and_log_loss_known_cases():
     assert log_loss(labels, torch.zeros(4)) == pytest.approx(math.log(2))
     with pytest.raises(ValueError, match="both positive and negative"):
         auc(torch.ones(3), torch.rand(3))
+
+
+def test_user_gains_average_to_the_metrics():
+    ranks = torch.tensor([0, 3, 9, 10, 250])
+    for metric, value in ranking_metrics(ranks).items():
+        gains = user_gains(ranks, metric)
+        assert gains.shape == ranks.shape and gains.mean().item() == pytest.approx(value)
+    assert user_gains(ranks, "HR@10").tolist() == [1, 1, 1, 0, 0]
+
+
+def test_paired_comparison():
+    rng = np.random.default_rng(1)
+    worse = rng.random((3, 500)) * (rng.random((3, 500)) < 0.3)
+    better = worse + 0.05  # every user gains 0.05 on every seed
+    result = paired(better, worse, (better.mean(1).tolist(), worse.mean(1).tolist()))
+    assert result["mean_diff"] == pytest.approx(0.05) and result["seed_wins"] == 3
+    lo, hi = result["bootstrap_ci95"]
+    assert lo == pytest.approx(0.05) and hi == pytest.approx(0.05) and result["bootstrap_p_not_better"] == 0
+    noise = paired(worse[:, ::-1], worse, None)  # the same gains shuffled across users: no difference
+    assert noise["bootstrap_ci95"][0] < 0 < noise["bootstrap_ci95"][1] and "seed_wins" not in noise
+    baseline = paired(better, worse[:1], None)  # a baseline's single row is compared with every seed's mean
+    assert baseline["mean_diff"] == pytest.approx(better.mean() - worse[0].mean())
