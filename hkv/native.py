@@ -23,6 +23,16 @@ ptr = ctypes.c_void_p
 i32 = ctypes.c_int
 
 
+def address(t) -> int | None:
+    """A tensor's data pointer for a kernel argument; None (NULL) for an absent tensor."""
+    return None if t is None else t.data_ptr()
+
+
+def unit_stride_rows(t):
+    """``t`` with unit stride along its last dimension, as the kernels read rows (a view when it has one)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
 def cache_dir() -> str:
     return os.environ.get("HKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hkv")
 

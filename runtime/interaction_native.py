@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from hkv.native import i32, i64, load, ptr
+from hkv.native import address, i32, i64, load, ptr, unit_stride_rows
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "interaction.c")
 SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -46,15 +46,6 @@ def _kernel(name: str, dtype: torch.dtype):
     return getattr(library(), f"{name}_{SUFFIX[dtype]}")
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with unit stride along its last dimension (a view when it already has one)."""
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
-
-
 def feature_rows(items: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(pointer of each feature's first row, row stride in elements) for items [B, D] or [B, n, D]."""
     pointers, strides = [], []
@@ -83,15 +74,15 @@ def row_ranges(rows: torch.Tensor, cols: torch.Tensor, num_features: int) -> tor
 
 
 def dot_interaction(items, prefix, rows, cols):
-    items = [_rows(t) for t in items]
+    items = [unit_stride_rows(t) for t in items]
     batch, dim = items[0].shape[0], items[0].shape[-1]
     pointers, strides = feature_rows(items)
     lo, hi, off = row_ranges(rows, cols, pointers.numel())
     k = 0 if prefix is None else prefix.shape[1]
-    prefix = None if prefix is None else _rows(prefix)
+    prefix = None if prefix is None else unit_stride_rows(prefix)
     out = items[0].new_empty(batch, k + rows.numel())
     _kernel("dot_interaction_fwd", out.dtype)(
-        pointers.data_ptr(), strides.data_ptr(), pointers.numel(), batch, dim, _ptr(prefix),
+        pointers.data_ptr(), strides.data_ptr(), pointers.numel(), batch, dim, address(prefix),
         0 if prefix is None else prefix.stride(0), k, lo.data_ptr(), hi.data_ptr(), off.data_ptr(), rows.numel(),
         out.data_ptr(), torch.get_num_threads())
     return out
@@ -99,9 +90,9 @@ def dot_interaction(items, prefix, rows, cols):
 
 def dot_interaction_backward(grad, items, k, rows, cols):
     """The gradients of the features, one contiguous tensor per item; ``grad`` is [B, k + P]."""
-    items = [_rows(t) for t in items]
+    items = [unit_stride_rows(t) for t in items]
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in items]
-    pairs = _rows(grad[:, k:])
+    pairs = unit_stride_rows(grad[:, k:])
     pointers, strides = feature_rows(items)
     out_pointers, out_strides = feature_rows(grads)
     lo, hi, off = row_ranges(rows, cols, pointers.numel())
@@ -117,7 +108,7 @@ def cross_epilogue(x0, x, h, bias):
     x0, x, h = x0.contiguous(), x.contiguous(), h.contiguous()
     out = torch.empty_like(x)
     _kernel("cross_epilogue_fwd", x.dtype)(
-        x0.data_ptr(), x.data_ptr(), h.data_ptr(), _ptr(None if bias is None else bias.contiguous()),
+        x0.data_ptr(), x.data_ptr(), h.data_ptr(), address(None if bias is None else bias.contiguous()),
         out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
     return out
 
@@ -128,8 +119,8 @@ def cross_epilogue_backward(grad, x0, h, bias):
     grad_h, grad_x0 = torch.empty_like(grad), torch.empty_like(grad)
     grad_bias = None if bias is None else torch.empty(grad.shape[1], dtype=torch.float32)
     _kernel("cross_epilogue_bwd", grad.dtype)(
-        grad.data_ptr(), x0.data_ptr(), h.data_ptr(), _ptr(None if bias is None else bias.contiguous()),
-        grad_h.data_ptr(), grad_x0.data_ptr(), _ptr(grad_bias), grad.shape[0], grad.shape[1],
+        grad.data_ptr(), x0.data_ptr(), h.data_ptr(), address(None if bias is None else bias.contiguous()),
+        grad_h.data_ptr(), grad_x0.data_ptr(), address(grad_bias), grad.shape[0], grad.shape[1],
         torch.get_num_threads())
     return grad_h, grad_x0, None if bias is None else grad_bias.to(bias.dtype)
 

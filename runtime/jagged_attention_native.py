@@ -18,14 +18,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hkv.native import load
+from hkv.native import address, i64, load, ptr, unit_stride_rows
 from runtime.jagged_attention import time_bucket_edges
 from runtime.kernels import get_kernel, register_kernel
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "jagged_attention.c")
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 VECTOR = 16  # the kernel's vector width in floats: rel_bias and timestamps carry this much zero padding
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 ERRORS = {
     -1: (MemoryError, "out of memory for the per-thread tiles"),
     -2: (ValueError, "offsets must be non-decreasing within [0, total]"),
@@ -37,13 +36,13 @@ class Problem(ctypes.Structure):
     """``hstu_problem`` of csrc/jagged_attention.c, field for field."""
 
     _fields_ = [
-        ("q", _ptr), ("k", _ptr), ("v", _ptr), ("grad", _ptr),
-        ("q_stride", _i64 * 2), ("k_stride", _i64 * 2), ("v_stride", _i64 * 2), ("grad_stride", _i64 * 2),
-        ("offsets", _ptr), ("total", _i64), ("batch", _i64), ("heads", _i64), ("dim", _i64), ("dim_v", _i64),
-        ("max_seq_len", _i64), ("alpha", ctypes.c_float), ("causal", ctypes.c_int32), ("contextual", _i64),
-        ("num_targets", _ptr), ("rel_bias", _ptr), ("timestamps", _ptr), ("time_bias", _ptr),
-        ("bucket_bounds", _ptr), ("num_buckets", _i64), ("dtype", ctypes.c_int32), ("threads", ctypes.c_int32),
-        ("out", _ptr), ("dq", _ptr), ("dk", _ptr), ("dv", _ptr), ("drel", _ptr), ("dtime", _ptr),
+        ("q", ptr), ("k", ptr), ("v", ptr), ("grad", ptr),
+        ("q_stride", i64 * 2), ("k_stride", i64 * 2), ("v_stride", i64 * 2), ("grad_stride", i64 * 2),
+        ("offsets", ptr), ("total", i64), ("batch", i64), ("heads", i64), ("dim", i64), ("dim_v", i64),
+        ("max_seq_len", i64), ("alpha", ctypes.c_float), ("causal", ctypes.c_int32), ("contextual", i64),
+        ("num_targets", ptr), ("rel_bias", ptr), ("timestamps", ptr), ("time_bias", ptr),
+        ("bucket_bounds", ptr), ("num_buckets", i64), ("dtype", ctypes.c_int32), ("threads", ctypes.c_int32),
+        ("out", ptr), ("dq", ptr), ("dk", ptr), ("dv", ptr), ("drel", ptr), ("dtime", ptr),
     ]
 
 
@@ -74,15 +73,6 @@ def bucket_bounds(num_buckets: int) -> torch.Tensor:
     return torch.cat([torch.tensor([-math.inf]), bounds, torch.tensor([math.inf])])
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t [T, H, D]`` with a unit stride along D (a view when it has one)."""
-    return t if t.stride(2) == 1 or t.shape[2] <= 1 else t.contiguous()
-
-
-def _address(t: Optional[torch.Tensor]) -> Optional[int]:
-    return None if t is None else t.data_ptr()
-
-
 def _problem(q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual, rel_bias, timestamps,
              time_bias, keep: list) -> Problem:
     """The C problem; ``keep`` holds the converted tensors it points into for the duration of the call."""
@@ -99,12 +89,12 @@ def _problem(q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextu
     keep += [offsets, num_targets, rel, ts, tb, bounds]
     return Problem(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), grad=None,
-        q_stride=(_i64 * 2)(*q.stride()[:2]), k_stride=(_i64 * 2)(*k.stride()[:2]),
-        v_stride=(_i64 * 2)(*v.stride()[:2]), grad_stride=(_i64 * 2)(0, 0),
+        q_stride=(i64 * 2)(*q.stride()[:2]), k_stride=(i64 * 2)(*k.stride()[:2]),
+        v_stride=(i64 * 2)(*v.stride()[:2]), grad_stride=(i64 * 2)(0, 0),
         offsets=offsets.data_ptr(), total=total, batch=offsets.numel() - 1, heads=heads, dim=dim,
         dim_v=v.shape[2], max_seq_len=max_seq_len, alpha=alpha, causal=int(causal), contextual=contextual,
-        num_targets=_address(num_targets), rel_bias=_address(rel), timestamps=_address(ts), time_bias=_address(tb),
-        bucket_bounds=_address(bounds), num_buckets=0 if tb is None else tb.numel() - 1, dtype=DTYPES[q.dtype],
+        num_targets=address(num_targets), rel_bias=address(rel), timestamps=address(ts), time_bias=address(tb),
+        bucket_bounds=address(bounds), num_buckets=0 if tb is None else tb.numel() - 1, dtype=DTYPES[q.dtype],
         threads=torch.get_num_threads(),
     )
 
@@ -118,7 +108,7 @@ def _call(name: str, problem: Problem) -> None:
 
 def hstu_attention(q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual, rel_bias, timestamps,
                    time_bias):
-    q, k, v, keep = _rows(q), _rows(k), _rows(v), []
+    q, k, v, keep = unit_stride_rows(q), unit_stride_rows(k), unit_stride_rows(v), []
     problem = _problem(q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual, rel_bias, timestamps,
                        time_bias, keep)
     out = torch.empty(v.shape, dtype=v.dtype)
@@ -130,14 +120,15 @@ def hstu_attention(q, k, v, offsets, max_seq_len, alpha, causal, num_targets, co
 def hstu_attention_backward(grad, q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual, rel_bias,
                             timestamps, time_bias):
     """``[dq, dk, dv], [drel, dtime]`` (None for an absent bias), as the other kernels return them."""
-    q, k, v, grad, keep = _rows(q), _rows(k), _rows(v), _rows(grad.to(v.dtype)), []
+    q, k, v, grad = (unit_stride_rows(t) for t in (q, k, v, grad.to(v.dtype)))
+    keep = []
     problem = _problem(q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual, rel_bias, timestamps,
                        time_bias, keep)
     grads = [torch.empty(t.shape, dtype=q.dtype) for t in (q, k, v)]
     bias_grads = [None if b is None else torch.zeros(b.shape, dtype=torch.float32) for b in (rel_bias, time_bias)]
-    problem.grad, problem.grad_stride = grad.data_ptr(), (_i64 * 2)(*grad.stride()[:2])
+    problem.grad, problem.grad_stride = grad.data_ptr(), (i64 * 2)(*grad.stride()[:2])
     problem.dq, problem.dk, problem.dv = (t.data_ptr() for t in grads)
-    problem.drel, problem.dtime = (_address(b) for b in bias_grads)
+    problem.drel, problem.dtime = (address(b) for b in bias_grads)
     _call("hstu_attention_bwd", problem)
     return grads, [None if g is None else g.to(b.dtype) for g, b in zip(bias_grads, (rel_bias, time_bias))]
 
