@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 
 from recompile.lowering import candidates
-from recompile.passes.utils import meta_value
+from recompile.passes.utils import input_metas, is_training
 from recompile.pipeline import PassContext, concrete_inputs, run_pipeline
 
 BUDGET_S = 1.5  # timing budget of one graph (regions, then the whole graph); compiles excluded
@@ -102,18 +102,9 @@ def _describe(value: Any) -> Any:
     return type(value).__name__
 
 
-def _input_metas(gm: fx.GraphModule) -> list[Any]:
-    return [meta_value(n) for n in gm.graph.find_nodes(op="placeholder")]
-
-
-def is_training(gm: fx.GraphModule) -> bool:
-    """Autograd will run through the graph: grad mode is on and an input requires grad."""
-    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in _input_metas(gm))
-
-
 def graph_key(gm: fx.GraphModule, target: str, training: bool) -> str:
     """Key of a rewritten graph and its input signature (from the placeholders' example values)."""
-    inputs = [_describe(x) for x in _input_metas(gm)]
+    inputs = [_describe(x) for x in input_metas(gm)]
     blob = json.dumps([CACHE_VERSION, torch.__version__, target, training, gm.code, inputs], default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 

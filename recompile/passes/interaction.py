@@ -59,7 +59,7 @@ from torch._inductor.pattern_matcher import (
 
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
+from recompile.passes.utils import arg, is_call, is_training, meta_value, tensor_meta
 from recompile.pipeline import PassContext, register_pass
 from runtime.interaction import ACTIVATIONS, pair_indices
 
@@ -572,16 +572,9 @@ def _cross_chains(graph: fx.Graph) -> list[list[fx.Node]]:
     return chains
 
 
-def _autograd_runs(gm: fx.GraphModule) -> bool:
-    """Grad mode is on and an input requires grad (Dynamo guards on both, so the graph is never differentiated
-    otherwise)."""
-    inputs = [meta_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
-
-
 def stack_cross_layers(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Replace each chain of cross layers by one ``cross_stack`` (its region takes over the layers' regions)."""
-    save = _autograd_runs(gm)
+    save = is_training(gm)
     for chain in _cross_chains(gm.graph):
         first, last = chain[0], chain[-1]
         x0, x, _, bias, down, _ = first.args

@@ -14,6 +14,17 @@ def meta_value(node: Any) -> Any:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
+def input_metas(gm: fx.GraphModule) -> list[Any]:
+    """The example values of the graph's inputs."""
+    return [meta_value(n) for n in gm.graph.find_nodes(op="placeholder")]
+
+
+def is_training(gm: fx.GraphModule) -> bool:
+    """Autograd will run through the graph: grad mode is on and an input requires grad (Dynamo guards on both,
+    so the graph is never differentiated otherwise)."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in input_metas(gm))
+
+
 def tensor_meta(node: Any) -> torch.Tensor | None:
     value = meta_value(node)
     return value if isinstance(value, torch.Tensor) else None
