@@ -108,7 +108,7 @@ def test_jagged_softmax(lengths, odt, max_l, d):
     within = ops.dense_to_jagged(torch.ones(len(lengths), max_l, 1), offsets, sum(lengths), "cpu").bool()
     want = fbgemm_op("jagged_softmax")(x, offsets, max_l)[0]
     ref_out, (ref_grad,) = grads(lambda v: ops.jagged_softmax(v, offsets, max_l, "reference"), x)
-    close(ref_out * within, want * within)
+    close(torch.where(within, ref_out, 0), torch.where(within, want, 0))  # fbgemm leaves rows past max_l unset
     for impl in ("cpu", "fbgemm"):
         out, (g,) = grads(lambda v: ops.jagged_softmax(v, offsets, max_l, impl), x)
         close(out, ref_out), close(g, ref_grad)
