@@ -30,9 +30,11 @@ DYNAMO = "dynamo"
 COLUMNS = (*BACKENDS, DYNAMO)
 
 
-def backend_step(name: str, size: str, backend: str, train: bool, batch: int | None = None):
-    """One step of a fresh zoo model (same seed for every backend) under ``backend``."""
-    workload = MODELS[name](size, batch=batch)
+def backend_step(name: str, size: str, backend: str, train: bool, batch: int | None = None,
+                 device: torch.device = torch.device("cpu")):
+    """One step of a fresh zoo model (same seed for every backend) under ``backend`` on ``device``; a forward
+    step returns the output."""
+    workload = MODELS[name](size, batch=batch).to(device)
     model = workload.model.train(train)
     fn = torch.compile(model, backend="eager") if backend == DYNAMO else compile_for(model, backend)
     inputs = workload.mark_dynamic()
@@ -43,7 +45,7 @@ def backend_step(name: str, size: str, backend: str, train: bool, batch: int | N
             workload.loss(fn(*inputs)).backward()
         else:
             with torch.no_grad():
-                fn(*inputs)
+                return fn(*inputs)
     return step
 
 

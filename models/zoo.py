@@ -26,10 +26,22 @@ class Workload:
     name: str
     model: nn.Module
     inputs: tuple
-    # Training objective from the model's output (identity for models that return their loss).
-    loss: Callable[[torch.Tensor], torch.Tensor]
+    # Training objective from the model's output and ``targets`` (identity for models that return their loss).
+    objective: Callable[..., torch.Tensor]
     # (input index, dim) pairs that vary from batch to batch: batch sizes and jagged totals.
     dynamic_dims: list[tuple[int, int]] = field(default_factory=list)
+    # What the objective compares the output with (the CTR models' labels).
+    targets: tuple = ()
+
+    def loss(self, output: torch.Tensor) -> torch.Tensor:
+        return self.objective(output, *self.targets)
+
+    def to(self, device: torch.device | str) -> "Workload":
+        """The model, inputs and targets moved to ``device`` (in place; returns self)."""
+        self.model.to(device)
+        self.inputs = tuple(_move(arg, device) for arg in self.inputs)
+        self.targets = tuple(_move(arg, device) for arg in self.targets)
+        return self
 
     def mark_dynamic(self, inputs: tuple | None = None) -> tuple:
         """Mark the varying dims of ``inputs`` (default: the example inputs) dynamic for torch.compile."""
@@ -39,6 +51,13 @@ class Workload:
             for tensor in _tensors(arg):
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
         return inputs
+
+
+def _move(arg, device):
+    """A tensor, a list of tensors or a KeyedJaggedTensor on ``device``."""
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(a.to(device) for a in arg)
+    return arg.to(device)
 
 
 def _tensors(arg) -> list[torch.Tensor]:
@@ -73,6 +92,11 @@ class ZooEntry:
         return self.build_fn(size, g, batch, dynamic_embeddings=True)
 
 
+def _returned(loss: torch.Tensor) -> torch.Tensor:
+    """The objective of models whose output is their loss."""
+    return loss
+
+
 # -- CTR models: (dense, indices, offsets) -> logits; synthetic labels for the loss ---------------------------
 
 CTR_SIZES = {
@@ -87,11 +111,11 @@ def _ctr_workload(name, size, g, batch, make: Callable[[dict], nn.Module], kjt=F
     spec.pop("batch", None)
     model = make(spec)
     dense, indices, offsets = synthetic_batch(model.cfg, batch, g)
-    labels = torch.randint(0, 2, (batch,), generator=g).float()
-    loss = lambda logits: F.binary_cross_entropy_with_logits(logits, labels)  # noqa: E731
+    labels = (torch.randint(0, 2, (batch,), generator=g).float(),)
+    loss = F.binary_cross_entropy_with_logits
     if kjt:
-        return Workload(name, model, (dense, to_kjt(model.cfg, indices, offsets)), loss, [(0, 0), (1, 0)])
-    return Workload(name, model, (dense, indices, offsets), loss, [(0, 0), (1, 0), (2, 0)])
+        return Workload(name, model, (dense, to_kjt(model.cfg, indices, offsets)), loss, [(0, 0), (1, 0)], labels)
+    return Workload(name, model, (dense, indices, offsets), loss, [(0, 0), (1, 0), (2, 0)], labels)
 
 
 def _dlrm_cfg(spec: dict, interaction: str) -> DLRMConfig:
@@ -138,7 +162,7 @@ def _seq_workload(name: str, size: str, g: torch.Generator, batch: int | None) -
         padded = torch.zeros(len(lengths), L, dtype=torch.int64).index_put((rows, positions), ids)
         targets = torch.zeros_like(padded).index_put((rows, positions), targets)
         inputs, dynamic = (padded,), [(0, 0), (2, 0)]
-    return Workload(name, NextItemTask(encoder), (targets, negatives, *inputs), lambda loss: loss, dynamic)
+    return Workload(name, NextItemTask(encoder), (targets, negatives, *inputs), _returned, dynamic)
 
 
 # -- two-tower retrieval: InBatchSoftmaxTask(users, history, offsets, positives, negatives) -> loss -----------
@@ -161,7 +185,7 @@ def _two_tower_workload(name: str, size: str, g: torch.Generator, batch: int | N
         torch.randint(1, n_items + 1, (spec["negatives"],), generator=g),
     )
     model = InBatchSoftmaxTask(two_tower(name, spec["num_users"], n_items, dim))
-    return Workload(name, model, inputs, lambda loss: loss, [(0, 0), (1, 0), (2, 0), (3, 0)])
+    return Workload(name, model, inputs, _returned, [(0, 0), (1, 0), (2, 0), (3, 0)])
 
 
 def _ctr_entry(name: str, description: str, make: Callable[[dict], nn.Module]) -> ZooEntry:

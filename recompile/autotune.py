@@ -44,6 +44,7 @@ import torch
 import torch.fx as fx
 
 from recompile.lowering import candidates
+from recompile.lowering.targets import synchronize
 from recompile.passes.utils import input_metas, is_training
 from recompile.pipeline import PassContext, concrete_inputs, run_pipeline
 
@@ -243,8 +244,10 @@ def race(steps: dict[str, Callable[[], Any]], budget_s: float, min_rounds: int =
     rounds = 0
     while steps and (rounds < min_rounds or (rounds < MAX_ROUNDS and time.perf_counter() - start < budget_s)):
         for name, step in steps.items():
+            synchronize()
             t0 = time.perf_counter()
             step()
+            synchronize()
             best[name] = min(best[name], time.perf_counter() - t0)
         rounds += 1
     return {name: round(t * 1e3, 4) for name, t in best.items()}
@@ -343,8 +346,10 @@ class _NodeTimer(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         if n.op in ("placeholder", "output", "get_attr"):
             return super().run_node(n)
+        synchronize()
         t0 = time.perf_counter()
         result = super().run_node(n)
+        synchronize()
         elapsed = time.perf_counter() - t0
         self.total += elapsed
         if n.target in LIBRARY_BOUND or _op_name(n) is not None or n.op == "call_module":

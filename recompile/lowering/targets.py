@@ -108,6 +108,17 @@ def _npu() -> Target:
 _DETECT = {"cpu": _cpu, "cuda": _cuda, "npu": _npu}
 
 
+def synchronize(device: torch.device | None = None) -> None:
+    """Wait until ``device`` (None: every accelerator this process has started) has run the work queued on it,
+    so that a timer stopped after this counts the kernels, not their launches. Nothing to wait for on CPU."""
+    kind = None if device is None else device.type
+    if kind in (None, "cuda") and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
+    npu = getattr(torch, "npu", None)
+    if kind in (None, "npu") and npu is not None and npu.is_initialized():
+        npu.synchronize(device)
+
+
 def detect_target(requested: str = "auto") -> Target:
     """The target named by ``requested``; "auto" is the best device present (npu, cuda, cpu)."""
     if requested not in TARGETS:
