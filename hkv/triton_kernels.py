@@ -12,10 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
+from hkv import table
+
 BLOCK = 256
-EMPTY_KEY = -1
-RECLAIM_KEY = -2
-LOCKED_KEY = -3  # never stored: a compare-and-swap expecting it never writes
+# hkv.table's reserved keys; globals a kernel reads must be constexpr. A compare-and-swap expecting
+# LOCKED_KEY (never stored) never writes.
+EMPTY_KEY, RECLAIM_KEY, LOCKED_KEY = (tl.constexpr(key) for key in (table.EMPTY_KEY, table.RECLAIM_KEY, table.LOCKED_KEY))
 
 
 @triton.jit

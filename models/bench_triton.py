@@ -408,6 +408,7 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
 
+    import recompile  # noqa: F401  (names backend="rec_ascend" where the package is not installed)
     import runtime  # noqa: F401  (defines the ops)
     run_kernels(args.ops, size, device, args.rounds, args.check_only, lambda line, rows: record(line, rows, "kernels"))
     if args.models and not args.check_only:

@@ -34,6 +34,8 @@ DATASETS = ("ml-100k", "ml-1m", "ml-20m", "criteo-synthetic")
 
 
 def compile_for(module: nn.Module, backend: str):
+    import recompile  # noqa: F401  (names backend="rec_ascend" where the package is not installed)
+
     return module if backend == "eager" else torch.compile(module, backend=backend)
 
 

@@ -68,3 +68,10 @@ def rec_ascend(
         return inductor(rewritten)
     random = not autotune.tunable(rewritten, example_inputs)
     return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor, random=random)
+
+
+def register_name() -> None:
+    """``backend="rec_ascend"`` from a source checkout too: an installed package registers the name by its
+    entry point, a checkout on ``sys.path`` when ``recompile`` is imported."""
+    if "rec_ascend" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(rec_ascend, "rec_ascend")

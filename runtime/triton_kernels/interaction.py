@@ -1,7 +1,7 @@
 """Feature-interaction kernels: persistent 1-D grids, each program looping over its share of the work.
 
-- dot interaction: one batch row per iteration; the [F, F] products are accumulated over D in
-  chunks of ``BLOCK_D`` (a [F, F, BLOCK_D] tile), and only the wanted pairs are stored, each at its
+- dot interaction: one batch row per iteration; the [F, F] products ``T T^T`` are accumulated over D
+  in chunks of ``BLOCK_D`` with ``tl.dot``, and only the wanted pairs are stored, each at its
   position in the output row (after the ``prefix`` columns, which are copied first).
 - cross layer: tiles of ``x @ W^T`` with ``tl.dot``; the epilogue adds the bias and writes
   ``x0 * h + x`` from registers. The low-rank form runs the same kernel twice (``x V^T``, no epilogue).
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.triton_kernels import num_programs
+from runtime.triton_kernels import interpreting, num_programs
 
 
 @triton.jit
@@ -34,7 +34,7 @@ def _pair_position(r, c, n, UPPER: tl.constexpr, SELF: tl.constexpr):
 @triton.jit
 def _dot_interaction_kernel(
     t_ptr, prefix_ptr, out_ptr, batch, n, d, k, out_cols,
-    UPPER: tl.constexpr, SELF: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    UPPER: tl.constexpr, SELF: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -49,8 +49,12 @@ def _dot_interaction_kernel(
         acc = tl.zeros([BLOCK_F, BLOCK_F], dtype=tl.float32)
         for d0 in range(0, d, BLOCK_D):
             mask = (f[:, None] < n) & (d0 + dd[None, :] < d)
-            tile = tl.load(t_ptr + row + f[:, None] * d + d0 + dd[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc += tl.sum(tile[:, None, :] * tile[None, :, :], 2)
+            tile = tl.load(t_ptr + row + f[:, None] * d + d0 + dd[None, :], mask=mask, other=0.0)
+            if UPCAST:  # fp32 products in full precision (no tf32), as eager's bmm
+                tile = tile.to(tl.float32)
+                acc += tl.dot(tile, tl.trans(tile), input_precision="ieee")
+            else:
+                acc = tl.dot(tile, tl.trans(tile), acc)
         out_row = out_ptr + b * out_cols
         if HAS_PREFIX:
             for k0 in range(0, k, BLOCK_K):
@@ -70,13 +74,12 @@ def dot_interaction(features, prefix, upper, self_interaction):
         return out
     prefix_arg = features if prefix is None else prefix.contiguous()
     grid = (min(batch, num_programs(features.device)),)
-    block_f = max(triton.next_power_of_2(n), 2)
-    # keep the [F, F, BLOCK_D] product tile small: it lives in registers / on-chip buffer
-    block_d = max(min(triton.next_power_of_2(d), 4096 // (block_f * block_f)), 1)
+    # tl.dot tiles are at least 16 on a side; the interpreter's tl.dot takes fp32 only
     _dot_interaction_kernel[grid](
         features, prefix_arg, out, batch, n, d, k, k + pairs,
         UPPER=upper, SELF=self_interaction, HAS_PREFIX=prefix is not None,
-        BLOCK_F=block_f, BLOCK_D=block_d, BLOCK_K=128,
+        UPCAST=features.dtype == torch.float32 or interpreting(),
+        BLOCK_F=max(triton.next_power_of_2(n), 16), BLOCK_D=max(min(triton.next_power_of_2(d), 64), 16), BLOCK_K=128,
     )
     return out
 
