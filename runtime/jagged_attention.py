@@ -265,11 +265,16 @@ for _impl in BUCKET_RATIOS:
     register_kernel("hstu_attention_backward", _impl)(_bwd)
 
 
+def _triton_covers(num_targets, contextual_seq_len, time_bias) -> bool:
+    """The Triton kernels take no targets, contextual prefix or time bias: those run as length buckets of
+    dense torch ops on the device (the "cpu" kernel)."""
+    return num_targets is None and contextual_seq_len == 0 and time_bias is None
+
+
 @register_kernel("hstu_attention", "triton")
 def _hstu_attention_triton(q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual_seq_len, rel_bias,
                            timestamps, time_bias):
-    if num_targets is not None or contextual_seq_len > 0 or time_bias is not None:
-        # targets, contextual prefixes and time bias: length buckets of dense torch ops on the device
+    if not _triton_covers(num_targets, contextual_seq_len, time_bias):
         return get_kernel("hstu_attention", "cpu")(q, k, v, offsets, max_seq_len, alpha, causal, num_targets,
                                                    contextual_seq_len, rel_bias, timestamps, time_bias)
     from runtime.triton_kernels.jagged_attention import hstu_attention_forward
@@ -277,8 +282,17 @@ def _hstu_attention_triton(q, k, v, offsets, max_seq_len, alpha, causal, num_tar
     return hstu_attention_forward(q, k, v, offsets, max_seq_len, alpha, causal, rel_bias)
 
 
-# The backward of the Triton forward: length buckets of dense torch ops on the device.
-register_kernel("hstu_attention_backward", "triton")(get_kernel("hstu_attention_backward", "cpu"))
+@register_kernel("hstu_attention_backward", "triton")
+def _hstu_attention_backward_triton(grad, q, k, v, offsets, max_seq_len, alpha, causal, num_targets,
+                                    contextual_seq_len, rel_bias, timestamps, time_bias):
+    if not _triton_covers(num_targets, contextual_seq_len, time_bias):
+        return get_kernel("hstu_attention_backward", "cpu")(grad, q, k, v, offsets, max_seq_len, alpha, causal,
+                                                            num_targets, contextual_seq_len, rel_bias, timestamps,
+                                                            time_bias)
+    from runtime.triton_kernels.jagged_attention import hstu_attention_backward
+
+    dq, dk, dv, drel = hstu_attention_backward(grad, q, k, v, offsets, max_seq_len, alpha, causal, rel_bias)
+    return [dq, dk, dv], [drel, None]
 
 
 def hstu_attention_reference(q, k, v, offsets, max_seq_len, alpha, causal=True, num_targets=None,

@@ -1,8 +1,14 @@
-"""HSTU attention forward on jagged q, k, v as one persistent Triton kernel.
+"""HSTU attention on jagged q, k, v as persistent Triton kernels, forward and backward.
 
-Work items are (query tile, head) pairs over every sequence's own tiles (none over padding): the
-host lists each tile's sequence and start (int32); a 1-D grid of ``num_programs`` programs loops
-over the items, and each item loops over the key tiles it can see (up to its diagonal when causal).
+Work items are (tile, head) pairs over every sequence's own tiles (none over padding): the host lists
+each tile's sequence and start (int32); a 1-D grid of ``num_programs`` programs loops over the items.
+- forward and dq: an item is a query tile; it loops over the key tiles it can see (up to its
+  diagonal when causal), recomputing the scores ``s = alpha q k^T + rel[N - 1 + n - m]``.
+- dk, dv and the relative bias gradient: an item is a key tile; it loops over the query tiles that
+  see it (from its diagonal on when causal) and accumulates ``dv = p^T g`` and ``dk = alpha ds^T q`` in
+  registers, where ``p = silu(s) / N`` and ``ds = (g v^T) silu'(s) / N`` on the kept pairs; the bias
+  gradient sums ``ds`` along each diagonal of the tile and adds the sums at ``N - 1 + n - m``
+  atomically (fp32, one add per diagonal).
 Index arithmetic is int32; tiles are ``BLOCK`` x head dim, well inside 192 KB.
 """
 from __future__ import annotations
@@ -14,6 +20,19 @@ import triton.language as tl
 from runtime.triton_kernels import num_programs
 
 BLOCK = 16
+
+
+@triton.jit
+def _scores(q, k, m, n, m_ok, n_ok, rel_ptr, max_seq_len, alpha, CAUSAL: tl.constexpr, HAS_REL: tl.constexpr):
+    """Scores ``[BLOCK, BLOCK]`` of query rows m against key columns n, and which pairs are kept."""
+    s = tl.dot(q, tl.trans(k)) * alpha
+    if HAS_REL:
+        s += tl.load(rel_ptr + max_seq_len - 1 + n[None, :] - m[:, None], mask=m_ok[:, None] & n_ok[None, :],
+                     other=0.0).to(tl.float32)
+    keep = m_ok[:, None] & n_ok[None, :]
+    if CAUSAL:
+        keep = keep & (n[None, :] <= m[:, None])
+    return s, keep
 
 
 @triton.jit
@@ -44,13 +63,7 @@ def _hstu_forward_kernel(
             n_ok = n < length
             k = tl.load(k_ptr + ((start + n)[:, None] * heads + head) * head_dim + dd[None, :],
                         mask=n_ok[:, None] & (dd[None, :] < head_dim), other=0.0)
-            s = tl.dot(q, tl.trans(k)) * alpha
-            if HAS_REL:
-                s += tl.load(rel_ptr + max_seq_len - 1 + n[None, :] - m[:, None],
-                             mask=m_ok[:, None] & n_ok[None, :], other=0.0)
-            keep = m_ok[:, None] & n_ok[None, :]
-            if CAUSAL:
-                keep = keep & (n[None, :] <= m[:, None])
+            s, keep = _scores(q, k, m, n, m_ok, n_ok, rel_ptr, max_seq_len, alpha, CAUSAL, HAS_REL)
             p = tl.where(keep, s * tl.sigmoid(s) * inv_norm, 0.0)
             v = tl.load(v_ptr + ((start + n)[:, None] * heads + head) * value_dim + dv[None, :],
                         mask=n_ok[:, None] & (dv[None, :] < value_dim), other=0.0)
@@ -59,28 +72,159 @@ def _hstu_forward_kernel(
                  acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < value_dim))
 
 
-def hstu_attention_forward(q, k, v, offsets, max_seq_len, alpha, causal, rel_bias):
-    """Jagged HSTU attention (no targets, contextual prefix or time bias) -> ``[total, H, Dv]``."""
-    total, heads, head_dim = q.shape
-    value_dim = v.shape[2]
-    if max(total * heads * max(head_dim, value_dim), 2 * max_seq_len) >= 2**31:
-        raise ValueError("recompile.hstu_attention (triton): tensors too large for int32 indexing")
-    offsets = offsets.to(torch.int32)
+@triton.jit
+def _diagonal_sums(t, BLOCK: tl.constexpr):
+    """``[2 BLOCK]`` sums of ``t [BLOCK (m), BLOCK (n)]`` along its diagonals: entry ``BLOCK - 1 + n - m``."""
+    i = tl.arange(0, BLOCK)
+    on = (i[None, :] - i[:, None] + BLOCK - 1)[None, :, :] == tl.arange(0, 2 * BLOCK)[:, None, None]
+    return tl.sum(tl.sum(tl.where(on, t[None, :, :], 0.0), 2), 1)
+
+
+@triton.jit
+def _hstu_dq_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, dq_ptr, offsets_ptr, tile_seq_ptr, tile_start_ptr, rel_ptr,
+    num_items, heads, head_dim, value_dim, max_seq_len, alpha, inv_norm,
+    CAUSAL: tl.constexpr, HAS_REL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    dd = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_V)
+    rows = tl.arange(0, BLOCK)
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        head = item % heads
+        tile = item // heads
+        seq = tl.load(tile_seq_ptr + tile)
+        q_start = tl.load(tile_start_ptr + tile)
+        start = tl.load(offsets_ptr + seq)
+        length = tl.load(offsets_ptr + seq + 1) - start
+        m = q_start + rows
+        m_ok = m < length
+        q = tl.load(q_ptr + ((start + m)[:, None] * heads + head) * head_dim + dd[None, :],
+                    mask=m_ok[:, None] & (dd[None, :] < head_dim), other=0.0)
+        g = tl.load(g_ptr + ((start + m)[:, None] * heads + head) * value_dim + dv[None, :],
+                    mask=m_ok[:, None] & (dv[None, :] < value_dim), other=0.0)
+        acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        hi = tl.minimum(q_start + BLOCK, length) if CAUSAL else length
+        for n0 in range(0, hi, BLOCK):
+            n = n0 + rows
+            n_ok = n < length
+            k = tl.load(k_ptr + ((start + n)[:, None] * heads + head) * head_dim + dd[None, :],
+                        mask=n_ok[:, None] & (dd[None, :] < head_dim), other=0.0)
+            v = tl.load(v_ptr + ((start + n)[:, None] * heads + head) * value_dim + dv[None, :],
+                        mask=n_ok[:, None] & (dv[None, :] < value_dim), other=0.0)
+            s, keep = _scores(q, k, m, n, m_ok, n_ok, rel_ptr, max_seq_len, alpha, CAUSAL, HAS_REL)
+            sig = tl.sigmoid(s)
+            ds = tl.where(keep, tl.dot(g, tl.trans(v)) * sig * (1 + s * (1 - sig)) * inv_norm, 0.0)
+            acc += tl.dot(ds.to(k.dtype), k)
+        tl.store(dq_ptr + ((start + m)[:, None] * heads + head) * head_dim + dd[None, :],
+                 (acc * alpha).to(dq_ptr.dtype.element_ty), mask=m_ok[:, None] & (dd[None, :] < head_dim))
+
+
+@triton.jit
+def _hstu_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, dk_ptr, dv_ptr, drel_ptr, offsets_ptr, tile_seq_ptr, tile_start_ptr, rel_ptr,
+    num_items, heads, head_dim, value_dim, max_seq_len, alpha, inv_norm,
+    CAUSAL: tl.constexpr, HAS_REL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    dd = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_V)
+    rows = tl.arange(0, BLOCK)
+    diagonals = tl.arange(0, 2 * BLOCK)
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        head = item % heads
+        tile = item // heads
+        seq = tl.load(tile_seq_ptr + tile)
+        k_start = tl.load(tile_start_ptr + tile)
+        start = tl.load(offsets_ptr + seq)
+        length = tl.load(offsets_ptr + seq + 1) - start
+        n = k_start + rows
+        n_ok = n < length
+        k = tl.load(k_ptr + ((start + n)[:, None] * heads + head) * head_dim + dd[None, :],
+                    mask=n_ok[:, None] & (dd[None, :] < head_dim), other=0.0)
+        v = tl.load(v_ptr + ((start + n)[:, None] * heads + head) * value_dim + dv[None, :],
+                    mask=n_ok[:, None] & (dv[None, :] < value_dim), other=0.0)
+        dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        dvv = tl.zeros([BLOCK, BLOCK_V], dtype=tl.float32)
+        lo = k_start if CAUSAL else 0
+        for m0 in range(lo, length, BLOCK):
+            m = m0 + rows
+            m_ok = m < length
+            q = tl.load(q_ptr + ((start + m)[:, None] * heads + head) * head_dim + dd[None, :],
+                        mask=m_ok[:, None] & (dd[None, :] < head_dim), other=0.0)
+            g = tl.load(g_ptr + ((start + m)[:, None] * heads + head) * value_dim + dv[None, :],
+                        mask=m_ok[:, None] & (dv[None, :] < value_dim), other=0.0)
+            s, keep = _scores(q, k, m, n, m_ok, n_ok, rel_ptr, max_seq_len, alpha, CAUSAL, HAS_REL)
+            sig = tl.sigmoid(s)
+            p = tl.where(keep, s * sig * inv_norm, 0.0)
+            dvv += tl.dot(tl.trans(p).to(g.dtype), g)
+            ds = tl.where(keep, tl.dot(g, tl.trans(v)) * sig * (1 + s * (1 - sig)) * inv_norm, 0.0)
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+            if HAS_REL:  # one atomic add per diagonal of the tile, not per pair
+                at = max_seq_len - 1 + k_start - m0 - (BLOCK - 1) + diagonals
+                tl.atomic_add(drel_ptr + at, _diagonal_sums(ds, BLOCK),
+                              mask=(diagonals < 2 * BLOCK - 1) & (at >= 0) & (at < 2 * max_seq_len - 1))
+        tl.store(dk_ptr + ((start + n)[:, None] * heads + head) * head_dim + dd[None, :],
+                 (dk * alpha).to(dk_ptr.dtype.element_ty), mask=n_ok[:, None] & (dd[None, :] < head_dim))
+        tl.store(dv_ptr + ((start + n)[:, None] * heads + head) * value_dim + dv[None, :],
+                 dvv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None] & (dv[None, :] < value_dim))
+
+
+def _tiles(offsets: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each BLOCK-row tile's sequence and first row (int32), over every sequence's own tiles."""
     lengths = offsets[1:] - offsets[:-1]
     tiles = (lengths + BLOCK - 1) // BLOCK
-    tile_seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device, dtype=torch.int32), tiles)
+    tile_seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=device, dtype=torch.int32), tiles)
     first = torch.cumsum(tiles, 0) - tiles
-    tile_start = ((torch.arange(tile_seq.numel(), device=q.device) - first[tile_seq.long()]) * BLOCK).to(torch.int32)
+    tile_start = ((torch.arange(tile_seq.numel(), device=device) - first[tile_seq.long()]) * BLOCK).to(torch.int32)
+    return tile_seq, tile_start
+
+
+def _check_size(q, v, max_seq_len) -> None:
+    total, heads, head_dim = q.shape
+    if max(total * heads * max(head_dim, v.shape[2]), 2 * max_seq_len) >= 2**31:
+        raise ValueError("recompile.hstu_attention (triton): tensors too large for int32 indexing")
+
+
+def _blocks(q, v) -> dict:
+    return dict(BLOCK=BLOCK, BLOCK_D=max(16, triton.next_power_of_2(q.shape[2])),
+                BLOCK_V=max(16, triton.next_power_of_2(v.shape[2])))
+
+
+def hstu_attention_forward(q, k, v, offsets, max_seq_len, alpha, causal, rel_bias):
+    """Jagged HSTU attention (no targets, contextual prefix or time bias) -> ``[total, H, Dv]``."""
+    _check_size(q, v, max_seq_len)
+    offsets = offsets.to(torch.int32)
+    tile_seq, tile_start = _tiles(offsets, q.device)
     out = torch.empty_like(v)
-    num_items = tile_seq.numel() * heads
+    num_items = tile_seq.numel() * q.shape[1]
     if num_items == 0:
         return out
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     rel = rel_bias.contiguous() if rel_bias is not None else q.new_zeros(1)
     grid = (min(num_programs(q.device), num_items),)
     _hstu_forward_kernel[grid](
-        q, k, v, out, offsets, tile_seq, tile_start, rel, num_items, heads, head_dim, value_dim, max_seq_len,
-        alpha, 1.0 / max_seq_len, CAUSAL=causal, HAS_REL=rel_bias is not None, BLOCK=BLOCK,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_V=max(16, triton.next_power_of_2(value_dim)),
+        q, k, v, out, offsets, tile_seq, tile_start, rel, num_items, q.shape[1], q.shape[2], v.shape[2], max_seq_len,
+        alpha, 1.0 / max_seq_len, CAUSAL=causal, HAS_REL=rel_bias is not None, **_blocks(q, v),
     )
     return out
+
+
+def hstu_attention_backward(grad, q, k, v, offsets, max_seq_len, alpha, causal, rel_bias):
+    """``(dq, dk, dv, drel)`` of :func:`hstu_attention_forward` (drel None without a relative bias)."""
+    _check_size(q, v, max_seq_len)
+    offsets = offsets.to(torch.int32)
+    tile_seq, tile_start = _tiles(offsets, q.device)
+    q, k, v, grad = q.contiguous(), k.contiguous(), v.contiguous(), grad.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    drel = None if rel_bias is None else torch.zeros(rel_bias.shape, dtype=torch.float32, device=q.device)
+    num_items = tile_seq.numel() * q.shape[1]
+    if num_items:
+        rel = rel_bias.contiguous() if rel_bias is not None else q.new_zeros(1)
+        grid = (min(num_programs(q.device), num_items),)
+        common = (offsets, tile_seq, tile_start, rel, num_items, q.shape[1], q.shape[2], v.shape[2], max_seq_len,
+                  alpha, 1.0 / max_seq_len)
+        flags = dict(CAUSAL=causal, HAS_REL=rel_bias is not None, **_blocks(q, v))
+        _hstu_dq_kernel[grid](q, k, v, grad, dq, *common, **flags)
+        _hstu_dkdv_kernel[grid](q, k, v, grad, dk, dv, drel if drel is not None else rel, *common, **flags)
+    return dq, dk, dv, None if drel is None else drel.to(rel_bias.dtype)
