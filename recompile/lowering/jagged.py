@@ -28,8 +28,9 @@ for _op, _fbgemm in FBGEMM_EQUIVALENTS.items():
 # Attention on jagged sequences: the Triton kernel on accelerators; on CPU the native kernel (HSTU), then
 # length buckets of dense ATen ops.
 TRITON_ATTENTION = {
-    "hstu_attention": "runtime.triton_kernels.jagged_attention",
-    "hstu_attention_backward": "length-bucketed dense on the device (after the Triton forward)",
+    "hstu_attention": "runtime.triton_kernels.jagged_attention (forward over query tiles)",
+    "hstu_attention_backward": "runtime.triton_kernels.jagged_attention (dq over query tiles, dk dv and bias grads "
+                               "over key tiles)",
 }
 NATIVE_ATTENTION = {
     "hstu_attention": "csrc/jagged_attention.c: tiles of each sequence, bias and mask fused, no padding",
