@@ -302,12 +302,17 @@ def format_kernel(row: dict) -> str:
     if "error" in row:
         return head + f"FAILED {row['error']}"
     errs = " ".join(f"{k} err {v:.1e}" for k, v in row["errors"].items())
-    text = head + ("ok   " if row["ok"] else "WRONG ") + errs
+    return head + ("ok   " if row["ok"] else "WRONG ") + errs + timing_lines(row, "triton")
+
+
+def timing_lines(row: dict, ours: str) -> str:
+    """The row's forward and training ms, each with ``ours`` against eager and Inductor."""
+    text = ""
     for key in ("forward_ms", "train_ms"):
         if key in row:
             ms = row[key]
             text += f"\n    {key[:-3]:8s} " + "  ".join(f"{k} {v:.3f}" for k, v in ms.items()) + \
-                f"  | triton vs eager {ms['eager'] / ms['triton']:.2f}x, vs inductor {ms['inductor'] / ms['triton']:.2f}x"
+                f"  | {ours} vs eager {ms['eager'] / ms[ours]:.2f}x, vs inductor {ms['inductor'] / ms[ours]:.2f}x"
     return text
 
 
@@ -362,13 +367,7 @@ def format_model(row: dict) -> str:
     if "error" in row:
         return f"{row['model']:24s} FAILED {row['error']}"
     text = f"{row['model']:24s} error vs eager " + " ".join(f"{k} {v:.1e}" for k, v in row["error_vs_eager"].items())
-    text += f", compiles over 3 batch sizes: {row['compiles']}"
-    for key in ("forward_ms", "train_ms"):
-        ms = row[key]
-        text += f"\n    {key[:-3]:8s} " + "  ".join(f"{k} {v:.3f}" for k, v in ms.items()) + \
-            f"  | rec_ascend vs eager {ms['eager'] / ms['rec_ascend']:.2f}x, vs inductor " \
-            f"{ms['inductor'] / ms['rec_ascend']:.2f}x"
-    return text
+    return text + f", compiles over 3 batch sizes: {row['compiles']}" + timing_lines(row, "rec_ascend")
 
 
 # -- main ------------------------------------------------------------------------------------------------------
