@@ -64,13 +64,18 @@ def _probe_kernel(table_keys_ptr, table_scores_ptr, keys_ptr, scores_ptr, slots_
         tl.store(slots_ptr + offs, slot.to(tl.int64), mask=in_range)
 
 
-def _cores(device: torch.device) -> int:
-    """Programs of the persistent grid: the device's cores (SMs, Ascend vector cores); 4 in the interpreter."""
+# Programs a 1-D grid launches when the device cannot be asked (the interpreter on CPU).
+INTERPRETER_PROGRAMS = 4
+
+
+def num_programs(device: torch.device) -> int:
+    """Programs for a persistent 1-D grid: one per core (SM on CUDA, vector core on Ascend)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     if device.type == "npu":
-        return int(getattr(torch.npu.get_device_properties(device), "vector_core_num", 0) or 1)  # type: ignore
-    return 4
+        props = torch.npu.get_device_properties(device)  # type: ignore[attr-defined]
+        return int(getattr(props, "vector_core_num", 0) or getattr(props, "multi_processor_count", 1))
+    return INTERPRETER_PROGRAMS
 
 
 def locate(table_keys: torch.Tensor, num_buckets: int, bucket_size: int, keys: torch.Tensor) -> torch.Tensor:
@@ -90,7 +95,7 @@ def _launch(table_keys, table_scores, num_buckets, bucket_size, keys, scores, cl
     keys, scores = keys.contiguous(), scores.contiguous()
     slots = torch.empty_like(keys)
     if keys.numel():
-        grid = (max(1, min(_cores(keys.device), triton.cdiv(keys.numel(), BLOCK))),)
+        grid = (max(1, min(num_programs(keys.device), triton.cdiv(keys.numel(), BLOCK))),)
         _probe_kernel[grid](table_keys, table_scores, keys, scores, slots, keys.numel(), num_buckets,
                             BUCKET=bucket_size, BLOCK=BLOCK, CLAIM=claim)
     return slots

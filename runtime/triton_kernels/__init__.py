@@ -9,20 +9,7 @@ from __future__ import annotations
 
 import os
 
-import torch
-
-# Programs a 1-D grid launches when the device cannot be asked (the interpreter on CPU).
-INTERPRETER_PROGRAMS = 4
-
-
-def num_programs(device: torch.device) -> int:
-    """Programs for a persistent 1-D grid: one per core (SM on CUDA, vector core on Ascend)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    if device.type == "npu":
-        props = torch.npu.get_device_properties(device)  # type: ignore[attr-defined]
-        return int(getattr(props, "vector_core_num", 0) or getattr(props, "multi_processor_count", 1))
-    return INTERPRETER_PROGRAMS
+from hkv.triton_kernels import num_programs  # noqa: F401  (one grid size for the hkv and runtime kernels)
 
 
 def interpreting() -> bool:
