@@ -124,3 +124,26 @@ def test_regions_are_those_of_the_graph_that_runs(_cache, monkeypatch):
     [(node, impl)] = decision["regions"].items()
     assert node.startswith("dot_interaction") and impl == decision["kernels"][node]
     assert f"  regions it runs: {node}: {impl}" in text.splitlines()
+
+
+def _rec_ops(gm):
+    return [node for node in gm.graph.nodes if autotune._op_name(node)]
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_an_eager_rewrite_calls_the_op_functions_for_inference(_cache, monkeypatch, training):
+    """Kept for inference, the rewrite run eagerly calls the rec ops' Python functions (no dispatch); training
+    keeps the ops (their autograd). The rewrite itself, which Inductor compiles, keeps its ops either way."""
+    monkeypatch.setattr(autotune, "race", fake_race(lambda name: [0.5 if name == "rec+eager" else 1.0] * 3))
+    chosen = []
+    monkeypatch.setattr(autotune, "compiled_graph", lambda chooser: chosen.append(chooser) or chooser.first_call)
+    model, x = Cross(), torch.randn(8, 16, requires_grad=training)
+    with torch.set_grad_enabled(training):
+        torch.testing.assert_close(torch.compile(model, backend="rec_ascend")(x), model(x), rtol=1e-5, atol=1e-5)
+    [chooser] = chosen
+    assert chooser.decision.choice == "rec+eager"
+    runs = chooser.run.__self__
+    assert bool(_rec_ops(runs)) == training and bool(_rec_ops(chooser.graphs["rec+eager"]()))
+    if not training:
+        [call] = [node for node in runs.graph.nodes if getattr(node.target, "__name__", "") == "cross_stack"]
+        assert call.target is torch._library.custom_ops.OPDEFS["recompile::cross_stack"]._init_fn
