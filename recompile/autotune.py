@@ -23,7 +23,9 @@ candidate's time over the others' in the same round, ``fastest``), so that neith
 nor one lucky round decides; a graph choice leaves the captured graph (run eagerly, then through Inductor)
 only for a candidate faster by more than ``MARGIN``. The decision's ``kernels`` are those chosen for the
 rewrite's regions; its ``regions`` are the regions of the graph the kept candidate runs (none for the captured
-graph, one pass's fewer for an ablation), with their kernels.
+graph, one pass's fewer for an ablation), with their kernels. An inference graph run eagerly calls the rec
+ops' Python functions rather than the dispatched ops (``direct_calls``): without autograd the dispatch is
+pure cost.
 
 The decision is cached on disk (``$RECOMPILE_CACHE_DIR`` or ``~/.cache/recompile``), keyed by the
 rewritten graph's code, the input shapes/dtypes, grad mode, target and torch version; a cached
