@@ -18,6 +18,15 @@ example inputs and within ``BUDGET_S`` seconds:
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
+Every race runs its candidates interleaved over rounds and compares them round by round (the median of each
+candidate's time over the others' in the same round, ``fastest``), so that neither load from other processes
+nor one lucky round decides; a graph choice leaves the captured graph (run eagerly, then through Inductor)
+only for a candidate faster by more than ``MARGIN``. The decision's ``kernels`` are those chosen for the
+rewrite's regions; its ``regions`` are the regions of the graph the kept candidate runs (none for the captured
+graph, one pass's fewer for an ablation), with their kernels. An inference graph run eagerly calls the rec
+ops' Python functions rather than the dispatched ops (``direct_calls``): without autograd the dispatch is
+pure cost.
+
 The decision is cached on disk (``$RECOMPILE_CACHE_DIR`` or ``~/.cache/recompile``), keyed by the
 rewritten graph's code, the input shapes/dtypes, grad mode, target and torch version; a cached
 decision is applied without timing (and without compiling candidates it did not keep). It records the
@@ -33,6 +42,7 @@ import inspect
 import json
 import operator
 import os
+import statistics
 import tempfile
 import time
 import warnings
@@ -42,6 +52,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch._library.custom_ops import OPDEFS
 
 from recompile.lowering import candidates
 from recompile.lowering.targets import synchronize
@@ -57,8 +68,11 @@ LIBRARY_BOUND = frozenset({
     torch.nn.functional.embedding_bag, torch.nn.functional.embedding,
 })
 MIN_ROUNDS, MAX_ROUNDS = 3, 50
-EAGER_ROUNDS = 2  # rounds of the eager race that picks the graph Inductor compiles (a coarse choice)
-CACHE_VERSION = 1
+# A candidate replaces the graph that runs without us (the captured graph, eagerly, then through Inductor) only
+# when faster by more than this share: this machine's run-to-run noise is larger than what is won below it.
+MARGIN = 0.04
+INCUMBENTS = ("eager", "inductor-captured")
+CACHE_VERSION = 2
 # Ops whose results are random (matched on the op's base name: in-place ``_`` and ``_like`` forms stripped).
 RANDOM_OPS = frozenset({
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
@@ -70,23 +84,24 @@ RANDOM_OPS = frozenset({
 @dataclass
 class Decision:
     choice: str
-    regions: dict[str, str] = field(default_factory=dict)  # op node -> chosen impl
+    regions: dict[str, str] = field(default_factory=dict)  # op node of the graph that runs -> its impl
     timings_ms: dict[str, float] = field(default_factory=dict)  # candidate -> median ms
     rejected: dict[str, str] = field(default_factory=dict)  # candidate -> why
     mode: str = "inference"
     cached: bool = False
     key: str = ""
     compile_s: dict[str, float] = field(default_factory=dict)  # candidate -> seconds to build (Inductor's compile)
+    kernels: dict[str, str] = field(default_factory=dict)  # op node of the rewrite -> fastest correct impl
 
     def to_dict(self) -> dict:
         return {"choice": self.choice, "regions": dict(self.regions), "timings_ms": dict(self.timings_ms),
                 "rejected": dict(self.rejected), "mode": self.mode, "cached": self.cached, "key": self.key,
-                "compile_s": dict(self.compile_s)}
+                "compile_s": dict(self.compile_s), "kernels": dict(self.kernels)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Decision":
         return cls(d["choice"], d["regions"], d["timings_ms"], d["rejected"], d["mode"], True, d["key"],
-                   d.get("compile_s", {}))
+                   d["compile_s"], d["kernels"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -236,21 +251,50 @@ def matches(got: list[torch.Tensor], want: list[torch.Tensor]) -> str | None:
     return None
 
 
-def race(steps: dict[str, Callable[[], Any]], budget_s: float, min_rounds: int = MIN_ROUNDS) -> dict[str, float]:
-    """Milliseconds per step of each candidate: the best of rounds that run every candidate once in turn,
-    so that load from other processes falls on all of them alike."""
-    best = {name: float("inf") for name in steps}
-    start = time.perf_counter()
+def race(steps: dict[str, Callable[[], Any]], budget_s: float, min_rounds: int = MIN_ROUNDS,
+         clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Seconds per step of each candidate in every round. A round runs every candidate once, each round starting
+    one candidate further (none always runs right after the same other), so that load from other processes falls
+    on all of them alike; rounds go on while the budget lasts, at least ``min_rounds`` (a median needs three)."""
+    names = list(steps)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    start = clock()
     rounds = 0
-    while steps and (rounds < min_rounds or (rounds < MAX_ROUNDS and time.perf_counter() - start < budget_s)):
-        for name, step in steps.items():
+    while names and (rounds < min_rounds or (rounds < MAX_ROUNDS and clock() - start < budget_s)):
+        shift = rounds % len(names)
+        for name in names[shift:] + names[:shift]:
+            synchronize()  # an accelerator's queued kernels count, not their launches
+            t0 = clock()
+            steps[name]()
             synchronize()
-            t0 = time.perf_counter()
-            step()
-            synchronize()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            samples[name].append(clock() - t0)
         rounds += 1
-    return {name: round(t * 1e3, 4) for name, t in best.items()}
+    return samples
+
+
+def median_ms(samples: dict[str, list[float]]) -> dict[str, float]:
+    return {name: round(statistics.median(times) * 1e3, 4) for name, times in samples.items() if times}
+
+
+def relative_times(samples: dict[str, list[float]], reference: str) -> dict[str, float]:
+    """Each candidate's time over the reference's in the same round, median over rounds: a round slowed by load
+    slows the candidates of that round alike, and an outlier round does not move a median."""
+    ref = [max(r, 1e-12) for r in samples[reference]]
+    return {name: statistics.median(t / r for t, r in zip(times, ref)) for name, times in samples.items() if times}
+
+
+def fastest(samples: dict[str, list[float]], incumbents: Sequence[str] = (), margin: float = 0.0) -> str | None:
+    """The candidate to keep: the fastest relative to the others round by round (``relative_times``), unless an
+    incumbent (the first present, in order) is within ``margin`` of it: measured noise must not move a choice
+    away from the graph that runs without us. None without candidates."""
+    if not samples:
+        return None
+    relative = relative_times(samples, next(iter(samples)))
+    best = min(relative, key=relative.get)
+    for name in incumbents:
+        if name in relative and relative[name] <= relative[best] * (1 + margin):
+            return name
+    return best
 
 
 # ------------------------------------------------------------------------------------------------
@@ -319,10 +363,10 @@ def tune_regions(gm: fx.GraphModule, args: Sequence[Any], target, training: bool
             else:
                 decision.rejected[f"{node.name}:{impl}"] = why
         budget = max(deadline - time.perf_counter(), 0.0) / (2 * max(len(recorder.recorded), 1))
-        timings = race(steps, budget)
-        decision.timings_ms.update({f"{node.name}:{impl}": ms for impl, ms in timings.items()})
-        decision.regions[node.name] = min(timings, key=timings.get) if timings else node.args[-1]
-    apply_regions(gm, decision.regions)
+        samples = race(steps, budget)
+        decision.timings_ms.update({f"{node.name}:{impl}": ms for impl, ms in median_ms(samples).items()})
+        decision.kernels[node.name] = fastest(samples) or node.args[-1]
+    apply_regions(gm, decision.kernels)
 
 
 def apply_regions(gm: fx.GraphModule, regions: dict[str, str]) -> None:
@@ -372,12 +416,15 @@ def inductor_can_win(rewritten: fx.GraphModule, args: Sequence[Any]) -> bool:
 
 class GraphChooser:
     """The compiled graph: its first call races the candidates on that call's inputs (outside the compile, so
-    that no timing run touches Dynamo's shape environment), keeps the fastest correct one and stores the
-    decision; from then on ``run`` is that candidate itself, called with no wrapper of ours in between."""
+    that no timing run touches Dynamo's shape environment), keeps the fastest correct one (``fastest``: the
+    captured graph unless another wins by ``MARGIN``) and stores the decision, with the regions of the graph
+    the kept candidate runs (``graphs``: by eager candidate name); from then on ``run`` is that candidate itself,
+    called with no wrapper of ours in between."""
 
     def __init__(self, candidates: dict[str, Callable], oracle: Callable, decision: Decision, budget_s: float,
-                 chosen: Callable | None = None):
+                 chosen: Callable | None = None, graphs: dict[str, Callable[[], fx.GraphModule]] | None = None):
         self.candidates, self.oracle, self.decision, self.budget_s = candidates, oracle, decision, budget_s
+        self.graphs = graphs
         # Runs a call that fails, for its error: the rec ops name the table or op at fault.
         self.rec = candidates.get("rec+eager")
         self.run: Callable = chosen or self.first_call
@@ -411,8 +458,11 @@ class GraphChooser:
                 steps[name] = functools.partial(run_step, fn, args, training)
             else:
                 decision.rejected[name] = why
-        decision.timings_ms.update(race(steps, self.budget_s))
-        decision.choice = min(steps, key=decision.timings_ms.get) if steps else "eager"
+        samples = race(steps, self.budget_s)
+        decision.timings_ms.update(median_ms(samples))
+        decision.choice = fastest(samples, INCUMBENTS, MARGIN) or "eager"
+        if decision.choice in steps and self.graphs is not None:
+            decision.regions = graph_regions(self.graphs[graph_of(decision.choice)]())
         store(decision)
         return self.candidates.get(decision.choice, self.oracle or self.rec)  # none correct: the captured graph
 
@@ -474,12 +524,45 @@ def inductor_of(name: str) -> str:
     return "inductor-captured" if name == "eager" else name.replace("rec+eager", "inductor")
 
 
-def graph_builders(graphs: dict[str, Callable[[], fx.GraphModule]],
-                   compile_inductor: Callable[[fx.GraphModule], Callable]) -> dict[str, Callable[[], Callable]]:
+def graph_of(candidate: str) -> str:
+    """The eager candidate whose graph ``candidate`` runs (the inverse of ``inductor_of``)."""
+    if candidate == "inductor-captured":
+        return "eager"
+    return candidate.replace("inductor", "rec+eager", 1) if candidate.startswith("inductor") else candidate
+
+
+def graph_regions(gm: fx.GraphModule) -> dict[str, str]:
+    """The rec op nodes of ``gm`` and the kernel each runs (its ``impl`` argument)."""
+    return {node.name: node.args[-1] for node in gm.graph.nodes if _op_name(node) is not None}
+
+
+def direct_calls(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` calling each rec op's Python function (argument checks, then the kernel) instead of the op (a copy
+    when it has rec ops): run eagerly without autograd, the op adds only its dispatch, about 10 us a call plus
+    a few percent on the MKL GEMMs run inside a dispatched Python kernel (measured on this CPU)."""
+    functions = {node: OPDEFS[node.target._schema.name]._init_fn for node in gm.graph.nodes
+                 if _op_name(node) is not None and node.target._schema.name in OPDEFS}
+    if not functions:
+        return gm
+    graph, env = fx.Graph(), {}
+    for node in gm.graph.nodes:
+        env[node] = graph.node_copy(node, env.__getitem__)
+        if node in functions:
+            env[node].target = functions[node]
+    return fx.GraphModule(gm, graph)
+
+
+def eager_forward(gm: fx.GraphModule, training: bool) -> Callable:
+    """``gm`` run eagerly: through the rec ops when training (their autograd), else calling their functions."""
+    return gm.forward if training else direct_calls(gm).forward
+
+
+def graph_builders(graphs: dict[str, Callable[[], fx.GraphModule]], compile_inductor: Callable[[fx.GraphModule], Callable],
+                   training: bool) -> dict[str, Callable[[], Callable]]:
     """Every whole-graph candidate, unbuilt: each graph run eagerly and through Inductor (compiled when built)."""
     builders = {}
     for name, graph in graphs.items():
-        builders[name] = lambda graph=graph: graph().forward
+        builders[name] = lambda graph=graph: eager_forward(graph(), training)
         builders[inductor_of(name)] = lambda graph=graph: compile_inductor(graph())
     return builders
 
@@ -490,7 +573,7 @@ def fastest_eagerly(graphs: dict[str, Callable[[], fx.GraphModule]], args: Seque
     (it fails again in the race, which keeps its error)."""
     steps = {}
     for name, graph in graphs.items():
-        fn = graph().forward
+        fn = eager_forward(graph(), training)
         try:
             with torch.random.fork_rng():
                 run_step(fn, args, training)
@@ -498,9 +581,9 @@ def fastest_eagerly(graphs: dict[str, Callable[[], fx.GraphModule]], args: Seque
             continue
         steps[name] = functools.partial(run_step, fn, args, training)
     with torch.random.fork_rng():
-        timings = race(steps, budget_s, min_rounds=EAGER_ROUNDS)
-    decision.timings_ms.update({f"eagerly:{name}": ms for name, ms in timings.items()})
-    return min(timings, key=timings.get) if timings else next(iter(graphs))
+        samples = race(steps, budget_s)
+    decision.timings_ms.update({f"eagerly:{name}": ms for name, ms in median_ms(samples).items()})
+    return fastest(samples, INCUMBENTS, MARGIN) or next(iter(graphs))
 
 
 def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: dict, args: Sequence[Any],
@@ -542,12 +625,12 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     training = is_training(rewritten)
     key = graph_key(rewritten, ctx.target.name, training)
     cached = load(key)
-    graphs = candidate_graphs(original, rewritten, ctx, None if random else (cached.regions if cached else {}))
+    graphs = candidate_graphs(original, rewritten, ctx, None if random else (cached.kernels if cached else {}))
     if random and "rec+eager" not in graphs:  # nothing to race but the graph through Inductor
         return compile_inductor(rewritten)
-    builders = graph_builders(graphs, compile_inductor)
+    builders = graph_builders(graphs, compile_inductor, training)
     if cached is not None and cached.choice in builders:
-        apply_regions(rewritten, cached.regions)
+        apply_regions(rewritten, cached.kernels)
         ctx.tuning = cached.to_dict()
         rec = {"rec+eager": rewritten.forward} if "rec+eager" in graphs else {}
         return compiled_graph(GraphChooser(rec, original.forward, cached, 0.0, chosen=builders[cached.choice]()))
@@ -556,10 +639,10 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     args = concrete_inputs(example_inputs)
     if not random:
         tune_regions(rewritten, args, ctx.target, training, decision, start + BUDGET_S / 2)
-        graphs = candidate_graphs(original, rewritten, ctx, decision.regions)
-        builders = graph_builders(graphs, compile_inductor)
+        graphs = candidate_graphs(original, rewritten, ctx, decision.kernels)
+        builders = graph_builders(graphs, compile_inductor, training)
     choose_compiles(graphs, builders, args, decision, training, BUDGET_S / 8)
     ctx.tuning = decision.to_dict()
     budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
     return compiled_graph(GraphChooser(build(builders, decision), None if random else original.forward, decision,
-                                       budget))
+                                       budget, graphs=graphs))

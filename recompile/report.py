@@ -230,6 +230,8 @@ class Report:
             timings = ", ".join(f"{name} {ms:.3f} ms" for name, ms in t["timings_ms"].items())
             source = "cached" if t["cached"] else "measured"
             lines.append(f"autotune graph {t['graph']} ({t['mode']}, {source}): {t['choice']} [{timings}]")
+            ran = ", ".join(f"{node}: {impl}" for node, impl in t["regions"].items())
+            lines.append(f"  regions it runs: {ran or 'none (the captured graph)'}")
             lines.extend(f"  rejected {name}: {why}" for name, why in t["rejected"].items())
         return "\n".join(lines)
 

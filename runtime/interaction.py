@@ -374,6 +374,13 @@ def _cross_stack_reference_kernel(x0, x, weights, biases, downs, save):
 register_kernel("cross_stack", "cpu")(_cross_stack_torch)
 
 
+@register_kernel("cross_stack", "native")
+def _cross_stack_native(x0, x, weights, biases, downs, save):
+    if not native.supports(x0, x, *weights, *biases, *downs):
+        return _cross_stack_torch(x0, x, weights, biases, downs, save)
+    return native.cross_stack(x0, x, weights, biases, downs, save)
+
+
 @register_kernel("cross_stack", "triton")
 def _cross_stack_triton(x0, x, weights, biases, downs, save):
     from runtime.triton_kernels.interaction import cross_stack

@@ -9,6 +9,7 @@ from torch.autograd import gradcheck
 
 from models.ctr import DCNConfig, DCNv2, MixtureCrossLayer
 from models.dlrm import synthetic_batch
+from runtime import interaction_native
 from runtime.interaction import ACTIVATIONS, cross_mixture_reference, cross_stack_reference
 from runtime.kernels import KERNELS
 from tests.test_interaction_pass import _assert_same_training, _regions, pipeline_only
@@ -59,6 +60,52 @@ def test_cross_stack_kernels_forward_and_backward(b, d, layers, rank, bias, impl
     tol = TOL[dtype]
     torch.testing.assert_close((got[0].float(), [g.float() for g in got[1]]), (want[0], list(want[1])),
                                rtol=tol["rtol"], atol=tol["atol"] * d * layers * max(b, 1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(0, 9), d=st.integers(1, 40), layers=st.integers(1, 3), rank=st.sampled_from([None, 1, 3]),
+       bias=st.booleans(), same=st.booleans(), impl=st.sampled_from(["cpu", "native", "reference"]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_cross_stack_inference_kernels(b, d, layers, rank, bias, same, impl, dtype):
+    """Inference calls (save=False): the native kernel pads rows to 16 elements unless d is a multiple of 16,
+    and must return the [B, D] contiguous result its fake promises, also when x is x0."""
+    args, sizes = _stack_args(b, d, layers, rank, bias, dtype)
+    if same:
+        args[1] = args[0]
+    with torch.no_grad():
+        out = _stack_fn(lambda *a: torch.ops.recompile.cross_stack(*a, False, impl), sizes)(*args)
+        want = _stack_fn(cross_stack_reference, sizes)(*[a.float() for a in args])
+    assert out.shape == (b, d) and out.dtype == dtype and out.is_contiguous()
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), want, rtol=tol["rtol"], atol=tol["atol"] * d * layers * max(b, 1))
+
+
+@pytest.mark.skipif(not interaction_native.available(), reason="no C compiler: no native kernel")
+def test_native_stack_sees_weight_updates():
+    """The padded weight copies are remade after an in-place update and after ``.data`` is replaced."""
+    args, sizes = _stack_args(4, 10, 2, None, True)
+    x0, x, *params = args
+    weights, biases = params[:2], params[2:]
+
+    def check():
+        with torch.no_grad():
+            got = torch.ops.recompile.cross_stack(x0, x, weights, biases, [], False, "native")[0]
+        torch.testing.assert_close(got, cross_stack_reference(x0, x, weights, biases, []), rtol=1e-4, atol=1e-4)
+
+    check()
+    weights[0].mul_(2)
+    biases[1].add_(1)
+    check()
+    weights[1].data = torch.randn(10, 10)
+    check()
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_native_stack_opcheck(save):
+    """The padded inference path and the saving one against the op's fake (shapes and strides) and schema."""
+    args, sizes = _stack_args(3, 6, 2, None, True)
+    x0, x, *p = _leaves(*args) if save else args
+    torch.library.opcheck(torch.ops.recompile.cross_stack.default, (x0, x, p[:2], p[2:], [], save, "native"))
 
 
 def _mixture_args(b, d, experts, rank, mid, bias):

@@ -29,6 +29,7 @@ register_lowering(
 register_lowering(
     "recompile::cross_stack",
     Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.cross_stack (per layer tl.dot + epilogue)"),
+    Impl("native", "cpu_kernel", native_runs, "per layer mm (MKL), then csrc/interaction.c: h + b and x0 * (h + b) + x in one pass"),
     Impl("cpu", "cpu_kernel", on_cpu, "per layer addmm (MKL) into the saved h + b, then one addcmul pass"),
     reference("runtime.interaction.cross_stack_reference"),
 )

@@ -260,18 +260,30 @@ void dot_interaction_bwd_##S(const T *grad, int64_t grad_stride, const int64_t *
     }                                                                                                          \
 }
 
+/* One row r of the cross epilogue; BIAS and KEEP_HB are constants, so that the vector loop has no branch. */
+#define CROSS_EPILOGUE_ROW(S, BIAS, KEEP_HB)                                                                   \
+    {                                                                                                          \
+        _Pragma("omp simd")                                                                                    \
+        for (int64_t d = 0; d < D; d++) {                                                                      \
+            float hb = load_##S(h + r + d) + ((BIAS) ? load_##S(bias + d) : 0.f);                              \
+            float xv = load_##S(x + r + d);                                                                    \
+            if (KEEP_HB) store_##S(hb_out + r + d, hb);                                                        \
+            store_##S(out + r + d, load_##S(x0 + r + d) * hb + xv);                                            \
+        }                                                                                                      \
+    }
+
 #define DEFINE_KERNELS(S, T)                                                                                   \
-/* out = x0 * (h + bias) + x, all [B, D] contiguous; bias may be NULL. */                                      \
-void cross_epilogue_fwd_##S(const T *x0, const T *x, const T *h, const T *bias, T *out, int64_t B, int64_t D,   \
-                            int threads) {                                                                     \
+/* out = x0 * (h + bias) + x, all [B, D] contiguous; bias may be NULL; h + bias also into hb unless NULL.      \
+   Each element is read before it is written: out and hb may be h or x (in place). */                          \
+void cross_epilogue_fwd_##S(const T *x0, const T *x, const T *h, const T *bias, T *out, T *hb_out, int64_t B,   \
+                            int64_t D, int threads) {                                                          \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                          \
     for (int64_t b = 0; b < B; b++) {                                                                          \
         const int64_t r = b * D;                                                                               \
-        _Pragma("omp simd")                                                                                    \
-        for (int64_t d = 0; d < D; d++) {                                                                      \
-            float hb = load_##S(h + r + d) + (bias ? load_##S(bias + d) : 0.f);                                \
-            store_##S(out + r + d, load_##S(x0 + r + d) * hb + load_##S(x + r + d));                           \
-        }                                                                                                      \
+        if (bias && hb_out) CROSS_EPILOGUE_ROW(S, 1, 1)                                                        \
+        else if (bias) CROSS_EPILOGUE_ROW(S, 1, 0)                                                             \
+        else if (hb_out) CROSS_EPILOGUE_ROW(S, 0, 1)                                                           \
+        else CROSS_EPILOGUE_ROW(S, 0, 0)                                                                       \
     }                                                                                                          \
 }                                                                                                              \
                                                                                                                \
