@@ -58,15 +58,16 @@ SPECS = {
                          "n": I32, "num_buckets": I32},
                         dict(BUCKET=128, BLOCK=hkv_kernels.BLOCK, CLAIM=True)),
 } | {
-    f"hstu_{kernel.__name__.strip('_')}_{t}": (
-        kernel, {**_ptrs(t, "q_ptr", "k_ptr", "v_ptr", "g_ptr", "out_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "rel_ptr"),
+    f"hstu_{name}_{t}": (
+        kernel, {**_ptrs(t, "q_ptr", "k_ptr", "v_ptr", "g_ptr", "out_ptr", "dk_ptr", "dv_ptr", "rel_ptr"),
                  "drel_ptr": "*fp32", **_ptrs("i32", "offsets_ptr", "tile_seq_ptr", "tile_start_ptr"),
                  **dict.fromkeys(("num_items", "heads", "head_dim", "value_dim", "max_seq_len"), I32),
                  "alpha": "fp32", "inv_norm": "fp32"},
-        dict(CAUSAL=True, HAS_REL=True, BLOCK=jagged_attention.BLOCK, BLOCK_D=64, BLOCK_V=64))
+        dict(CAUSAL=True, HAS_REL=True, BLOCK=jagged_attention.BLOCK, BLOCK_D=64, BLOCK_V=64, **flags))
     for t in ("fp32", "bf16")
-    for kernel in (jagged_attention._hstu_forward_kernel, jagged_attention._hstu_dq_kernel,
-                   jagged_attention._hstu_dkdv_kernel)
+    for name, kernel, flags in (("forward", jagged_attention._query_tiles_kernel, dict(DQ=False)),
+                                ("dq", jagged_attention._query_tiles_kernel, dict(DQ=True)),
+                                ("dkdv", jagged_attention._hstu_dkdv_kernel, {}))
 }
 
 

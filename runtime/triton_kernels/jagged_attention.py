@@ -23,6 +23,28 @@ BLOCK = 16
 
 
 @triton.jit
+def _work_item(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr):
+    """Work item ``item``'s head, its sequence's first row and length, and its tile's first row."""
+    tile = item // heads
+    seq = tl.load(tile_seq_ptr + tile)
+    start = tl.load(offsets_ptr + seq)
+    return item % heads, start, tl.load(offsets_ptr + seq + 1) - start, tl.load(tile_start_ptr + tile)
+
+
+@triton.jit
+def _load_rows(ptr, start, r, r_ok, heads, head, width, cols):
+    """Rows ``r`` (``[BLOCK, BLOCK_W]``, zero past the sequence) of one head of a jagged [total, heads, width]."""
+    return tl.load(ptr + ((start + r)[:, None] * heads + head) * width + cols[None, :],
+                   mask=r_ok[:, None] & (cols[None, :] < width), other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, value, start, r, r_ok, heads, head, width, cols):
+    tl.store(ptr + ((start + r)[:, None] * heads + head) * width + cols[None, :], value.to(ptr.dtype.element_ty),
+             mask=r_ok[:, None] & (cols[None, :] < width))
+
+
+@triton.jit
 def _scores(q, k, m, n, m_ok, n_ok, rel_ptr, max_seq_len, alpha, CAUSAL: tl.constexpr, HAS_REL: tl.constexpr):
     """Scores ``[BLOCK, BLOCK]`` of query rows m against key columns n, and which pairs are kept."""
     s = tl.dot(q, tl.trans(k)) * alpha
@@ -36,40 +58,46 @@ def _scores(q, k, m, n, m_ok, n_ok, rel_ptr, max_seq_len, alpha, CAUSAL: tl.cons
 
 
 @triton.jit
-def _hstu_forward_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, offsets_ptr, tile_seq_ptr, tile_start_ptr, rel_ptr,
+def _score_grads(s, keep, g, v, inv_norm):
+    """``ds = (g v^T) silu'(s) / N`` on the kept pairs."""
+    sig = tl.sigmoid(s)
+    return tl.where(keep, tl.dot(g, tl.trans(v)) * sig * (1 + s * (1 - sig)) * inv_norm, 0.0)
+
+
+@triton.jit
+def _query_tiles_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, out_ptr, offsets_ptr, tile_seq_ptr, tile_start_ptr, rel_ptr,
     num_items, heads, head_dim, value_dim, max_seq_len, alpha, inv_norm,
-    CAUSAL: tl.constexpr, HAS_REL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_REL: tl.constexpr, DQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    """Per query tile, over the key tiles it sees: the forward ``out = p v`` or, with ``DQ``, ``dq = alpha ds k``."""
     dd = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_V)
     rows = tl.arange(0, BLOCK)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        head = item % heads
-        tile = item // heads
-        seq = tl.load(tile_seq_ptr + tile)
-        q_start = tl.load(tile_start_ptr + tile)
-        start = tl.load(offsets_ptr + seq)
-        length = tl.load(offsets_ptr + seq + 1) - start
+        head, start, length, q_start = _work_item(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr)
         m = q_start + rows
         m_ok = m < length
-        q = tl.load(q_ptr + ((start + m)[:, None] * heads + head) * head_dim + dd[None, :],
-                    mask=m_ok[:, None] & (dd[None, :] < head_dim), other=0.0)
-        acc = tl.zeros([BLOCK, BLOCK_V], dtype=tl.float32)
+        q = _load_rows(q_ptr, start, m, m_ok, heads, head, head_dim, dd)
+        if DQ:
+            g = _load_rows(g_ptr, start, m, m_ok, heads, head, value_dim, dv)
+        acc = tl.zeros([BLOCK, BLOCK_D if DQ else BLOCK_V], dtype=tl.float32)
         hi = tl.minimum(q_start + BLOCK, length) if CAUSAL else length
         for n0 in range(0, hi, BLOCK):
             n = n0 + rows
             n_ok = n < length
-            k = tl.load(k_ptr + ((start + n)[:, None] * heads + head) * head_dim + dd[None, :],
-                        mask=n_ok[:, None] & (dd[None, :] < head_dim), other=0.0)
+            k = _load_rows(k_ptr, start, n, n_ok, heads, head, head_dim, dd)
+            v = _load_rows(v_ptr, start, n, n_ok, heads, head, value_dim, dv)
             s, keep = _scores(q, k, m, n, m_ok, n_ok, rel_ptr, max_seq_len, alpha, CAUSAL, HAS_REL)
-            p = tl.where(keep, s * tl.sigmoid(s) * inv_norm, 0.0)
-            v = tl.load(v_ptr + ((start + n)[:, None] * heads + head) * value_dim + dv[None, :],
-                        mask=n_ok[:, None] & (dv[None, :] < value_dim), other=0.0)
-            acc += tl.dot(p.to(v.dtype), v)
-        tl.store(out_ptr + ((start + m)[:, None] * heads + head) * value_dim + dv[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < value_dim))
+            if DQ:
+                acc += tl.dot(_score_grads(s, keep, g, v, inv_norm).to(k.dtype), k)
+            else:
+                acc += tl.dot(tl.where(keep, s * tl.sigmoid(s) * inv_norm, 0.0).to(v.dtype), v)
+        if DQ:
+            _store_rows(out_ptr, acc * alpha, start, m, m_ok, heads, head, head_dim, dd)
+        else:
+            _store_rows(out_ptr, acc, start, m, m_ok, heads, head, value_dim, dv)
 
 
 @triton.jit
@@ -78,46 +106,6 @@ def _diagonal_sums(t, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     on = (i[None, :] - i[:, None] + BLOCK - 1)[None, :, :] == tl.arange(0, 2 * BLOCK)[:, None, None]
     return tl.sum(tl.sum(tl.where(on, t[None, :, :], 0.0), 2), 1)
-
-
-@triton.jit
-def _hstu_dq_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, dq_ptr, offsets_ptr, tile_seq_ptr, tile_start_ptr, rel_ptr,
-    num_items, heads, head_dim, value_dim, max_seq_len, alpha, inv_norm,
-    CAUSAL: tl.constexpr, HAS_REL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    dd = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_V)
-    rows = tl.arange(0, BLOCK)
-    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        head = item % heads
-        tile = item // heads
-        seq = tl.load(tile_seq_ptr + tile)
-        q_start = tl.load(tile_start_ptr + tile)
-        start = tl.load(offsets_ptr + seq)
-        length = tl.load(offsets_ptr + seq + 1) - start
-        m = q_start + rows
-        m_ok = m < length
-        q = tl.load(q_ptr + ((start + m)[:, None] * heads + head) * head_dim + dd[None, :],
-                    mask=m_ok[:, None] & (dd[None, :] < head_dim), other=0.0)
-        g = tl.load(g_ptr + ((start + m)[:, None] * heads + head) * value_dim + dv[None, :],
-                    mask=m_ok[:, None] & (dv[None, :] < value_dim), other=0.0)
-        acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-        hi = tl.minimum(q_start + BLOCK, length) if CAUSAL else length
-        for n0 in range(0, hi, BLOCK):
-            n = n0 + rows
-            n_ok = n < length
-            k = tl.load(k_ptr + ((start + n)[:, None] * heads + head) * head_dim + dd[None, :],
-                        mask=n_ok[:, None] & (dd[None, :] < head_dim), other=0.0)
-            v = tl.load(v_ptr + ((start + n)[:, None] * heads + head) * value_dim + dv[None, :],
-                        mask=n_ok[:, None] & (dv[None, :] < value_dim), other=0.0)
-            s, keep = _scores(q, k, m, n, m_ok, n_ok, rel_ptr, max_seq_len, alpha, CAUSAL, HAS_REL)
-            sig = tl.sigmoid(s)
-            ds = tl.where(keep, tl.dot(g, tl.trans(v)) * sig * (1 + s * (1 - sig)) * inv_norm, 0.0)
-            acc += tl.dot(ds.to(k.dtype), k)
-        tl.store(dq_ptr + ((start + m)[:, None] * heads + head) * head_dim + dd[None, :],
-                 (acc * alpha).to(dq_ptr.dtype.element_ty), mask=m_ok[:, None] & (dd[None, :] < head_dim))
 
 
 @triton.jit
@@ -132,42 +120,30 @@ def _hstu_dkdv_kernel(
     rows = tl.arange(0, BLOCK)
     diagonals = tl.arange(0, 2 * BLOCK)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        head = item % heads
-        tile = item // heads
-        seq = tl.load(tile_seq_ptr + tile)
-        k_start = tl.load(tile_start_ptr + tile)
-        start = tl.load(offsets_ptr + seq)
-        length = tl.load(offsets_ptr + seq + 1) - start
+        head, start, length, k_start = _work_item(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr)
         n = k_start + rows
         n_ok = n < length
-        k = tl.load(k_ptr + ((start + n)[:, None] * heads + head) * head_dim + dd[None, :],
-                    mask=n_ok[:, None] & (dd[None, :] < head_dim), other=0.0)
-        v = tl.load(v_ptr + ((start + n)[:, None] * heads + head) * value_dim + dv[None, :],
-                    mask=n_ok[:, None] & (dv[None, :] < value_dim), other=0.0)
+        k = _load_rows(k_ptr, start, n, n_ok, heads, head, head_dim, dd)
+        v = _load_rows(v_ptr, start, n, n_ok, heads, head, value_dim, dv)
         dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
         dvv = tl.zeros([BLOCK, BLOCK_V], dtype=tl.float32)
         lo = k_start if CAUSAL else 0
         for m0 in range(lo, length, BLOCK):
             m = m0 + rows
             m_ok = m < length
-            q = tl.load(q_ptr + ((start + m)[:, None] * heads + head) * head_dim + dd[None, :],
-                        mask=m_ok[:, None] & (dd[None, :] < head_dim), other=0.0)
-            g = tl.load(g_ptr + ((start + m)[:, None] * heads + head) * value_dim + dv[None, :],
-                        mask=m_ok[:, None] & (dv[None, :] < value_dim), other=0.0)
+            q = _load_rows(q_ptr, start, m, m_ok, heads, head, head_dim, dd)
+            g = _load_rows(g_ptr, start, m, m_ok, heads, head, value_dim, dv)
             s, keep = _scores(q, k, m, n, m_ok, n_ok, rel_ptr, max_seq_len, alpha, CAUSAL, HAS_REL)
-            sig = tl.sigmoid(s)
-            p = tl.where(keep, s * sig * inv_norm, 0.0)
+            p = tl.where(keep, s * tl.sigmoid(s) * inv_norm, 0.0)
             dvv += tl.dot(tl.trans(p).to(g.dtype), g)
-            ds = tl.where(keep, tl.dot(g, tl.trans(v)) * sig * (1 + s * (1 - sig)) * inv_norm, 0.0)
+            ds = _score_grads(s, keep, g, v, inv_norm)
             dk += tl.dot(tl.trans(ds).to(q.dtype), q)
             if HAS_REL:  # one atomic add per diagonal of the tile, not per pair
                 at = max_seq_len - 1 + k_start - m0 - (BLOCK - 1) + diagonals
                 tl.atomic_add(drel_ptr + at, _diagonal_sums(ds, BLOCK),
                               mask=(diagonals < 2 * BLOCK - 1) & (at >= 0) & (at < 2 * max_seq_len - 1))
-        tl.store(dk_ptr + ((start + n)[:, None] * heads + head) * head_dim + dd[None, :],
-                 (dk * alpha).to(dk_ptr.dtype.element_ty), mask=n_ok[:, None] & (dd[None, :] < head_dim))
-        tl.store(dv_ptr + ((start + n)[:, None] * heads + head) * value_dim + dv[None, :],
-                 dvv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None] & (dv[None, :] < value_dim))
+        _store_rows(dk_ptr, dk * alpha, start, n, n_ok, heads, head, head_dim, dd)
+        _store_rows(dv_ptr, dvv, start, n, n_ok, heads, head, value_dim, dv)
 
 
 def _tiles(offsets: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,9 +179,9 @@ def hstu_attention_forward(q, k, v, offsets, max_seq_len, alpha, causal, rel_bia
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     rel = rel_bias.contiguous() if rel_bias is not None else q.new_zeros(1)
     grid = (min(num_programs(q.device), num_items),)
-    _hstu_forward_kernel[grid](
-        q, k, v, out, offsets, tile_seq, tile_start, rel, num_items, q.shape[1], q.shape[2], v.shape[2], max_seq_len,
-        alpha, 1.0 / max_seq_len, CAUSAL=causal, HAS_REL=rel_bias is not None, **_blocks(q, v),
+    _query_tiles_kernel[grid](
+        q, k, v, v, out, offsets, tile_seq, tile_start, rel, num_items, q.shape[1], q.shape[2], v.shape[2],
+        max_seq_len, alpha, 1.0 / max_seq_len, CAUSAL=causal, HAS_REL=rel_bias is not None, DQ=False, **_blocks(q, v),
     )
     return out
 
@@ -225,6 +201,6 @@ def hstu_attention_backward(grad, q, k, v, offsets, max_seq_len, alpha, causal, 
         common = (offsets, tile_seq, tile_start, rel, num_items, q.shape[1], q.shape[2], v.shape[2], max_seq_len,
                   alpha, 1.0 / max_seq_len)
         flags = dict(CAUSAL=causal, HAS_REL=rel_bias is not None, **_blocks(q, v))
-        _hstu_dq_kernel[grid](q, k, v, grad, dq, *common, **flags)
+        _query_tiles_kernel[grid](q, k, v, grad, dq, *common, DQ=True, **flags)
         _hstu_dkdv_kernel[grid](q, k, v, grad, dk, dv, drel if drel is not None else rel, *common, **flags)
     return dq, dk, dv, None if drel is None else drel.to(rel_bias.dtype)
