@@ -34,7 +34,7 @@ PAIRS = {
         "--sampled-negatives": [256, 1024],
     }),
     "two_tower": (("two_tower_mol", "two_tower"), "HR@10", ["--batch-size", "256", "--max-len", "20"], {
-        "--epochs": [3, 10],
+        "--epochs": [3, 6],
         "--sampled-negatives": [128, 1024],
     }),
 }
