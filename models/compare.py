@@ -34,7 +34,8 @@ METRICS = (f"HR@{K}", f"NDCG@{K}")
 # The two-tower model trains on (user, item) pairs, one per training interaction: fewer epochs, a larger batch,
 # the 20 most recent items as the user's history, fewer sampled negatives (both heads alike; chosen on the
 # validation item).
-TWO_TOWER_ARGS = ["--epochs", "3", "--batch-size", "256", "--max-len", "20", "--sampled-negatives", "128"]
+TWO_TOWER_ARGS = ["--epochs", "3", "--batch-size", "256", "--max-len", "20", "--sampled-negatives", "128",
+                  "--lr-schedule", "constant", "--warmup-steps", "0"]
 # Each model's own settings on top of the shared ones (chosen on the validation item by models.tune).
 MODEL_ARGS = {"hstu": [], "sasrec": [], "two_tower": TWO_TOWER_ARGS, "two_tower_mol": TWO_TOWER_ARGS}
 

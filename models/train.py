@@ -301,12 +301,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--in-batch-negatives", type=int, default=0,
                    help="sequential models: negatives drawn from the batch's targets (popularity-biased: no logQ "
                         "correction, so they penalise popular items)")
-    p.add_argument("--sampled-negatives", type=int, default=256, help="uniformly sampled negatives")
+    p.add_argument("--sampled-negatives", type=int, default=1024, help="uniformly sampled negatives")
     p.add_argument("--temperature", type=float, default=0.05, help="softmax temperature (sequential and two-tower)")
     p.add_argument("--mol-components", type=int, default=4, help="two_tower_mol: user and item components each")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's decoupled weight decay")
-    p.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"))
-    p.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warmup")
+    p.add_argument("--lr-schedule", default="cosine", choices=("constant", "cosine"))
+    p.add_argument("--warmup-steps", type=int, default=100, help="linear learning-rate warmup")
     p.add_argument("--device", default="cpu", help="sequential and two-tower models: torch device to train on")
     p.add_argument("--eval-split", default="test", choices=D.EVAL_SPLITS,
                    help="held-out item to rank: valid (second-to-last, for choosing settings) or test (last)")

@@ -33,7 +33,8 @@ PAIRS = {
         "--num-layers": [2, 4],
         "--sampled-negatives": [256, 1024],
     }),
-    "two_tower": (("two_tower_mol", "two_tower"), "HR@10", ["--batch-size", "256", "--max-len", "20"], {
+    "two_tower": (("two_tower_mol", "two_tower"), "HR@10", ["--batch-size", "256", "--max-len", "20",
+                                                            "--lr-schedule", "constant", "--warmup-steps", "0"], {
         "--epochs": [3, 6],
         "--sampled-negatives": [128, 1024],
     }),
@@ -45,13 +46,14 @@ def tail(epochs: int) -> int:
     return max(1, round(0.15 * epochs))
 
 
-def points(grid: dict[str, list]) -> list[dict]:
+def points(grid: dict[str, list], shared: list[str]) -> list[dict]:
     """The grid's points; with a constant schedule, the epoch counts collapse into one run of the longest."""
     options = [k for k in grid if k != "--epochs"]
+    shared_schedule = train_parser().parse_args(shared).lr_schedule
     out = []
     for values in itertools.product(*(grid[k] for k in options)):
         point = dict(zip(options, values))
-        counts = grid["--epochs"] if point.get("--lr-schedule", "constant") == "constant" else None
+        counts = grid["--epochs"] if point.get("--lr-schedule", shared_schedule) == "constant" else None
         if counts is None:
             out += [{**point, "--epochs": e, "counts": [e]} for e in grid["--epochs"]]
         else:
@@ -79,7 +81,7 @@ def key(point: dict) -> str:
 def run_grid(args, models, shared, grid) -> list[dict]:
     """Every (point, model, seed), the points in grid order so that a budget cut leaves whole points."""
     deadline = time.time() + args.budget_s
-    todo = [(p, m, s) for p in points(grid) for s in args.seeds for m in models]
+    todo = [(p, m, s) for p in points(grid, shared) for s in args.seeds for m in models]
     jobs = [(["--model", m, "--seed", str(s), "--eval-split", "valid", "--eval-every-epoch", "--quiet",
               "--backend", "eager", *shared, *args.train_args, *as_argv(p)], deadline) for p, m, s in todo]
     with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"), initializer=compare._init_worker,

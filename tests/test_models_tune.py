@@ -9,7 +9,9 @@ from models import train, tune
 
 def test_points_collapse_epoch_counts_only_under_a_constant_schedule():
     grid = {"--epochs": [10, 20], "--lr-schedule": ["constant", "cosine"], "--dropout": [0.2]}
-    points = tune.points(grid)
+    points = tune.points(grid, [])
+    assert len(tune.points({"--epochs": [10, 20], "--dropout": [0.2]}, ["--lr-schedule", "cosine"])) == 2
+    assert len(tune.points({"--epochs": [10, 20], "--dropout": [0.2]}, ["--lr-schedule", "constant"])) == 1
     constant = [p for p in points if p["--lr-schedule"] == "constant"]
     cosine = [p for p in points if p["--lr-schedule"] == "cosine"]
     assert constant == [{"--lr-schedule": "constant", "--dropout": 0.2, "--epochs": 20, "counts": [10, 20]}]
