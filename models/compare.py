@@ -151,11 +151,13 @@ def main(argv: list[str] | None = None) -> dict:
     settings = train_parser().parse_args(train_argv)
     common = ["--backend", args.backend, "--eval-split", args.eval_split, "--quiet", *train_argv]
     own = {**MODEL_ARGS, **{m: a.split() for m, a in args.model_args}}
-    print(f"Quality on MovieLens-100k, {args.eval_split} item, full ranking; seeds {args.seeds}; shared: "
-          f"{settings.epochs} epochs, dim {settings.dim}, max_len {settings.max_len}, lr {settings.lr}, "
-          f"{settings.sampled_negatives} sampled negatives, temperature {settings.temperature}; "
-          + "; ".join(f"{LABELS[m]}: {' '.join(own[m])}" for m in args.models if own[m])
-          + f"; {args.backend}, {args.workers} workers x 1 thread", flush=True)
+    parts = [f"shared: {settings.epochs} epochs, dim {settings.dim}, max_len {settings.max_len}, lr {settings.lr} "
+             f"({settings.lr_schedule}, {settings.warmup_steps} warmup steps), {settings.sampled_negatives} sampled "
+             f"negatives, temperature {settings.temperature}",
+             *(f"{LABELS[m]}: {' '.join(own[m])}" for m in args.models if own[m]),
+             f"{args.backend}, {args.workers} workers x 1 thread"]
+    print(f"Quality on MovieLens-100k, {args.eval_split} item, full ranking; seeds {args.seeds}; " + "; ".join(parts),
+          flush=True)
     start = time.perf_counter()
     by_model = train_runs(args, common, own)
 
