@@ -32,9 +32,12 @@ LABELS = {"hstu": "HSTU", "sasrec": "SASRec", "two_tower": "two-tower dot", "two
 K = 10
 METRICS = (f"HR@{K}", f"NDCG@{K}")
 # The two-tower model trains on (user, item) pairs, one per training interaction: fewer epochs, a larger batch,
-# the 20 most recent items as the user's history, fewer sampled negatives (both heads alike; chosen on the
-# validation item).
-TWO_TOWER_ARGS = ["--epochs", "3", "--batch-size", "256", "--max-len", "20", "--sampled-negatives", "128"]
+# the 20 most recent items as the user's history, a constant learning rate (both heads alike; the epochs and
+# negatives chosen on the validation item by models.tune).
+TWO_TOWER_ARGS = ["--epochs", "6", "--batch-size", "256", "--max-len", "20", "--sampled-negatives", "1024",
+                  "--lr-schedule", "constant", "--warmup-steps", "0"]
+# Each model's own settings on top of the shared ones (chosen on the validation item by models.tune).
+MODEL_ARGS = {"hstu": [], "sasrec": [], "two_tower": TWO_TOWER_ARGS, "two_tower_mol": TWO_TOWER_ARGS}
 
 
 @dataclass(frozen=True)
@@ -86,14 +89,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-split", default="test", choices=D.EVAL_SPLITS,
                    help="valid to choose settings; test (the default) to report them")
     p.add_argument("--workers", type=int, default=2, help="training runs at once, one thread each")
+    p.add_argument("--model-args", nargs=2, action="append", default=[], metavar=("MODEL", "ARGS"),
+                   help="replace MODEL's own settings (MODEL_ARGS) by ARGS, one string of models.train options")
     p.add_argument("--json", help="write the results here")
     return p
 
 
-def train_runs(args, common: list[str]) -> dict[str, list[dict]]:
-    """model -> its runs, one per seed, ``args.workers`` at a time."""
-    jobs = [["--model", m, "--seed", str(s), *common, *(TWO_TOWER_ARGS if m.startswith("two_tower") else [])]
-            for m in args.models for s in args.seeds]
+def train_runs(args, common: list[str], own: dict[str, list[str]]) -> dict[str, list[dict]]:
+    """model -> its runs, one per seed, ``args.workers`` at a time; ``own``: each model's own settings."""
+    jobs = [["--model", m, "--seed", str(s), *common, *own[m]] for m in args.models for s in args.seeds]
     with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"), initializer=_init_worker,
                              initargs=(1,)) as pool:
         runs = list(pool.map(_train, jobs))
@@ -146,12 +150,16 @@ def main(argv: list[str] | None = None) -> dict:
     train_argv = ["--data", "ml-100k", "--epochs", str(args.epochs), *train_argv]
     settings = train_parser().parse_args(train_argv)
     common = ["--backend", args.backend, "--eval-split", args.eval_split, "--quiet", *train_argv]
-    print(f"Quality on MovieLens-100k, {args.eval_split} item, full ranking; seeds {args.seeds}; HSTU and SASRec "
-          f"{settings.epochs} epochs, dim {settings.dim}, max_len {settings.max_len}, lr {settings.lr}, "
-          f"{settings.sampled_negatives} sampled negatives, temperature {settings.temperature} (two-tower: "
-          f"{' '.join(TWO_TOWER_ARGS)}); {args.backend}, {args.workers} workers x 1 thread", flush=True)
+    own = {**MODEL_ARGS, **{m: a.split() for m, a in args.model_args}}
+    parts = [f"shared: {settings.epochs} epochs, dim {settings.dim}, max_len {settings.max_len}, lr {settings.lr} "
+             f"({settings.lr_schedule}, {settings.warmup_steps} warmup steps), {settings.sampled_negatives} sampled "
+             f"negatives, temperature {settings.temperature}",
+             *(f"{LABELS[m]}: {' '.join(own[m])}" for m in args.models if own[m]),
+             f"{args.backend}, {args.workers} workers x 1 thread"]
+    print(f"Quality on MovieLens-100k, {args.eval_split} item, full ranking; seeds {args.seeds}; " + "; ".join(parts),
+          flush=True)
     start = time.perf_counter()
-    by_model = train_runs(args, common)
+    by_model = train_runs(args, common, own)
 
     split = D.leave_one_out(D.load_ratings())
     baseline_ranks = popularity_ranks(split, args.eval_split)
@@ -166,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs = [r for model_runs in by_model.values() for r in model_runs]
     print(f"\n{len(runs)} training runs in {elapsed / 60:.1f} min")
     out = {"eval_split": args.eval_split, "seeds": args.seeds, "backend": args.backend, "settings": vars(settings),
-           "summary": summary, "bars": comparisons, "runs": [{k: r[k] for k in r if k != "ranks"} for r in runs],
+           "model_args": own, "summary": summary, "bars": comparisons, "runs": [{k: r[k] for k in r if k != "ranks"} for r in runs],
            "seconds": elapsed}
     if args.json:
         write_json(args.json, out)

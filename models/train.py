@@ -102,24 +102,45 @@ class Run:
         }
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, compute_loss) -> float:
+def optimizer_step(optimizer: torch.optim.Optimizer, compute_loss, scheduler=None) -> float:
     optimizer.zero_grad()
     loss = compute_loss()
     loss.backward()
     optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
     return loss.item()
 
 
+def make_optimizer(args, parameters, total_steps: int):
+    """AdamW (plain Adam at weight decay 0) and the learning-rate schedule: constant, or cosine decay to 0,
+    either after ``--warmup-steps`` of linear warmup."""
+    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=args.weight_decay)
+    warmup = args.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if args.lr_schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
+        return 1.0
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, dict]:
+    heads = args.num_heads
     encoder = sequential_encoder(args.model, split.num_items, dim=args.dim, max_len=args.max_len,
-                                 num_layers=args.num_layers, dropout=args.dropout)
+                                 num_layers=args.num_layers, num_heads=heads, dropout=args.dropout,
+                                 **({"attn_dim": args.dim // heads, "linear_dim": args.dim // heads}
+                                    if args.model == "hstu" else {}))
     fmt = encoder.input_format
-    task = NextItemTask(encoder, temperature=args.temperature)
+    task = NextItemTask(encoder, temperature=args.temperature).to(args.device)
     step_fn = compile_for(task, args.backend)
-    optimizer = torch.optim.Adam(task.parameters(), lr=args.lr)
     windows = D.training_windows(split.train, args.max_len)
     g = torch.Generator().manual_seed(args.seed)
     num_batches = math.ceil(len(windows) / args.batch_size)
+    optimizer, scheduler = make_optimizer(args, task.parameters(), num_batches * args.epochs)
     ranks = lambda: sequential_ranks(task, split, fmt, args.max_len, args.eval_split)  # noqa: E731
     for epoch in range(args.epochs):
         task.train()
@@ -128,8 +149,8 @@ def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, d
             inputs, targets = D.next_item_batch(windows, rows, fmt, args.max_len)
             negatives = D.sample_negatives(targets.flatten(), args.in_batch_negatives, split.num_items,
                                            args.sampled_negatives, g)
-            batch = mark_sequence_dynamic((targets, negatives, *inputs))
-            bar.update(run.step(lambda: optimizer_step(optimizer, lambda: step_fn(*batch)), len(rows)))
+            batch = mark_sequence_dynamic(tuple(t.to(args.device) for t in (targets, negatives, *inputs)))
+            bar.update(run.step(lambda: optimizer_step(optimizer, lambda: step_fn(*batch), scheduler), len(rows)))
             if run.finished:
                 return task, None
         run.end_epoch(ranks if args.eval_every_epoch else None)
@@ -154,20 +175,21 @@ def sequential_ranks(task: NextItemTask, split: D.LeaveOneOut, fmt: str, max_len
     ranks = []
     for rows in D.batches(len(targets), 256):
         inputs, last = D.history_inputs(history, rows, fmt, max_len)
-        users = task.user_embeddings(*inputs, last=last)
-        ranks.append(target_ranks(users @ items.t(), torch.from_numpy(targets[rows])))
+        users = task.user_embeddings(*(t.to(items.device) for t in inputs), last=last.to(items.device))
+        ranks.append(target_ranks(users @ items.t(), torch.from_numpy(targets[rows]).to(items.device)).cpu())
     return torch.cat(ranks)
 
 
 def train_two_tower(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, dict]:
     num_users = len(split.train)
-    model = two_tower(args.model, num_users, split.num_items, args.dim)
-    task = InBatchSoftmaxTask(model)
+    model = two_tower(args.model, num_users, split.num_items, args.dim, temperature=args.temperature,
+                      components=args.mol_components)
+    task = InBatchSoftmaxTask(model).to(args.device)
     step_fn = compile_for(task, args.backend)
-    optimizer = torch.optim.Adam(task.parameters(), lr=args.lr)
     pairs = D.user_item_pairs(split.train, args.max_len)
     g = torch.Generator().manual_seed(args.seed)
     num_batches = math.ceil(len(pairs.users) / args.batch_size)
+    optimizer, scheduler = make_optimizer(args, task.parameters(), num_batches * args.epochs)
     ranks = lambda: two_tower_ranks(model, split, args.max_len, args.eval_split)  # noqa: E731
     for epoch in range(args.epochs):
         task.train()
@@ -176,10 +198,10 @@ def train_two_tower(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, di
             history, offsets = D.bags([pairs.history[r] for r in rows])
             positives = pairs.items[rows]
             negatives = torch.randint(1, split.num_items + 1, (args.sampled_negatives,), generator=g)
-            batch = (pairs.users[rows], history, offsets, positives, negatives)
+            batch = tuple(t.to(args.device) for t in (pairs.users[rows], history, offsets, positives, negatives))
             for tensor in batch[:4]:
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
-            bar.update(run.step(lambda: optimizer_step(optimizer, lambda: step_fn(*batch)), len(rows)))
+            bar.update(run.step(lambda: optimizer_step(optimizer, lambda: step_fn(*batch), scheduler), len(rows)))
             if run.finished:
                 return task, None
         run.end_epoch(ranks if args.eval_every_epoch else None)
@@ -190,12 +212,13 @@ def train_two_tower(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, di
 def two_tower_ranks(model, split: D.LeaveOneOut, history_len: int, which: str = "test") -> torch.Tensor:
     model.eval()
     history, targets = split.held_out(which)
-    items = torch.arange(1, split.num_items + 1)
+    device = model.item_emb.weight.device
+    items = torch.arange(1, split.num_items + 1, device=device)
     ranks = []
     for rows in D.batches(len(targets), 128):
         bags, offsets = D.bags([history.items[r][-history_len:] for r in rows])
-        scores = model(torch.from_numpy(rows), bags, offsets, items)
-        ranks.append(target_ranks(scores, torch.from_numpy(targets[rows])))
+        scores = model(torch.from_numpy(rows).to(device), bags.to(device), offsets.to(device), items)
+        ranks.append(target_ranks(scores, torch.from_numpy(targets[rows]).to(device)).cpu())
     return torch.cat(ranks)
 
 
@@ -275,12 +298,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dim", type=int, default=64, help="embedding size (sequential and two-tower models)")
     p.add_argument("--max-len", type=int, default=100, help="history length (sequential and two-tower models)")
     p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-heads", type=int, default=2, help="sequential models (HSTU: q/k/u/v dims dim / heads)")
     p.add_argument("--dropout", type=float, default=0.2)
     p.add_argument("--in-batch-negatives", type=int, default=0,
                    help="sequential models: negatives drawn from the batch's targets (popularity-biased: no logQ "
                         "correction, so they penalise popular items)")
-    p.add_argument("--sampled-negatives", type=int, default=256, help="uniformly sampled negatives")
-    p.add_argument("--temperature", type=float, default=0.05, help="softmax temperature (sequential models)")
+    p.add_argument("--sampled-negatives", type=int, default=1024, help="uniformly sampled negatives")
+    p.add_argument("--temperature", type=float, default=0.05, help="softmax temperature (sequential and two-tower)")
+    p.add_argument("--mol-components", type=int, default=4, help="two_tower_mol: user and item components each")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's decoupled weight decay")
+    p.add_argument("--lr-schedule", default="cosine", choices=("constant", "cosine"))
+    p.add_argument("--warmup-steps", type=int, default=100, help="linear learning-rate warmup")
+    p.add_argument("--device", default="cpu", help="sequential and two-tower models: torch device to train on")
     p.add_argument("--eval-split", default="test", choices=D.EVAL_SPLITS,
                    help="held-out item to rank: valid (second-to-last, for choosing settings) or test (last)")
     p.add_argument("--eval-every-epoch", action="store_true",

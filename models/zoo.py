@@ -226,6 +226,8 @@ def sequential_encoder(name: str, num_items: int, **config) -> nn.Module:
     return model_cls(replace(config_cls(num_items=num_items), **config))
 
 
-def two_tower(name: str, num_users: int, num_items: int, dim: int) -> TwoTower:
+def two_tower(name: str, num_users: int, num_items: int, dim: int, temperature: float = 0.05,
+              components: int = 4) -> TwoTower:
     return TwoTower(TwoTowerConfig(num_users=num_users, num_items=num_items, dim=dim, tower=[2 * dim, dim],
-                                   head=TWO_TOWER_HEADS[name]))
+                                   head=TWO_TOWER_HEADS[name], temperature=temperature,
+                                   user_components=components, item_components=components))
