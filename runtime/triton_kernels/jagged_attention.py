@@ -167,40 +167,41 @@ def _blocks(q, v) -> dict:
                 BLOCK_V=max(16, triton.next_power_of_2(v.shape[2])))
 
 
-def hstu_attention_forward(q, k, v, offsets, max_seq_len, alpha, causal, rel_bias):
-    """Jagged HSTU attention (no targets, contextual prefix or time bias) -> ``[total, H, Dv]``."""
+def _launch(q, v, offsets, max_seq_len, alpha, causal, rel_bias):
+    """The grid, the arguments every kernel takes after its tensors, and the constexprs; None without work."""
     _check_size(q, v, max_seq_len)
     offsets = offsets.to(torch.int32)
     tile_seq, tile_start = _tiles(offsets, q.device)
-    out = torch.empty_like(v)
     num_items = tile_seq.numel() * q.shape[1]
     if num_items == 0:
-        return out
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return None
     rel = rel_bias.contiguous() if rel_bias is not None else q.new_zeros(1)
     grid = (min(num_programs(q.device), num_items),)
-    _query_tiles_kernel[grid](
-        q, k, v, v, out, offsets, tile_seq, tile_start, rel, num_items, q.shape[1], q.shape[2], v.shape[2],
-        max_seq_len, alpha, 1.0 / max_seq_len, CAUSAL=causal, HAS_REL=rel_bias is not None, DQ=False, **_blocks(q, v),
-    )
+    common = (offsets, tile_seq, tile_start, rel, num_items, q.shape[1], q.shape[2], v.shape[2], max_seq_len, alpha,
+              1.0 / max_seq_len)
+    return grid, common, dict(CAUSAL=causal, HAS_REL=rel_bias is not None, **_blocks(q, v))
+
+
+def hstu_attention_forward(q, k, v, offsets, max_seq_len, alpha, causal, rel_bias):
+    """Jagged HSTU attention (no targets, contextual prefix or time bias) -> ``[total, H, Dv]``."""
+    out = torch.empty_like(v)
+    launch = _launch(q, v, offsets, max_seq_len, alpha, causal, rel_bias)
+    if launch is not None:
+        grid, common, flags = launch
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        _query_tiles_kernel[grid](q, k, v, v, out, *common, DQ=False, **flags)
     return out
 
 
 def hstu_attention_backward(grad, q, k, v, offsets, max_seq_len, alpha, causal, rel_bias):
     """``(dq, dk, dv, drel)`` of :func:`hstu_attention_forward` (drel None without a relative bias)."""
-    _check_size(q, v, max_seq_len)
-    offsets = offsets.to(torch.int32)
-    tile_seq, tile_start = _tiles(offsets, q.device)
     q, k, v, grad = q.contiguous(), k.contiguous(), v.contiguous(), grad.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     drel = None if rel_bias is None else torch.zeros(rel_bias.shape, dtype=torch.float32, device=q.device)
-    num_items = tile_seq.numel() * q.shape[1]
-    if num_items:
-        rel = rel_bias.contiguous() if rel_bias is not None else q.new_zeros(1)
-        grid = (min(num_programs(q.device), num_items),)
-        common = (offsets, tile_seq, tile_start, rel, num_items, q.shape[1], q.shape[2], v.shape[2], max_seq_len,
-                  alpha, 1.0 / max_seq_len)
-        flags = dict(CAUSAL=causal, HAS_REL=rel_bias is not None, **_blocks(q, v))
+    launch = _launch(q, v, offsets, max_seq_len, alpha, causal, rel_bias)
+    if launch is not None:
+        grid, common, flags = launch
         _query_tiles_kernel[grid](q, k, v, grad, dq, *common, DQ=True, **flags)
-        _hstu_dkdv_kernel[grid](q, k, v, grad, dk, dv, drel if drel is not None else rel, *common, **flags)
+        # without a bias the kernel never reads its drel pointer
+        _hstu_dkdv_kernel[grid](q, k, v, grad, dk, dv, dq if drel is None else drel, *common, **flags)
     return dq, dk, dv, None if drel is None else drel.to(rel_bias.dtype)
