@@ -355,9 +355,11 @@ def compile_count(name: str, size: str, device: torch.device) -> int:
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("rec_ascend")
-    model = torch.compile(MODELS[name](size).model.to(device), backend=counter)
+    model = None
     for batch in COMPILE_BATCHES:
         workload = MODELS[name](size, batch=batch).to(device)
+        if model is None:  # one model (the first batch's), fed every batch's inputs
+            model = torch.compile(workload.model, backend=counter)
         with torch.no_grad():
             model(*workload.mark_dynamic())
     return counter.frame_count
