@@ -81,7 +81,7 @@ def test_wrong_kernel_is_rejected_even_when_fastest(_cache, monkeypatch):
         out = torch.compile(model, backend="rec_ascend")(x)
     torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
     [decision] = _decisions(_cache)
-    assert set(decision["kernels"].values()) == {"reference"}
+    assert set(decision["kernels"].values()) <= set(KERNELS["cross_stack"]) - {"cpu"}  # any correct kernel may win
     assert all("differs from the reference" in why for name, why in decision["rejected"].items() if ":cpu" in name)
     assert sum(":cpu" in name for name in decision["rejected"]) == 1
 
