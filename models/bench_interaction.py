@@ -125,7 +125,8 @@ def _mixture_case(batch: int):
     biases = [expert[4].bias for expert in layer.experts]
     impl = choose("recompile::cross_mixture", detect_target("cpu")).impl
     return (lambda: layer(x0, x),
-            lambda: torch.ops.recompile.cross_mixture(x0, x, layer.gate.weight, *experts, biases, "relu", impl), [x0, x])
+            lambda: torch.ops.recompile.cross_mixture(x0, x, layer.gate.weight, *experts, biases, "relu",
+                                                      torch.is_grad_enabled(), impl)[0], [x0, x])
 
 
 OP_CASES = {"dot_interaction": _dot_case, "cross_stack": _cross_case, "cross_mixture": _mixture_case}

@@ -12,8 +12,9 @@
 - ``cross_stack(x0, x, weights, biases, downs, save)``: L cross layers in a row over one ``x0`` (DCN-v2's
   cross stack), full or low rank, biases all or none; returns ``(x_L, saved)``, ``saved`` the per-layer
   results the backward reads (not differentiable; none unless ``save``: an inference graph keeps nothing).
-- ``cross_mixture(x0, x, gate, downs, mids, ups, biases, activation)``: one DCN-Mix layer (TorchRec's
-  ``LowRankMixtureCrossNet``), ``sum_e softmax(x G^T)_e * x0 * (U_e act(C_e act(V_e x)) + b_e) + x``.
+- ``cross_mixture(x0, x, gate, downs, mids, ups, biases, activation, save)``: one DCN-Mix layer (TorchRec's
+  ``LowRankMixtureCrossNet``), ``sum_e softmax(x G^T)_e * x0 * (U_e act(C_e act(V_e x)) + b_e) + x``; returns
+  ``(out, saved)``, ``saved`` the gates and the experts' intermediates the backward reads (as ``cross_stack``).
 - ``fm_second_order(v, reduce)``: the factorisation-machine second order term over ``v`` ``[B, F, D]``,
   ``0.5 * ((sum_f v)^2 - sum_f v^2)`` per dimension ``[B, D]``, or summed over D to ``[B, 1]``
   (``reduce``; the flattened TorchRec ``FactorizationMachine`` is ``v = x.unsqueeze(-1)`` with ``reduce``).
@@ -506,13 +507,11 @@ def cross_mixture_reference(x0, x, gate, downs, mids, ups, biases, activation):
     return out
 
 
-register_kernel("cross_mixture", "reference")(cross_mixture_reference)
-
-
-def _mixture_forward(x0, x, gate, downs, mids, ups, biases, activation):
+def _mixture_forward(x0, x, gate, downs, mids, ups, biases, activation, save=True):
     """All experts in three matmuls: ``x [V_1; ...; V_E]^T``, the C_e as one bmm, and the U_e as one matmul over
     the gate-scaled ranks (``sum_e g_e z_e U_e^T = (g * z) [U_1 ... U_E]^T``); biases as ``g [b_1; ...]``, then
-    ``x0 * y + x`` in one addcmul. Returns (out, the intermediates the backward reads)."""
+    ``x0 * y + x`` in one addcmul. Returns (out, saved): with ``save`` the gates ``[B, E]``, the pre-activations
+    ``a = x V^T`` ``[B, E, r]``, ``y`` ``[B, D]`` and, with ``mids``, ``c = act(a) C^T`` ``[B, E, r]``."""
     act = ACTIVATIONS[activation].fn
     batch, experts, rank = x.shape[0], len(downs), downs[0].shape[0]
     gates = torch.softmax(torch.mm(x, gate.t()), 1)
@@ -523,19 +522,31 @@ def _mixture_forward(x0, x, gate, downs, mids, ups, biases, activation):
     y = torch.mm((z2 * gates.unsqueeze(2)).reshape(batch, experts * rank), torch.cat(ups, 1).t())
     if biases:
         y = torch.addmm(y, gates, torch.stack(biases))
-    return torch.addcmul(x, x0, y), (gates, a, z1, c, z2, y)
+    return torch.addcmul(x, x0, y), ([gates, a, y, *([] if c is None else [c])] if save else [])
 
 
-@register_kernel("cross_mixture", "cpu")
-def _cross_mixture_cpu(x0, x, gate, downs, mids, ups, biases, activation):
-    return _mixture_forward(x0, x, gate, downs, mids, ups, biases, activation)[0]
+register_kernel("cross_mixture", "cpu")(_mixture_forward)
 
 
-def _mixture_backward(grad, x0, x, gate, downs, mids, ups, biases, activation):
-    """The gradients of (x0, x, gate, *downs, *mids, *ups, *biases), the forward's matmuls recomputed."""
-    act_grad = ACTIVATIONS[activation].grad
+def _output_and_saved(kernel: Callable) -> Callable:
+    """A kernel computing only the output, with the intermediates the backward reads from ``_mixture_forward``."""
+    def run(x0, x, gate, downs, mids, ups, biases, activation, save):
+        out = kernel(x0, x, gate, downs, mids, ups, biases, activation)
+        return out, (_mixture_forward(x0, x, gate, downs, mids, ups, biases, activation)[1] if save else [])
+    return run
+
+
+register_kernel("cross_mixture", "reference")(_output_and_saved(cross_mixture_reference))
+
+
+def _mixture_backward(grad, x0, x, gate, downs, mids, ups, biases, activation, saved):
+    """The gradients of (x0, x, gate, *downs, *mids, *ups, *biases) from the forward's ``saved``."""
+    act = ACTIVATIONS[activation]
     batch, experts, rank = x.shape[0], len(downs), downs[0].shape[0]
-    _, (gates, a, z1, c, z2, y) = _mixture_forward(x0, x, gate, downs, mids, ups, biases, activation)
+    gates, a, y, *rest = saved
+    c = rest[0] if mids else None
+    z1 = act.fn(a)
+    z2 = z1 if c is None else act.fn(c)
     grad_x0, grad_y = grad * y, grad * x0
     s = (z2 * gates.unsqueeze(2)).reshape(batch, experts * rank)
     grad_ups = torch.mm(grad_y.t(), s).split(rank, 1)
@@ -548,10 +559,10 @@ def _mixture_backward(grad, x0, x, gate, downs, mids, ups, biases, activation):
     grad_z = grad_s * gates.unsqueeze(2)
     grad_mids = []
     if mids:
-        grad_c = act_grad(grad_z, c).transpose(0, 1)  # [E, B, r]
+        grad_c = act.grad(grad_z, c).transpose(0, 1)  # [E, B, r]
         grad_mids = list(torch.bmm(grad_c.transpose(1, 2), z1.transpose(0, 1)).unbind(0))
         grad_z = torch.bmm(grad_c, torch.stack(mids)).transpose(0, 1)
-    grad_a = act_grad(grad_z, a).reshape(batch, experts * rank)
+    grad_a = act.grad(grad_z, a).reshape(batch, experts * rank)
     grad_downs = torch.mm(grad_a.t(), x).split(rank, 0)
     grad_logits = gates * (grad_gates - (grad_gates * gates).sum(1, keepdim=True))
     grad_x = grad + torch.mm(grad_a, torch.cat(downs)) + torch.mm(grad_logits, gate)
@@ -559,7 +570,9 @@ def _mixture_backward(grad, x0, x, gate, downs, mids, ups, biases, activation):
 
 
 @register_kernel("cross_mixture", "triton")
+@_output_and_saved
 def _cross_mixture_triton(x0, x, gate, downs, mids, ups, biases, activation):
+    """The fused Triton forward; training also runs the batched torch forward for what the backward reads."""
     from runtime.triton_kernels.interaction import cross_mixture
 
     return cross_mixture(x0, x, gate, downs, mids, ups, biases, activation == "relu")
@@ -585,50 +598,63 @@ def _check_cross_mixture(x0, x, gate, downs, mids, ups, biases, activation):
 @torch.library.custom_op("recompile::cross_mixture", mutates_args=())
 def cross_mixture(
     x0: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, downs: list[torch.Tensor], mids: list[torch.Tensor],
-    ups: list[torch.Tensor], biases: list[torch.Tensor], activation: str, impl: str,
-) -> torch.Tensor:
+    ups: list[torch.Tensor], biases: list[torch.Tensor], activation: str, save: bool, impl: str,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(out, saved): one DCN-Mix layer; ``saved`` holds what the backward reads (not differentiable; none unless
+    ``save``)."""
     _check_cross_mixture(x0, x, gate, downs, mids, ups, biases, activation)
-    return get_kernel("cross_mixture", impl)(x0, x, gate, downs, mids, ups, biases, activation)
+    return get_kernel("cross_mixture", impl)(x0, x, gate, downs, mids, ups, biases, activation, save)
 
 
 @cross_mixture.register_fake
-def _(x0, x, gate, downs, mids, ups, biases, activation, impl):
+def _(x0, x, gate, downs, mids, ups, biases, activation, save, impl):
     _check_cross_mixture(x0, x, gate, downs, mids, ups, biases, activation)
-    return torch.empty_like(x)
+    if not save:
+        return torch.empty_like(x), []
+    batch, experts, rank = x.shape[0], len(downs), downs[0].shape[0]
+    c = [x.new_empty(experts, batch, rank).transpose(0, 1)] if mids else []  # the bmm's [E, B, r], transposed
+    return torch.empty_like(x), [x.new_empty(batch, experts), x.new_empty(batch, experts, rank), torch.empty_like(x), *c]
 
 
 @torch.library.custom_op("recompile::cross_mixture_backward", mutates_args=())
 def cross_mixture_backward(
     grad: torch.Tensor, x0: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, downs: list[torch.Tensor],
     mids: list[torch.Tensor], ups: list[torch.Tensor], biases: list[torch.Tensor], activation: str,
+    saved: list[torch.Tensor],
 ) -> list[torch.Tensor]:
     """The gradients of (x0, x, gate, *downs, *mids, *ups, *biases) (``_mixture_backward``)."""
-    return _unaliased(_mixture_backward(grad, x0, x, gate, downs, mids, ups, biases, activation))
+    return _unaliased(_mixture_backward(grad, x0, x, gate, downs, mids, ups, biases, activation, saved))
 
 
 @cross_mixture_backward.register_fake
-def _(grad, x0, x, gate, downs, mids, ups, biases, activation):
+def _(grad, x0, x, gate, downs, mids, ups, biases, activation, saved):
     return [torch.empty_like(t) for t in (x0, x, gate, *downs, *mids, *ups, *biases)]
 
 
-def _expert_params(params: list, experts: int, mids: int) -> tuple[list, list, list, list]:
-    """(downs, mids, ups, biases) from their concatenation."""
-    e, m = experts, mids
-    return params[:e], params[e:e + m], params[e + m:2 * e + m], params[2 * e + m:]
+def _expert_params(params: list, experts: int, mids: int, biases: int) -> tuple[list, list, list, list, list]:
+    """(downs, mids, ups, biases, the rest) from their concatenation."""
+    e, m, b = experts, mids, biases
+    return params[:e], params[e:e + m], params[e + m:2 * e + m], params[2 * e + m:2 * e + m + b], params[2 * e + m + b:]
 
 
 def _cross_mixture_setup(ctx, inputs, output):
-    x0, x, gate, downs, mids, ups, biases, activation, impl = inputs
-    ctx.save_for_backward(x0, x, gate, *downs, *mids, *ups, *biases)
-    ctx.sizes, ctx.activation = (len(downs), len(mids)), activation
+    x0, x, gate, downs, mids, ups, biases, activation, save, impl = inputs
+    ctx.mark_non_differentiable(*output[1])
+    ctx.set_materialize_grads(False)  # no zero-filled grads for the saved outputs
+    ctx.save_for_backward(x0, x, gate, *downs, *mids, *ups, *biases, *output[1])
+    ctx.sizes, ctx.activation = (len(downs), len(mids), len(biases)), activation
 
 
-def _cross_mixture_backward(ctx, grad):
+def _cross_mixture_backward(ctx, grad, grad_saved):
     x0, x, gate, *params = ctx.saved_tensors
-    downs, mids, ups, biases = _expert_params(params, *ctx.sizes)
+    downs, mids, ups, biases, saved = _expert_params(params, *ctx.sizes)
+    if grad is None:  # the output unused (grads are not materialised)
+        return None, None, None, *_expert_params([None] * len(params), *ctx.sizes)[:4], None, None, None
+    if not saved:
+        raise RuntimeError("recompile.cross_mixture: called with save=False (an inference graph), then differentiated")
     grad_x0, grad_x, grad_gate, *grads = cross_mixture_backward(grad, x0, x, gate, downs, mids, ups, biases,
-                                                                ctx.activation)
-    return grad_x0, grad_x, grad_gate, *_expert_params(grads, *ctx.sizes), None, None
+                                                                ctx.activation, saved)
+    return grad_x0, grad_x, grad_gate, *_expert_params(grads, *ctx.sizes)[:4], None, None, None
 
 
 cross_mixture.register_autograd(_cross_mixture_backward, setup_context=_cross_mixture_setup)

@@ -132,8 +132,8 @@ def _mixture_fn(op, sizes, activation):
        impl=st.sampled_from(sorted(KERNELS["cross_mixture"])))
 def test_cross_mixture_kernels_forward_and_backward(b, d, experts, rank, mid, bias, activation, impl):
     args, sizes = _mixture_args(b, d, experts, rank, mid, bias)
-    got = _forward_and_grads(_mixture_fn(lambda *a: torch.ops.recompile.cross_mixture(*a, impl), sizes, activation),
-                             _leaves(*args))
+    got = _forward_and_grads(_mixture_fn(lambda *a: torch.ops.recompile.cross_mixture(*a, True, impl)[0], sizes,
+                                         activation), _leaves(*args))
     want = _forward_and_grads(_mixture_fn(cross_mixture_reference, sizes, activation), _leaves(*args))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * d * rank)
 
@@ -160,14 +160,25 @@ def test_cross_stack_for_inference_keeps_nothing(impl):
         out.sum().backward()
 
 
+@pytest.mark.parametrize("impl", sorted(KERNELS["cross_mixture"]))
+def test_cross_mixture_for_inference_keeps_nothing(impl):
+    args, sizes = _mixture_args(5, 6, 3, 2, True, True)
+    fn = _mixture_fn(lambda *a: torch.ops.recompile.cross_mixture(*a, False, impl), sizes, "relu")
+    out, saved = fn(*_leaves(*args))
+    assert saved == []
+    torch.testing.assert_close(out, _mixture_fn(cross_mixture_reference, sizes, "relu")(*args), rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="save=False"):
+        out.sum().backward()
+
+
 def test_cross_mixture_gradcheck_and_opcheck():
     args, sizes = _mixture_args(3, 4, 2, 2, True, True)
     args = [a.double() for a in args]
-    assert gradcheck(_mixture_fn(lambda *a: torch.ops.recompile.cross_mixture(*a, "cpu"), sizes, "relu"),
+    assert gradcheck(_mixture_fn(lambda *a: torch.ops.recompile.cross_mixture(*a, True, "cpu")[0], sizes, "relu"),
                      _leaves(*args))
     x0, x, gate, *p = _leaves(*args)
     torch.library.opcheck(torch.ops.recompile.cross_mixture.default,
-                          (x0, x, gate, p[:2], p[2:4], p[4:6], p[6:], "identity", "cpu"))
+                          (x0, x, gate, p[:2], p[2:4], p[4:6], p[6:], "identity", True, "cpu"))
 
 
 def test_bad_cross_inputs_name_the_op_and_layer():
@@ -178,7 +189,7 @@ def test_bad_cross_inputs_name_the_op_and_layer():
         torch.ops.recompile.cross_stack(x, x, [torch.randn(4, 4)], [torch.randn(4)] * 2, [], True, "cpu")
     with pytest.raises(ValueError, match="cross_mixture: expected"):
         torch.ops.recompile.cross_mixture(x, x, torch.randn(2, 4), [torch.randn(2, 4)] * 2, [], [torch.randn(4, 3)] * 2,
-                                          [], "relu", "cpu")
+                                          [], "relu", True, "cpu")
 
 
 class TorchRecStyleMixture(nn.Module):

@@ -27,7 +27,8 @@ below; every commuted and respelled variant is generated, none is an if-chain) a
   stack([x0 * linear(act(linear(act(linear(x, V_e)), C_e)), U_e, b_e) ...], 2)`` (the C stage optional,
   ``act`` relu or none, biases all or none), then ``sum(experts * unsqueeze(g, 1), 2) + x`` or
   ``squeeze(matmul(experts, unsqueeze(g, 2)), 2) + x`` -> ``recompile.cross_mixture(x0, x, G, [V...],
-  [C...], [U...], [b...], act)``; every intermediate must be used only inside the layer.
+  [C...], [U...], [b...], act, save)[0]`` (``save`` as for the cross stack); every intermediate must be used
+  only inside the layer.
 - FM second order, per dimension: ``0.5 * (sum(v, 1)^2 - sum(v * v, 1))`` for ``v`` ``[B, F, D]`` ->
   ``recompile.fm_second_order(v, False)``; a following ``sum(_, 1, keepdim=True)`` is fused
   (``reduce=True``), and so is DeepFM's ``0.5 * sum(_, 1, keepdim=True)`` (the half outside the sum).
@@ -279,17 +280,18 @@ def _fused_cat(pairs: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 
 def _replace(ctx: PassContext, match: Match, anchor: fx.Node, op: str, args: tuple, replaced: list[fx.Node],
-             then: Callable | None = None) -> None:
-    """Replace ``anchor`` by ``op(*args)`` (or ``then(op(*args))``) and erase the ``replaced`` nodes left unused."""
+             then: tuple = ()) -> None:
+    """Replace ``anchor`` by ``op(*args)`` (or ``f(op(*args), *rest)`` for ``then = (f, *rest)``) and erase the
+    ``replaced`` nodes left unused."""
     impl = ctx.lower(op)
     graph = anchor.graph
     with graph.inserting_before(anchor):
-        new = graph.call_function(getattr(torch.ops.recompile, op.split("::")[1]).default, (*args, impl.impl))
-        if then is not None:
-            new = graph.call_function(then, (new,))
+        call = new = graph.call_function(getattr(torch.ops.recompile, op.split("::")[1]).default, (*args, impl.impl))
+        if then:
+            new = graph.call_function(then[0], (call, *then[1:]))
     new.meta["example_value"] = meta_value(anchor)
     ctx.record_region("interaction", replaced, op, impl)
-    new.meta[REGION] = ctx.regions[-1]
+    call.meta[REGION] = ctx.regions[-1]
     anchor.replace_all_uses_with(new)
     for node in reversed(replaced):
         if not node._erased and not node.users:
@@ -348,7 +350,7 @@ def _dot_handler(ctx: PassContext) -> Callable:
         pairs = match.output_node()
         if pairs.target is torch.masked_select:  # [B * P], row-major: the op's pairs, flattened
             _replace(ctx, match, pairs, "recompile::dot_interaction", (items, None, *order), list(match.nodes) + absorbed,
-                     then=torch.flatten)
+                     then=(torch.flatten,))
             return
         replaced = list(match.nodes) + absorbed
         prefix = None
@@ -541,7 +543,8 @@ def _mixture_handler(ctx: PassContext, form: MixtureForm) -> Callable:
                   [k["up"] for k in kwargs], [] if kwargs[0]["bias"] is None else [k["bias"] for k in kwargs])
         order = {n: i for i, n in enumerate(anchor.graph.nodes)}
         replaced = sorted(nodes, key=order.__getitem__)
-        _replace(ctx, match, anchor, "recompile::cross_mixture", (x0, x, gate, *params, activation), replaced)
+        args = (x0, x, gate, *params, activation, is_training(anchor.graph.owning_module))
+        _replace(ctx, match, anchor, "recompile::cross_mixture", args, replaced, then=(operator.getitem, 0))
 
     return handle
 
