@@ -13,6 +13,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -58,6 +59,15 @@ def _build(source: str, path: str, compiler: str) -> bool:
         return False
 
 
+def _source_bytes(source: str) -> bytes:
+    """``source`` and every local header it includes (``#include "x.h"``, next to it), so that a changed header
+    rebuilds the library."""
+    with open(source, "rb") as f:
+        text = f.read()
+    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    return text + b"".join(_source_bytes(os.path.join(os.path.dirname(source), h.decode())) for h in headers)
+
+
 @functools.cache
 def load(source: str, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | None:
     """The library built from ``source`` with ``signatures`` ((symbol, argtypes[, restype]), ...) declared; None
@@ -65,8 +75,7 @@ def load(source: str, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL 
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    with open(source, "rb") as f:
-        digest = hashlib.sha256(f.read() + " ".join(CFLAGS).encode() + _cpu_flags()).hexdigest()[:16]
+    digest = hashlib.sha256(_source_bytes(source) + " ".join(CFLAGS).encode() + _cpu_flags()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(source))[0]
     path = os.path.join(cache_dir(), f"{stem}_{digest}.so")
     if not os.path.exists(path) and not _build(source, path, compiler):

@@ -18,6 +18,7 @@ KIND_COLORS = {
     "jagged": "#ffd27f",
     "attention": "#f7b0d0",
     "interaction": "#b9eb9a",
+    "sampled_softmax": "#ffb38a",
     "dropout": "#c8ccd2",
 }
 OP_COLORS = {"placeholder": "#eef1f5", "get_attr": "#eef1f5", "output": "#dde3ea"}

@@ -21,11 +21,12 @@ from recompile.options import RecompileOptions
 PassFn = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
 
 # The order passes run in. A pass module adds its name here and registers its function.
-PASS_ORDER: list[str] = ["normalize", "embedding", "dynamic_embedding", "jagged", "interaction", "dropout"]
+PASS_ORDER: list[str] = ["normalize", "embedding", "dynamic_embedding", "jagged", "interaction", "sampled_softmax",
+                         "dropout"]
 PASSES: dict[str, PassFn] = {}
 # Passes whose replacement draws other random numbers than the graph it replaces: ``verify`` cannot compare them.
 DRAWS_OTHER_RANDOM: set[str] = set()
-REGION_KINDS = ("embedding", "dynamic_embedding", "jagged", "attention", "interaction", "dropout")
+REGION_KINDS = ("embedding", "dynamic_embedding", "jagged", "attention", "interaction", "sampled_softmax", "dropout")
 
 
 def register_pass(name: str, draws_other_random: bool = False) -> Callable[[PassFn], PassFn]:

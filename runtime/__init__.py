@@ -11,6 +11,7 @@ from runtime import interaction  # noqa: F401,E402  (dot_interaction, cross_laye
 from runtime import embedding_optimizer  # noqa: F401  (defines torch.ops.recompile.embedding_optimizer_step)
 from runtime import embedding_native  # noqa: F401  (the native CPU kernels of the grouped embedding ops)
 from runtime import dropout  # noqa: F401  (defines torch.ops.recompile.dropout)
+from runtime import sampled_softmax  # noqa: F401  (defines torch.ops.recompile.sampled_softmax_loss)
 from runtime.kernels import KERNELS, get_kernel, register_kernel
 
 __all__ = ["KERNELS", "get_kernel", "register_kernel"]

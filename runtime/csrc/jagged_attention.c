@@ -23,12 +23,11 @@
 #include <immintrin.h>
 #endif
 
+#include "vec.h"
+
 typedef uint16_t bf16_t;
 
-enum { VL = 16, BM = 32, BN = 64, MR = 4, NR = 4, SPREAD = 8 };
-typedef float vf __attribute__((vector_size(VL * sizeof(float))));
-typedef float vfu __attribute__((vector_size(VL * sizeof(float)), aligned(4))); /* unaligned access */
-typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
+enum { BM = 32, BN = 64, MR = 4, NR = 4, SPREAD = 8 };
 typedef int64_t vl __attribute__((vector_size(VL * sizeof(int64_t))));
 
 enum { DTYPE_F32 = 0, DTYPE_F16 = 1, DTYPE_BF16 = 2 };
@@ -124,9 +123,6 @@ static void pack(int dtype, const void *x, const int64_t *stride, int64_t t0, in
 /* ------------------------------------------------------------------------------------------------ */
 /* vector math */
 
-static inline vf splat(float x) { return (vf){0} + x; }
-static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
-
 static inline vf gather(const float *table, vi index) {
 #ifdef __AVX512F__
     return (vf)_mm512_i32gather_ps((__m512i)index, table, 4);
@@ -144,24 +140,6 @@ static inline vf reciprocal(vf x) { /* to float precision: one Newton step after
 #else
     return 1.0f / x;
 #endif
-}
-
-/* exp(x), Cephes' single-precision polynomial after x = n ln2 + r (about 1 ulp) */
-static inline vf vexp(vf x) {
-    x = vselect(x < splat(-87.0f), splat(-87.0f), x);
-    x = vselect(x > splat(88.0f), splat(88.0f), x);
-    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    vf n = (x * 1.44269504088896341f + magic) - magic;
-    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    return p * (vf)e;
 }
 
 static inline vf vsigmoid(vf s) { return reciprocal(1.0f + vexp(-s)); }

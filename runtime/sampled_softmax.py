@@ -1,0 +1,169 @@
+"""Sampled softmax loss over a positive and shared negatives: ``torch.ops.recompile.sampled_softmax_loss``.
+
+``sampled_softmax_loss(pos, neg, neg_ids, target_ids, scale)`` with ``pos`` ``[N, 1]`` (each row's positive logit),
+``neg`` ``[N, K]`` (its logits against K sampled items) and optionally the K items' ids and the N rows' target ids:
+row n's loss is ``logsumexp(scale * [pos[n], neg[n, k] for k not a hit]) - scale * pos[n]``, a hit being a negative
+whose id equals the row's target (an accidental hit, left out). It is
+``F.cross_entropy(cat([pos, neg.masked_fill(hit, -inf)], 1) * scale, zeros, reduction="none")`` without the
+``[N, K + 1]`` logits, the ``[N, K]`` mask or the slow int64 compare that builds it. Returns ``(loss, lse)``
+(``lse`` [N], not differentiable, is what the backward reads).
+
+Kernels: ``reference`` (torch, the spelling above, any device and dtype) and ``native`` (``csrc/sampled_softmax.c``,
+float32 on CPU: hits found by binary search in the sorted negative ids, each row's passes in cache; other tensors
+take the reference).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from hkv.native import i32, load
+from runtime.kernels import get_kernel, register_kernel
+
+OP = "sampled_softmax_loss"
+SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "sampled_softmax.c")
+
+
+class Problem(ctypes.Structure):
+    _fields_ = [("pos", ctypes.c_void_p), ("neg", ctypes.c_void_p), ("sorted", ctypes.c_void_p),
+                ("order", ctypes.c_void_p), ("targets", ctypes.c_void_p), ("rows", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("scale", ctypes.c_float)]
+
+
+SIGNATURES = (
+    ("sampled_softmax_fwd", (Problem, ctypes.c_void_p, ctypes.c_void_p, i32), ctypes.c_int),
+    ("sampled_softmax_bwd", (Problem, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, i32)),
+)
+
+
+def library():
+    return load(SOURCE, SIGNATURES)
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _logits(pos, neg, neg_ids, target_ids, scale):
+    if neg_ids is not None:
+        neg = neg.masked_fill(neg_ids.unsqueeze(0) == target_ids.unsqueeze(1), float("-inf"))
+    return torch.cat([pos, neg], 1) * scale
+
+
+def _reference(pos, neg, neg_ids, target_ids, scale):
+    logits = _logits(pos, neg, neg_ids, target_ids, scale)
+    lse = torch.logsumexp(logits, 1)
+    return lse - logits[:, 0], lse
+
+
+def _reference_backward(grad, pos, neg, neg_ids, target_ids, lse, scale):
+    probs = torch.exp(_logits(pos, neg, neg_ids, target_ids, scale) - lse.unsqueeze(1)) * (grad * scale).unsqueeze(1)
+    return probs[:, :1] - (grad * scale).unsqueeze(1), probs[:, 1:]
+
+
+register_kernel(OP, "reference")(_reference)
+register_kernel(OP + "_backward", "reference")(_reference_backward)
+
+
+def _native_ready(*tensors: Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and available()
+
+
+def _problem(pos, neg, neg_ids, target_ids, scale) -> tuple[Problem, list[Tensor]]:
+    """The C problem and the tensors its pointers keep alive."""
+    keep = [pos.contiguous(), neg.contiguous()]
+    pointers = [None, None, None]
+    if neg_ids is not None:
+        sorted_ids, order = torch.sort(neg_ids.to(torch.int64))
+        keep += [sorted_ids, order, target_ids.to(torch.int64).contiguous()]
+        pointers = [t.data_ptr() for t in keep[2:]]
+    problem = Problem(keep[0].data_ptr(), keep[1].data_ptr(), *pointers, neg.shape[0], neg.shape[1], scale)
+    return problem, keep
+
+
+@register_kernel(OP, "native")
+def _native(pos, neg, neg_ids, target_ids, scale):
+    if not _native_ready(pos, neg):
+        return _reference(pos, neg, neg_ids, target_ids, scale)
+    problem, _alive = _problem(pos, neg, neg_ids, target_ids, scale)
+    loss, lse = neg.new_empty(neg.shape[0]), neg.new_empty(neg.shape[0])
+    if library().sampled_softmax_fwd(problem, loss.data_ptr(), lse.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("recompile.sampled_softmax_loss (native): out of memory for a row buffer")
+    return loss, lse
+
+
+@register_kernel(OP + "_backward", "native")
+def _native_backward(grad, pos, neg, neg_ids, target_ids, lse, scale):
+    if not _native_ready(grad, pos, neg, lse):
+        return _reference_backward(grad, pos, neg, neg_ids, target_ids, lse, scale)
+    problem, _alive = _problem(pos, neg, neg_ids, target_ids, scale)
+    grad, lse = grad.contiguous(), lse.contiguous()
+    grad_pos, grad_neg = torch.empty_like(pos, memory_format=torch.contiguous_format), torch.empty_like(
+        neg, memory_format=torch.contiguous_format)
+    library().sampled_softmax_bwd(problem, grad.data_ptr(), lse.data_ptr(), grad_pos.data_ptr(), grad_neg.data_ptr(),
+                                  torch.get_num_threads())
+    return grad_pos, grad_neg
+
+
+def _check(pos: Tensor, neg: Tensor, neg_ids: Optional[Tensor], target_ids: Optional[Tensor]) -> None:
+    n = neg.shape[0] if neg.dim() == 2 else -1
+    ok = neg.dim() == 2 and tuple(pos.shape) == (n, 1) and pos.dtype == neg.dtype and neg.is_floating_point()
+    if (neg_ids is None) != (target_ids is None):
+        ok = False
+    elif neg_ids is not None:
+        ok = ok and tuple(neg_ids.shape) == (neg.shape[1],) and tuple(target_ids.shape) == (n,)
+        ok = ok and not neg_ids.is_floating_point() and not target_ids.is_floating_point()
+    if not ok:
+        raise ValueError(
+            "recompile.sampled_softmax_loss: expected pos [N, 1] and neg [N, K] of one floating dtype, and neg_ids [K] "
+            f"with target_ids [N] (integer, both or neither); got pos {tuple(pos.shape)} {pos.dtype}, neg "
+            f"{tuple(neg.shape)} {neg.dtype}, neg_ids {None if neg_ids is None else tuple(neg_ids.shape)}, "
+            f"target_ids {None if target_ids is None else tuple(target_ids.shape)}")
+
+
+@torch.library.custom_op("recompile::sampled_softmax_loss", mutates_args=())
+def sampled_softmax_loss(pos: Tensor, neg: Tensor, neg_ids: Optional[Tensor], target_ids: Optional[Tensor],
+                         scale: float, impl: str) -> tuple[Tensor, Tensor]:
+    """(loss [N], lse [N]): each row's sampled softmax cross entropy with its positive first."""
+    _check(pos, neg, neg_ids, target_ids)
+    return get_kernel(OP, impl)(pos, neg, neg_ids, target_ids, scale)
+
+
+@sampled_softmax_loss.register_fake
+def _(pos, neg, neg_ids, target_ids, scale, impl):
+    _check(pos, neg, neg_ids, target_ids)
+    return neg.new_empty(neg.shape[0]), neg.new_empty(neg.shape[0])
+
+
+@torch.library.custom_op("recompile::sampled_softmax_loss_backward", mutates_args=())
+def sampled_softmax_loss_backward(grad: Tensor, pos: Tensor, neg: Tensor, neg_ids: Optional[Tensor],
+                                  target_ids: Optional[Tensor], lse: Tensor, scale: float,
+                                  impl: str) -> tuple[Tensor, Tensor]:
+    """(grad_pos [N, 1], grad_neg [N, K])."""
+    return get_kernel(OP + "_backward", impl)(grad, pos, neg, neg_ids, target_ids, lse, scale)
+
+
+@sampled_softmax_loss_backward.register_fake
+def _(grad, pos, neg, neg_ids, target_ids, lse, scale, impl):
+    return torch.empty_like(pos, memory_format=torch.contiguous_format), torch.empty_like(
+        neg, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    pos, neg, neg_ids, target_ids, scale, impl = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(pos, neg, neg_ids, target_ids, output[1])
+    ctx.scale, ctx.impl = scale, impl
+
+
+def _backward(ctx, grad, _grad_lse):
+    pos, neg, neg_ids, target_ids, lse = ctx.saved_tensors
+    grad_pos, grad_neg = sampled_softmax_loss_backward(grad, pos, neg, neg_ids, target_ids, lse, ctx.scale, ctx.impl)
+    return grad_pos, grad_neg, None, None, None, None
+
+
+sampled_softmax_loss.register_autograd(_backward, setup_context=_setup_context)
