@@ -150,8 +150,10 @@ def test_one_compile_for_every_batch_size_and_verify_passes():
     assert verified(torch.randn(8, 16)).shape == (8, 16)
 
 
-def test_the_benchmark_runs_every_backend_and_checks_the_mask():
-    from models.bench_dropout import bench
+def test_the_benchmark_runs_every_backend_and_checks_the_results():
+    from models.bench_sequential import SampledSoftmax, bench
 
-    lines = bench((128, 32), 0.2, 1)
+    lines = bench("dropout 256x64", nn.Dropout(0.2), lambda: (torch.randn(256, 64),), 0.2, 1)
+    lines += bench("sampled softmax 64x16", SampledSoftmax(16),
+                   lambda: (torch.randn(64, 16), torch.randint(0, 1683, (64,)), torch.randint(1, 1683, (1024,))), 0.2, 1)
     assert len(lines) == 4 and all("rec/eager" in line for line in lines)

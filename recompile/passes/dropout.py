@@ -8,7 +8,7 @@ Replacement:
     seed = torch.randint(0, SEED_BOUND, (2,), dtype=torch.int64, device=x.device)  # the default generator
     out = recompile.dropout(x, p, seed)  # backward: recompile.dropout(grad, p, seed), no mask stored
 On this CPU eager's ``bernoulli_`` takes about 9 ns an element and Inductor's generated draw about 6; the hash
-takes under one (``runtime/dropout.py``, ``models.bench_dropout``). The masks differ from eager's, as Inductor's do, so ``verify``
+takes under one (``runtime/dropout.py``, ``models.bench_sequential``). The masks differ from eager's, as Inductor's do, so ``verify``
 does not compare this pass's output.
 """
 from __future__ import annotations
