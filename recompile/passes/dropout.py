@@ -20,7 +20,7 @@ import torch._inductor.config as inductor_config
 import torch.fx as fx
 import torch.nn.functional as F
 
-from recompile.passes.utils import arg, meta_value, replace_node, tensor_meta
+from recompile.passes.utils import arg, each_match, meta_value, replace_node, tensor_meta
 from recompile.pipeline import PassContext, register_pass
 from runtime.dropout import SEED_BOUND
 
@@ -69,10 +69,7 @@ def dropout(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if impl.kind == "reference" or inductor_config.fallback_random:
         return gm
     graph = gm.graph
-    for node in list(graph.nodes):
-        p = dropout_rate(node)
-        if p is None:
-            continue
+    for node, p in each_match(gm, dropout_rate):
         x = node.args[0]
         with graph.inserting_before(node):
             out = graph.call_function(torch.ops.recompile.dropout.default, (x, p, _seed(graph, x), impl.impl))

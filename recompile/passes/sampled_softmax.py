@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from recompile.passes.utils import arg, is_call, replace_node, tensor_meta
+from recompile.passes.utils import arg, each_match, is_call, replace_node, tensor_meta
 from recompile.pipeline import PassContext, register_pass
 
 EQ = (operator.eq, torch.eq)
@@ -120,10 +120,7 @@ def sampled_softmax(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if impl.kind == "reference":
         return gm
     graph = gm.graph
-    for node in list(graph.nodes):
-        args = match(node)
-        if args is None:
-            continue
+    for node, args in each_match(gm, match):
         chain = _chain(node, args)
         replaced = [n for n in graph.nodes if n in chain]
         with graph.inserting_before(node):

@@ -1,7 +1,7 @@
 """Helpers the passes share for reading and rewriting FX graphs."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -52,3 +52,12 @@ def erase_if_unused(*nodes: fx.Node) -> None:
     for node in nodes:
         if isinstance(node, fx.Node) and not node.users and node.op != "placeholder":
             node.graph.erase_node(node)
+
+
+def each_match(gm: fx.GraphModule, match: Callable[[fx.Node], Any]) -> Iterator[tuple[fx.Node, Any]]:
+    """Every node of ``gm`` with what ``match`` found at it (when not None), over the nodes as they were: the
+    caller may replace each one."""
+    for node in list(gm.graph.nodes):
+        found = match(node)
+        if found is not None:
+            yield node, found
