@@ -62,7 +62,7 @@ def _reference(pos, neg, neg_ids, target_ids, scale):
 
 def _reference_backward(grad, pos, neg, neg_ids, target_ids, lse, scale):
     probs = torch.exp(_logits(pos, neg, neg_ids, target_ids, scale) - lse.unsqueeze(1)) * (grad * scale).unsqueeze(1)
-    return probs[:, :1] - (grad * scale).unsqueeze(1), probs[:, 1:]
+    return probs[:, :1] - (grad * scale).unsqueeze(1), probs[:, 1:].contiguous()  # the strides the fake promises
 
 
 register_kernel(OP, "reference")(_reference)

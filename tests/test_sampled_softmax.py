@@ -36,7 +36,7 @@ def test_kernels_match_the_eager_spelling(n, k, ids, scale, id_dtype, impl):
         neg_ids, target_ids = torch.randint(0, ids, (k,), dtype=id_dtype), torch.randint(0, ids, (n,), dtype=id_dtype)
     got = _loss_and_grads(lambda p, q: loss_op(p, q, neg_ids, target_ids, scale, impl)[0], pos, neg)
     want = _loss_and_grads(lambda p, q: eager_loss(p, q, neg_ids, target_ids, scale), pos, neg)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)  # gradients carry the scale
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)  # gradients carry the scale
 
 
 def test_every_negative_a_hit_leaves_the_positive_alone():
@@ -136,3 +136,11 @@ def test_the_zoo_sequential_models_use_it():
         workload = MODELS[name]("small")
         report = recompile.explain(workload.model, *workload.inputs).to_dict()
         assert [r["op"] for r in report["regions"]].count("recompile::sampled_softmax_loss") == 1, name
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_gradients_have_the_strides_the_fake_promises(impl):
+    pos, neg, grad = torch.randn(4, 1), torch.randn(4, 6), torch.randn(4)
+    _, lse = loss_op(pos, neg, None, None, 2.0, impl)
+    grad_pos, grad_neg = torch.ops.recompile.sampled_softmax_loss_backward(grad, pos, neg, None, None, lse, 2.0, impl)
+    assert grad_pos.is_contiguous() and grad_neg.is_contiguous()
