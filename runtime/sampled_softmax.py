@@ -102,8 +102,8 @@ def _native_backward(grad, pos, neg, neg_ids, target_ids, lse, scale):
         return _reference_backward(grad, pos, neg, neg_ids, target_ids, lse, scale)
     problem, _alive = _problem(pos, neg, neg_ids, target_ids, scale)
     grad, lse = grad.contiguous(), lse.contiguous()
-    grad_pos, grad_neg = torch.empty_like(pos, memory_format=torch.contiguous_format), torch.empty_like(
-        neg, memory_format=torch.contiguous_format)
+    grad_pos = torch.empty_like(pos, memory_format=torch.contiguous_format)
+    grad_neg = torch.empty_like(neg, memory_format=torch.contiguous_format)
     library().sampled_softmax_bwd(problem, grad.data_ptr(), lse.data_ptr(), grad_pos.data_ptr(), grad_neg.data_ptr(),
                                   torch.get_num_threads())
     return grad_pos, grad_neg
@@ -149,8 +149,8 @@ def sampled_softmax_loss_backward(grad: Tensor, pos: Tensor, neg: Tensor, neg_id
 
 @sampled_softmax_loss_backward.register_fake
 def _(grad, pos, neg, neg_ids, target_ids, lse, scale, impl):
-    return torch.empty_like(pos, memory_format=torch.contiguous_format), torch.empty_like(
-        neg, memory_format=torch.contiguous_format)
+    contiguous = torch.contiguous_format
+    return torch.empty_like(pos, memory_format=contiguous), torch.empty_like(neg, memory_format=contiguous)
 
 
 def _setup_context(ctx, inputs, output):
