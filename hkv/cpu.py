@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from hkv.native import i32, i64, load, ptr
+from hkv.native import NativeLibrary, i32, i64, ptr
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "probe.c")
 SIGNATURES = (
@@ -25,13 +25,8 @@ SIGNATURES = (
 FOUND, INSERTED, FULL, ABSENT, FOUND_NEW, OUTCOMES = range(6)
 
 
-def library():
-    """The built kernel library, or None when no C compiler is present."""
-    return load(SOURCE, SIGNATURES)
-
-
-def available() -> bool:
-    return library() is not None
+NATIVE = NativeLibrary(SOURCE, SIGNATURES)
+library, available = NATIVE.library, NATIVE.available  # the built kernel library (None without a C compiler)
 
 
 def locate(table_keys: torch.Tensor, num_buckets: int, bucket_size: int, keys: torch.Tensor) -> torch.Tensor:

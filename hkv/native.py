@@ -17,6 +17,8 @@ import re
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
+from typing import Any
 
 CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-fopenmp", "-std=gnu11")
 i64 = ctypes.c_int64
@@ -86,3 +88,22 @@ def load(source: str, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL 
         if restype:
             getattr(lib, name).restype = restype[0]
     return lib
+
+
+@dataclass(frozen=True)
+class NativeLibrary:
+    """One C source's kernels, built on first use: ``library()`` (None without a C compiler), ``available()``,
+    and ``supports(*tensors)``: every given tensor is a CPU tensor of one of ``dtypes`` and the library loads."""
+    source: str
+    signatures: tuple[tuple[str, tuple], ...]
+    dtypes: frozenset = frozenset()
+
+    def library(self) -> ctypes.CDLL | None:
+        return load(self.source, self.signatures)
+
+    def available(self) -> bool:
+        return self.library() is not None
+
+    def supports(self, *tensors: Any) -> bool:
+        present = [t for t in tensors if t is not None]
+        return all(t.device.type == "cpu" and t.dtype in self.dtypes for t in present) and self.available()

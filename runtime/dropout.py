@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from hkv.native import i32, i64, load, ptr
+from hkv.native import NativeLibrary, i32, i64, ptr
 from runtime.kernels import get_kernel, register_kernel
 
 OP = "dropout"
@@ -61,17 +61,13 @@ def dropout_reference(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Te
 register_kernel(OP, "reference")(dropout_reference)
 
 
-def library():
-    return load(SOURCE, SIGNATURES)
-
-
-def available() -> bool:
-    return library() is not None
+NATIVE = NativeLibrary(SOURCE, SIGNATURES, frozenset({torch.float32}))
+library, available = NATIVE.library, NATIVE.available
 
 
 @register_kernel(OP, "native")
 def _dropout_native(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not available():
+    if not NATIVE.supports(x):
         return dropout_reference(x, p, seed)
     x = x.contiguous()
     out = torch.empty_like(x)

@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from hkv.native import i32, i64, load, ptr
+from hkv.native import NativeLibrary, i32, i64, ptr
 from runtime.embedding import BACKWARD_OP, NONE, OP, RAW_KERNELS, checked_lookup, forward_cpu, table_gradients
 from runtime.embedding_optimizer import OPTIMIZERS, STEP_OP, adam_step_size, step_each_table, table_state
 from runtime.kernels import register_kernel
@@ -43,12 +43,8 @@ STATE_NAMES = {"exact_sgd": (), "exact_adagrad": ("sum",), "exact_rowwise_adagra
                "adam": ("exp_avg", "exp_avg_sq")}
 
 
-def library() -> Optional[ctypes.CDLL]:
-    return load(SOURCE, SIGNATURES)
-
-
-def available() -> bool:
-    return library() is not None
+NATIVE = NativeLibrary(SOURCE, SIGNATURES)
+library, available = NATIVE.library, NATIVE.available
 
 
 def _threads(ids: int) -> int:

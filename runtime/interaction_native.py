@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from hkv.native import address, i32, i64, load, ptr, unit_stride_rows
+from hkv.native import NativeLibrary, address, i32, i64, ptr, unit_stride_rows
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "interaction.c")
 SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -25,18 +25,8 @@ _ARGTYPES = {
 SIGNATURES = tuple((f"{name}_{s}", args) for name, args in _ARGTYPES.items() for s in SUFFIX.values())
 
 
-def library():
-    return load(SOURCE, SIGNATURES)
-
-
-def available() -> bool:
-    return library() is not None
-
-
-def supports(*tensors: torch.Tensor | None) -> bool:
-    """Every given tensor is a CPU tensor of a dtype the kernels are built for, and the library loads."""
-    present = [t for t in tensors if t is not None]
-    return all(t.device.type == "cpu" and t.dtype in SUFFIX for t in present) and available()
+NATIVE = NativeLibrary(SOURCE, SIGNATURES, frozenset(SUFFIX))
+library, available, supports = NATIVE.library, NATIVE.available, NATIVE.supports
 
 
 def _kernel(name: str, dtype: torch.dtype):

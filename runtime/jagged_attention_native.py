@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hkv.native import address, i64, load, ptr, unit_stride_rows
+from hkv.native import NativeLibrary, address, i64, ptr, unit_stride_rows
 from runtime.jagged_attention import time_bucket_edges
 from runtime.kernels import get_kernel, register_kernel
 
@@ -50,12 +50,8 @@ SIGNATURES = tuple((name, (ctypes.POINTER(Problem),), ctypes.c_int) for name in 
                                                                                     "hstu_attention_bwd"))
 
 
-def library():
-    return load(SOURCE, SIGNATURES)
-
-
-def available() -> bool:
-    return library() is not None
+NATIVE = NativeLibrary(SOURCE, SIGNATURES)
+library, available = NATIVE.library, NATIVE.available
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, timestamps: Optional[torch.Tensor]) -> bool:

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from hkv.native import i32, load
+from hkv.native import NativeLibrary, i32
 from runtime.kernels import get_kernel, register_kernel
 
 OP = "sampled_softmax_loss"
@@ -40,12 +40,8 @@ SIGNATURES = (
 )
 
 
-def library():
-    return load(SOURCE, SIGNATURES)
-
-
-def available() -> bool:
-    return library() is not None
+NATIVE = NativeLibrary(SOURCE, SIGNATURES, frozenset({torch.float32}))
+library, available = NATIVE.library, NATIVE.available
 
 
 def _logits(pos, neg, neg_ids, target_ids, scale):
@@ -69,10 +65,6 @@ register_kernel(OP, "reference")(_reference)
 register_kernel(OP + "_backward", "reference")(_reference_backward)
 
 
-def _native_ready(*tensors: Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and available()
-
-
 def _problem(pos, neg, neg_ids, target_ids, scale) -> tuple[Problem, list[Tensor]]:
     """The C problem and the tensors its pointers keep alive."""
     keep = [pos.contiguous(), neg.contiguous()]
@@ -87,7 +79,7 @@ def _problem(pos, neg, neg_ids, target_ids, scale) -> tuple[Problem, list[Tensor
 
 @register_kernel(OP, "native")
 def _native(pos, neg, neg_ids, target_ids, scale):
-    if not _native_ready(pos, neg):
+    if not NATIVE.supports(pos, neg):
         return _reference(pos, neg, neg_ids, target_ids, scale)
     problem, _alive = _problem(pos, neg, neg_ids, target_ids, scale)
     loss, lse = neg.new_empty(neg.shape[0]), neg.new_empty(neg.shape[0])
@@ -98,7 +90,7 @@ def _native(pos, neg, neg_ids, target_ids, scale):
 
 @register_kernel(OP + "_backward", "native")
 def _native_backward(grad, pos, neg, neg_ids, target_ids, lse, scale):
-    if not _native_ready(grad, pos, neg, lse):
+    if not NATIVE.supports(grad, pos, neg, lse):
         return _reference_backward(grad, pos, neg, neg_ids, target_ids, lse, scale)
     problem, _alive = _problem(pos, neg, neg_ids, target_ids, scale)
     grad, lse = grad.contiguous(), lse.contiguous()
