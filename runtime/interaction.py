@@ -454,10 +454,20 @@ def _(grad, x0, x, weights, downs, saved, has_bias):
             [grad.new_empty(w.shape[0]) for w in weights] if has_bias else [], [torch.empty_like(v) for v in downs])
 
 
+def _keep_saved(ctx, saved: list[torch.Tensor]) -> None:
+    """An op's ``saved`` outputs are for its backward only: not differentiable, and no zero-filled grads."""
+    ctx.mark_non_differentiable(*saved)
+    ctx.set_materialize_grads(False)
+
+
+def _check_saved(op: str, saved: list[torch.Tensor], expected: int) -> None:
+    if len(saved) != expected:
+        raise RuntimeError(f"recompile.{op}: called with save=False (an inference graph), then differentiated")
+
+
 def _cross_stack_setup(ctx, inputs, output):
     x0, x, weights, biases, downs, save, impl = inputs
-    ctx.mark_non_differentiable(*output[1])
-    ctx.set_materialize_grads(False)  # no zero-filled grads for the saved outputs
+    _keep_saved(ctx, output[1])
     ctx.save_for_backward(x0, x, *weights, *downs, *output[1])
     ctx.layers, ctx.has_bias, ctx.low_rank = len(weights), bool(biases), bool(downs)
 
@@ -468,8 +478,7 @@ def _cross_stack_backward(ctx, grad, grad_saved):
     weights, downs, saved = params[:layers], params[layers:layers + ranks], params[layers + ranks:]
     if grad is None:  # x_L unused (grads are not materialised)
         return None, None, [None] * layers, [None] * layers if ctx.has_bias else [], [None] * ranks, None, None
-    if len(saved) != 2 * layers - 1:
-        raise RuntimeError("recompile.cross_stack: called with save=False (an inference graph), then differentiated")
+    _check_saved("cross_stack", saved, 2 * layers - 1)
     grad_x0, grad_x, grad_weights, grad_biases, grad_downs = cross_stack_backward(
         grad, x0, x, weights, downs, saved, ctx.has_bias)
     return grad_x0, grad_x, grad_weights, grad_biases, grad_downs, None, None
@@ -639,8 +648,7 @@ def _expert_params(params: list, experts: int, mids: int, biases: int) -> tuple[
 
 def _cross_mixture_setup(ctx, inputs, output):
     x0, x, gate, downs, mids, ups, biases, activation, save, impl = inputs
-    ctx.mark_non_differentiable(*output[1])
-    ctx.set_materialize_grads(False)  # no zero-filled grads for the saved outputs
+    _keep_saved(ctx, output[1])
     ctx.save_for_backward(x0, x, gate, *downs, *mids, *ups, *biases, *output[1])
     ctx.sizes, ctx.activation = (len(downs), len(mids), len(biases)), activation
 
@@ -650,8 +658,7 @@ def _cross_mixture_backward(ctx, grad, grad_saved):
     downs, mids, ups, biases, saved = _expert_params(params, *ctx.sizes)
     if grad is None:  # the output unused (grads are not materialised)
         return None, None, None, *_expert_params([None] * len(params), *ctx.sizes)[:4], None, None, None
-    if not saved:
-        raise RuntimeError("recompile.cross_mixture: called with save=False (an inference graph), then differentiated")
+    _check_saved("cross_mixture", saved, 4 if mids else 3)  # gates, a, y (and c)
     grad_x0, grad_x, grad_gate, *grads = cross_mixture_backward(grad, x0, x, gate, downs, mids, ups, biases,
                                                                 ctx.activation, saved)
     return grad_x0, grad_x, grad_gate, *_expert_params(grads, *ctx.sizes)[:4], None, None, None
