@@ -60,7 +60,7 @@ from torch._inductor.pattern_matcher import (
 
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from recompile.passes.utils import arg, is_call, is_training, meta_value, tensor_meta
+from recompile.passes.utils import arg, is_call, is_training, meta_value, only_user, tensor_meta
 from recompile.pipeline import PassContext, register_pass
 from runtime.interaction import ACTIVATIONS, pair_indices
 
@@ -260,13 +260,9 @@ def _masked_pairs(mask: fx.Node, num_features: int, gm: fx.GraphModule) -> torch
 # replacements
 
 
-def _only_user(node: fx.Node) -> fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
 def _fused_cat(pairs: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """(cat, prefix) when the pairs' only use is ``cat([prefix, pairs], 1)`` with a [B, K] prefix."""
-    cat = _only_user(pairs)
+    cat = only_user(pairs)
     if cat is None or cat.op != "call_function" or cat.target is not torch.cat:
         return None
     tensors = cat.args[0] if cat.args else cat.kwargs.get("tensors")
@@ -420,7 +416,7 @@ def _fm_handler(ctx: PassContext, form: FMForm) -> Callable:
         out = match.output_node()
         replaced = list(match.nodes)
         reduce = form.reduced
-        total = None if reduce else _only_user(out)
+        total = None if reduce else only_user(out)
         if total is not None and _is_keepdim_sum(total):  # fuse the sum over D
             out, reduce = total, True
             replaced.append(total)
@@ -563,7 +559,7 @@ def _cross_chains(graph: fx.Graph) -> list[list[fx.Node]]:
             continue
         chain = [node]
         while True:
-            last, nxt = chain[-1], _only_user(chain[-1])
+            last, nxt = chain[-1], only_user(chain[-1])
             if nxt is None or nxt.target is not layer or nxt.args[1] is not last or nxt.args[0] is not node.args[0]:
                 break
             if any((nxt.args[i] is None) != (node.args[i] is None) for i in (3, 4)):

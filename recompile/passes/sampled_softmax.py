@@ -20,17 +20,13 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from recompile.passes.utils import arg, each_match, is_call, replace_node, tensor_meta
+from recompile.passes.utils import arg, each_match, is_call, only_user, replace_node, tensor_meta
 from recompile.pipeline import PassContext, register_pass
 
 EQ = (operator.eq, torch.eq)
 MUL = (operator.mul, torch.mul)  # normalize leaves ``number * tensor`` as operator.mul
 DIV = (operator.truediv, torch.div)
 ZEROS = (torch.zeros_like, torch.zeros)
-
-
-def _only_used_by(node: Any, user: fx.Node) -> bool:
-    return isinstance(node, fx.Node) and set(node.users) == {user}
 
 
 def _zero_labels(labels: Any) -> bool:
@@ -48,7 +44,7 @@ def _scale(logits: fx.Node) -> tuple[fx.Node, float] | None:
     a, b = logits.args
     if is_call(logits, *MUL) and isinstance(a, (int, float)):
         a, b = b, a
-    if not is_call(a, torch.cat) or not isinstance(b, (int, float)) or b == 0 or not _only_used_by(a, logits):
+    if not is_call(a, torch.cat) or not isinstance(b, (int, float)) or b == 0 or only_user(a) is not logits:
         return None
     return a, (1.0 / b if is_call(logits, *DIV) else float(b))
 
@@ -63,7 +59,7 @@ def _unsqueezed(node: Any, dim: int) -> Any:
 
 def _hit_ids(mask: Any, fill: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """(neg_ids, target_ids) of ``unsqueeze(neg_ids, 0) == unsqueeze(target_ids, 1)`` (either order)."""
-    if not is_call(mask, *EQ) or len(mask.args) != 2 or not _only_used_by(mask, fill):
+    if not is_call(mask, *EQ) or len(mask.args) != 2 or only_user(mask) is not fill:
         return None
     a, b = mask.args
     for row, col in ((a, b), (b, a)):
@@ -79,7 +75,7 @@ def _negatives(node: Any, cat: fx.Node) -> tuple[fx.Node, fx.Node | None, fx.Nod
         return node, None, None
     value = arg(node, 2, "value")
     ids = _hit_ids(arg(node, 1, "mask"), node)
-    if value != float("-inf") or ids is None or not _only_used_by(node, cat):
+    if value != float("-inf") or ids is None or only_user(node) is not cat:
         return None
     return node.args[0], *ids
 
@@ -95,7 +91,7 @@ def match(loss: fx.Node) -> tuple | None:
     if arg(loss, 4, "ignore_index", -100) == 0 or not _zero_labels(arg(loss, 1, "target")):
         return None
     logits = arg(loss, 0, "input")
-    scaled = _scale(logits) if _only_used_by(logits, loss) else None
+    scaled = _scale(logits) if only_user(logits) is loss else None
     if scaled is None:
         return None
     cat, scale = scaled
@@ -143,5 +139,5 @@ def _chain(loss: fx.Node, args: tuple) -> set[fx.Node]:
         if not isinstance(node, fx.Node) or node in nodes or node in keep or node.op != "call_function":
             continue
         nodes.add(node)
-        todo.extend(n for n in node.all_input_nodes if _only_used_by(n, node))
+        todo.extend(n for n in node.all_input_nodes if only_user(n) is node)
     return nodes

@@ -48,6 +48,11 @@ def replace_node(old: fx.Node, new: fx.Node) -> None:
     old.graph.erase_node(old)
 
 
+def only_user(node: Any) -> fx.Node | None:
+    """The one node that uses ``node`` (None for several, none, or a non-node)."""
+    return next(iter(node.users)) if isinstance(node, fx.Node) and len(node.users) == 1 else None
+
+
 def erase_if_unused(*nodes: fx.Node) -> None:
     for node in nodes:
         if isinstance(node, fx.Node) and not node.users and node.op != "placeholder":
