@@ -10,6 +10,7 @@ keeps 1 - p of the elements and its loss equals eager's, checked.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -39,39 +40,49 @@ class SampledSoftmax(nn.Module):
         return F.cross_entropy(logits, torch.zeros_like(targets), reduction="none").mean()
 
 
-def cases(p: float) -> dict[str, tuple[nn.Module, Callable[[], tuple]]]:
-    """name -> (module, its inputs)."""
+def keeps(p: float) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """A check that rec_ascend's dropout kept 1 - p of the elements (to 0.02)."""
+    def check(out: torch.Tensor, eager: torch.Tensor) -> None:
+        share = (out != 0).double().mean().item()
+        if abs(share - (1 - p)) > 0.02:
+            raise AssertionError(f"kept {share:.3f} of the elements, expected {1 - p:.3f}")
+    return check
+
+
+def same_as_eager(out: torch.Tensor, eager: torch.Tensor) -> None:
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
+
+
+@dataclass(frozen=True)
+class Case:
+    module: nn.Module
+    inputs: Callable[[], tuple]
+    check: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # (rec_ascend's output, eager's)
+
+
+def cases(p: float) -> dict[str, Case]:
     def tokens(rows, dim):
         return lambda: (torch.randn(rows, dim),)
 
     def loss_inputs(rows, dim):
         return lambda: (torch.randn(rows, dim), torch.randint(0, ITEMS, (rows,)), torch.randint(1, ITEMS, (1024,)))
     return {
-        "dropout 2190x64": (nn.Dropout(p), tokens(2190, 64)),
-        "linear+relu+dropout 2190x64": (nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(p)), tokens(2190, 64)),
-        "dropout 32x2x100x100": (nn.Dropout(p), lambda: (torch.randn(32, 2, 100, 100),)),
-        "sampled softmax 2190x1024": (SampledSoftmax(64), loss_inputs(2190, 64)),
-        "sampled softmax 3200x1024": (SampledSoftmax(64), loss_inputs(3200, 64)),
+        "dropout 2190x64": Case(nn.Dropout(p), tokens(2190, 64), keeps(p)),
+        "linear+relu+dropout 2190x64": Case(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(p)), tokens(2190, 64)),
+        "dropout 32x2x100x100": Case(nn.Dropout(p), lambda: (torch.randn(32, 2, 100, 100),), keeps(p)),
+        "sampled softmax 2190x1024": Case(SampledSoftmax(64), loss_inputs(2190, 64), same_as_eager),
+        "sampled softmax 3200x1024": Case(SampledSoftmax(64), loss_inputs(3200, 64), same_as_eager),
     }
 
 
-def _check(name: str, outs: dict[str, torch.Tensor], p: float) -> None:
-    out, eager = outs["rec_ascend"], outs["eager"]
-    if name.startswith("dropout"):
-        share = (out != 0).double().mean().item()
-        if abs(share - (1 - p)) > 0.02:
-            raise AssertionError(f"{name}: kept {share:.3f} of the elements, expected {1 - p:.3f}")
-    elif name.startswith("sampled"):
-        torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
-
-
-def bench(name: str, module: nn.Module, make_inputs: Callable[[], tuple], p: float, rounds: int) -> list[str]:
+def bench(name: str, case: Case, rounds: int) -> list[str]:
     torch._dynamo.reset()  # each case compiles afresh (no recompile limit across cases)
-    fns = {b: module if b == "eager" else torch.compile(module, backend=b, dynamic=False) for b in BACKENDS}
-    inputs = make_inputs()
+    fns = {b: case.module if b == "eager" else torch.compile(case.module, backend=b, dynamic=False) for b in BACKENDS}
+    inputs = case.inputs()
     grads = tuple(t.clone().requires_grad_() if t.is_floating_point() else t for t in inputs)
     with torch.no_grad():
-        _check(name, {b: fn(*inputs) for b, fn in fns.items()}, p)
+        if case.check is not None:
+            case.check(fns["rec_ascend"](*inputs), fns["eager"](*inputs))
         forward = race_ms({b: (lambda fn=fn: fn(*inputs)) for b, fn in fns.items()}, rounds)
     train = race_ms({b: (lambda fn=fn: fn(*grads).sum().backward()) for b, fn in fns.items()}, rounds)
     lines = []
@@ -91,8 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dropout p={args.p}")
-    for name, (module, make_inputs) in cases(args.p).items():
-        for line in bench(name, module, make_inputs, args.p, 10 if args.quick else 30):
+    for name, case in cases(args.p).items():
+        for line in bench(name, case, 10 if args.quick else 30):
             print(line, flush=True)
 
 

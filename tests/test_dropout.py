@@ -151,9 +151,9 @@ def test_one_compile_for_every_batch_size_and_verify_passes():
 
 
 def test_the_benchmark_runs_every_backend_and_checks_the_results():
-    from models.bench_sequential import SampledSoftmax, bench
+    from models.bench_sequential import Case, SampledSoftmax, bench, keeps, same_as_eager
 
-    lines = bench("dropout 256x64", nn.Dropout(0.2), lambda: (torch.randn(256, 64),), 0.2, 1)
-    lines += bench("sampled softmax 64x16", SampledSoftmax(16),
-                   lambda: (torch.randn(64, 16), torch.randint(0, 1683, (64,)), torch.randint(1, 1683, (1024,))), 0.2, 1)
+    lines = bench("dropout 256x64", Case(nn.Dropout(0.2), lambda: (torch.randn(256, 64),), keeps(0.2)), 1)
+    loss_inputs = lambda: (torch.randn(64, 16), torch.randint(0, 1683, (64,)), torch.randint(1, 1683, (1024,)))  # noqa: E731
+    lines += bench("sampled softmax 64x16", Case(SampledSoftmax(16), loss_inputs, same_as_eager), 1)
     assert len(lines) == 4 and all("rec/eager" in line for line in lines)
