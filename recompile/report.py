@@ -115,7 +115,7 @@ class GraphReport:
                 {
                     "graph": self.ctx.graph_id,
                     "pass": name,
-                    "doc": PASSES[name].summary.removeprefix(f"{name}: "),
+                    "doc": PASSES[name].summary.removeprefix(f"{name}: ").rstrip("."),
                     "num_nodes_before": len(before),
                     "num_nodes_after": len(after),
                     "regions": sum(1 for r in self.ctx.regions if r.pass_name == name),
