@@ -1,10 +1,63 @@
-"""recompile: the ``rec_ascend`` torch.compile backend for recommendation models."""
-from recompile.backend import rec_ascend, register_name
-from recompile.explain import explain
-from recompile.frontends.tensorflow import compile_tf
-from recompile.options import RecompileOptions
-from recompile.pipeline import PASS_ORDER, PassContext, register_pass
+"""recompile: the ``rec_ascend`` torch.compile backend for recommendation models.
 
-register_name()
+The public names load on first use, so ``import recompile`` (and ``import recompile.distributed``) imports
+neither Inductor, nor the passes, nor the TensorFlow importer.
+"""
+import importlib
+import importlib.metadata
+import sys
+import types
 
-__all__ = ["PASS_ORDER", "PassContext", "RecompileOptions", "compile_tf", "explain", "rec_ascend", "register_pass"]
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "PASS_ORDER": "recompile.pipeline",
+    "PassContext": "recompile.pipeline",
+    "RecompileOptions": "recompile.options",
+    "compile_tf": "recompile.frontends.tensorflow",
+    "explain": "recompile.explain",
+    "rec_ascend": "recompile.backend",
+    "register_pass": "recompile.pipeline",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """A public name, or a submodule (``recompile.frontends.tensorflow`` after ``import recompile``)."""
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name, value):
+        # Importing submodule recompile.explain must not hide the function recompile.explain.
+        if not (name in _EXPORTS and isinstance(value, types.ModuleType)):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def _lazy_backend(gm, example_inputs, **kwargs):
+    from recompile.backend import rec_ascend
+
+    return rec_ascend(gm, example_inputs, **kwargs)
+
+
+def _register_backend_name() -> None:
+    """``backend="rec_ascend"``: an installed package registers the name by its entry point; a source checkout on
+    ``sys.path`` registers it here, without importing the backend until a model compiles."""
+    if any(ep.name == "rec_ascend" for ep in importlib.metadata.entry_points(group="torch_dynamo_backends")):
+        return
+    import torch._dynamo
+
+    if "rec_ascend" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(_lazy_backend, "rec_ascend")
+
+
+_register_backend_name()

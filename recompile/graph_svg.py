@@ -9,18 +9,11 @@ from __future__ import annotations
 import math
 from html import escape
 
+from recompile.pipeline import region_colours
+
 ROW = 22  # px per node
 BOX_W = 400
 MAX_LABEL = 40
-KIND_COLORS = {
-    "embedding": "#9fd3ff",
-    "dynamic_embedding": "#d7b8ff",
-    "jagged": "#ffd27f",
-    "attention": "#f7b0d0",
-    "interaction": "#b9eb9a",
-    "sampled_softmax": "#ffb38a",
-    "dropout": "#c8ccd2",
-}
 OP_COLORS = {"placeholder": "#eef1f5", "get_attr": "#eef1f5", "output": "#dde3ea"}
 
 
@@ -71,8 +64,9 @@ def graph_svg(nodes: list[dict], id_prefix: str, regions: dict[str, tuple[int, s
             f'<path class="edge" d="M{margin} {ya} C{margin - bulge} {ya} {margin - bulge} {yb} {margin} {yb}" '
             f'fill="none" stroke="#8a96a3" stroke-width="1"/>'
         )
+    colours = region_colours()
     for i, node in enumerate(nodes):
-        out.append(_node(node, i, margin, id_prefix, regions.get(node["name"])))
+        out.append(_node(node, i, margin, id_prefix, regions.get(node["name"]), colours))
     out.append("</svg>")
     return "\n".join(out)
 
@@ -81,9 +75,11 @@ def _mid(row: int) -> int:
     return 4 + row * ROW + ROW // 2
 
 
-def _node(node: dict, row: int, x: int, id_prefix: str, region: tuple[int, str] | None) -> str:
+def _node(
+    node: dict, row: int, x: int, id_prefix: str, region: tuple[int, str] | None, colours: dict[str, str]
+) -> str:
     y = 4 + row * ROW + 2
-    fill = KIND_COLORS[region[1]] if region else OP_COLORS.get(node["op"], "#ffffff")
+    fill = colours[region[1]] if region else OP_COLORS.get(node["op"], "#ffffff")
     cls = f"node region-node kind-{region[1]}" if region else "node"
     data = f' data-region="{region[0]}"' if region else ""
     body = (

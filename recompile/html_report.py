@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from html import escape
 
-from recompile.graph_svg import KIND_COLORS, graph_svg
+from recompile.graph_svg import graph_svg
+from recompile.pipeline import region_colours
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 16px; color: #1d2733; }
@@ -33,7 +34,7 @@ def _e(value) -> str:
 
 
 def _kind_style() -> str:
-    return "\n".join(f".kind-{k} {{ background: {c}; }}" for k, c in KIND_COLORS.items())
+    return "\n".join(f".kind-{k} {{ background: {c}; }}" for k, c in region_colours().items())
 
 
 def _table(headers: list[str], rows: list[str]) -> str:
@@ -52,7 +53,7 @@ def _summary(data: dict) -> str:
         for g in data["graphs"]
     ]
     passes = [
-        f"<tr>{_cells(p['graph'], _e(p['pass']), p['num_nodes_before'], p['num_nodes_after'], p['regions'], _e(', '.join(p['removed'])), _e(', '.join(p['added'])), _e(', '.join(p['retargeted'])))}</tr>"
+        f"<tr>{_cells(p['graph'], _e(p['pass']), _e(p['doc']), p['num_nodes_before'], p['num_nodes_after'], p['regions'], _e(', '.join(p['removed'])), _e(', '.join(p['added'])), _e(', '.join(p['retargeted'])))}</tr>"
         for p in data["passes"]
     ]
     fallbacks = [f"<tr>{_cells(_e(f['pass']), _e(f['reason']))}</tr>" for f in data["fallbacks"]]
@@ -60,7 +61,7 @@ def _summary(data: dict) -> str:
         f'<section id="summary"><h2>Graphs captured: {len(data["graphs"])}</h2>'
         + _table(["graph", "nodes before", "nodes after", "graph break"], graphs)
         + "<h2>Passes</h2>"
-        + _table(["graph", "pass", "nodes before", "nodes after", "regions", "removed", "added", "retargeted"], passes)
+        + _table(["graph", "pass", "what it does", "nodes before", "nodes after", "regions", "removed", "added", "retargeted"], passes)
         + f'<h2 id="fallbacks">Fallbacks: {len(data["fallbacks"])}</h2>'
         + (_table(["pass", "reason"], fallbacks) if fallbacks else "<p>none</p>")
         + "</section>"

@@ -1,15 +1,18 @@
 """The rec pass pipeline: ordered, named FX -> FX passes over the graph Dynamo captured.
 
-Each pass is ``(gm, ctx) -> gm``, lives in its own module under ``recompile/passes/`` and registers
-itself with ``register_pass``. The pipeline runs every enabled pass on a copy of the graph; if a pass
+Each pass is ``(gm, ctx) -> gm``, lives in its own module under ``recompile/passes/`` and declares
+itself once with ``register_pass`` (name, order, region kinds and their report colours; its module docstring is
+its doc): ``PASSES`` holds the declarations, and ``PASS_ORDER``, ``REGION_KINDS``, ``DRAWS_OTHER_RANDOM`` and the
+report's colours are read from them. The pipeline runs every enabled pass on a copy of the graph; if a pass
 raises, its input graph is kept, the failure is recorded as a fallback and a warning says so. The
 context records every region a pass replaced and the kernel the lowering registry chose for it.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -20,26 +23,66 @@ from recompile.options import RecompileOptions
 
 PassFn = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
 
-# The order passes run in. A pass module adds its name here and registers its function.
-PASS_ORDER: list[str] = ["normalize", "embedding", "dynamic_embedding", "jagged", "interaction", "sampled_softmax",
-                         "dropout"]
-PASSES: dict[str, PassFn] = {}
-# Passes whose replacement draws other random numbers than the graph it replaces: ``verify`` cannot compare them.
-DRAWS_OTHER_RANDOM: set[str] = set()
-REGION_KINDS = ("embedding", "dynamic_embedding", "jagged", "attention", "interaction", "sampled_softmax", "dropout")
+
+@dataclass(frozen=True)
+class PassSpec:
+    """A pass, declared once by its module (``register_pass``); the pipeline, the reports and ``recompile
+    inspect`` read it from ``PASSES``."""
+
+    name: str
+    order: int  # passes run in increasing order
+    fn: PassFn
+    regions: Mapping[str, str]  # region kind the pass records -> its colour in the HTML report
+    draws_other_random: bool  # its replacement draws other random numbers than the graph: ``verify`` cannot compare
+    doc: str  # the pass module's docstring: pattern -> replacement -> why
+
+    @property
+    def summary(self) -> str:
+        return self.doc.strip().split("\n", 1)[0]
 
 
-def register_pass(name: str, draws_other_random: bool = False) -> Callable[[PassFn], PassFn]:
-    if name not in PASS_ORDER:
-        raise ValueError(f"pass {name!r} is not in PASS_ORDER {PASS_ORDER}")
+PASSES: dict[str, PassSpec] = {}
+
+
+def register_pass(
+    name: str, order: int, regions: Mapping[str, str] | None = None, draws_other_random: bool = False
+) -> Callable[[PassFn], PassFn]:
+    """Declare ``fn`` as pass ``name``, run at ``order``, recording regions of the kinds in ``regions`` (kind ->
+    report colour). Adding a pass is a module under ``recompile/passes/`` with this decorator, imported there."""
 
     def wrap(fn: PassFn) -> PassFn:
-        PASSES[name] = fn
-        if draws_other_random:
-            DRAWS_OTHER_RANDOM.add(name)
+        spec = PassSpec(name, order, fn, dict(regions or {}), draws_other_random,
+                        sys.modules[fn.__module__].__doc__ or fn.__doc__ or "")
+        for other in PASSES.values():
+            if other.name == name or other.order == order or other.regions.keys() & spec.regions.keys():
+                raise ValueError(f"pass {name!r} clashes with pass {other.name!r} (name, order or region kind)")
+        PASSES[name] = spec
         return fn
 
     return wrap
+
+
+def passes() -> list[PassSpec]:
+    """Every pass, in the order they run."""
+    import recompile.passes  # noqa: F401  (each pass module registers itself)
+
+    return sorted(PASSES.values(), key=lambda spec: spec.order)
+
+
+def region_colours() -> dict[str, str]:
+    """Region kind -> its colour in the HTML report, as the passes declare them."""
+    return {kind: colour for spec in passes() for kind, colour in spec.regions.items()}
+
+
+def __getattr__(name: str):
+    """The names derived from the declarations, computed when read (so always those of the registered passes)."""
+    if name == "PASS_ORDER":
+        return [spec.name for spec in passes()]
+    if name == "REGION_KINDS":
+        return tuple(region_colours())
+    if name == "DRAWS_OTHER_RANDOM":
+        return {spec.name for spec in passes() if spec.draws_other_random}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -102,8 +145,9 @@ class PassContext:
         return choose(op, self.target)
 
     def record_region(self, kind: str, replaced: Sequence[fx.Node | str], op: str, impl: Impl) -> None:
-        if kind not in REGION_KINDS:
-            raise ValueError(f"region kind {kind!r} is not one of {REGION_KINDS}")
+        kinds = region_colours()
+        if kind not in kinds:
+            raise ValueError(f"region kind {kind!r} is not one declared by a pass: {tuple(kinds)}")
         names = [n.name if isinstance(n, fx.Node) else n for n in replaced]
         self.regions.append(Region(kind, self.current_pass, names, op, self.target.name, impl))
 
@@ -128,18 +172,17 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.record_stage("captured", gm)
-    for name in PASS_ORDER:
-        if name not in PASSES or not ctx.options.enabled(name):
-            continue
-        gm = _run_pass(name, PASSES[name], gm, ctx)
+    for spec in passes():
+        if ctx.options.enabled(spec.name):
+            gm = _run_pass(spec, gm, ctx)
     return gm
 
 
-def _run_pass(name: str, fn: PassFn, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    ctx.current_pass = name
+def _run_pass(spec: PassSpec, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    name = ctx.current_pass = spec.name
     num_regions = len(ctx.regions)
     try:
-        result = fn(copy_graph_module(gm), ctx)
+        result = spec.fn(copy_graph_module(gm), ctx)
         result.graph.lint()
         result.recompile()
     except Exception as exc:  # a failing pass must never cost correctness: keep its input graph
@@ -148,7 +191,7 @@ def _run_pass(name: str, fn: PassFn, gm: fx.GraphModule, ctx: PassContext) -> fx
         ctx.fallbacks.append(Fallback(name, reason))
         warnings.warn(f"recompile: pass {name!r} failed and was skipped ({reason})", stacklevel=2)
         return gm
-    if ctx.options.verify and len(ctx.regions) > num_regions and name not in DRAWS_OTHER_RANDOM:
+    if ctx.options.verify and len(ctx.regions) > num_regions and not spec.draws_other_random:
         _verify(name, gm, result, ctx)
     ctx.record_stage(name, result)
     return result

@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from recompile import dump
 from recompile.lowering import Target
-from recompile.pipeline import PassContext, Region
+from recompile.pipeline import PASSES, PassContext, Region
 
 # What a chosen kernel runs as, by lowering kind. Library ops are named by the library each target has.
 LIBRARIES = {"fbgemm": {"cpu": "fbgemm-gpu-cpu op", "cuda": "fbgemm-gpu op", "npu": "fbgemm-ascend op"}}
@@ -115,6 +115,7 @@ class GraphReport:
                 {
                     "graph": self.ctx.graph_id,
                     "pass": name,
+                    "doc": PASSES[name].summary.removeprefix(f"{name}: ").rstrip("."),
                     "num_nodes_before": len(before),
                     "num_nodes_after": len(after),
                     "regions": sum(1 for r in self.ctx.regions if r.pass_name == name),
@@ -241,5 +242,5 @@ def _pass_line(p: dict) -> str:
     what = ", ".join(changes) if changes else "no change"
     return (
         f"  graph {p['graph']} {p['pass']}: {p['num_nodes_before']} -> {p['num_nodes_after']} nodes, "
-        f"{p['regions']} region(s); {what}"
+        f"{p['regions']} region(s); {what} ({p['doc']})"
     )

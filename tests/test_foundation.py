@@ -13,6 +13,7 @@ import recompile
 from checks import assert_compiled_equals_eager
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 from recompile import pipeline
+from recompile.html_report import render_html
 from recompile.lowering import LOWERINGS, detect_target
 from recompile.lowering.targets import ASCEND_FBGEMM_OPS
 
@@ -81,6 +82,12 @@ def test_absent_target_refuses_to_run_but_plans():
     assert report["executed"] is False and report["target"]["name"] == "npu"
 
 
+def add_pass(monkeypatch, name, fn):
+    """Declare pass ``name`` after every other for this test only."""
+    last = max(spec.order for spec in pipeline.passes())
+    monkeypatch.setitem(pipeline.PASSES, name, pipeline.PassSpec(name, last + 1, fn, {}, False, "a test pass"))
+
+
 def test_failing_pass_falls_back_and_is_reported(monkeypatch):
     def broken(gm, ctx):
         for node in gm.graph.nodes:  # half-rewrites the graph, then fails
@@ -88,8 +95,7 @@ def test_failing_pass_falls_back_and_is_reported(monkeypatch):
                 node.target = torch.sub
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(pipeline, "PASS_ORDER", [*pipeline.PASS_ORDER, "broken"])
-    monkeypatch.setitem(pipeline.PASSES, "broken", broken)
+    add_pass(monkeypatch, "broken", broken)
     model, x = small_mlp(), torch.randn(4, 12)
     with pytest.warns(UserWarning, match="pass 'broken' failed"):
         out = torch.compile(model, backend="rec_ascend")(x)
@@ -107,8 +113,7 @@ def test_verify_raises_on_wrong_rewrite(monkeypatch):
                 ctx.record_region("interaction", [node], "recompile::complete_cumsum", ctx.lower("recompile::complete_cumsum"))
         return gm
 
-    monkeypatch.setattr(pipeline, "PASS_ORDER", [*pipeline.PASS_ORDER, "wrong"])
-    monkeypatch.setitem(pipeline.PASSES, "wrong", wrong)
+    add_pass(monkeypatch, "wrong", wrong)
     f = torch.compile(lambda x: torch.relu(x) + 1, backend="rec_ascend", options={"verify": True})
     with pytest.raises(Exception, match="pass 'wrong' changed the results"):
         f(torch.randn(8))
@@ -214,3 +219,61 @@ def test_full_reductions_leave_pattern_matching_unambiguous():
     x, y = torch.randn(4, 3), torch.randn(4, 3)
     assert recompile.explain(loss, x, y).to_dict()["fallbacks"] == []
     torch.testing.assert_close(torch.compile(loss, backend="rec_ascend")(x, y), loss(x, y))
+
+
+def test_passes_are_declared_once_and_everything_reads_the_declaration():
+    specs = pipeline.passes()
+    assert pipeline.PASS_ORDER == [s.name for s in specs] == sorted(pipeline.PASSES, key=lambda n: pipeline.PASSES[n].order)
+    assert pipeline.REGION_KINDS == tuple(k for s in specs for k in s.regions) == tuple(pipeline.region_colours())
+    assert pipeline.DRAWS_OTHER_RANDOM == {"dropout"}
+    for spec in specs:  # each pass module's docstring is its doc: "name: what it does", then pattern -> replacement
+        assert spec.summary.startswith(f"{spec.name}: ") and "\n" in spec.doc.strip(), spec.name
+
+
+@pytest.fixture
+def restore_passes():
+    saved = {spec.name: spec for spec in pipeline.passes()}
+    yield
+    pipeline.PASSES.clear()
+    pipeline.PASSES.update(saved)
+
+
+def test_a_new_pass_is_one_declaration(restore_passes):
+    """A pass declared with register_pass alone runs in its place, and the reports show its regions and doc."""
+
+    def tanh_to_cumsum(gm, ctx):
+        for node in gm.graph.nodes:
+            if node.target is torch.tanh:
+                ctx.record_region("probe", [node], "recompile::complete_cumsum", ctx.lower("recompile::complete_cumsum"))
+        return gm
+
+    order = pipeline.PASSES["embedding"].order + 1
+    pipeline.register_pass("probe", order=order, regions={"probe": "#123456"})(tanh_to_cumsum)
+    assert pipeline.PASS_ORDER.index("probe") == pipeline.PASS_ORDER.index("embedding") + 1
+    assert pipeline.region_colours()["probe"] == "#123456" and "probe" in pipeline.REGION_KINDS
+    report = recompile.explain(lambda x: torch.tanh(x) + 1, torch.randn(4))
+    assert [r["kind"] for r in report.to_dict()["regions"]] == ["probe"]
+    assert "graph 0 probe:" in report.to_text() and "#123456" in render_html(report.to_dict(), "probe")
+    with pytest.raises(ValueError, match="clashes with pass 'probe'"):
+        pipeline.register_pass("other", order=order)(tanh_to_cumsum)
+    with pytest.raises(ValueError, match="clashes with pass 'jagged'"):
+        pipeline.register_pass("other", order=order + 1000, regions={"attention": "#000000"})(tanh_to_cumsum)
+
+
+def test_imports_are_light():
+    """``import hkv`` and ``import recompile.distributed`` load neither Inductor, nor a pass, nor the TF importer."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import hkv, recompile.distributed
+        heavy = [m for m in sys.modules if m in ("torch._inductor.compile_fx", "tensorflow", "recompile.backend")
+                 or m.startswith(("recompile.passes", "recompile.frontends"))]
+        assert not heavy, heavy
+        import recompile.explain  # the submodule does not hide the function
+        assert callable(recompile.explain) and recompile.PASS_ORDER[0] == "normalize"
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("ok")

@@ -9,8 +9,7 @@ from html.parser import HTMLParser
 import pytest
 
 from recompile import cli
-from recompile.graph_svg import KIND_COLORS
-from recompile.pipeline import PASS_ORDER, REGION_KINDS
+from recompile.pipeline import PASS_ORDER
 from test_inspect import HERE
 
 CHROMIUM_FLAGS = [
@@ -64,10 +63,6 @@ def render(tmp_path, *extra) -> tuple[str, Elements]:
     dom = chromium(tmp_path, "--dump-dom", html.as_uri())
     assert dom.returncode == 0, dom.stderr
     return html.read_text(), Elements(dom.stdout)
-
-
-def test_every_region_kind_has_a_colour():
-    assert set(KIND_COLORS) == set(REGION_KINDS)
 
 
 def test_report_renders_regions_stages_and_profile(tmp_path):

@@ -1,5 +1,5 @@
 """Lowering of recompile::dropout: the native CPU kernel, and the reference (torch integer ops) anywhere."""
-from recompile.lowering.registry import Impl, native_on_cpu, reference, register_lowering
+from recompile.lowering.registry import Impl, declare_facts, native_on_cpu, reference, register_lowering
 from runtime import dropout
 
 register_lowering(
@@ -7,3 +7,4 @@ register_lowering(
     Impl("native", "cpu_kernel", native_on_cpu(dropout.available), "runtime/csrc/dropout.c: hash, test, scale in one pass"),
     reference("runtime.dropout.dropout_reference"),
 )
+declare_facts("recompile::dropout", random=True)

@@ -5,7 +5,9 @@ read every table from one packed ``weights`` buffer; the user's tables are separ
 packing them would copy every table on every call, so the grouped lookup runs our own kernels: on CPU
 the native C kernel (all tables in one OpenMP call), else ATen's embedding_bag per table.
 """
-from recompile.lowering.registry import Impl, has_triton, native_on_cpu, on_cpu, reference, register_lowering
+from recompile.lowering.registry import (
+    Impl, declare_facts, has_triton, native_on_cpu, on_cpu, reference, register_lowering,
+)
 from runtime import embedding_native
 
 native_runs = native_on_cpu(embedding_native.available)  # runtime/csrc/embedding.c
@@ -29,3 +31,7 @@ register_lowering(
          "torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu per table (exact_sgd)"),
     reference("runtime.embedding_optimizer: unique ids, summed gradients, row updates"),
 )
+declare_facts("recompile::grouped_embedding_bag", bounds_checked=True)
+# The fused lookup runs grouped_embedding_bag's kernels; its backward is embedding_optimizer_step.
+declare_facts("recompile::grouped_embedding_bag_fused", bounds_checked=True, updates_in_backward=True)
+declare_facts("recompile::embedding_optimizer_step", stateful=True)

@@ -1,6 +1,6 @@
 """Lowering of the hkv table ops: the kernel that probes the hash table (``hkv.kernels``)."""
 from hkv import kernels
-from recompile.lowering.registry import Impl, has_triton, reference, register_lowering
+from recompile.lowering.registry import Impl, declare_facts, has_triton, reference, register_lowering
 
 
 def cpu_kernel_runs(target) -> bool:
@@ -14,3 +14,6 @@ register_lowering(
          "hkv/csrc/probe.c: one pass per key (hash, probe, claim, score, row), threads over bucket ranges"),
     reference("hkv.table: vectorised torch probing (any device)"),
 )
+# Lookups insert missing ids and their backward applies the optimizer to the table: all change the table.
+for op in ("hkv::lookup", "hkv::embedding_lookup", "hkv::update"):
+    declare_facts(op, stateful=True)

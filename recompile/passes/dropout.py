@@ -63,7 +63,7 @@ def _seed(graph: fx.Graph, like: fx.Node) -> fx.Node:
     return seed
 
 
-@register_pass("dropout", draws_other_random=True)
+@register_pass("dropout", order=60, regions={"dropout": "#c8ccd2"}, draws_other_random=True)
 def dropout(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     impl = ctx.lower("recompile::dropout")
     if impl.kind == "reference" or inductor_config.fallback_random:

@@ -43,7 +43,7 @@ def _lookup_args(node: fx.Node) -> dict | None:
     return args
 
 
-@register_pass("dynamic_embedding")
+@register_pass("dynamic_embedding", order=20, regions={"dynamic_embedding": "#d7b8ff"})
 def dynamic_embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     groups: dict[tuple, list[tuple[fx.Node, dict]]] = defaultdict(list)
     for node in gm.graph.nodes:

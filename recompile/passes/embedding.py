@@ -332,7 +332,7 @@ def _rewrite_unpooled(gm: fx.GraphModule, ctx: PassContext, members: list[tuple]
             graph.erase_node(node)
 
 
-@register_pass("embedding")
+@register_pass("embedding", order=10, regions={"embedding": "#9fd3ff"})
 def embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     lookups: dict[fx.Node, Lookup] = {}
     for node in list(gm.graph.nodes):

@@ -614,7 +614,7 @@ def build_matcher(ctx: PassContext) -> PatternMatcherPass:
     return matcher
 
 
-@register_pass("interaction")
+@register_pass("interaction", order=40, regions={"interaction": "#b9eb9a"})
 def interaction(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     build_matcher(ctx).apply(gm)
     stack_cross_layers(gm, ctx)

@@ -632,7 +632,7 @@ def _lift_padded_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
         ctx.record_region("jagged", [n for n in region.lifted if n in erased], op, ctx.lower(op))
 
 
-@register_pass("jagged")
+@register_pass("jagged", order=30, regions={"jagged": "#ffd27f", "attention": "#f7b0d0"})
 def jagged(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     _rewrite_offsets(gm, ctx)
     _lift_padded_regions(gm, ctx)

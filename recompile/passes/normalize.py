@@ -66,7 +66,7 @@ def _function_args(node: fx.Node) -> tuple:
     return node.args
 
 
-@register_pass("normalize")
+@register_pass("normalize", order=0)
 def normalize(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         fn = _function_for(node)

@@ -110,7 +110,7 @@ def match(loss: fx.Node) -> tuple | None:
     return pos, neg, neg_ids, target_ids, scale
 
 
-@register_pass("sampled_softmax")
+@register_pass("sampled_softmax", order=50, regions={"sampled_softmax": "#ffb38a"})
 def sampled_softmax(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     impl = ctx.lower("recompile::sampled_softmax_loss")
     if impl.kind == "reference":
