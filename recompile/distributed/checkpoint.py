@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from hkv import HashTable
-from hkv.checkpoint import parse, read
+from hkv.checkpoint import CheckpointError, clean_stale_temps, parse, read
 
 from recompile.distributed.dynamic_embedding import ShardedDynamicEmbeddingBag
 from recompile.distributed.env import world
@@ -40,6 +41,7 @@ def _barrier() -> None:
 
 
 def _atomic(path: str, write) -> None:
+    clean_stale_temps(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         write(f)
@@ -161,6 +163,16 @@ def save(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = 
     _barrier()
 
 
+def _load_dense(file: str) -> dict:
+    """``dense.pt`` as tensors, numbers and containers only: ``weights_only=True`` refuses any pickle that
+    would import or call something, so a crafted checkpoint cannot run code on ``load``."""
+    try:
+        return torch.load(file, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+        raise CheckpointError(f"checkpoint file {file!r} is not plain dense state (tensors, numbers, dicts); "
+                              f"refused to unpickle it: {str(exc).splitlines()[0]}") from None
+
+
 def load(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Fill the sharded ``model`` (and ``optimizer``) from a checkpoint written by any number of ranks."""
     model = _unwrap(model)
@@ -171,7 +183,7 @@ def load(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = 
         raise FileNotFoundError(f"{path!r} is not a complete recompile checkpoint: it has no {MANIFEST}")
     with open(manifest_path) as f:
         manifest = json.load(f)
-    dense = torch.load(os.path.join(path, DENSE), weights_only=False)
+    dense = _load_dense(os.path.join(path, DENSE))
     for name, table in sharded_tables(model):
         if name not in manifest["tables"]:
             raise KeyError(f"checkpoint {path!r} has no table {name!r} (it has {sorted(manifest['tables'])})")
