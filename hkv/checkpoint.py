@@ -223,14 +223,16 @@ def read(path: str) -> bytes:
         return f.read()
 
 
-def _check_capacity(header: dict, file_bytes: int, source: str) -> None:
-    row_bytes = header["dim"] * DTYPES[header["dtype"]].itemsize
-    need = header["capacity"] * (SLOT_BYTES + row_bytes)
+def _slot_limit(header: dict, file_bytes: int, source: str) -> int:
+    """The most slots restoring the checkpoint may allocate: its header capacity is refused beyond that, and
+    the restore grows no further (entries that need more do not fit)."""
+    slot_bytes = SLOT_BYTES + header["dim"] * DTYPES[header["dtype"]].itemsize
     limit = max(RESTORE_BYTES, 64 * file_bytes)
-    if need > limit:
-        raise CheckpointError(f"{source}: header capacity {header['capacity']} would allocate {need} bytes for a "
-                              f"checkpoint of {file_bytes} bytes holding {header['size']} entries (at most {limit}); "
-                              f"pass init_capacity= to choose the table's size")
+    if header["capacity"] * slot_bytes > limit:
+        raise CheckpointError(f"{source}: header capacity {header['capacity']} would allocate "
+                              f"{header['capacity'] * slot_bytes} bytes for a checkpoint of {file_bytes} bytes holding "
+                              f"{header['size']} entries (at most {limit}); pass init_capacity= to choose the table's size")
+    return limit // slot_bytes
 
 
 def build(header: dict, keys, values, scores, allow_eviction: bool = False, allow_strategy_change: bool = False,
@@ -238,8 +240,7 @@ def build(header: dict, keys, values, scores, allow_eviction: bool = False, allo
     """A new HashTable with the header's settings (``overrides`` replace them) holding the entries."""
     from hkv.table import EvictStrategy, HashTable
 
-    if "init_capacity" not in overrides:
-        _check_capacity(header, file_bytes, source)
+    slots = None if "init_capacity" in overrides else _slot_limit(header, file_bytes, source)
     settings = {
         "dim": header["dim"],
         "init_capacity": max(header["capacity"], 1),
@@ -252,8 +253,13 @@ def build(header: dict, keys, values, scores, allow_eviction: bool = False, allo
     settings.update(overrides)
     if "init_capacity" in overrides and "max_capacity" not in overrides:
         settings["max_capacity"] = max(settings["max_capacity"], settings["init_capacity"])
+    bounded = slots is not None and "max_capacity" not in overrides and settings["max_capacity"] > slots
+    if bounded:  # the restore may grow only as far as the file's size allows; the table may later grow on
+        settings["max_capacity"] = max(slots, settings["init_capacity"])
     table = HashTable(**settings)
     restore(table, header, keys, values, scores, allow_eviction, allow_strategy_change)
+    if bounded:
+        table.max_capacity = table._round_capacity(header["max_capacity"])
     return table
 
 
