@@ -140,3 +140,25 @@ def test_a_distributed_checkpoint_whose_pickle_runs_code_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="dense.pt.* refused to unpickle it"):
         dist_checkpoint.load(model, path)
     assert not os.path.exists(marker)
+
+
+def test_a_dynamic_table_restore_is_all_or_nothing(tmp_path):
+    from recompile.distributed import checkpoint as dist_checkpoint, distribute
+    from tests.distributed_workers import DynamicModel, KEY_POOL, table_contents
+
+    model = distribute(DynamicModel())
+    for t in model.tables:
+        t.table.insert_or_assign(KEY_POOL[:200], torch.randn(200, t.table.dim))
+    path = str(tmp_path / "ckpt")
+    dist_checkpoint.save(model, path)
+    fresh = distribute(DynamicModel())
+    dist_checkpoint.load(fresh, path)
+    for (k, v), (fk, fv) in zip(table_contents(model), table_contents(fresh)):
+        assert torch.equal(k, fk) and torch.equal(v, fv)
+    small = distribute(DynamicModel())
+    for t in small.tables:  # 128 slots: 200 keys do not fit
+        t.runtime.table = hkv.HashTable(t.table.dim, init_capacity=128, max_capacity=128, bucket_size=128)
+        t.table.insert_or_assign(torch.tensor([5]), torch.ones(1, t.table.dim))
+    with pytest.raises(CheckpointError, match=r"\d+ of 200 checkpointed entries do not fit"):
+        dist_checkpoint.load(small, path)
+    assert small.tables[0].table.size() == 1
