@@ -21,7 +21,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import hkv
@@ -66,7 +66,8 @@ def test_fuzz_jagged_ops(op, lengths, kind, at, by, mode, dtype, max_len, seed):
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
-    check_call(op, _corrupt(offsets, kind, at, by), offsets[-1], max_len, mode, dtype, seed)
+    got = check_call(op, _corrupt(offsets, kind, at, by), offsets[-1], max_len, mode, dtype, seed)
+    event(f"{op}: {'named error' if got[0] == 'error' else 'repaired, warned' if got[2] else 'result'}")
 
 
 # ------------------------------------------------------------------------------------------ embedding ops
@@ -121,6 +122,7 @@ def test_fuzz_embedding_ops(tables, pooling, mode, dtype, bad_id, seed):
         assert got[0] == ref[0] and (got[1] == ref[1] if got[0] == "error" else got[2] == ref[2]), (impl, got, ref)
         if got[0] == "ok":
             torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-5, msg=impl)
+    event("named error" if ref[0] == "error" else "warned" if ref[2] else "result")
     if malformed:
         assert ref[0] == "error" and "offsets" in ref[1], ref
     elif out_of_range and mode == "fatal":
@@ -175,6 +177,7 @@ def test_fuzz_hkv_tables_with_failing_growth(kernel, tier, steps):
                 else:
                     t.reserve(4 * t.capacity())
             except storage.StorageError as exc:
+                event("a growth failed")
                 assert "the table is unchanged: could not allocate the" in str(exc)
                 model = before
                 if kernel == "cpu":  # its one-pass upsert stores the batch before it grows: take what it kept
@@ -252,8 +255,10 @@ def test_fuzz_checkpoint_bytes(seed, mutation, where, value, field, reseal):
             f.write(blob)
         try:
             table = hkv.HashTable.load(path)
-        except CheckpointError:
+        except CheckpointError as exc:
+            event(f"CheckpointError:{str(exc).replace(f'hkv checkpoint {path!r}', '')[:45]}")
             return
+    event("loaded")
     # it loaded: it must hold exactly what the file says
     parsed_header, keys, values, scores = checkpoint.parse(blob)
     assert table.size() == keys.numel() == parsed_header["size"]
