@@ -144,13 +144,13 @@ STRATEGIES = ("lru", "lfu", "epoch_lru", "epoch_lfu", "customized")  # hkv.table
 # Every header field and what it must be (checked before anything is allocated).
 HEADER = {
     "dim": (_integer(0, 1 << 24), "an integer in [0, 2**24]"),
-    "dtype": (lambda v: v in DTYPES, f"one of {sorted(DTYPES)}"),
+    "dtype": (lambda v: isinstance(v, str) and v in DTYPES, f"one of {sorted(DTYPES)}"),
     "size": (_integer(0), "a non-negative integer"),
     "capacity": (_integer(1, 1 << 62), "an integer in [1, 2**62]"),
     "max_capacity": (_integer(1, 1 << 62), "an integer in [1, 2**62]"),
     "max_load_factor": (lambda v: type(v) in (int, float) and 0 < v <= 1, "a number in (0, 1]"),
     "bucket_size": (lambda v: _integer(1, 1 << 20)(v) and not v & (v - 1), "a power of two up to 2**20"),
-    "evict_strategy": (lambda v: v in STRATEGIES, f"one of {STRATEGIES}"),
+    "evict_strategy": (lambda v: isinstance(v, str) and v in STRATEGIES, f"one of {STRATEGIES}"),
     "global_epoch": (_integer(0, 0x7FFFFFFF), "an integer in [0, 2**31)"),
     "clock": (_integer(0, (1 << 63) - 1), "a non-negative int64"),
 }

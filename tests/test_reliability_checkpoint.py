@@ -50,6 +50,7 @@ def _crafted_cases():
     yield "not a JSON object", _craft(header, payload, b"[1, 2]")
     yield "has no 'dim'", _craft({k: v for k, v in header.items() if k != "dim"}, payload)
     yield "'dtype' must be one of", _craft(header | {"dtype": "complex128"}, payload)
+    yield "'evict_strategy' must be one of", _craft(header | {"evict_strategy": ["lru"]}, payload)
     yield "'dim' must be", _craft(header | {"dim": "4"}, payload)
     yield "'size' must be", _craft(header | {"size": -1}, payload)
     yield "header says 1099511627776 entries", _craft(header | {"size": 2**40}, payload)
