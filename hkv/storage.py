@@ -109,7 +109,9 @@ class TieredValues:
         self.sizes = (device_rows, host_rows, disk_rows)
         self.disk_path = limits.disk_path if disk_rows else None
         # Where the disk tier's file is now: beside disk_path while staged, disk_path once adopted.
-        self.file = None if self.disk_path is None else f"{self.disk_path}.grow-{os.getpid()}-{next(_STAGED)}" if staged else self.disk_path
+        self.file = self.disk_path
+        if staged and self.disk_path is not None:
+            self.file = f"{self.disk_path}.grow-{os.getpid()}-{next(_STAGED)}"
         try:
             self.tiers = [
                 allocate("device", device_rows, row_bytes,

@@ -82,7 +82,7 @@ def _locked(fn):
 class HashTable:
     """A key -> (value row, score) hash table with HierarchicalKV's API and eviction semantics."""
 
-    _staging = False  # True on the copy ``_build`` fills beside the table
+    _staging = False  # True on the copy ``_relayout`` fills beside the table
 
     def __init__(
         self,
@@ -131,7 +131,7 @@ class HashTable:
         return self.bucket_size * _pow2_at_least(-(-int(capacity) // self.bucket_size))
 
     def _allocate(self, capacity: int) -> None:
-        """A fresh empty layout of ``capacity`` slots. A staging copy (``_staging``, see ``_build``) puts its disk
+        """A fresh empty layout of ``capacity`` slots. A staging copy (``_staging``, see ``_relayout``) puts its disk
         tier beside the table's file, so the table's own storage is untouched until the copy is adopted."""
         self._capacity = capacity
         self._num_buckets = capacity // self.bucket_size

@@ -69,7 +69,8 @@ def _failing_module(model, inputs) -> tuple[str, str] | None:
             model(*inputs)
     except Exception as exc:
         qualname, module = entered[-1] if entered else ("", model)
-        where = f"module {qualname!r} ({type(module).__name__})" if qualname else f"its top module ({type(module).__name__})"
+        kind = type(module).__name__
+        where = f"module {qualname!r} ({kind})" if qualname else f"its top module ({kind})"
         lines = str(exc).strip().splitlines()
         return where, f"{type(exc).__name__}: {lines[0] if lines else ''}"
     finally:

@@ -71,8 +71,9 @@ def checked_offsets(op: str, offsets: torch.Tensor, total: int | None, bounds_ch
     """The offsets every kernel of a jagged op gets: checked, or repaired, per ``bounds_check`` (module docstring).
 
     ``total``: the values' length the offsets must end at (None: whatever the last offset says). ``max_len``:
-    the longest sequence the op can take (None: any); a longer one is always an error, worded by ``too_long``. Runs in the op's body
-    (never in traced code). On the CPU a check costs one host sync; on accelerators "fatal" and "ignore" none.
+    the longest sequence the op can take (None: any); a longer one is always an error, worded by ``too_long``.
+    Runs in the op's body (never in traced code). On the CPU a check costs one host sync; on accelerators
+    "fatal" and "ignore" none.
     """
     check_offsets(op, offsets, bounds_check, arg)
     host = offsets.device.type == "cpu"
@@ -80,7 +81,8 @@ def checked_offsets(op: str, offsets: torch.Tensor, total: int | None, bounds_ch
     ok = (first == 0) & (offsets.diff() >= 0).all()
     if total is not None:
         ok = ok & (last == total)
-    rule = f"start at 0, be non-decreasing and end at {'the last offset' if total is None else total} (the values' length)"
+    end_rule = "" if total is None else f" and end at {total} (the values' length)"
+    rule = f"start at 0, be non-decreasing{end_rule}"
     if bounds_check == "fatal":
         if not host:
             torch._assert_async(ok, f"recompile.{op}: {arg} must {rule}")
@@ -98,7 +100,8 @@ def checked_offsets(op: str, offsets: torch.Tensor, total: int | None, bounds_ch
     if max_len is not None and offsets.numel() > 1:
         longest = offsets.diff().max()
         if not host:
-            torch._assert_async(longest <= max_len, f"recompile.{op}: " + too_long.format(longest="more", max_len=max_len))
+            message = f"recompile.{op}: " + too_long.format(longest="more", max_len=max_len)
+            torch._assert_async(longest <= max_len, message)
         elif int(longest) > max_len:
             raise ValueError(f"recompile.{op}: " + too_long.format(longest=int(longest), max_len=max_len))
     return offsets
