@@ -188,6 +188,9 @@ class DynamicEmbeddingBag(nn.Module):
         if mode not in POOLING_MODES:
             raise ValueError(f"hkv.{type(self).__name__}: mode must be one of {POOLING_MODES}, got {mode!r}")
         self.mode = mode
+        # Whether loading a state dict with more entries than the table can hold keeps the highest-scoring ones
+        # that fit (True) or raises CheckpointError naming how many would be dropped (False).
+        self.restore_allows_eviction = False
         self.runtime = DynamicTable(options, optimizer, name or type(self).__name__)
         self.weight = nn.Parameter(torch.empty(0, device=options.device))  # carries autograd to the fused update
 
@@ -224,7 +227,7 @@ class DynamicEmbeddingBag(nn.Module):
             missing_keys.append(prefix + "table")
             return
         parsed = checkpoint.parse(data.numpy().tobytes(), source=f"state_dict[{prefix + 'table'!r}]")
-        checkpoint.restore(self.table, *parsed)
+        checkpoint.restore(self.table, *parsed, allow_eviction=self.restore_allows_eviction)
         self.runtime.step = int(step) if step is not None else 0
 
     def extra_repr(self) -> str:

@@ -6,22 +6,43 @@ of one tensor. ``TieredValues`` keeps a slot -> row map over three tiers laid en
 mapped from ``disk_path``. ``migrate`` moves the highest-scoring rows to the fastest tiers (MTrainS);
 ``promote``, run by the table after every write of scores, swaps each touched row of a slower tier
 whose score now exceeds the lowest scores of the device tier with those rows (hot rows move up).
+
+A table grows by building a whole new store beside the old one (``staged=True``: the disk tier goes to
+``<disk_path>.grow-<pid>``) and only then ``adopt``-ing it (the staged file renamed over ``disk_path``);
+a failure while building raises ``StorageError`` naming the tier and path and leaves the old store intact.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
 import torch
 
 TIER_NAMES = ("device", "host", "disk")
+_STAGED = itertools.count()  # tells apart the staged files of nested growths
+
+
+class StorageError(RuntimeError):
+    """Allocating a storage tier failed (out of memory, disk full, a bad or unwritable disk path)."""
+
+
+def allocate(tier: str, rows: int, row_bytes: int, make, path: str | None = None):
+    """``make()`` with any failure raised as a StorageError naming the tier, its size and its path."""
+    try:
+        return make()
+    except Exception as exc:
+        where = f" at {path!r}" if path is not None else ""
+        raise StorageError(f"could not allocate the {tier} tier ({rows} rows x {row_bytes} bytes){where}: "
+                           f"{type(exc).__name__}: {exc}") from exc
 
 
 class DenseValues:
     """All value rows in one tensor on the table's device; row ``slot`` holds the value of that slot."""
 
     def __init__(self, rows: int, dim: int, dtype: torch.dtype, device: torch.device):
-        self.data = torch.zeros(rows, dim, dtype=dtype, device=device)
+        row_bytes = dim * torch.empty((), dtype=dtype).element_size()
+        self.data = allocate("device", rows, row_bytes, lambda: torch.zeros(rows, dim, dtype=dtype, device=device))
 
     @property
     def rows(self) -> int:
@@ -45,7 +66,13 @@ class DenseValues:
     def promote(self, slots: torch.Tensor, score_of) -> None:
         """One tier: nothing to move."""
 
+    def adopt(self) -> None:
+        """Nothing staged."""
+
     def close(self) -> None:
+        pass
+
+    def discard(self) -> None:
         pass
 
 
@@ -65,7 +92,8 @@ class TierLimits:
 class TieredValues:
     """Value rows split over device memory, host memory and a disk file, addressed through a slot -> row map."""
 
-    def __init__(self, rows: int, dim: int, dtype: torch.dtype, device: torch.device, limits: TierLimits):
+    def __init__(self, rows: int, dim: int, dtype: torch.dtype, device: torch.device, limits: TierLimits,
+                 staged: bool = False):
         row_bytes = max(1, dim * torch.empty((), dtype=dtype).element_size())
         device_rows = rows if limits.device_memory_bytes is None else min(rows, limits.device_memory_bytes // row_bytes)
         rest = rows - device_rows
@@ -79,15 +107,26 @@ class TieredValues:
             )
         self.dim, self.dtype, self.device = dim, dtype, device
         self.sizes = (device_rows, host_rows, disk_rows)
-        self.tiers = [
-            torch.zeros(device_rows, dim, dtype=dtype, device=device),
-            torch.zeros(host_rows, dim, dtype=dtype),
-            self._disk_tensor(limits.disk_path, disk_rows, dim, dtype),
-        ]
         self.disk_path = limits.disk_path if disk_rows else None
-        self.starts = torch.tensor([0, device_rows, device_rows + host_rows], device=device)
-        self.row_of_slot = torch.arange(rows, device=device)
-        self.slot_of_row = torch.arange(rows, device=device)
+        # Where the disk tier's file is now: beside disk_path while staged, disk_path once adopted.
+        self.file = self.disk_path
+        if staged and self.disk_path is not None:
+            self.file = f"{self.disk_path}.grow-{os.getpid()}-{next(_STAGED)}"
+        try:
+            self.tiers = [
+                allocate("device", device_rows, row_bytes,
+                         lambda: torch.zeros(device_rows, dim, dtype=dtype, device=device)),
+                allocate("host", host_rows, row_bytes, lambda: torch.zeros(host_rows, dim, dtype=dtype)),
+                allocate("disk", disk_rows, row_bytes, lambda: self._disk_tensor(self.file, disk_rows, dim, dtype),
+                         self.file),
+            ]
+            self.starts, self.row_of_slot, self.slot_of_row = allocate("device", rows, 3 * 8, lambda: (
+                torch.tensor([0, device_rows, device_rows + host_rows], device=device),
+                torch.arange(rows, device=device), torch.arange(rows, device=device)))
+        except BaseException:
+            if staged and self.file is not None and os.path.exists(self.file):
+                os.remove(self.file)
+            raise
 
     @staticmethod
     def _disk_tensor(path: str | None, rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -165,10 +204,26 @@ class TieredValues:
         self.scatter(up, up_values)
         self.scatter(down, down_values)
 
+    def adopt(self) -> None:
+        """Move a staged disk file over ``disk_path`` (the mapping follows the file); the old store's mapping
+        keeps the old file's contents until it is closed."""
+        if self.file is not None and self.file != self.disk_path:
+            allocate("disk", self.sizes[2], 0, lambda: os.replace(self.file, self.disk_path), self.disk_path)
+            self.file = self.disk_path
+
     def close(self) -> None:
         if self.disk_path is not None:
             self.tiers[2] = torch.zeros(0, self.dim, dtype=self.dtype)
 
+    def discard(self) -> None:
+        """Drop a store that was never adopted, and its staged file."""
+        self.close()
+        if self.file is not None and self.file != self.disk_path and os.path.exists(self.file):
+            os.remove(self.file)
 
-def make_values(rows: int, dim: int, dtype: torch.dtype, device: torch.device, limits: TierLimits):
-    return TieredValues(rows, dim, dtype, device, limits) if limits.tiered else DenseValues(rows, dim, dtype, device)
+
+def make_values(rows: int, dim: int, dtype: torch.dtype, device: torch.device, limits: TierLimits,
+                staged: bool = False):
+    if limits.tiered:
+        return TieredValues(rows, dim, dtype, device, limits, staged)
+    return DenseValues(rows, dim, dtype, device)

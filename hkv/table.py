@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from hkv import cpu, kernels
-from hkv.storage import DenseValues, TierLimits, make_values
+from hkv.storage import DenseValues, StorageError, TierLimits, allocate, make_values
 
 # HierarchicalKV's reserved keys (as uint64: 0xFFFFFFFFFFFFFFFF, ...FE, ...FD): never stored.
 EMPTY_KEY = -1
@@ -36,6 +36,8 @@ PROBE_ROUNDS = 4
 SCAN_CHUNK = 1 << 16
 LOW32 = 0xFFFFFFFF
 INT64_MIN = torch.iinfo(torch.int64).min
+# What one layout of the table is: swapped whole when the table grows or is restored.
+LAYOUT = ("_capacity", "_num_buckets", "_keys", "_scores", "_values", "_size", "_scratch", "_fresh")
 
 
 class EvictStrategy(enum.Enum):
@@ -79,6 +81,8 @@ def _locked(fn):
 
 class HashTable:
     """A key -> (value row, score) hash table with HierarchicalKV's API and eviction semantics."""
+
+    _staging = False  # True on the copy ``_relayout`` fills beside the table
 
     def __init__(
         self,
@@ -127,15 +131,19 @@ class HashTable:
         return self.bucket_size * _pow2_at_least(-(-int(capacity) // self.bucket_size))
 
     def _allocate(self, capacity: int) -> None:
+        """A fresh empty layout of ``capacity`` slots. A staging copy (``_staging``, see ``_relayout``) puts its disk
+        tier beside the table's file, so the table's own storage is untouched until the copy is adopted."""
         self._capacity = capacity
         self._num_buckets = capacity // self.bucket_size
-        self._keys = torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=self.device)
-        self._scores = torch.zeros(capacity, dtype=torch.int64, device=self.device)
-        self._values = make_values(capacity, self.dim, self.dtype, self.device, self.tier_limits)
+        self._keys, self._scores, self._scratch = allocate("device", capacity, 3 * 8, lambda: (
+            torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=self.device),
+            torch.zeros(capacity, dtype=torch.int64, device=self.device),
+            # Per-slot scratch, -1 between uses: resolving conflicts touches only the slots of a batch.
+            torch.full((capacity,), -1, dtype=torch.int64, device=self.device)))
+        self._fresh = (allocate("host", capacity, 1, lambda: torch.zeros(capacity, dtype=torch.uint8))
+                       if self.device.type == "cpu" else None)  # for cpu.upsert
+        self._values = make_values(capacity, self.dim, self.dtype, self.device, self.tier_limits, self._staging)
         self._size = 0
-        # Per-slot scratch, -1 between uses: resolving conflicts touches only the slots of a batch.
-        self._scratch = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
-        self._fresh = torch.zeros(capacity, dtype=torch.uint8) if self.device.type == "cpu" else None  # for cpu.upsert
 
     def _last_per_slot(self, slots: torch.Tensor, batch_pos: torch.Tensor) -> torch.Tensor:
         """For each entry, the largest batch position among the entries sharing its slot."""
@@ -352,13 +360,50 @@ class HashTable:
     def _rehash(self, capacity: int) -> int:
         """Move every entry into a fresh layout of ``capacity`` slots; returns how many did not fit."""
         occupied = self._occupied().nonzero().squeeze(1)
-        keys, scores = self._keys[occupied], self._scores[occupied]
-        values = self._values.gather(occupied)
-        self._values.close()
-        self._allocate(capacity)
-        lost = self._restore_entries(keys, values, scores)
-        self._values.migrate(self._scores, self._occupied())
+        return self._relayout(capacity, self._keys[occupied], self._values.gather(occupied), self._scores[occupied])
+
+    def _relayout(self, capacity: int, keys, values, scores, accept: Callable[[int], None] = lambda lost: None) -> int:
+        """Replace the entries by ``keys, values, scores`` in a new layout of ``capacity`` slots (growing as
+        they need); returns how many did not fit, after ``accept(lost)`` (which may refuse by raising).
+
+        The layout is built on a staging copy beside the table and swapped in only when complete: on any
+        failure the table stays exactly as it was, and a StorageError names the tier and path that failed.
+        """
+        staging = copy.copy(self)
+        staging._staging = True
+        try:
+            staging._allocate(capacity)
+            lost = staging._restore_entries(keys, values, scores)
+            staging._values.migrate(staging._scores, staging._occupied())
+        except Exception as exc:
+            self._fail(staging, capacity, exc)
+        try:
+            accept(lost)
+        except BaseException:
+            self._drop(staging)
+            raise
+        if not self._staging:  # the outermost layout moves its staged disk file into place
+            try:
+                staging._values.adopt()
+            except Exception as exc:
+                self._fail(staging, capacity, exc)
+        old = self._values
+        for name in LAYOUT:
+            setattr(self, name, getattr(staging, name))
+        old.discard()
         return lost
+
+    def _drop(self, staging: "HashTable") -> None:
+        if staging._values is not self._values:
+            staging._values.discard()
+
+    def _fail(self, staging: "HashTable", capacity: int, exc: Exception):
+        """Raise the error of a failed ``_relayout`` once the staging copy's storage is released."""
+        self._drop(staging)
+        if isinstance(exc, StorageError) and str(exc).startswith(self.name):
+            raise exc  # a nested growth of the staging copy said it already
+        raise StorageError(f"{self.name}: building a layout of {capacity} slots (now {self._capacity}) failed, "
+                           f"the table is unchanged: {exc}") from exc
 
     def _restore_entries(self, keys, values, scores) -> int:
         """Store unique entries with their scores as they are; returns how many full buckets refused."""
@@ -584,27 +629,38 @@ class HashTable:
     @_locked
     def accum_or_assign(self, keys: torch.Tensor, values_or_deltas: torch.Tensor, accum_flags: torch.Tensor,
                         scores: torch.Tensor | None = None) -> torch.Tensor:
-        """Add deltas to present keys whose flag is set; insert or assign keys whose flag is clear.
+        """Add deltas to present keys whose flag is set; insert or assign keys whose flag is clear, as if the
+        batch were applied in order: a delta after an assign of its key adds to the assigned value, one before
+        it is overwritten, and a delta on a key absent at its turn (not present before the batch, no assign
+        of it earlier in the batch) is ignored.
 
         As HierarchicalKV: a set flag on an absent key is ignored; a clear flag on a present key assigns.
-        Returns the mask of keys applied (False: flag set and key absent, or refused by a full bucket).
+        Returns the mask of keys applied (False: flag set and key absent at its turn, or refused by a full
+        bucket). A key evicted by this batch's own inserts counts as absent for all of its deltas.
         """
         keys = self._check_keys(keys)
         values = self._check_values(values_or_deltas, keys.numel(), "values_or_deltas")
         flags = accum_flags.to(self.device, torch.bool)
         if flags.shape != keys.shape:
             raise ValueError(f"{self.name}: accum_flags must have shape {tuple(keys.shape)}, got {tuple(flags.shape)}")
-        applied = torch.zeros(keys.numel(), dtype=torch.bool, device=self.device)
-        acc = flags.nonzero().squeeze(1)
-        if acc.numel():
-            slot = self._locate(keys[acc])
-            hit = slot >= 0
-            self._values.add(slot[hit], values[acc[hit]])
-            applied[acc[hit]] = True
-        assign = (~flags).nonzero().squeeze(1)
+        n = keys.numel()
+        applied = torch.zeros(n, dtype=torch.bool, device=self.device)
+        acc, assign = flags.nonzero().squeeze(1), (~flags).nonzero().squeeze(1)
+        present_before = self._locate(keys[acc]) >= 0 if acc.numel() else None
         if assign.numel():
             given = None if scores is None else scores[assign]
             applied[assign] = self._upsert(keys[assign], values[assign], given, insert=True)[0] >= 0
+        if acc.numel():
+            _, group = torch.unique(keys, return_inverse=True)
+            first_assign = torch.full((n,), n, dtype=torch.int64, device=self.device)
+            first_assign.scatter_reduce_(0, group[assign], assign, "amin")
+            last_assign = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+            last_assign.scatter_reduce_(0, group[assign], assign, "amax")
+            slot = self._locate(keys[acc])
+            stored = slot >= 0
+            applied[acc] = stored & (present_before | (first_assign[group[acc]] < acc))
+            adds = stored & (acc > last_assign[group[acc]])  # deltas after the last assign of their key
+            self._values.add(slot[adds], values[acc[adds]])
         return applied
 
     @_locked
@@ -717,7 +773,11 @@ class HashTable:
 
     @classmethod
     def load(cls, path: str, **overrides) -> "HashTable":
-        """A new table from a checkpoint; ``overrides`` (init_capacity, device, ...) replace saved settings."""
+        """A new table from a checkpoint; ``overrides`` (init_capacity, device, ...) replace saved settings.
+
+        Raises CheckpointError for a corrupt or crafted file, and when entries would be dropped
+        (``allow_eviction=True`` keeps the highest-scoring ones that fit) or the eviction strategy differs
+        from the saved one (``allow_strategy_change=True``)."""
         from hkv.checkpoint import load
 
         return load(path, **overrides)

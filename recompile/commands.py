@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
+
+import torch
 
 from recompile.cli import UsageError
 from recompile.dump import write_file
@@ -23,7 +27,56 @@ TARGET_HELP = (
 def _explain(args: argparse.Namespace, dump_dir: str | None) -> tuple[str, Report]:
     loaded = load_target(args.model)
     options = {"target": args.target, "dump_dir": dump_dir}
-    return loaded.name, explain(loaded.model, *loaded.example_inputs, options=options)
+    try:
+        with _quiet_torch_logs():
+            return loaded.name, explain(loaded.model, *loaded.example_inputs, options=options)
+    except Exception as exc:
+        failing = _failing_module(loaded.model, loaded.example_inputs)
+        if failing is None:
+            raise  # the model runs eagerly: the failure is the compiler's, its traceback is the report
+        where, error = failing
+        raise UsageError(f"{loaded.name}: the model's forward fails in {where}: {error}") from exc
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """torch's own error logs while tracing a failing forward (the report and the error say what failed)."""
+    torch_logger = logging.getLogger("torch")
+    level = torch_logger.level
+    torch_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        torch_logger.setLevel(level)
+
+
+def _failing_module(model, inputs) -> tuple[str, str] | None:
+    """(the innermost module whose forward raised, the error in one line) when ``model`` fails eagerly on
+    ``inputs``; None when it runs. Pre-hooks push each module entered, hooks pop each one that returned."""
+    if not isinstance(model, torch.nn.Module):
+        return None
+    entered: list[tuple[str, torch.nn.Module]] = []
+
+    def returned(module, args, output) -> None:
+        entered.pop()
+
+    handles = []
+    for qualname, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(lambda m, a, q=qualname: entered.append((q, m))))
+        handles.append(module.register_forward_hook(returned))
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    except Exception as exc:
+        qualname, module = entered[-1] if entered else ("", model)
+        kind = type(module).__name__
+        where = f"module {qualname!r} ({kind})" if qualname else f"its top module ({kind})"
+        lines = str(exc).strip().splitlines()
+        return where, f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    finally:
+        for handle in handles:
+            handle.remove()
+    return None
 
 
 def _write(path: str, text: str) -> None:

@@ -79,11 +79,16 @@ class Feature:
         return self._bags
 
 
+def _check_empty_offsets(name: str, indices: Tensor, offsets: Optional[Tensor], include_last_offset: bool) -> None:
+    """Empty offsets are no bags: they take no ids (a shape check, run before any kernel and by the fake)."""
+    if offsets is not None and offsets.numel() == 0 and (include_last_offset or indices.numel()):
+        raise ValueError(f"recompile.grouped_embedding_bag: feature {name!r}: offsets are empty but there are "
+                         f"{indices.numel()} ids")
+
+
 def _check_offsets(name: str, indices: Tensor, offsets: Tensor, include_last_offset: bool) -> None:
     n = indices.numel()
     if offsets.numel() == 0:
-        if include_last_offset or n:
-            raise ValueError(f"recompile.grouped_embedding_bag: feature {name!r}: offsets are empty but there are {n} ids")
         return
     first, last = int(offsets[0]), int(offsets[-1])
     bad = (offsets.diff() < 0).nonzero()
@@ -155,6 +160,7 @@ def _validate(weights, indices, offsets, per_sample_weights, pooling, padding_id
             raise ValueError(f"{where}: pooling {pooling[t]} is not SUM (0), MEAN (1) or NONE (2)")
         if (pooling[t] == NONE) != (layout == "sequence"):
             raise ValueError(f"{where}: pooling NONE goes with layout 'sequence' only, and only it")
+        _check_empty_offsets(name, ids, offs, include_last_offset[t])
         psw = per_sample_weights[t]
         if psw is not None and (pooling[t] != SUM or psw.shape != ids.shape):
             raise ValueError(f"{where}: per_sample_weights need pooling SUM and the shape of indices {tuple(ids.shape)}")
@@ -368,7 +374,9 @@ def checked_lookup(weights, indices, offsets, per_sample_weights, pooling, paddi
 def _lookup(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
             bounds_check, impl) -> Tensor:
     kernel = get_kernel(OP, impl)
-    if impl in RAW_KERNELS:
+    if impl in RAW_KERNELS:  # the checks every kernel must agree on that a raw kernel would not make itself
+        for args in zip(feature_names(names, len(weights)), indices, offsets, include_last_offset):
+            _check_empty_offsets(*args)
         return kernel(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout,
                       names, bounds_check)
     features, per_sample_weights = checked_lookup(weights, indices, offsets, per_sample_weights, pooling, padding_idx,

@@ -19,9 +19,18 @@ A jagged tensor is ``values [total, *inner]`` with ``offsets [B + 1]`` (int32 or
 
 Kernels: ``reference`` (a loop over sequences, the oracle), ``cpu`` (index arithmetic and
 length-bucketed batched matmuls: no work on padding), ``fbgemm`` (``torch.ops.fbgemm.*``).
+
+Every op (here and in ``runtime.jagged_attention``) runs ``checked_offsets`` on its offsets before any
+kernel sees them: they must start at 0, never decrease and end at the values' length, and where an op
+needs it (``hstu_attention``'s ``max_seq_len``, ``jagged_within``'s padded length) every sequence must fit
+its maximum length. ``bounds_check`` (the embedding ops' modes) says what malformed offsets do: ``"fatal"``
+raises naming the op and the argument (on an accelerator: a device-side assert, no host sync),
+``"warning"`` repairs them (clamped into [0, total], made non-decreasing, closed at total) and warns,
+``"ignore"`` repairs them silently (no host sync). Every kernel therefore sees the same offsets.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -32,11 +41,70 @@ from runtime.kernels import get_kernel, register_kernel
 OFFSET_DTYPES = (torch.int32, torch.int64)
 
 
-def check_offsets(op: str, offsets: torch.Tensor) -> None:
+BOUNDS_CHECK = ("fatal", "warning", "ignore")
+TOO_LONG = "a sequence has {longest} positions, longer than max_len = {max_len}"
+
+
+def check_offsets(op: str, offsets: torch.Tensor, bounds_check: str = "fatal", arg: str = "offsets") -> None:
+    """What can be checked without reading the offsets (fake implementations run this)."""
     if offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"recompile.{op}: offsets must be 1-D with B + 1 entries, got shape {tuple(offsets.shape)}")
+        raise ValueError(f"recompile.{op}: {arg} must be 1-D with B + 1 entries, got shape {tuple(offsets.shape)}")
     if offsets.dtype not in OFFSET_DTYPES:
-        raise ValueError(f"recompile.{op}: offsets must be int32 or int64, got {offsets.dtype}")
+        raise ValueError(f"recompile.{op}: {arg} must be int32 or int64, got {offsets.dtype}")
+    if bounds_check not in BOUNDS_CHECK:
+        raise ValueError(f"recompile.{op}: bounds_check {bounds_check!r} is not one of {BOUNDS_CHECK}")
+
+
+def _malformed(offsets: torch.Tensor) -> str:
+    """Where well-formed offsets first fail (read on the host: only to word an error)."""
+    values = offsets.tolist()
+    if values[0] != 0:
+        return f"[0] = {values[0]}"
+    for i in range(1, len(values)):
+        if values[i] < values[i - 1]:
+            return f"[{i}] = {values[i]} < [{i - 1}] = {values[i - 1]}"
+    return f"[-1] = {values[-1]}"
+
+
+def checked_offsets(op: str, offsets: torch.Tensor, total: int | None, bounds_check: str = "fatal",
+                    max_len: int | None = None, too_long: str = TOO_LONG, arg: str = "offsets") -> torch.Tensor:
+    """The offsets every kernel of a jagged op gets: checked, or repaired, per ``bounds_check`` (module docstring).
+
+    ``total``: the values' length the offsets must end at (None: whatever the last offset says). ``max_len``:
+    the longest sequence the op can take (None: any); a longer one is always an error, worded by ``too_long``.
+    Runs in the op's body (never in traced code). On the CPU a check costs one host sync; on accelerators
+    "fatal" and "ignore" none.
+    """
+    check_offsets(op, offsets, bounds_check, arg)
+    host = offsets.device.type == "cpu"
+    first, last = offsets[0], offsets[-1]
+    ok = (first == 0) & (offsets.diff() >= 0).all()
+    if total is not None:
+        ok = ok & (last == total)
+    end_rule = "" if total is None else f" and end at {total} (the values' length)"
+    rule = f"start at 0, be non-decreasing{end_rule}"
+    if bounds_check == "fatal":
+        if not host:
+            torch._assert_async(ok, f"recompile.{op}: {arg} must {rule}")
+        elif not bool(ok):
+            raise ValueError(f"recompile.{op}: {arg} must {rule}; {arg}{_malformed(offsets)}")
+    elif bounds_check == "ignore" or not bool(ok):
+        if bounds_check == "warning":
+            warnings.warn(f"recompile.{op}: {arg} must {rule}; {arg}{_malformed(offsets)}: they are clamped "
+                          f"into [0, total], made non-decreasing and closed at total", stacklevel=3)
+        end = int(last.clamp(min=0)) if total is None else total
+        repaired = offsets.clamp(0, end)
+        repaired[0] = 0
+        offsets = repaired.cummax(0).values
+        offsets[-1] = end
+    if max_len is not None and offsets.numel() > 1:
+        longest = offsets.diff().max()
+        if not host:
+            message = f"recompile.{op}: " + too_long.format(longest="more", max_len=max_len)
+            torch._assert_async(longest <= max_len, message)
+        elif int(longest) > max_len:
+            raise ValueError(f"recompile.{op}: " + too_long.format(longest=int(longest), max_len=max_len))
+    return offsets
 
 
 def _sequences(offsets: torch.Tensor, limit: int | None = None):
@@ -175,56 +243,67 @@ register_kernel("dense_to_jagged", "reference")(dense_to_jagged_reference)
 
 @torch.library.custom_op("recompile::jagged_to_padded_dense", mutates_args=())
 def jagged_to_padded_dense(
-    values: torch.Tensor, offsets: torch.Tensor, max_length: int, padding_value: float = 0.0, impl: str = "reference"
+    values: torch.Tensor, offsets: torch.Tensor, max_length: int, padding_value: float = 0.0, impl: str = "reference",
+    bounds_check: str = "fatal",
 ) -> torch.Tensor:
-    check_offsets("jagged_to_padded_dense", offsets)
+    offsets = checked_offsets("jagged_to_padded_dense", offsets, values.shape[0], bounds_check)
     return get_kernel("jagged_to_padded_dense", impl)(values, offsets, max_length, padding_value)
 
 
 @jagged_to_padded_dense.register_fake
-def _(values, offsets, max_length, padding_value=0.0, impl="reference"):
+def _(values, offsets, max_length, padding_value=0.0, impl="reference", bounds_check="fatal"):
+    check_offsets("jagged_to_padded_dense", offsets, bounds_check)
     return values.new_empty((offsets.shape[0] - 1, max_length, *values.shape[1:]))
 
 
 @torch.library.custom_op("recompile::dense_to_jagged", mutates_args=())
 def dense_to_jagged(
-    dense: torch.Tensor, offsets: torch.Tensor, total_L: int | None = None, impl: str = "reference"
+    dense: torch.Tensor, offsets: torch.Tensor, total_L: int | None = None, impl: str = "reference",
+    bounds_check: str = "fatal",
 ) -> torch.Tensor:
-    check_offsets("dense_to_jagged", offsets)
+    check_offsets("dense_to_jagged", offsets, bounds_check)
     if dense.dim() < 2 or dense.shape[0] != offsets.numel() - 1:
         raise ValueError(
             f"recompile.dense_to_jagged: dense must be [B, N, ...] with B = len(offsets) - 1 = {offsets.numel() - 1}, "
             f"got shape {tuple(dense.shape)}"
         )
+    offsets = checked_offsets("dense_to_jagged", offsets, total_L, bounds_check)
     return get_kernel("dense_to_jagged", impl)(dense, offsets, total_L)
 
 
 @dense_to_jagged.register_fake
-def _(dense, offsets, total_L=None, impl="reference"):
+def _(dense, offsets, total_L=None, impl="reference", bounds_check="fatal"):
+    check_offsets("dense_to_jagged", offsets, bounds_check)
     total = torch.library.get_ctx().new_dynamic_size() if total_L is None else total_L
     return dense.new_empty((total, *dense.shape[2:]))
 
 
+# The backward of an op whose forward checked (or repaired) its offsets repairs the same offsets the same way,
+# silently: "ignore" (a no-op on offsets the forward found well formed).
+BACKWARD_CHECK = "ignore"
+
+
 def _padded_setup(ctx, inputs, output):
-    values, offsets, _, _, impl = inputs
+    values, offsets, _, _, impl, _ = inputs
     ctx.save_for_backward(offsets)
     ctx.total, ctx.impl = values.shape[0], impl
 
 
 def _padded_backward(ctx, grad):
     (offsets,) = ctx.saved_tensors
-    return dense_to_jagged(grad.contiguous(), offsets, ctx.total, ctx.impl), None, None, None, None
+    return dense_to_jagged(grad.contiguous(), offsets, ctx.total, ctx.impl, BACKWARD_CHECK), None, None, None, None, None
 
 
 def _jagged_setup(ctx, inputs, output):
-    dense, offsets, _, impl = inputs
+    dense, offsets, _, impl, _ = inputs
     ctx.save_for_backward(offsets)
     ctx.max_length, ctx.impl = dense.shape[1], impl
 
 
 def _jagged_backward(ctx, grad):
     (offsets,) = ctx.saved_tensors
-    return jagged_to_padded_dense(grad.contiguous(), offsets, ctx.max_length, 0.0, ctx.impl), None, None, None
+    grad_dense = jagged_to_padded_dense(grad.contiguous(), offsets, ctx.max_length, 0.0, ctx.impl, BACKWARD_CHECK)
+    return grad_dense, None, None, None, None
 
 
 jagged_to_padded_dense.register_autograd(_padded_backward, setup_context=_padded_setup)
@@ -279,8 +358,8 @@ register_kernel("jagged_dense_elementwise_add", "reference")(jagged_dense_elemen
 register_kernel("jagged_dense_elementwise_mul", "reference")(jagged_dense_elementwise_mul_reference)
 
 
-def _check_jagged_dense(op, x_values, offsets, y):
-    check_offsets(op, offsets)
+def _check_jagged_dense(op, x_values, offsets, y, bounds_check):
+    check_offsets(op, offsets, bounds_check)
     if y.dim() != x_values.dim() + 1 or y.shape[0] != offsets.numel() - 1 or y.shape[2:] != x_values.shape[1:]:
         raise ValueError(
             f"recompile.{op}: y must be [B, N, *inner] matching x_values {tuple(x_values.shape)} and "
@@ -289,15 +368,18 @@ def _check_jagged_dense(op, x_values, offsets, y):
 
 
 def _elementwise_op(name: str):
-    """Define ``recompile::<name>(x_values, offsets, y, impl)`` (jagged output) with its fake impl."""
+    """Define ``recompile::<name>(x_values, offsets, y, impl, bounds_check)`` (jagged output) with its fake impl."""
 
     @torch.library.custom_op(f"recompile::{name}", mutates_args=())
-    def op(x_values: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor, impl: str = "reference") -> torch.Tensor:
-        _check_jagged_dense(name, x_values, offsets, y)
+    def op(x_values: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor, impl: str = "reference",
+           bounds_check: str = "fatal") -> torch.Tensor:
+        _check_jagged_dense(name, x_values, offsets, y, bounds_check)
+        offsets = checked_offsets(name, offsets, x_values.shape[0], bounds_check)
         return get_kernel(name, impl)(x_values, offsets, y)
 
     @op.register_fake
-    def _(x_values, offsets, y, impl="reference"):
+    def _(x_values, offsets, y, impl="reference", bounds_check="fatal"):
+        _check_jagged_dense(name, x_values, offsets, y, bounds_check)
         return x_values.new_empty(x_values.shape, dtype=torch.result_type(x_values, y))
 
     return op
@@ -308,7 +390,7 @@ jagged_dense_elementwise_mul = _elementwise_op("jagged_dense_elementwise_mul")
 
 
 def _elementwise_setup(ctx, inputs, output):
-    x_values, offsets, y, impl = inputs
+    x_values, offsets, y, impl, _ = inputs
     ctx.save_for_backward(x_values, offsets, y)
     ctx.impl = impl
 
@@ -316,16 +398,16 @@ def _elementwise_setup(ctx, inputs, output):
 def _add_backward(ctx, grad):
     x_values, offsets, y = ctx.saved_tensors
     grad = grad.contiguous()
-    grad_y = jagged_to_padded_dense(grad, offsets, y.shape[1], 0.0, ctx.impl)
-    return grad.to(x_values.dtype), None, grad_y.to(y.dtype), None
+    grad_y = jagged_to_padded_dense(grad, offsets, y.shape[1], 0.0, ctx.impl, BACKWARD_CHECK)
+    return grad.to(x_values.dtype), None, grad_y.to(y.dtype), None, None
 
 
 def _mul_backward(ctx, grad):
     x_values, offsets, y = ctx.saved_tensors
     grad = grad.contiguous()
-    grad_x = jagged_dense_elementwise_mul(grad, offsets, y, ctx.impl)
-    grad_y = jagged_to_padded_dense(grad * x_values, offsets, y.shape[1], 0.0, ctx.impl)
-    return grad_x.to(x_values.dtype), None, grad_y.to(y.dtype), None
+    grad_x = jagged_dense_elementwise_mul(grad, offsets, y, ctx.impl, BACKWARD_CHECK)
+    grad_y = jagged_to_padded_dense(grad * x_values, offsets, y.shape[1], 0.0, ctx.impl, BACKWARD_CHECK)
+    return grad_x.to(x_values.dtype), None, grad_y.to(y.dtype), None, None
 
 
 jagged_dense_elementwise_add.register_autograd(_add_backward, setup_context=_elementwise_setup)
@@ -394,45 +476,56 @@ register_kernel("jagged_softmax", "reference")(jagged_softmax_reference)
 register_kernel("jagged_softmax_backward", "reference")(jagged_softmax_backward_reference)
 
 
-def _check_2d(op, offsets, *tensors):
-    check_offsets(op, offsets)
+def _check_2d(op, offsets, bounds_check, *tensors):
+    check_offsets(op, offsets, bounds_check)
     for t in tensors:
         if t.dim() != 2:
             raise ValueError(f"recompile.{op}: jagged values must be [total, D], got shape {tuple(t.shape)}")
 
 
+def _checked_2d(op, offsets, bounds_check, *tensors) -> torch.Tensor:
+    """The offsets of an op over jagged ``[total, D]`` values, checked by ``checked_offsets``."""
+    _check_2d(op, offsets, bounds_check, *tensors)
+    return checked_offsets(op, offsets, tensors[0].shape[0], bounds_check)
+
+
 @torch.library.custom_op("recompile::jagged_softmax", mutates_args=())
-def jagged_softmax(values: torch.Tensor, offsets: torch.Tensor, max_L: int, impl: str = "reference") -> torch.Tensor:
-    _check_2d("jagged_softmax", offsets, values)
+def jagged_softmax(values: torch.Tensor, offsets: torch.Tensor, max_L: int, impl: str = "reference",
+                   bounds_check: str = "fatal") -> torch.Tensor:
+    offsets = _checked_2d("jagged_softmax", offsets, bounds_check, values)
     return get_kernel("jagged_softmax", impl)(values.contiguous(), offsets, max_L)
 
 
 @torch.library.custom_op("recompile::jagged_softmax_backward", mutates_args=())
 def jagged_softmax_backward(
-    grad: torch.Tensor, output: torch.Tensor, offsets: torch.Tensor, max_L: int, impl: str = "reference"
+    grad: torch.Tensor, output: torch.Tensor, offsets: torch.Tensor, max_L: int, impl: str = "reference",
+    bounds_check: str = "fatal",
 ) -> torch.Tensor:
+    offsets = _checked_2d("jagged_softmax_backward", offsets, bounds_check, output, grad)
     return get_kernel("jagged_softmax_backward", impl)(grad.contiguous(), output, offsets, max_L)
 
 
 @jagged_softmax.register_fake
-def _(values, offsets, max_L, impl="reference"):
+def _(values, offsets, max_L, impl="reference", bounds_check="fatal"):
+    _check_2d("jagged_softmax", offsets, bounds_check, values)
     return torch.empty_like(values)
 
 
 @jagged_softmax_backward.register_fake
-def _(grad, output, offsets, max_L, impl="reference"):
+def _(grad, output, offsets, max_L, impl="reference", bounds_check="fatal"):
+    _check_2d("jagged_softmax_backward", offsets, bounds_check, output, grad)
     return torch.empty_like(grad)
 
 
 def _softmax_setup(ctx, inputs, output):
-    _, offsets, max_L, impl = inputs
+    _, offsets, max_L, impl, _ = inputs
     ctx.save_for_backward(output, offsets)
     ctx.max_L, ctx.impl = max_L, impl
 
 
 def _softmax_backward(ctx, grad):
     output, offsets = ctx.saved_tensors
-    return jagged_softmax_backward(grad, output, offsets, ctx.max_L, ctx.impl), None, None, None
+    return jagged_softmax_backward(grad, output, offsets, ctx.max_L, ctx.impl, BACKWARD_CHECK), None, None, None, None
 
 
 jagged_softmax.register_autograd(_softmax_backward, setup_context=_softmax_setup)
@@ -486,55 +579,72 @@ register_kernel("jagged_jagged_bmm", "reference")(jagged_jagged_bmm_reference)
 register_kernel("jagged_dense_bmm", "reference")(jagged_dense_bmm_reference)
 
 
+def _check_same_total(op, x_values, y_values):
+    if x_values.shape[0] != y_values.shape[0]:
+        raise ValueError(f"recompile.{op}: x_values and y_values must have the same length, got "
+                         f"{x_values.shape[0]} and {y_values.shape[0]}")
+
+
 @torch.library.custom_op("recompile::jagged_jagged_bmm", mutates_args=())
 def jagged_jagged_bmm(
-    x_values: torch.Tensor, y_values: torch.Tensor, offsets: torch.Tensor, max_L: int, impl: str = "reference"
+    x_values: torch.Tensor, y_values: torch.Tensor, offsets: torch.Tensor, max_L: int, impl: str = "reference",
+    bounds_check: str = "fatal",
 ) -> torch.Tensor:
-    _check_2d("jagged_jagged_bmm", offsets, x_values, y_values)
+    _check_same_total("jagged_jagged_bmm", x_values, y_values)
+    offsets = _checked_2d("jagged_jagged_bmm", offsets, bounds_check, x_values, y_values)
     return get_kernel("jagged_jagged_bmm", impl)(x_values.contiguous(), y_values.contiguous(), offsets, max_L)
 
 
-@torch.library.custom_op("recompile::jagged_dense_bmm", mutates_args=())
-def jagged_dense_bmm(
-    x_values: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor, max_L: int, impl: str = "reference"
-) -> torch.Tensor:
-    _check_2d("jagged_dense_bmm", offsets, x_values)
+def _check_dense_bmm(x_values, offsets, y, bounds_check):
+    _check_2d("jagged_dense_bmm", offsets, bounds_check, x_values)
     if y.dim() != 3 or y.shape[0] != offsets.numel() - 1 or y.shape[1] != x_values.shape[1]:
         raise ValueError(
             f"recompile.jagged_dense_bmm: y must be [B, K, N] with B = {offsets.numel() - 1} and "
             f"K = {x_values.shape[1]}, got {tuple(y.shape)}"
         )
+
+
+@torch.library.custom_op("recompile::jagged_dense_bmm", mutates_args=())
+def jagged_dense_bmm(
+    x_values: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor, max_L: int, impl: str = "reference",
+    bounds_check: str = "fatal",
+) -> torch.Tensor:
+    _check_dense_bmm(x_values, offsets, y, bounds_check)
+    offsets = checked_offsets("jagged_dense_bmm", offsets, x_values.shape[0], bounds_check)
     return get_kernel("jagged_dense_bmm", impl)(x_values.contiguous(), offsets, y.contiguous(), max_L)
 
 
 @jagged_jagged_bmm.register_fake
-def _(x_values, y_values, offsets, max_L, impl="reference"):
+def _(x_values, y_values, offsets, max_L, impl="reference", bounds_check="fatal"):
+    _check_same_total("jagged_jagged_bmm", x_values, y_values)
+    _check_2d("jagged_jagged_bmm", offsets, bounds_check, x_values, y_values)
     return x_values.new_empty((offsets.shape[0] - 1, x_values.shape[1], y_values.shape[1]))
 
 
 @jagged_dense_bmm.register_fake
-def _(x_values, offsets, y, max_L, impl="reference"):
+def _(x_values, offsets, y, max_L, impl="reference", bounds_check="fatal"):
+    _check_dense_bmm(x_values, offsets, y, bounds_check)
     return x_values.new_empty((x_values.shape[0], y.shape[2]))
 
 
 def _bmm_setup(ctx, inputs, output):
-    *tensors, max_L, impl = inputs
+    *tensors, max_L, impl, _ = inputs
     ctx.save_for_backward(*tensors)
     ctx.max_L, ctx.impl = max_L, impl
 
 
 def _jagged_jagged_bmm_backward(ctx, grad):
     x_values, y_values, offsets = ctx.saved_tensors
-    grad_x = jagged_dense_bmm(y_values, offsets, grad.transpose(1, 2), ctx.max_L, ctx.impl)
-    grad_y = jagged_dense_bmm(x_values, offsets, grad, ctx.max_L, ctx.impl)
-    return grad_x, grad_y, None, None, None
+    grad_x = jagged_dense_bmm(y_values, offsets, grad.transpose(1, 2), ctx.max_L, ctx.impl, BACKWARD_CHECK)
+    grad_y = jagged_dense_bmm(x_values, offsets, grad, ctx.max_L, ctx.impl, BACKWARD_CHECK)
+    return grad_x, grad_y, None, None, None, None
 
 
 def _jagged_dense_bmm_backward(ctx, grad):
     x_values, offsets, y = ctx.saved_tensors
-    grad_x = jagged_dense_bmm(grad, offsets, y.transpose(1, 2), ctx.max_L, ctx.impl)
-    grad_y = jagged_jagged_bmm(x_values, grad, offsets, ctx.max_L, ctx.impl)
-    return grad_x, None, grad_y, None, None
+    grad_x = jagged_dense_bmm(grad, offsets, y.transpose(1, 2), ctx.max_L, ctx.impl, BACKWARD_CHECK)
+    grad_y = jagged_jagged_bmm(x_values, grad, offsets, ctx.max_L, ctx.impl, BACKWARD_CHECK)
+    return grad_x, None, grad_y, None, None, None
 
 
 jagged_jagged_bmm.register_autograd(_jagged_jagged_bmm_backward, setup_context=_bmm_setup)
@@ -546,33 +656,29 @@ jagged_dense_bmm.register_autograd(_jagged_dense_bmm_backward, setup_context=_bm
 
 
 def jagged_within_reference(values, offsets, max_length):
-    if int(offsets[-1]) != values.shape[0]:
-        raise ValueError(
-            f"recompile: a padded region rewritten to jagged needs values with exactly offsets[-1] = "
-            f"{int(offsets[-1])} rows, got {values.shape[0]}"
-        )
-    longest = int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
-    if longest > max_length:
-        raise ValueError(
-            f"recompile: a padded region was compiled for sequences of at most {max_length} positions "
-            f"(its padded length), but a sequence has {longest}; pad to a larger length or disable the jagged pass"
-        )
     return values.clone()
 
 
 register_kernel("jagged_within", "reference")(jagged_within_reference)
 
+PADDED_TOO_LONG = ("a padded region was compiled for sequences of at most {max_len} positions (its padded length), "
+                   "but a sequence has {longest}; pad to a larger length or disable the jagged pass")
+
 
 @torch.library.custom_op("recompile::jagged_within", mutates_args=())
-def jagged_within(values: torch.Tensor, offsets: torch.Tensor, max_length: int, impl: str = "reference") -> torch.Tensor:
-    """``values`` (a copy) once every sequence is checked to fit ``max_length`` positions (raises otherwise)."""
-    check_offsets("jagged_within", offsets)
+def jagged_within(values: torch.Tensor, offsets: torch.Tensor, max_length: int, impl: str = "reference",
+                  bounds_check: str = "fatal") -> torch.Tensor:
+    """``values`` (a copy) once the offsets are checked to cover them and every sequence to fit ``max_length``
+    positions (raises otherwise)."""
+    offsets = checked_offsets("jagged_within", offsets, values.shape[0], bounds_check, max_length, PADDED_TOO_LONG)
     return get_kernel("jagged_within", impl)(values, offsets, max_length)
 
 
 @jagged_within.register_fake
-def _(values, offsets, max_length, impl="reference"):
+def _(values, offsets, max_length, impl="reference", bounds_check="fatal"):
+    check_offsets("jagged_within", offsets, bounds_check)
     return torch.empty_like(values)
 
 
-jagged_within.register_autograd(lambda ctx, grad: (grad, None, None, None), setup_context=lambda ctx, inputs, output: None)
+jagged_within.register_autograd(lambda ctx, grad: (grad, None, None, None, None),
+                                setup_context=lambda ctx, inputs, output: None)

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from runtime.jagged import BUCKET_RATIO, Bucket, check_offsets, length_buckets
+from runtime.jagged import BACKWARD_CHECK, BUCKET_RATIO, Bucket, check_offsets, checked_offsets, length_buckets
 from runtime.kernels import get_kernel, register_kernel
 
 # HSTU's log bucketization of time differences.
@@ -301,8 +301,8 @@ def hstu_attention_reference(q, k, v, offsets, max_seq_len, alpha, causal=True, 
                                                      contextual_seq_len, rel_bias, timestamps, time_bias)
 
 
-def _check_qkv(op: str, q, k, v, offsets) -> None:
-    check_offsets(op, offsets)
+def _check_qkv(op: str, q, k, v, offsets, bounds_check: str) -> None:
+    check_offsets(op, offsets, bounds_check)
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
         raise ValueError(
             f"recompile.{op}: q, k must be [total, heads, D] and v [total, heads, Dv] alike, got "
@@ -310,26 +310,39 @@ def _check_qkv(op: str, q, k, v, offsets) -> None:
         )
 
 
+def _check_hstu(op, q, k, v, offsets, max_seq_len, rel_bias, timestamps, time_bias, bounds_check):
+    _check_qkv(op, q, k, v, offsets, bounds_check)
+    if (timestamps is None) != (time_bias is None):
+        raise ValueError(f"recompile.{op}: timestamps and time_bias come together")
+    if rel_bias is not None and rel_bias.numel() != 2 * max_seq_len - 1:
+        raise ValueError(f"recompile.{op}: rel_bias must have 2 * max_seq_len - 1 = {2 * max_seq_len - 1} "
+                         f"entries, got {rel_bias.numel()}")
+
+
+def _checked_hstu(op, q, k, v, offsets, max_seq_len, rel_bias, timestamps, time_bias, bounds_check):
+    """hstu_attention's arguments checked; its offsets by ``checked_offsets``, every sequence within max_seq_len."""
+    _check_hstu(op, q, k, v, offsets, max_seq_len, rel_bias, timestamps, time_bias, bounds_check)
+    return checked_offsets(op, offsets, q.shape[0], bounds_check, max_seq_len,
+                           "a sequence has {longest} positions, longer than max_seq_len = {max_len}")
+
+
 @torch.library.custom_op("recompile::hstu_attention", mutates_args=())
 def hstu_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, alpha: float,
     causal: bool = True, num_targets: Optional[torch.Tensor] = None, contextual_seq_len: int = 0,
     rel_bias: Optional[torch.Tensor] = None, timestamps: Optional[torch.Tensor] = None,
-    time_bias: Optional[torch.Tensor] = None, impl: str = "reference",
+    time_bias: Optional[torch.Tensor] = None, impl: str = "reference", bounds_check: str = "fatal",
 ) -> torch.Tensor:
-    _check_qkv("hstu_attention", q, k, v, offsets)
-    if (timestamps is None) != (time_bias is None):
-        raise ValueError("recompile.hstu_attention: timestamps and time_bias come together")
-    if rel_bias is not None and rel_bias.numel() != 2 * max_seq_len - 1:
-        raise ValueError(f"recompile.hstu_attention: rel_bias must have 2 * max_seq_len - 1 = {2 * max_seq_len - 1} "
-                         f"entries, got {rel_bias.numel()}")
+    offsets = _checked_hstu("hstu_attention", q, k, v, offsets, max_seq_len, rel_bias, timestamps, time_bias,
+                            bounds_check)
     return get_kernel("hstu_attention", impl)(q, k, v, offsets, max_seq_len, alpha, causal, num_targets,
                                               contextual_seq_len, rel_bias, timestamps, time_bias)
 
 
 @hstu_attention.register_fake
 def _(q, k, v, offsets, max_seq_len, alpha, causal=True, num_targets=None, contextual_seq_len=0, rel_bias=None,
-      timestamps=None, time_bias=None, impl="reference"):
+      timestamps=None, time_bias=None, impl="reference", bounds_check="fatal"):
+    _check_hstu("hstu_attention", q, k, v, offsets, max_seq_len, rel_bias, timestamps, time_bias, bounds_check)
     return torch.empty_like(v)
 
 
@@ -338,7 +351,10 @@ def hstu_attention_backward(
     grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_seq_len: int,
     alpha: float, causal: bool, num_targets: Optional[torch.Tensor], contextual_seq_len: int,
     rel_bias: Optional[torch.Tensor], timestamps: Optional[torch.Tensor], time_bias: Optional[torch.Tensor], impl: str,
+    bounds_check: str = "fatal",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    offsets = _checked_hstu("hstu_attention_backward", q, k, v, offsets, max_seq_len, rel_bias, timestamps, time_bias,
+                            bounds_check)
     (dq, dk, dv), (drel, dtime) = get_kernel("hstu_attention_backward", impl)(
         grad.contiguous(), q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual_seq_len, rel_bias,
         timestamps, time_bias)
@@ -347,7 +363,9 @@ def hstu_attention_backward(
 
 @hstu_attention_backward.register_fake
 def _(grad, q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual_seq_len, rel_bias, timestamps,
-      time_bias, impl):
+      time_bias, impl, bounds_check="fatal"):
+    _check_hstu("hstu_attention_backward", q, k, v, offsets, max_seq_len, rel_bias, timestamps, time_bias, bounds_check)
+
     def like(p):
         return q.new_empty(0) if p is None else torch.empty_like(p)
 
@@ -355,7 +373,7 @@ def _(grad, q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextua
 
 
 def _hstu_setup(ctx, inputs, output):
-    q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual, rel_bias, timestamps, time_bias, impl = inputs
+    q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual, rel_bias, timestamps, time_bias, impl, _ = inputs
     ctx.save_for_backward(q, k, v, offsets, num_targets, rel_bias, timestamps, time_bias)
     ctx.args = (max_seq_len, alpha, causal, contextual, impl)
 
@@ -364,9 +382,10 @@ def _hstu_backward(ctx, grad):
     q, k, v, offsets, num_targets, rel_bias, timestamps, time_bias = ctx.saved_tensors
     max_seq_len, alpha, causal, contextual, impl = ctx.args
     dq, dk, dv, drel, dtime = hstu_attention_backward(grad, q, k, v, offsets, max_seq_len, alpha, causal,
-                                                      num_targets, contextual, rel_bias, timestamps, time_bias, impl)
+                                                      num_targets, contextual, rel_bias, timestamps, time_bias, impl,
+                                                      BACKWARD_CHECK)
     return (dq, dk, dv, None, None, None, None, None, None, None if rel_bias is None else drel, None,
-            None if time_bias is None else dtime, None)
+            None if time_bias is None else dtime, None, None)
 
 
 hstu_attention.register_autograd(_hstu_backward, setup_context=_hstu_setup)
@@ -406,42 +425,50 @@ def jagged_softmax_attention_reference(q, k, v, offsets, scale, causal=True):
 @torch.library.custom_op("recompile::jagged_softmax_attention", mutates_args=())
 def jagged_softmax_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, scale: float, causal: bool = True,
-    impl: str = "reference",
+    impl: str = "reference", bounds_check: str = "fatal",
 ) -> torch.Tensor:
-    _check_qkv("jagged_softmax_attention", q, k, v, offsets)
+    offsets = _checked_qkv("jagged_softmax_attention", q, k, v, offsets, bounds_check)
     return get_kernel("jagged_softmax_attention", impl)(q, k, v, offsets, scale, causal)
 
 
+def _checked_qkv(op, q, k, v, offsets, bounds_check):
+    _check_qkv(op, q, k, v, offsets, bounds_check)
+    return checked_offsets(op, offsets, q.shape[0], bounds_check)
+
+
 @jagged_softmax_attention.register_fake
-def _(q, k, v, offsets, scale, causal=True, impl="reference"):
+def _(q, k, v, offsets, scale, causal=True, impl="reference", bounds_check="fatal"):
+    _check_qkv("jagged_softmax_attention", q, k, v, offsets, bounds_check)
     return torch.empty_like(v)
 
 
 @torch.library.custom_op("recompile::jagged_softmax_attention_backward", mutates_args=())
 def jagged_softmax_attention_backward(
     grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, scale: float,
-    causal: bool, impl: str,
+    causal: bool, impl: str, bounds_check: str = "fatal",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    offsets = _checked_qkv("jagged_softmax_attention_backward", q, k, v, offsets, bounds_check)
     dq, dk, dv = get_kernel("jagged_softmax_attention_backward", impl)(grad.contiguous(), q, k, v, offsets, scale,
                                                                        causal)
     return dq, dk, dv
 
 
 @jagged_softmax_attention_backward.register_fake
-def _(grad, q, k, v, offsets, scale, causal, impl):
+def _(grad, q, k, v, offsets, scale, causal, impl, bounds_check="fatal"):
+    _check_qkv("jagged_softmax_attention_backward", q, k, v, offsets, bounds_check)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _softmax_setup(ctx, inputs, output):
-    q, k, v, offsets, scale, causal, impl = inputs
+    q, k, v, offsets, scale, causal, impl, _ = inputs
     ctx.save_for_backward(q, k, v, offsets)
     ctx.args = (scale, causal, impl)
 
 
 def _softmax_backward(ctx, grad):
     q, k, v, offsets = ctx.saved_tensors
-    dq, dk, dv = jagged_softmax_attention_backward(grad, q, k, v, offsets, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = jagged_softmax_attention_backward(grad, q, k, v, offsets, *ctx.args, BACKWARD_CHECK)
+    return dq, dk, dv, None, None, None, None, None
 
 
 jagged_softmax_attention.register_autograd(_softmax_backward, setup_context=_softmax_setup)

@@ -39,8 +39,10 @@ def test_round_trip_and_other_capacity(tmp_path, dtype):
     bigger = hkv.HashTable.load(path, init_capacity=4 * t.capacity())
     assert bigger.capacity() == 4 * t.capacity()
     same_entries(t, bigger)
-    # a smaller table keeps the highest-scoring entries that fit
-    small = hkv.HashTable.load(path, init_capacity=256, max_capacity=256)
+    # a smaller table refuses to drop entries, unless asked to keep the highest-scoring ones that fit
+    with pytest.raises(hkv.CheckpointError, match=r"\d+ of \d+ checkpointed entries do not fit"):
+        hkv.HashTable.load(path, init_capacity=256, max_capacity=256)
+    small = hkv.HashTable.load(path, init_capacity=256, max_capacity=256, allow_eviction=True)
     assert small.size() <= 256 and small.size() > 0
     _, _, s = small.export_batch(256)
     assert int(s.min()) >= 0

@@ -65,16 +65,13 @@ def test_random_op_sequences_match_dict(kernel, sequence):
                     model[k] = v
         elif op == "accum":
             flags = torch.randint(0, 2, (len(ks),), generator=gen).bool()
-            before = dict(model)
             applied = t.accum_or_assign(keys, vals, flags)
-            for i, (k, v, f) in enumerate(zip(ks, vals, flags.tolist())):
-                if f:
-                    assert bool(applied[i]) == (k in before)
-                    if k in before:
-                        model[k] = model[k] + v
-            for k, v, f in zip(ks, vals, flags.tolist()):
+            for i, (k, v, f) in enumerate(zip(ks, vals, flags.tolist())):  # as if applied in order
+                assert bool(applied[i]) == (not f or k in model)
                 if not f:
                     model[k] = v
+                elif k in model:
+                    model[k] = model[k] + v
         else:
             assert t.erase(keys) == len(set(ks) & set(model))
             for k in ks:

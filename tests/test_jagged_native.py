@@ -126,15 +126,15 @@ def test_native_threads_agree():
 
 
 def test_native_rows_outside_the_offsets_and_float_timestamps():
-    """Rows no sequence covers come back zero, as from the reference; float timestamps take the cpu kernel."""
-    q, k, v, _, rel, ts, tb = attention_case([6, 4, 5], 1, 8, 8, True)
+    """Offsets that leave rows outside every sequence are refused by name (issue 22); float timestamps take the
+    cpu kernel."""
+    q, k, v, good, rel, ts, tb = attention_case([6, 4, 5], 1, 8, 8, True)
     offsets = torch.tensor([2, 8, 12])
     args = (q, k, v, offsets, MAX_LEN, 0.3, True, None, 0, rel, ts, tb)
-    got = ops.hstu_attention(*args, "native")
-    torch.testing.assert_close(got, ops.hstu_attention(*args, "reference"), rtol=1e-4, atol=1e-5)
-    assert got[:2].abs().sum() == 0 and got[12:].abs().sum() == 0
+    with pytest.raises(ValueError, match="hstu_attention: offsets must start at 0"):
+        ops.hstu_attention(*args, "native")
     float_ts = ts.double() + 0.25
-    args = (q, k, v, offsets, MAX_LEN, 0.3, True, None, 0, rel, float_ts, tb)
+    args = (q, k, v, good, MAX_LEN, 0.3, True, None, 0, rel, float_ts, tb)
     torch.testing.assert_close(ops.hstu_attention(*args, "native"), ops.hstu_attention(*args, "reference"),
                                rtol=1e-4, atol=1e-5)
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from hkv import HashTable
-from hkv.checkpoint import parse, read
+from hkv.checkpoint import CheckpointError, clean_stale_temps, parse, read, restore
 
 from recompile.distributed.dynamic_embedding import ShardedDynamicEmbeddingBag
 from recompile.distributed.env import world
@@ -40,6 +41,7 @@ def _barrier() -> None:
 
 
 def _atomic(path: str, write) -> None:
+    clean_stale_temps(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         write(f)
@@ -90,16 +92,16 @@ def _dynamic_store(table, optimizer) -> tuple[HashTable, dict]:
 
 
 def _restore_dynamic(table, shards, info: dict, optimizer) -> None:
-    """Insert the keys this rank owns under the current world size, from every saved shard."""
+    """The keys this rank owns under the current world size, from every saved shard, with their saved scores;
+    all or nothing (hkv.checkpoint.restore: keys that do not fit are an error and the table is left as it was)."""
     rank, world_size = world()
+    mine = [table.owner_of(keys, world_size) == rank for _, keys, _, _ in shards]
+    keys, values, scores = (torch.cat([shard[i][m] for shard, m in zip(shards, mine)]) for i in (1, 2, 3))
+    headers = [header for header, _, _, _ in shards]
+    merged = headers[0] | {"clock": max(h["clock"] for h in headers),
+                           "global_epoch": max(h["global_epoch"] for h in headers)}
+    restore(table.table, merged, keys, values, scores)
     table.runtime.step = info["step"]
-    table.table.clear()
-    for keys, values in shards:
-        mine = table.owner_of(keys, world_size) == rank
-        refused = table.table.insert_or_assign(keys[mine], values[mine].to(table.table.dtype))
-        if refused.numel():
-            raise RuntimeError(f"table {table.name!r}: {refused.numel()} checkpointed keys did not fit; "
-                               f"raise its max_capacity")
 
 
 def _restore_static(table, shards, info: dict, optimizer) -> None:
@@ -108,7 +110,7 @@ def _restore_static(table, shards, info: dict, optimizer) -> None:
     n, dim = table.row_end - table.row_start, table.embedding_dim
     rows = torch.empty(n, dim * (1 + len(slots)))
     found = torch.zeros(n, dtype=torch.bool)
-    for keys, values in shards:
+    for _, keys, values, _ in shards:
         mine = (keys >= table.row_start) & (keys < table.row_end)
         local = keys[mine] - table.row_start
         rows[local] = values[mine].to(rows.dtype)
@@ -161,6 +163,16 @@ def save(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = 
     _barrier()
 
 
+def _load_dense(file: str) -> dict:
+    """``dense.pt`` as tensors, numbers and containers only: ``weights_only=True`` refuses any pickle that
+    would import or call something, so a crafted checkpoint cannot run code on ``load``."""
+    try:
+        return torch.load(file, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+        raise CheckpointError(f"checkpoint file {file!r} is not plain dense state (tensors, numbers, dicts); "
+                              f"refused to unpickle it: {str(exc).splitlines()[0]}") from None
+
+
 def load(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Fill the sharded ``model`` (and ``optimizer``) from a checkpoint written by any number of ranks."""
     model = _unwrap(model)
@@ -171,7 +183,7 @@ def load(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = 
         raise FileNotFoundError(f"{path!r} is not a complete recompile checkpoint: it has no {MANIFEST}")
     with open(manifest_path) as f:
         manifest = json.load(f)
-    dense = torch.load(os.path.join(path, DENSE), weights_only=False)
+    dense = _load_dense(os.path.join(path, DENSE))
     for name, table in sharded_tables(model):
         if name not in manifest["tables"]:
             raise KeyError(f"checkpoint {path!r} has no table {name!r} (it has {sorted(manifest['tables'])})")
@@ -181,8 +193,7 @@ def load(model: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = 
         shards = []
         for rank in range(manifest["world_size"]):
             file = os.path.join(path, f"{name}.rank{rank}.hkv")
-            _, keys, values, _ = parse(read(file), source=f"checkpoint file {file!r}")
-            shards.append((keys, values))
+            shards.append(parse(read(file), source=f"checkpoint file {file!r}"))
         RESTORE[type(table)](table, shards, info, optimizer)
         if optimizer is not None:
             optimizer.state[table.weight].update(dense["table_scalars"].get(name, {}))
