@@ -152,11 +152,10 @@ class RankingServer:
         self.model, self.cache = model, cache
         self.step = step or model  # the step as it runs: eager, torch.compile'd or a loaded package
 
-    @torch.no_grad()
-    def rank(self, requests: Sequence[Request]) -> list[torch.Tensor]:
+    def prepare(self, requests: Sequence[Request]) -> "Step":
+        """Look the users up in the cache and reserve pages for their new tokens: the step's inputs."""
         cache, users = self.cache, [r.user for r in requests]
         cached = cache.lookup(users, [r.history for r in requests])
-        fresh = [r.history.numel() - c for r, c in zip(requests, cached)]
         cache.reserve(users, [r.history.numel() for r in requests])
         page_table, cached_lengths = cache.page_table(users)
         ids, offsets = jagged([torch.cat([r.history[c:], r.candidates]) for r, c in zip(requests, cached)])
@@ -164,14 +163,32 @@ class RankingServer:
         positions = torch.cat([torch.arange(c, r.history.numel() + r.candidates.numel())
                                for r, c in zip(requests, cached)])
         num_targets = torch.tensor([r.candidates.numel() for r in requests])
-        scores, keys, values = self.step(ids, ts, positions, offsets, num_targets, page_table, cached_lengths,
-                                         cache.k, cache.v, cache.ts)
-        rows = torch.cat([torch.arange(s, s + n) for s, n in zip(offsets.tolist(), fresh)])  # new history rows
-        slots = cache.slots(users, fresh)
-        for layer in range(cache.num_layers):
-            cache.write(layer, slots, keys[layer, rows], values[layer, rows])
-        cache.commit(users, [r.history for r in requests], slots, ts[rows])
+        fresh = [r.history.numel() - c for r, c in zip(requests, cached)]
+        args = (ids, ts, positions, offsets, num_targets, page_table, cached_lengths, cache.k, cache.v, cache.ts)
+        return Step(requests, args, fresh)
+
+    @torch.no_grad()
+    def rank(self, requests: Sequence[Request]) -> list[torch.Tensor]:
+        """Each request's candidate scores; the new history tokens' keys and values are cached."""
+        step = self.prepare(requests)
+        scores, keys, values = self.step(*step.args)
+        ts, offsets, num_targets = step.args[1], step.args[3], step.args[4]
+        rows = torch.cat([torch.arange(s, s + n) for s, n in zip(offsets.tolist(), step.fresh)])  # new history rows
+        users = [r.user for r in requests]
+        slots = self.cache.slots(users, step.fresh)
+        for layer in range(self.cache.num_layers):
+            self.cache.write(layer, slots, keys[layer, rows], values[layer, rows])
+        self.cache.commit(users, [r.history for r in requests], slots, ts[rows])
         return candidate_scores(scores, offsets, num_targets)
+
+
+@dataclass
+class Step:
+    """A batch's inputs to ``CachedHSTURanker`` and the count of new history tokens per request."""
+
+    requests: Sequence[Request]
+    args: tuple
+    fresh: list[int]
 
 
 def make_cache(encoder: HSTU, num_pages: int, page_size: int = 32, tier: Optional[str] = None) -> PagedKVCache:

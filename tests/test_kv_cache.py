@@ -140,6 +140,13 @@ def test_rewritten_history_is_not_served_from_the_cache():
     assert cache.stats.invalidations == 1 and cache.pages_in_use == 0
 
 
+def test_truncate_frees_the_pages_past_the_kept_tokens():
+    cache = PagedKVCache(1, 4, 4, 1, 2, 2)
+    filled(cache, [0], 10)
+    cache.truncate(0, 5)
+    assert cache.pages_in_use == 2 and cache.lookup([0], [torch.arange(1, 12)]) == [5]
+
+
 def test_a_batch_that_cannot_fit_is_refused():
     cache = PagedKVCache(1, 3, 2, 1, 2, 2)
     filled(cache, [0], 4)
@@ -153,16 +160,9 @@ def test_cached_step_exports_with_dynamic_rows_and_batch(encoder):
     server = RankingServer(CachedHSTURanker(encoder, "cpu"), cache)
     requests = [Request(u, *history(g, 5 + u), *history(g, 3)) for u in range(2)]
     server.rank(requests)
-    captured = {}
-
-    def spy(*args):
-        captured["args"] = args
-        return server.model(*args)
-
-    RankingServer(server.model, cache, spy).rank([Request(u, torch.cat([r.history, h[0]]), torch.cat([r.history_ts, h[1]]),
-                                                          *history(g, 2)) for u, r, h in
-                                                  ((0, requests[0], history(g, 2)), (1, requests[1], history(g, 3)))])
-    args = captured["args"]
+    more = [history(g, 2), history(g, 3)]
+    args = server.prepare([Request(r.user, torch.cat([r.history, m[0]]), torch.cat([r.history_ts, m[1]]),
+                                   *history(g, 2)) for r, m in zip(requests, more)]).args
     rows, batch = Dim("rows"), Dim("batch")
     dims = ({0: rows}, {0: rows}, {0: rows}, {0: batch + 1}, {0: batch}, {0: batch, 1: Dim("pages")}, {0: batch},
             None, None, None)

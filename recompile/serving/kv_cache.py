@@ -143,6 +143,15 @@ class PagedKVCache:
             self.stats.tokens_appended += ids.numel() - entry.length
             entry.ids, entry.length = ids.clone(), ids.numel()
 
+    def truncate(self, user: Hashable, length: int) -> None:
+        """Keep only the first ``length`` cached tokens of a user (pages past them freed): e.g. to undo the
+        tokens of a request that was not served."""
+        entry = self.users[user]
+        length = min(length, entry.length)
+        keep = self.pages_for(length)
+        self.free += entry.pages[keep:][::-1]
+        entry.pages, entry.ids, entry.length = entry.pages[:keep], entry.ids[:length], length
+
     # -- eviction and tiers ---------------------------------------------------------------------
 
     def drop(self, user: Hashable) -> None:
