@@ -50,15 +50,17 @@ def blocked_topk(score_block: ScoreBlock, num_items: int, k: int, block: int = 1
 
 
 def matmul_scores(queries: torch.Tensor, items: torch.Tensor, scale: float = 1.0) -> ScoreBlock:
-    """Scores ``scale * queries [B, d] @ items[start:stop].T``, each block into one reused buffer."""
-    buffer = queries.new_empty(queries.shape[0], 0)
+    """Scores ``scale * queries [B, d] @ items[start:stop].T``: computed as ``items[start:stop] @ queries.T`` (the
+    block of items as the big row-major operand, not a transposed view) into one reused buffer."""
+    buffer = queries.new_empty(0, queries.shape[0])
+    queries_t = queries.t().contiguous()
 
     def score_block(start: int, stop: int) -> torch.Tensor:
         nonlocal buffer
-        if buffer.shape[1] != stop - start:
-            buffer = queries.new_empty(queries.shape[0], stop - start)
-        torch.mm(queries, items[start:stop].t(), out=buffer)
-        return buffer.mul_(scale) if scale != 1.0 else buffer
+        if buffer.shape[0] != stop - start:
+            buffer = queries.new_empty(stop - start, queries.shape[0])
+        torch.mm(items[start:stop], queries_t, out=buffer)
+        return (buffer.mul_(scale) if scale != 1.0 else buffer).t()
 
     return score_block
 

@@ -55,14 +55,6 @@ def time_index(ts_query: torch.Tensor, ts_key: torch.Tensor, num_buckets: int) -
     return torch.bucketize(gaps, time_bucket_edges(num_buckets, gaps.device), right=True)
 
 
-def target_mask(first: int, n: int, history_end: int, device) -> torch.Tensor:
-    """``[n - first, n]`` HSTU valid mask of rows ``first..n-1`` of a causal sequence of ``n`` whose rows from
-    ``history_end`` on are targets: a row sees itself and the earlier history rows."""
-    i = torch.arange(first, n, device=device).view(-1, 1)
-    j = torch.arange(n, device=device).view(1, -1)
-    return (j == i) | ((j < i) & (j < history_end))
-
-
 # ---------------------------------------------------------------------------------------------
 # Kernels
 
@@ -90,10 +82,20 @@ def _reference(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, m
     return out[~in_prefix]
 
 
+def _hankel(rel_bias: torch.Tensor, max_seq_len: int, first: int, rows: int, keys: int) -> torch.Tensor:
+    """``[rows, keys]`` view, no copy: ``rel_bias[max_seq_len - 1 + j - i]`` for rows ``i = first ..`` and keys
+    ``j = keys - 1 - c`` (column ``c`` is the ``c``-th key from the last): the flipped bias along both diagonals."""
+    flipped = rel_bias.flip(0)  # flipped[t] = rel_bias[2 max_seq_len - 2 - t]
+    return flipped.as_strided((rows, keys), (1, 1), max_seq_len - keys + first)
+
+
 @register_kernel(OP, "cpu")
 def _cpu(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, alpha, num_targets, rel_bias,
          timestamps, ts_cache, time_bias):
-    """User by user: the new rows against the gathered pages and the new keys, as dense matmuls."""
+    """User by user, as dense matmuls: the new rows against the history keys (the gathered pages and the new
+    history rows) taken last first, so that the relative position bias is a strided view of the flipped bias
+    (no index, no copy); the causal mask touches only the new history rows' square; each candidate's own key
+    is added as one more term. Time buckets are computed once per distinct query timestamp."""
     out = v.new_empty(v.shape)
     bounds, cached = offsets.tolist(), cached_lengths.tolist()
     targets = [0] * len(cached) if num_targets is None else num_targets.tolist()
@@ -101,24 +103,40 @@ def _cpu(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq
         s, e = bounds[b], bounds[b + 1]
         if e == s:
             continue
-        n = prefix + e - s
-        keys = torch.cat([user_prefix(k_cache, page_table[b], prefix), k[s:e]]).permute(1, 2, 0)  # [H, D, n]
-        values = torch.cat([user_prefix(v_cache, page_table[b], prefix), v[s:e]]).transpose(0, 1)  # [H, n, Dv]
-        scores = torch.matmul(q[s:e].transpose(0, 1), keys)  # [H, N, n]
+        history = e - s - targets[b]  # new history rows; then the candidates
+        end = prefix + history  # the history's length: the keys every candidate sees
+        keys = torch.cat([user_prefix(k_cache, page_table[b], prefix), k[s : s + history]]).flip(0)
+        values = torch.cat([user_prefix(v_cache, page_table[b], prefix), v[s : s + history]]).flip(0)
+        scores = torch.matmul(q[s:e].transpose(0, 1), keys.permute(1, 2, 0))  # [H, N, end], keys last first
         if alpha != 1.0:
             scores.mul_(alpha)
-        bias = None
-        if rel_bias is not None:  # rows prefix..n-1 of rel_bias[max_seq_len - 1 + j - i]
-            bias = rel_bias.unfold(0, n, 1)[max_seq_len - n : max_seq_len - prefix].flip(0)
+        if rel_bias is not None:
+            scores += _hankel(rel_bias.to(scores.dtype), max_seq_len, prefix, e - s, end)
         if time_bias is not None:
-            ts_all = torch.cat([user_prefix(ts_cache, page_table[b], prefix), timestamps[s:e].to(ts_cache.dtype)])
-            tb = time_bias[time_index(ts_all[prefix:], ts_all, time_bias.numel() - 1)]
-            bias = tb if bias is None else tb.add_(bias)
-        if bias is not None:
-            scores += bias.to(scores.dtype)
-        weights = F.silu(scores, inplace=True).mul_(target_mask(prefix, n, n - targets[b], q.device))
-        out[s:e] = torch.matmul(weights.mul_(1.0 / max_seq_len), values).transpose(0, 1)
+            ts_keys = torch.cat([user_prefix(ts_cache, page_table[b], prefix),
+                                 timestamps[s : s + history].to(ts_cache.dtype)]).flip(0)
+            distinct, which = torch.unique(timestamps[s:e].to(ts_cache.dtype), return_inverse=True)
+            scores += time_bias[time_index(distinct, ts_keys, time_bias.numel() - 1)].to(scores.dtype)[which]
+        weights = F.silu(scores, inplace=True)
+        if history > 1:  # new history row r sees keys up to itself: columns from history - 1 - r on
+            r = torch.arange(history, device=q.device)
+            weights[:, :history, : history - 1].mul_(r.view(-1, 1) + r[:-1].view(1, -1) >= history - 1)
+        attn = torch.matmul(weights, values.transpose(0, 1)).transpose(0, 1)  # [N, H, Dv]
+        if targets[b]:
+            attn[history:] += _own_key_terms(q[s + history : e], k[s + history : e], v[s + history : e], alpha,
+                                             max_seq_len, rel_bias, timestamps, time_bias)
+        out[s:e] = attn.mul_(1.0 / max_seq_len)
     return out
+
+
+def _own_key_terms(q, k, v, alpha, max_seq_len, rel_bias, timestamps, time_bias) -> torch.Tensor:
+    """``silu(alpha q_c k_c + bias(c, c)) v_c`` of each candidate ``c``: its attention to its own key."""
+    own = (q * k).sum(-1).mul_(alpha)  # [T, H]
+    if rel_bias is not None:
+        own += rel_bias[max_seq_len - 1].to(own.dtype)
+    if time_bias is not None:  # the gap to itself is 0: bucket of 0
+        own += time_bias[time_index(timestamps[:1], timestamps[:1], time_bias.numel() - 1)[0, 0]].to(own.dtype)
+    return F.silu(own).unsqueeze(-1) * v
 
 
 @register_kernel(OP, "triton")
@@ -173,6 +191,10 @@ def _check(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_s
     if batch and int(cached_lengths.max()) > page_table.shape[1] * k_cache.shape[1]:
         _fail(f"a cached length ({int(cached_lengths.max())}) is beyond its page table "
               f"({page_table.shape[1]} pages of {k_cache.shape[1]})")
+    lengths = cached_lengths + (offsets[1:] - offsets[:-1])
+    if rel_bias is not None and batch and int(lengths.max()) > max_seq_len:
+        _fail(f"a sequence of {int(lengths.max())} (cached + new) is longer than max_seq_len={max_seq_len}, "
+              "beyond the relative position bias")
 
 
 @torch.library.custom_op("recompile::hstu_paged_attention", mutates_args=())

@@ -100,6 +100,7 @@ def test_opcheck():
     (lambda a: a[:7] + (a[7] + 100,) + a[8:], "beyond its page table"),
     (lambda a: a[:4] + (a[4][..., :3],) + a[5:], "k_cache"),
     (lambda a: a[:12] + (None,) + a[13:], "timestamps, ts_cache and time_bias"),
+    (lambda a: a[:8] + (4,) + a[9:11] + (a[11][:7],) + a[12:], "longer than max_seq_len=4"),
 ])
 def test_bad_arguments_are_named(bad, match):
     args, _ = make_case([5, 2], [3, 2], [1, 1], 2)
