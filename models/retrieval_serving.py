@@ -7,8 +7,8 @@
   (which ``torch.topk`` leaves unspecified as well). Results are sorted by score, then by item index.
 - ``ItemIndex``: a two-tower model's item embeddings computed once for the corpus; ``topk(users, history,
   offsets, k)`` with the model's head (dot: normalised matmul per block; MoL: the head on each block), and
-  ``shortlist=M`` for an h-indexer-style first stage: the cheap dot score of the towers' outputs picks ``M``
-  items, the MoL head re-scores only those (``recall`` measures what that loses against exact MoL top-k).
+  ``shortlist=M`` for an h-indexer-style first stage: a cheap score (one matmul) picks ``M`` items, the MoL
+  head re-scores only those (``recall`` measures what that loses against exact MoL top-k).
 """
 from __future__ import annotations
 
@@ -72,21 +72,36 @@ def recall(found: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 class ItemIndex:
-    """A ``TwoTower``'s corpus (items 1..num_items) embedded once, for top-k retrieval by its head."""
+    """A ``TwoTower``'s corpus (items 1..num_items) embedded once, for top-k retrieval by its head.
+
+    The shortlist's cheap score for a MoL head is the similarity of the mean user and mean item component
+    (``<mean_p u_p, mean_q x_q>``: the MoL logit with uniform gates), one matmul over precomputed item vectors.
+    """
 
     def __init__(self, model: TwoTower, block: int = 16384):
         self.model, self.block = model, block
         with torch.no_grad():
             self.items = model.item_embeddings(torch.arange(1, model.cfg.num_items + 1))  # [N, ITEM_EMBEDDINGS, d]
-            self.towers = F.normalize(self.items[:, 0], dim=-1)  # the dot head's (and the shortlist's) item side
+            if isinstance(model.head, DotHead):
+                self.cheap_items = F.normalize(self.items[:, 0], dim=-1)
+            else:
+                self.cheap_items = self._components(model.head.item_proj, self.items).mean(1)
+
+    def _components(self, proj, side: torch.Tensor) -> torch.Tensor:
+        """A MoL side's normalised component embeddings ``[n, components, d]``, as ``MoLHead.forward``."""
+        return F.normalize(proj(side.flatten(1)).view(side.shape[0], -1, side.shape[2]), dim=-1)
 
     def _cheap(self, user: torch.Tensor) -> ScoreBlock:
-        return matmul_scores(F.normalize(user[:, 0], dim=-1), self.towers, 1.0 / self.model.cfg.temperature)
+        if isinstance(self.model.head, DotHead):
+            query = F.normalize(user[:, 0], dim=-1)
+        else:
+            query = self._components(self.model.head.user_proj, user).mean(1)
+        return matmul_scores(query, self.cheap_items, 1.0 / self.model.cfg.temperature)
 
     @torch.no_grad()
     def topk(self, users, history, history_offsets, k: int, shortlist: Optional[int] = None):
-        """``(scores [B, k], item ids [B, k])`` by the model's head; ``shortlist``: MoL re-scores the ``shortlist``
-        items the dot score of the towers ranks best."""
+        """``(scores [B, k], item ids [B, k])`` by the model's head; ``shortlist``: the MoL head re-scores the
+        ``shortlist`` items the cheap score ranks best."""
         user = self.model.user_embeddings(users, history, history_offsets)
         head, n = self.model.head, self.items.shape[0]
         if isinstance(head, DotHead):

@@ -150,7 +150,7 @@ class RankingServer:
 
     def __init__(self, model: CachedHSTURanker, cache: PagedKVCache, step=None):
         self.model, self.cache = model, cache
-        self.step = step or model  # the step as it runs: eager, torch.compile'd or a loaded package
+        self.step = model if step is None else step  # the step as it runs: eager, torch.compile'd or a loaded package
 
     def prepare(self, requests: Sequence[Request]) -> "Step":
         """Look the users up in the cache and reserve pages for their new tokens: the step's inputs."""
