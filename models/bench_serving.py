@@ -36,8 +36,8 @@ from models.layers_jagged import long_tailed_lengths
 from models.retrieval import TwoTower, TwoTowerConfig
 from models.retrieval_serving import ItemIndex, blocked_topk, matmul_scores, recall
 from models.sequential import HSTU, HSTUConfig
-from models.serving import (CachedHSTURanker, HSTURanker, RankingServer, Request, make_cache, no_cache_inputs,
-                            rank_without_cache)
+from models.serving import (CachedHSTURanker, HSTURanker, RankingServer, Request, compile_step, make_cache,
+                            no_cache_inputs, rank_without_cache)
 from models.timing import race_ms
 from models.train import write_json
 from recompile.export import load
@@ -118,10 +118,6 @@ def synthetic_histories(count: int, max_len: int) -> list[tuple[torch.Tensor, to
     return [random_history(g, int(n)) for n in lengths]
 
 
-def compiled(model, backend: str):
-    return torch.compile(model, backend=backend, dynamic=True)
-
-
 def packaged(model, example_args, dims, folder: str, name: str):
     return load(recompile.package(model, example_args, os.path.join(folder, f"{name}.pt2"), dynamic_shapes=dims))
 
@@ -160,8 +156,7 @@ def bench_end_to_end(encoder: HSTU, datasets: dict, batches: list[int], rounds: 
         if variant == "eager":
             steps["no_cache"][variant], steps["cache"][variant] = plain, cached_model
         elif variant in ("inductor", "rec_ascend"):
-            steps["no_cache"][variant], steps["cache"][variant] = compiled(plain, variant), compiled(cached_model,
-                                                                                                    variant)
+            steps["no_cache"][variant], steps["cache"][variant] = compile_step(plain, variant), compile_step(cached_model, variant)
         elif variant == "package":
             start = time.perf_counter()
             steps["no_cache"][variant] = packaged(plain, no_cache_inputs(example), NO_CACHE_DIMS, folder, "no_cache")
@@ -276,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "synthetic": synthetic_histories(users, 2048 if args.quick else HISTORY)}
         batches = [1, 8] if args.quick else [1, 2, 4, 8]
         with tempfile.TemporaryDirectory() as folder:
-            result["end_to_end"] = bench_end_to_end(encoder, datasets, batches, 1 if args.quick else rounds,
+            result["end_to_end"] = bench_end_to_end(encoder, datasets, batches, rounds,
                                                     args.variants, folder)
     if "retrieval" in args.parts:
         result["retrieval"] = bench_retrieval(1_000_000, 64, 100, rounds, 20_000 if args.quick else 100_000)

@@ -106,6 +106,19 @@ class CachedHSTURanker(RankerBase):
         return self.scores(x, ids), torch.stack(keys), torch.stack(values)
 
 
+def compile_step(model: nn.Module, backend: str = "rec_ascend"):
+    """``torch.compile`` of a ranker with every dim dynamic and no duck sizing (dims that happen to be equal in
+    the first batch, e.g. the batch and the number of layers, stay distinct symbols), so that batches of other
+    sizes, row counts and page-table widths run the one graph."""
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+
+    def step(*args):
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(*args)
+
+    return step
+
+
 @dataclass
 class Request:
     """One user's ranking request: its whole history (oldest first) and the candidates to score."""
