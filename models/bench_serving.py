@@ -245,6 +245,22 @@ def bench_retrieval(items: int, dim: int, k: int, rounds: int, mol_items: int) -
     return result
 
 
+def summarize(result: dict) -> dict:
+    """Each target of TARGETS against what was measured (None where its part did not run)."""
+    block, e2e, retrieval = result.get("block"), result.get("end_to_end", {}), result.get("retrieval")
+    measured = {
+        "block_with_candidates": block and block["with_candidates"]["speedup"],
+        "block_without_candidates": block and block["without_candidates"]["speedup"],
+        "end_to_end_batch1": {data: rows["batch1"]["cache_speedup"] for data, rows in e2e.items() if "batch1" in rows},
+        "package_vs_compiled_max_slowdown": {
+            f"{data} {batch} {mode}": row[mode]["package"]["mean_ms"] / row[mode]["inductor"]["mean_ms"]
+            for data, rows in e2e.items() for batch, row in rows.items() for mode in ("no_cache", "cache")
+            if {"package", "inductor"} <= set(row[mode])},
+        "topk_1m": retrieval and {b: retrieval[b]["speedup"] for b in ("batch1", "batch8")},
+    }
+    return {name: {"target": TARGETS[name], "measured": value} for name, value in measured.items()}
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small model, few users and rounds")
@@ -275,6 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                     args.variants, folder)
     if "retrieval" in args.parts:
         result["retrieval"] = bench_retrieval(1_000_000, 64, 100, rounds, 20_000 if args.quick else 100_000)
+    result["summary"] = summarize(result)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     write_json(args.json, result)
     print(f"wrote {args.json}")

@@ -1,8 +1,8 @@
 """Retrieval serving: top-k items of a corpus for the two-tower heads of ``models.retrieval``, block by block.
 
 - ``blocked_topk(score_block, num_items, k)``: scores ``[B, block]`` of one block of items at a time, each
-  block's best ``k`` merged into the running best; the ``[B, num_items]`` score matrix never exists. A block
-  whose best score is below every row's current k-th best is skipped after one ``amax``. The values equal
+  block's best ``k`` merged into the running best; the ``[B, num_items]`` score matrix never exists (each
+  block's scores stay in cache for their top-k). The values equal
   ``torch.topk`` of the full matrix; indices too, up to the choice among items tied with the k-th value
   (which ``torch.topk`` leaves unspecified as well). Results are sorted by score, then by item index.
 - ``ItemIndex``: a two-tower model's item embeddings computed once for the corpus; ``topk(users, history,
@@ -30,15 +30,13 @@ def sort_by_score(values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Te
     return values.gather(1, order), indices.gather(1, order)
 
 
-def blocked_topk(score_block: ScoreBlock, num_items: int, k: int, block: int = 16384):
+def blocked_topk(score_block: ScoreBlock, num_items: int, k: int, block: int = 65536):
     """``(values [B, k], indices [B, k])`` of the best ``k`` of ``num_items`` scores, computed ``block`` at a time."""
     if not 0 < k <= num_items:
         raise ValueError(f"blocked_topk: k must be in [1, num_items={num_items}], got {k}")
     values = indices = None
     for start in range(0, num_items, block):
         scores = score_block(start, min(start + block, num_items))
-        if values is not None and values.shape[1] == k and bool((scores.amax(1) < values[:, -1]).all()):
-            continue  # nothing here beats any row's k-th best
         top = scores.topk(min(k, scores.shape[1]), dim=1)
         if values is None:
             values, indices = top.values, top.indices + start
@@ -50,17 +48,11 @@ def blocked_topk(score_block: ScoreBlock, num_items: int, k: int, block: int = 1
 
 
 def matmul_scores(queries: torch.Tensor, items: torch.Tensor, scale: float = 1.0) -> ScoreBlock:
-    """Scores ``scale * queries [B, d] @ items[start:stop].T``: computed as ``items[start:stop] @ queries.T`` (the
-    block of items as the big row-major operand, not a transposed view) into one reused buffer."""
-    buffer = queries.new_empty(0, queries.shape[0])
-    queries_t = queries.t().contiguous()
+    """Scores ``scale * queries [B, d] @ items[start:stop].T``."""
 
     def score_block(start: int, stop: int) -> torch.Tensor:
-        nonlocal buffer
-        if buffer.shape[0] != stop - start:
-            buffer = queries.new_empty(stop - start, queries.shape[0])
-        torch.mm(items[start:stop], queries_t, out=buffer)
-        return (buffer.mul_(scale) if scale != 1.0 else buffer).t()
+        scores = torch.mm(queries, items[start:stop].t())
+        return scores.mul_(scale) if scale != 1.0 else scores
 
     return score_block
 
@@ -78,7 +70,7 @@ class ItemIndex:
     (``<mean_p u_p, mean_q x_q>``: the MoL logit with uniform gates), one matmul over precomputed item vectors.
     """
 
-    def __init__(self, model: TwoTower, block: int = 16384):
+    def __init__(self, model: TwoTower, block: int = 65536):
         self.model, self.block = model, block
         with torch.no_grad():
             self.items = model.item_embeddings(torch.arange(1, model.cfg.num_items + 1))  # [N, ITEM_EMBEDDINGS, d]
