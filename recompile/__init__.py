@@ -15,6 +15,8 @@ _EXPORTS = {
     "RecompileOptions": "recompile.options",
     "compile_tf": "recompile.frontends.tensorflow",
     "explain": "recompile.explain",
+    "export": "recompile.export",
+    "package": "recompile.export",
     "rec_ascend": "recompile.backend",
     "register_pass": "recompile.pipeline",
 }

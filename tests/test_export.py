@@ -1,0 +1,79 @@
+"""recompile.export / recompile.package (recompile/export.py): the exported program carries the rec ops, runs
+other batch sizes and jagged totals than it was exported with (dynamic dims), equals eager; the AOTInductor
+package loads in a fresh process that imports only the operator library and equals eager there too."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.export import Dim
+
+import recompile
+from models.layers_jagged import HSTULayer, jagged_batch
+
+DIM, MAX_LEN = 32, 16
+DYNAMIC = ({0: Dim("total")}, {0: Dim("batch")})
+
+
+def hstu_layer():
+    return HSTULayer(dim=DIM, heads=2, head_dim=16, max_seq_len=MAX_LEN).eval()
+
+
+def batch(size, seed):
+    return jagged_batch(size, MAX_LEN, DIM, torch.Generator().manual_seed(seed))
+
+
+def recompile_ops(program) -> set:
+    return {str(n.target) for n in program.graph.nodes if n.op == "call_function" and "recompile" in str(n.target)}
+
+
+def test_export_replaces_regions_and_keeps_dims_dynamic():
+    model = hstu_layer()
+    program = recompile.export(model, batch(4, 0), dynamic_shapes=DYNAMIC)
+    assert {"recompile.hstu_attention.default", "recompile.complete_cumsum.default"} <= recompile_ops(program)
+    assert any(r["op"] == "recompile::hstu_attention" for r in program.graph_module.meta["recompile_regions"])
+    run = program.module()
+    with torch.no_grad():
+        for size, seed in ((4, 1), (7, 2), (1, 3)):
+            inputs = batch(size, seed)
+            torch.testing.assert_close(run(*inputs), model(*inputs), rtol=1e-5, atol=1e-6)
+
+
+def test_export_rejects_a_graph_break():
+    class Breaks(torch.nn.Module):
+        def forward(self, x):
+            torch._dynamo.graph_break()
+            return x + 1
+
+    with pytest.raises(Exception, match="graph_break|graph break|Graph break"):
+        recompile.export(Breaks(), (torch.randn(3),))
+
+
+LOAD_AND_RUN = """
+import sys, torch
+import runtime  # the operator library only: no recompile, no passes
+assert "recompile" not in sys.modules
+from models.layers_jagged import jagged_batch
+run = torch._inductor.aoti_load_package(sys.argv[1])
+for size, seed in ((5, 11), (2, 12)):
+    values, lengths = jagged_batch(size, {max_len}, {dim}, torch.Generator().manual_seed(seed))
+    torch.save(run(values, lengths), sys.argv[2] + str(size))
+assert "recompile" not in sys.modules
+"""
+
+
+@pytest.mark.slow
+def test_package_runs_in_a_fresh_process_without_the_passes(tmp_path):
+    model = hstu_layer()
+    path = recompile.package(model, batch(4, 0), str(tmp_path / "hstu.pt2"), dynamic_shapes=DYNAMIC)
+    script = LOAD_AND_RUN.format(max_len=MAX_LEN, dim=DIM)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", script, path, str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=240, cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with torch.no_grad():
+        for size, seed in ((5, 11), (2, 12)):
+            expected = model(*batch(size, seed))
+            torch.testing.assert_close(torch.load(tmp_path / f"out{size}"), expected, rtol=1e-5, atol=1e-6)
