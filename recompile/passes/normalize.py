@@ -47,7 +47,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 from torch.fx.operator_schemas import get_signature_for_torch_op, normalize_function
 
-from recompile.passes.utils import arg, classify_pairs, constant_value, is_call, meta_value, tensor_meta
+from recompile.passes.utils import (CONSTANT_FUNCTIONS, arg, classify_pairs, constant_value, is_call, meta_value,
+                                    tensor_meta)
 from recompile.pipeline import PassContext, register_pass
 
 # Tensor methods whose torch function takes the tensor first and the same arguments after it.
@@ -98,8 +99,8 @@ Rule = Callable[[fx.Node], "fx.Node | None"]
 RULES: dict[Any, list[Rule]] = {}
 # Targets normalize may leave unused (it erases them): pure calls it rewrites or creates.
 PURE = {*ALIASES.values(), *BOUND, *POINTWISE_UNARY, torch.reshape, torch.pow, torch.square, torch.mm, torch.addmm,
-        torch.functional.einsum, torch.einsum, torch.t, torch.permute, torch.tensordot, operator.getitem, getattr,
-        *OPERATOR_FUNCTIONS}
+        torch.functional.einsum, torch.einsum, torch.t, torch.permute, operator.getitem, getattr, *OPERATOR_FUNCTIONS,
+        *CONSTANT_FUNCTIONS}
 
 
 def rule(*targets: Any) -> Callable[[Rule], Rule]:
@@ -552,6 +553,17 @@ def _pairs(node: fx.Node, dots: Any, flat: torch.Tensor | None) -> fx.Node | Non
     return out
 
 
+def _flattened(node: Any) -> fx.Node | None:
+    """``D`` when ``node`` is ``D`` [B, F, F] with its last two axes merged (``flatten(D, 1, 2)`` or a reshape)."""
+    if is_call(node, torch.flatten) and node.args[1:] == (1, 2):
+        return node.args[0]
+    if is_call(node, torch.reshape) and _rank(node.args[0]) == 3 and _rank(node) == 2:
+        dots, out = tensor_meta(node.args[0]), tensor_meta(node)
+        if _known(out.shape[0], dots.shape[0]):
+            return node.args[0]
+    return None
+
+
 def _index_positions(index: Any, gm: fx.GraphModule, size: Any) -> torch.Tensor | None:
     """A constant 1-D integer index into an axis of ``size`` as non-negative positions, else None."""
     value = constant_value(index, gm)
@@ -595,8 +607,8 @@ def _constant_selection(node: fx.Node) -> fx.Node | None:
         if positions is None or not meta.is_floating_point():
             return None
         return emit(node, torch.index_select, x, 1, _constant(node, positions, x))
-    if meta.dim() == 2 and is_call(x, torch.flatten) and x.args[1:] == (1, 2):
-        return _pairs(node, x.args[0], _index_positions(index[1], gm, meta.shape[1]))
+    if meta.dim() == 2 and _flattened(x) is not None:
+        return _pairs(node, _flattened(x), _index_positions(index[1], gm, meta.shape[1]))
     return None
 
 
@@ -614,26 +626,26 @@ def _masked_pairs(node: fx.Node) -> fx.Node | None:
 def _gathered_pairs(node: fx.Node) -> fx.Node | None:
     """``gather(D.flatten(1), 1, idx.expand(B, P))`` with ``idx`` constant pair positions -> the pairs form."""
     flat, dim, index = node.args[:3]
-    if dim != 1 or not is_call(flat, torch.flatten) or flat.args[1:] != (1, 2) or node.kwargs:
+    if dim != 1 or _flattened(flat) is None or node.kwargs:
         return None
     while isinstance(index, fx.Node) and index.op == "call_method" and index.target == "expand":
         index = index.args[0]
     value = constant_value(index, node.graph.owning_module)
     if not isinstance(value, torch.Tensor) or value.dim() not in (1, 2) or (value.dim() == 2 and value.shape[0] != 1):
         return None
-    return _pairs(node, flat.args[0], _index_positions(value.flatten(), None, tensor_meta(flat).shape[1]))
+    return _pairs(node, _flattened(flat), _index_positions(value.flatten(), None, tensor_meta(flat).shape[1]))
 
 
 @rule(torch.index_select)
 def _selected_pairs(node: fx.Node) -> fx.Node | None:
     """``index_select(D.flatten(1), 1, idx)`` written by the user -> the pairs form (records the order)."""
     flat, dim, index = node.args[:3]
-    if "pairs" in node.meta or dim != 1 or not is_call(flat, torch.flatten) or flat.args[1:] != (1, 2):
+    if "pairs" in node.meta or dim != 1 or _flattened(flat) is None:
         return None
     if isinstance(index, fx.Node) and index.op == "get_attr" and index.target.startswith("_recompile_constant"):
         return None  # made here: _pairs records its order
     positions = _index_positions(index, node.graph.owning_module, tensor_meta(flat).shape[1])
-    return _pairs(node, flat.args[0], positions)
+    return _pairs(node, _flattened(flat), positions)
 
 
 # --------------------------------------------------------------------------------------------------
