@@ -1,11 +1,14 @@
 """Interaction layers as others write them (raw Parameters, TorchRec's cross nets, RecBole's layers, used unmodified):
 each gets its region, computes what eager does (forward and gradients), and compiles at most twice over batch sizes."""
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import recompile
+from recompile.backend import rec_ascend
 from recompile.lowering import detect_target
 from recompile.options import RecompileOptions
 from recompile.pipeline import PassContext, run_pipeline
@@ -158,8 +161,8 @@ def test_form_under_rec_ascend(case):
     make, inputs, _ = CASES[case]
     torch.manual_seed(0)
     model = make()
-    counter = CompileCounterWithBackend("rec_ascend")
-    compiled = torch.compile(model, backend=counter, options={"autotune": False})
+    counter = CompileCounterWithBackend(functools.partial(rec_ascend, options={"autotune": False}))
+    compiled = torch.compile(model, backend=counter)
     for batch in (3, 7, 12):
         _assert_same_training(compiled, model, inputs(batch))
     assert counter.frame_count <= 2
@@ -194,3 +197,16 @@ def test_torchrec_dlrm_dcn_gets_its_cross_stack():
 def test_torchrec_vector_crossnet():
     model = torchrec_crossnet.VectorCrossNet(N, 2)
     assert _regions(model, _features(5))
+
+
+def test_cross_stack_backward_fake_for_transposed_weights():
+    """``x @ W`` reaches the op as ``transpose(W, 0, 1)``: the fake's weight grads are contiguous like the kernel's."""
+    from recompile.lowering import choose
+
+    impl = choose("recompile::cross_stack", detect_target("cpu")).impl
+    x0, weights = torch.randn(5, N), [torch.randn(N, N).t() for _ in range(2)]
+    biases = [torch.randn(N) for _ in range(2)]
+    out, saved = torch.ops.recompile.cross_stack(x0, x0, weights, biases, [], True, impl)
+    args = (torch.randn_like(out), x0, x0, weights, [], saved, True)
+    torch.library.opcheck(torch.ops.recompile.cross_stack_backward.default, args,
+                          test_utils=("test_schema", "test_faketensor"))

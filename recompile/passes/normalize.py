@@ -148,7 +148,10 @@ def _rewrite(node: fx.Node) -> fx.Node:
     """``node`` after every rule for its target has had its say (a rule's result is normalized already)."""
     _bind(node)
     for fn in RULES.get(node.target, ()) if node.op == "call_function" else ():
-        new = fn(node)
+        try:
+            new = fn(node)
+        except Exception:  # the form cannot be built here (its nodes left unused are erased): keep the call
+            continue
         if new is not None:
             new.meta.setdefault("example_value", meta_value(node))
             return new
