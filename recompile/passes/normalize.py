@@ -34,6 +34,7 @@ values Dynamo recorded and leave a node without one alone.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 import re
@@ -249,11 +250,27 @@ def _arg_type(value: Any) -> type:
     return type(value)
 
 
-def _signature(target: Any, names: list[str]):
-    for signature in get_signature_for_torch_op(target) or ():
-        if list(signature.parameters) == names:
-            return signature
-    return None
+# (target, argument types, keyword names and types) -> the signature the call binds to (None: ambiguous).
+_SIGNATURES: dict[tuple, inspect.Signature | None] = {}
+
+
+def _signature(node: fx.Node) -> inspect.Signature | None:
+    """The one signature of ``node``'s target its arguments bind to, decided once per argument types."""
+    arg_types = tuple(_arg_type(a) for a in node.args)
+    kwarg_types = {k: _arg_type(v) for k, v in node.kwargs.items()}
+    key = (node.target, arg_types, tuple(kwarg_types.items()))
+    if key not in _SIGNATURES:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # schemas with parametric types it cannot check
+                pair = normalize_function(node.target, node.args, node.kwargs, arg_types, kwarg_types,
+                                          normalize_to_only_use_kwargs=True)
+        except Exception:  # an overload the schemas cannot tell apart: leave the call as written
+            pair = None
+        names = None if pair is None else list(pair.kwargs)
+        signatures = (get_signature_for_torch_op(node.target) or ()) if names else ()
+        _SIGNATURES[key] = next((sig for sig in signatures if list(sig.parameters) == names), None)
+    return _SIGNATURES[key]
 
 
 def _non_negative(name: str, value: Any, rank: int | None) -> Any:
@@ -282,22 +299,15 @@ def _bind(node: fx.Node) -> None:
         return
     if node.target in COMMUTATIVE and len(node.args) == 2 and not node.kwargs and _swapped(*node.args):
         node.args = node.args[::-1]
-    arg_types = tuple(_arg_type(a) for a in node.args)
-    kwarg_types = {k: _arg_type(v) for k, v in node.kwargs.items()}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # schemas with parametric types it cannot check
-            pair = normalize_function(node.target, node.args, node.kwargs, arg_types, kwarg_types,
-                                      normalize_to_only_use_kwargs=True)
-    except Exception:  # an overload the schemas cannot tell apart: leave the call as written
-        return
-    signature = None if pair is None else _signature(node.target, list(pair.kwargs))
+    signature = _signature(node)
     if signature is None:
         return
-    rank = _dim_rank(node, pair.kwargs)
+    bound = signature.bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    rank = _dim_rank(node, bound.arguments)
     args, kwargs = [], {}
     for name, parameter in signature.parameters.items():
-        value = _non_negative(name, pair.kwargs[name], rank)
+        value = _non_negative(name, bound.arguments[name], rank)
         if parameter.kind is parameter.KEYWORD_ONLY:
             if value is not parameter.default and value != parameter.default:
                 kwargs[name] = value
