@@ -123,10 +123,11 @@ def test_batched_products_stay_matmul():
     ("square", [lambda x: x * x, lambda x: x ** 2, lambda x: x.pow(2), lambda x: torch.square(x)]),
     ("cat", [lambda x: torch.cat([x, x], -1), lambda x: torch.concat([x, x], dim=2),
              lambda x: torch.cat(tensors=[x, x], dim=2)]),
-    ("softmax", [lambda x: F.softmax(x, dim=-1), lambda x: x.softmax(2), lambda x: torch.softmax(x, -1)]),
+    ("softmax", [lambda x: F.softmax(x, dim=-1), lambda x: x.softmax(2), lambda x: torch.softmax(x, -1),
+                 lambda x: F.softmax(x, 2, 3)]),
     ("transpose", [lambda x: x.transpose(2, 1), lambda x: torch.transpose(x, -2, -1), lambda x: x.permute(0, 2, 1)]),
     ("reshape", [lambda x: x.view(3, -1), lambda x: x.reshape(3, -1), lambda x: x.reshape((3, -1))]),
-    ("relu", [lambda x: F.relu(x), lambda x: torch.relu(x), lambda x: x.relu()]),
+    ("relu", [lambda x: F.relu(x), lambda x: torch.relu(x), lambda x: x.relu(), lambda x: F.relu(x, False)]),
 ])
 def test_spellings_of_one_call_leave_one_graph(family, spellings):
     x = torch.randn(3, 4, 5)

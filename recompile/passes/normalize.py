@@ -228,17 +228,19 @@ def _respell(node: fx.Node) -> None:
         node.op, node.target = "call_function", fn
     if node.op != "call_function" or node.target not in ALIASES:
         return
-    kwargs = dict(node.kwargs)
-    if node.target is F.softmax:
-        kwargs.pop("_stacklevel", None)
-        if kwargs.get("dtype", 0) is None:
-            kwargs.pop("dtype")
-    if node.target is F.relu and (arg(node, 1, "inplace", False) or len(node.args) > 1):
-        return  # an in-place relu keeps its spelling
-    kwargs.pop("inplace", None)
+    args, kwargs = node.args, dict(node.kwargs)
+    if node.target is F.softmax:  # F.softmax(input, dim, _stacklevel, dtype)
+        dim, dtype = arg(node, 1, "dim"), arg(node, 3, "dtype")
+        if dim is None:
+            return  # the implicit dim of the deprecated form
+        args, kwargs = (args[0], dim), {} if dtype is None else {"dtype": dtype}
+    if node.target is F.relu:
+        if arg(node, 1, "inplace", False):
+            return  # an in-place relu keeps its spelling
+        args, kwargs = args[:1], {}
     if node.target is torch.bmm and not all(_rank(a) == 3 for a in node.args):
         return
-    node.target, node.kwargs = ALIASES[node.target], kwargs
+    node.target, node.args, node.kwargs = ALIASES[node.target], args, kwargs
 
 
 def _arg_type(value: Any) -> type:
