@@ -450,8 +450,9 @@ def cross_stack_backward(
 
 @cross_stack_backward.register_fake
 def _(grad, x0, x, weights, downs, saved, has_bias):
-    return (torch.empty_like(x0), torch.empty_like(grad), [torch.empty_like(w) for w in weights],
-            [grad.new_empty(w.shape[0]) for w in weights] if has_bias else [], [torch.empty_like(v) for v in downs])
+    # the weights' grads are mm outputs: contiguous, also for a weight passed as a transposed view (x @ W)
+    return (torch.empty_like(x0), torch.empty_like(grad), [w.new_empty(w.shape) for w in weights],
+            [grad.new_empty(w.shape[0]) for w in weights] if has_bias else [], [v.new_empty(v.shape) for v in downs])
 
 
 def _keep_saved(ctx, saved: list[torch.Tensor]) -> None:

@@ -1,10 +1,15 @@
 """Helpers the passes share for reading and rewriting FX graphs."""
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
+
+from runtime.interaction import pair_indices
 
 
 def meta_value(node: Any) -> Any:
@@ -66,3 +71,63 @@ def each_match(gm: fx.GraphModule, match: Callable[[fx.Node], Any]) -> Iterator[
         found = match(node)
         if found is not None:
             yield node, found
+
+
+# Constant subgraphs (pair indices and masks) and the dot interaction's pair orders.
+
+# Constructors a constant subgraph may use; anything else (a model input, a random op) is not constant.
+CONSTANT_FUNCTIONS = {
+    torch.tensor, torch.triu_indices, torch.tril_indices, torch.ones, torch.ones_like, torch.triu, torch.tril,
+    torch.arange, torch.ne, torch.eq, torch.gt, torch.lt, torch.ge, torch.le, torch.logical_not, torch.stack,
+    operator.getitem, operator.invert, torch.Tensor.bool, torch.Tensor.to,
+}
+CONSTANT_METHODS = {"bool", "to", "long", "int", "__getitem__"}
+
+
+def constant_value(node: Any, gm: fx.GraphModule) -> Any:
+    """The value of ``node`` if it is computable at compile time (a buffer or in-graph constant), else None."""
+    if not isinstance(node, fx.Node):
+        return node
+    if node.op == "placeholder":  # a module buffer holding indices: Dynamo keeps the real tensor
+        example = getattr(node.meta.get("grapharg"), "example", None)
+        is_index = isinstance(example, torch.Tensor) and not example.is_floating_point() and not example.requires_grad
+        return example if is_index else None
+    if node.op == "get_attr":
+        return getattr(gm, node.target, None)
+    is_function = node.op == "call_function" and node.target in CONSTANT_FUNCTIONS
+    is_method = node.op == "call_method" and node.target in CONSTANT_METHODS
+    if not (is_function or is_method):
+        return None
+    unknown: list[fx.Node] = []
+
+    def value(n: fx.Node) -> Any:
+        v = constant_value(n, gm)
+        if v is None:
+            unknown.append(n)
+        return v
+
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
+    if unknown:
+        return None
+    fn = getattr(args[0], node.target) if is_method else node.target
+    with torch.no_grad():
+        return fn(*(args[1:] if is_method else args), **kwargs)
+
+
+@functools.lru_cache(maxsize=256)
+def _pair_orders(num_features: int) -> list[tuple[tuple[bool, bool], torch.Tensor]]:
+    """((upper, self_interaction), flat pair positions) for the four orders dot_interaction computes."""
+    orders = []
+    for upper, self_interaction in itertools.product((True, False), (False, True)):
+        rows, cols = pair_indices(num_features, upper, self_interaction)
+        orders.append(((upper, self_interaction), rows * num_features + cols))
+    return orders
+
+
+def classify_pairs(num_features: int, flat: torch.Tensor) -> tuple[bool, bool] | None:
+    """The (upper, self_interaction) order whose pairs are exactly ``flat`` (positions in F*F), or None."""
+    flat = flat.to("cpu", torch.int64).flatten()
+    for order, want in _pair_orders(num_features):
+        if flat.numel() == want.numel() and torch.equal(flat, want):
+            return order
+    return None
