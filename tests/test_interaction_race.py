@@ -26,7 +26,7 @@ def _decision(cache_dir):
 
 def fake_race(seconds):
     """A race that runs nothing and reports ``seconds(name)`` (a list of per-round times) for each candidate."""
-    def race(steps, budget_s, min_rounds=autotune.MIN_ROUNDS, clock=None):
+    def race(steps, budget_s, min_rounds=autotune.MIN_ROUNDS, clock=None, reset=None):
         return {name: list(seconds(name)) for name in steps}
     return race
 

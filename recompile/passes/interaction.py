@@ -60,7 +60,7 @@ from torch._inductor.pattern_matcher import (
 
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from recompile.passes.utils import arg, is_call, is_training, meta_value, only_user, tensor_meta
+from recompile.passes.utils import arg, eliminate_dead_code, is_call, is_training, meta_value, only_user, tensor_meta
 from recompile.pipeline import PassContext, register_pass
 from runtime.interaction import ACTIVATIONS, pair_indices
 
@@ -618,5 +618,5 @@ def build_matcher(ctx: PassContext) -> PatternMatcherPass:
 def interaction(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     build_matcher(ctx).apply(gm)
     stack_cross_layers(gm, ctx)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm)
     return gm
