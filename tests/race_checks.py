@@ -83,11 +83,12 @@ def forced(choice: str | None):
         autotune.fastest = real
 
 
-def assert_race_invisible(make, steps: int, cache_root, monkeypatch, choices=("inductor", "rec+eager")) -> None:
+def assert_race_invisible(make, steps: int, cache_root, monkeypatch, choices=("rec+eager",)) -> None:
     """For ``steps`` training steps of the model ``make()`` builds:
 
     - an empty and a warm autotune cache give bit-identical losses and buffers;
-    - autotune off and each of ``choices`` forced give the same random draws, so losses within 1e-6 relative;
+    - autotune off (Inductor on the rewrite) and each of ``choices`` forced give the same random draws, so losses
+      within 1e-6 relative;
     - with its dropout off, the compiled model's losses and buffers (BatchNorm statistics, counters) are eager's;
     - the caller's random stream is where eager leaves it (the race draws nothing from it).
     """
@@ -114,9 +115,8 @@ def assert_race_invisible(make, steps: int, cache_root, monkeypatch, choices=("i
         (got, _), _ = compiled(f"forced-{choice}", choice=choice)
         torch.testing.assert_close(got, off, rtol=1e-6, atol=1e-7, msg=f"{choice} forced")
     model, inputs, loss = make()
-    plain = (without_dropout(model), inputs, loss)
-    eager, eager_buffers = train(copy.deepcopy(plain[0]), inputs, loss, 1, compiled=False)
-    (got, got_buffers), _ = compiled("no-dropout", model=(plain[0], inputs, loss))
-    torch.testing.assert_close(got[:1], eager, rtol=1e-5, atol=1e-6)
-    steps_one = train(copy.deepcopy(plain[0]), inputs, loss, steps, compiled=False)[1]
-    assert_buffers_equal(got_buffers, steps_one, exact=False)
+    plain = without_dropout(model)
+    eager, eager_buffers = train(copy.deepcopy(plain), inputs, loss, steps, compiled=False)
+    (got, got_buffers), _ = compiled("no-dropout", model=(plain, inputs, loss))
+    torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-5)
+    assert_buffers_equal(got_buffers, eager_buffers, exact=False)
