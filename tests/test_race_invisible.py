@@ -8,7 +8,10 @@ import torch
 import torch.nn as nn
 
 from models.zoo import MODELS
+from torch._inductor.compile_fx import compile_fx
+
 from recompile import autotune
+from recompile import backend as rec_backend
 from tests import race_checks
 
 
@@ -102,3 +105,35 @@ def test_bn_and_dropout_give_the_same_numbers_whatever_the_cache_and_the_candida
         return model, (torch.randn(64, 16),), lambda out: out.pow(2).mean()
 
     race_checks.assert_race_invisible(make, 3, tmp_path, monkeypatch)
+
+
+class Bookkeeping(nn.Module):
+    """Writes whose results nothing uses: a training lookup that inserts its ids, and two in-place updates of a
+    buffer whose order matters."""
+
+    def __init__(self):
+        super().__init__()
+        import hkv
+
+        options = hkv.DynamicEmbTableOptions(dim=4, max_capacity=64, init_capacity=16, bucket_capacity=16)
+        self.seen = hkv.DynamicEmbeddingBag(options, "sum")
+        self.register_buffer("count", torch.ones(1))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, ids, offsets):
+        self.seen(ids, offsets)  # unused: only inserts
+        self.count.mul_(3)
+        self.count.add_(1)
+        return self.lin(x) * 2
+
+
+@pytest.mark.parametrize("autotune_on", [True, False])
+def test_a_mutating_op_whose_result_is_unused_still_runs_in_order(autotune_on, monkeypatch):
+    if not autotune_on:  # through the real Inductor, which drops an op that declares no effect
+        monkeypatch.setattr(rec_backend, "compile_fx", compile_fx)
+    model = Bookkeeping()
+    ids, offsets = torch.tensor([3, 9, 2**40 + 1]), torch.tensor([0, 2])
+    out = torch.compile(model, backend="rec_ascend", options={"autotune": autotune_on})(torch.randn(2, 4), ids, offsets)
+    assert out.shape == (2, 4)
+    assert model.count.item() == 4  # (1 * 3) + 1, once
+    assert model.seen.table.contains(ids).all() and model.seen.table.size() == 3
