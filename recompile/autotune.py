@@ -21,18 +21,26 @@ example inputs and within ``BUDGET_S`` seconds:
 Every race runs its candidates interleaved over rounds and compares them round by round (the median of each
 candidate's time over the others' in the same round, ``fastest``), so that neither load from other processes
 nor one lucky round decides; a graph choice leaves the captured graph (run eagerly, then through Inductor)
-only for a candidate faster by more than ``MARGIN``. The decision's ``kernels`` are those chosen for the
-rewrite's regions; its ``regions`` are the regions of the graph the kept candidate runs (none for the captured
-graph, one pass's fewer for an ablation), with their kernels. An inference graph run eagerly calls the rec
-ops' Python functions rather than the dispatched ops (``direct_calls``): without autograd the dispatch is
-pure cost.
+only for a candidate faster by more than ``MARGIN``, in rounds that agree (``settled``: a race whose rounds
+disagree by more than the margin keeps the safe candidate and is not cached). The decision's ``kernels`` are
+those chosen for the rewrite's regions; its ``regions`` are the regions of the graph the kept candidate runs
+(none for the captured graph, one pass's fewer for an ablation), with their kernels. An inference graph run
+eagerly calls the rec ops' Python functions rather than the dispatched ops (``direct_calls``): without
+autograd the dispatch is pure cost.
+
+The race is invisible (``Sandbox``, ``docs/determinism.md``): candidates run on aliases of the call's tensors
+outside the caller's autograd graph; every input without grad that a run writes into (BatchNorm's running
+statistics, ``num_batches_tracked``) is put back after it; the caller's random stream is forked. Dropout seeds
+are lifted out of the graph (``lift_seeds``) and drawn once per call from the caller's stream, so that every
+candidate, and Inductor with autotune off, draws the same masks; the captured graph (eager's masks) is then no
+candidate. A graph with other random ops, or that writes into an input requiring grad, is not raced: it runs
+through Inductor.
 
 The decision is cached on disk (``$RECOMPILE_CACHE_DIR`` or ``~/.cache/recompile``), keyed by the
-rewritten graph's code, the input shapes/dtypes, grad mode, target and torch version; a cached
-decision is applied without timing (and without compiling candidates it did not keep). It records the
-seconds each candidate took to build (``compile_s``). Graphs with random ops (dropout in training) cannot be
-compared between runs: they race timed only, without region tuning (``autotune(..., random=True)``). Graphs
-with in-place or mutating ops are not tuned: Inductor is kept for them.
+rewritten graph's code, the input shapes/dtypes, grad mode, target, torch version and the ``conditions`` it
+is measured under (CPU model and ISA flags, threads, whether the machine is busy); a cached decision is
+applied without timing (and without compiling candidates it did not keep). It records the seconds each
+candidate took to build (``compile_s``).
 """
 from __future__ import annotations
 
@@ -42,6 +50,7 @@ import inspect
 import json
 import operator
 import os
+import platform
 import statistics
 import tempfile
 import time
@@ -72,7 +81,7 @@ MIN_ROUNDS, MAX_ROUNDS = 3, 50
 # when faster by more than this share: this machine's run-to-run noise is larger than what is won below it.
 MARGIN = 0.04
 INCUMBENTS = ("eager", "inductor-captured")
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 # Ops whose results are random (matched on the op's base name: in-place ``_`` and ``_like`` forms stripped).
 RANDOM_OPS = frozenset({
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
@@ -92,16 +101,17 @@ class Decision:
     key: str = ""
     compile_s: dict[str, float] = field(default_factory=dict)  # candidate -> seconds to build (Inductor's compile)
     kernels: dict[str, str] = field(default_factory=dict)  # op node of the rewrite -> fastest correct impl
+    conditions: dict = field(default_factory=dict)  # what the timings were measured under (``conditions()``)
 
     def to_dict(self) -> dict:
         return {"choice": self.choice, "regions": dict(self.regions), "timings_ms": dict(self.timings_ms),
                 "rejected": dict(self.rejected), "mode": self.mode, "cached": self.cached, "key": self.key,
-                "compile_s": dict(self.compile_s), "kernels": dict(self.kernels)}
+                "compile_s": dict(self.compile_s), "kernels": dict(self.kernels), "conditions": dict(self.conditions)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Decision":
         return cls(d["choice"], d["regions"], d["timings_ms"], d["rejected"], d["mode"], True, d["key"],
-                   d["compile_s"], d["kernels"])
+                   d["compile_s"], d["kernels"], d["conditions"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -118,10 +128,33 @@ def _describe(value: Any) -> Any:
     return type(value).__name__
 
 
+@functools.cache
+def _cpu() -> str:
+    """The CPU's model and instruction-set flags (Linux), else what ``platform`` says."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    fields = dict(line.split(":", 1) for line in info.splitlines()[:40] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = fields.get("flags", fields.get("Features", ""))
+    return f"{fields.get('model name', platform.machine())} isa:{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+
+
+def conditions() -> dict:
+    """What a decision's timings depend on besides the graph: the CPU (model and ISA flags), the threads torch
+    uses, and whether other work loads the machine (1-minute load average above half its cores). A decision
+    is kept per conditions: one measured under load is not applied on a quiet machine, nor on another CPU."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return {"cpu": _cpu(), "threads": torch.get_num_threads(), "busy": load > 0.5 * (os.cpu_count() or 1)}
+
+
 def graph_key(gm: fx.GraphModule, target: str, training: bool) -> str:
-    """Key of a rewritten graph and its input signature (from the placeholders' example values)."""
+    """Key of a rewritten graph, its input signature (from the placeholders' example values) and the
+    ``conditions`` the decision is taken under."""
     inputs = [_describe(x) for x in input_metas(gm)]
-    blob = json.dumps([CACHE_VERSION, torch.__version__, target, training, gm.code, inputs], default=str)
+    blob = json.dumps([CACHE_VERSION, torch.__version__, target, training, gm.code, inputs, conditions()],
+                      default=str, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -784,7 +817,7 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
         ctx.tuning = cached.to_dict()
         rec = {"rec+eager": rewritten.forward} if "rec+eager" in graphs else {}
         return compiled_graph(GraphChooser(rec, oracle, cached, 0.0, chosen=builders[cached.choice]()))
-    decision = Decision("eager", mode="training" if training else "inference", key=key)
+    decision = Decision("eager", mode="training" if training else "inference", key=key, conditions=conditions())
     start = time.perf_counter()
     with Sandbox(concrete_inputs(inputs)) as sandbox:
         tune_regions(rewritten, sandbox, ctx.target, training, decision, start + BUDGET_S / 2)

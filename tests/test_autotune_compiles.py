@@ -15,6 +15,8 @@ from tests.test_interaction_autotune import Cross, eagerly_fastest  # noqa: F401
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RECOMPILE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(autotune, "BUDGET_S", 0.2)
+    # timed races on a loaded machine may disagree round to round and then cache nothing (test_interaction_race)
+    monkeypatch.setattr(autotune, "settled", lambda *args: True)
     return tmp_path
 
 

@@ -14,6 +14,8 @@ from runtime.kernels import KERNELS
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RECOMPILE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(autotune, "BUDGET_S", 0.3)
+    # timed races on a loaded machine may disagree round to round and then cache nothing (test_interaction_race)
+    monkeypatch.setattr(autotune, "settled", lambda *args: True)
     return tmp_path
 
 
