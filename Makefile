@@ -5,7 +5,8 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
-PYTEST_ARGS ?= -n 2
+# The 25 slowest tests are printed, so that a test growing slow is seen.
+PYTEST_ARGS ?= -n 2 --durations=25
 
 .PHONY: venv browser run test bench clean
 

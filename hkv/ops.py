@@ -10,13 +10,16 @@
   the unique ids come grouped by the table's bucket (``grouping``: the bucket count used), which the
   CPU kernel then splits over threads by bucket without scanning the batch.
 A table is named by its integer id (``hkv.embedding.TABLES``); ``weight`` is the module's empty
-parameter, through which autograd reaches the fused optimizer update. ``impl`` names the kernel
+parameter, through which autograd reaches the fused optimizer update. The table is state no argument holds:
+``lookup`` (which inserts when training), ``update`` and the module-level ops say so by an ordered effect
+(``EFFECTFUL``), so that a compiler keeps each call, once, in program order, even when its result is unused. ``impl`` names the kernel
 probing the table (``hkv.kernels``); ``"auto"`` keeps the table's own.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._library.effects import EffectType
 
 from hkv import cpu
 from hkv.embedding import get_table
@@ -185,6 +188,12 @@ def _bag_backward(ctx, grad):
 
 
 embedding_lookup.register_autograd(_bag_backward, setup_context=_bag_setup)
+
+
+# Ops that read or write a table's rows and optimizer state, held by the table, not by an argument.
+EFFECTFUL = (lookup, update, embedding_lookup, embedding_lookup_backward)
+for _op in EFFECTFUL:
+    _op.register_effect(EffectType.ORDERED)
 
 
 class EagerEmbeddingLookup(torch.autograd.Function):

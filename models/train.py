@@ -128,14 +128,28 @@ def make_optimizer(args, parameters, total_steps: int):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, dict]:
+def sequential_task(args, num_items: int) -> NextItemTask:
+    """The next-item task of ``args.model`` (SASRec, HSTU) with the run's sizes, on ``args.device``."""
     heads = args.num_heads
-    encoder = sequential_encoder(args.model, split.num_items, dim=args.dim, max_len=args.max_len,
+    encoder = sequential_encoder(args.model, num_items, dim=args.dim, max_len=args.max_len,
                                  num_layers=args.num_layers, num_heads=heads, dropout=args.dropout,
                                  **({"attn_dim": args.dim // heads, "linear_dim": args.dim // heads}
                                     if args.model == "hstu" else {}))
-    fmt = encoder.input_format
-    task = NextItemTask(encoder, temperature=args.temperature).to(args.device)
+    return NextItemTask(encoder, temperature=args.temperature).to(args.device)
+
+
+def sequential_batch(args, split: D.LeaveOneOut, windows, rows, fmt: str, g: torch.Generator) -> tuple:
+    """One training batch of the next-item task in input format ``fmt``: (targets, negatives, *inputs), on
+    ``args.device``."""
+    inputs, targets = D.next_item_batch(windows, rows, fmt, args.max_len)
+    negatives = D.sample_negatives(targets.flatten(), args.in_batch_negatives, split.num_items,
+                                   args.sampled_negatives, g)
+    return mark_sequence_dynamic(tuple(t.to(args.device) for t in (targets, negatives, *inputs)))
+
+
+def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, dict]:
+    task = sequential_task(args, split.num_items)
+    fmt = task.encoder.input_format
     step_fn = compile_for(task, args.backend)
     windows = D.training_windows(split.train, args.max_len)
     g = torch.Generator().manual_seed(args.seed)
@@ -146,10 +160,7 @@ def train_sequential(args, split: D.LeaveOneOut, run: Run) -> tuple[nn.Module, d
         task.train()
         bar = Progress(num_batches, f"{args.model} epoch {epoch + 1}/{args.epochs}", not args.quiet)
         for rows in D.batches(len(windows), args.batch_size, g):
-            inputs, targets = D.next_item_batch(windows, rows, fmt, args.max_len)
-            negatives = D.sample_negatives(targets.flatten(), args.in_batch_negatives, split.num_items,
-                                           args.sampled_negatives, g)
-            batch = mark_sequence_dynamic(tuple(t.to(args.device) for t in (targets, negatives, *inputs)))
+            batch = sequential_batch(args, split, windows, rows, fmt, g)
             bar.update(run.step(lambda: optimizer_step(optimizer, lambda: step_fn(*batch), scheduler), len(rows)))
             if run.finished:
                 return task, None

@@ -21,18 +21,26 @@ example inputs and within ``BUDGET_S`` seconds:
 Every race runs its candidates interleaved over rounds and compares them round by round (the median of each
 candidate's time over the others' in the same round, ``fastest``), so that neither load from other processes
 nor one lucky round decides; a graph choice leaves the captured graph (run eagerly, then through Inductor)
-only for a candidate faster by more than ``MARGIN``. The decision's ``kernels`` are those chosen for the
-rewrite's regions; its ``regions`` are the regions of the graph the kept candidate runs (none for the captured
-graph, one pass's fewer for an ablation), with their kernels. An inference graph run eagerly calls the rec
-ops' Python functions rather than the dispatched ops (``direct_calls``): without autograd the dispatch is
-pure cost.
+only for a candidate faster by more than ``MARGIN``, in rounds that agree (``settled``: a race whose rounds
+disagree by more than the margin keeps the safe candidate and is not cached). The decision's ``kernels`` are
+those chosen for the rewrite's regions; its ``regions`` are the regions of the graph the kept candidate runs
+(none for the captured graph, one pass's fewer for an ablation), with their kernels. An inference graph run
+eagerly calls the rec ops' Python functions rather than the dispatched ops (``direct_calls``): without
+autograd the dispatch is pure cost.
+
+The race is invisible (``Sandbox``, ``docs/determinism.md``): candidates run on aliases of the call's tensors
+outside the caller's autograd graph; every input without grad that a run writes into (BatchNorm's running
+statistics, ``num_batches_tracked``) is put back after it; the caller's random stream is forked. Dropout seeds
+are lifted out of the graph (``lift_seeds``) and drawn once per call from the caller's stream, so that every
+candidate, and Inductor with autotune off, draws the same masks; the captured graph (eager's masks) is then no
+candidate. A graph with other random ops, or that writes into an input requiring grad, is not raced: it runs
+through Inductor.
 
 The decision is cached on disk (``$RECOMPILE_CACHE_DIR`` or ``~/.cache/recompile``), keyed by the
-rewritten graph's code, the input shapes/dtypes, grad mode, target and torch version; a cached
-decision is applied without timing (and without compiling candidates it did not keep). It records the
-seconds each candidate took to build (``compile_s``). Graphs with random ops (dropout in training) cannot be
-compared between runs: they race timed only, without region tuning (``autotune(..., random=True)``). Graphs
-with in-place or mutating ops are not tuned: Inductor is kept for them.
+rewritten graph's code, the input shapes/dtypes, grad mode, target, torch version and the ``conditions`` it
+is measured under (CPU model and ISA flags, threads, whether the machine is busy); a cached decision is
+applied without timing (and without compiling candidates it did not keep). It records the seconds each
+candidate took to build (``compile_s``).
 """
 from __future__ import annotations
 
@@ -42,6 +50,7 @@ import inspect
 import json
 import operator
 import os
+import platform
 import statistics
 import tempfile
 import time
@@ -56,7 +65,7 @@ from torch._library.custom_ops import OPDEFS
 
 from recompile.lowering import candidates
 from recompile.lowering.targets import synchronize
-from recompile.passes.utils import input_metas, is_training
+from recompile.passes.utils import input_metas, is_training, meta_value, written
 from recompile.pipeline import PassContext, concrete_inputs, run_pipeline
 
 BUDGET_S = 1.5  # timing budget of one graph (regions, then the whole graph); compiles excluded
@@ -72,7 +81,7 @@ MIN_ROUNDS, MAX_ROUNDS = 3, 50
 # when faster by more than this share: this machine's run-to-run noise is larger than what is won below it.
 MARGIN = 0.04
 INCUMBENTS = ("eager", "inductor-captured")
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 # Ops whose results are random (matched on the op's base name: in-place ``_`` and ``_like`` forms stripped).
 RANDOM_OPS = frozenset({
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
@@ -92,16 +101,17 @@ class Decision:
     key: str = ""
     compile_s: dict[str, float] = field(default_factory=dict)  # candidate -> seconds to build (Inductor's compile)
     kernels: dict[str, str] = field(default_factory=dict)  # op node of the rewrite -> fastest correct impl
+    conditions: dict = field(default_factory=dict)  # what the timings were measured under (``conditions()``)
 
     def to_dict(self) -> dict:
         return {"choice": self.choice, "regions": dict(self.regions), "timings_ms": dict(self.timings_ms),
                 "rejected": dict(self.rejected), "mode": self.mode, "cached": self.cached, "key": self.key,
-                "compile_s": dict(self.compile_s), "kernels": dict(self.kernels)}
+                "compile_s": dict(self.compile_s), "kernels": dict(self.kernels), "conditions": dict(self.conditions)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Decision":
         return cls(d["choice"], d["regions"], d["timings_ms"], d["rejected"], d["mode"], True, d["key"],
-                   d["compile_s"], d["kernels"])
+                   d["compile_s"], d["kernels"], d["conditions"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -118,10 +128,33 @@ def _describe(value: Any) -> Any:
     return type(value).__name__
 
 
+@functools.cache
+def _cpu() -> str:
+    """The CPU's model and instruction-set flags (Linux), else what ``platform`` says."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    fields = dict(line.split(":", 1) for line in info.splitlines()[:40] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = fields.get("flags", fields.get("Features", ""))
+    return f"{fields.get('model name', platform.machine())} isa:{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+
+
+def conditions() -> dict:
+    """What a decision's timings depend on besides the graph: the CPU (model and ISA flags), the threads torch
+    uses, and whether other work loads the machine (1-minute load average above half its cores). A decision
+    is kept per conditions: one measured under load is not applied on a quiet machine, nor on another CPU."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return {"cpu": _cpu(), "threads": torch.get_num_threads(), "busy": load > 0.5 * (os.cpu_count() or 1)}
+
+
 def graph_key(gm: fx.GraphModule, target: str, training: bool) -> str:
-    """Key of a rewritten graph and its input signature (from the placeholders' example values)."""
+    """Key of a rewritten graph, its input signature (from the placeholders' example values) and the
+    ``conditions`` the decision is taken under."""
     inputs = [_describe(x) for x in input_metas(gm)]
-    blob = json.dumps([CACHE_VERSION, torch.__version__, target, training, gm.code, inputs], default=str)
+    blob = json.dumps([CACHE_VERSION, torch.__version__, target, training, gm.code, inputs, conditions()],
+                      default=str, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -181,37 +214,70 @@ def _inactive_dropout(node: fx.Node) -> bool:
     return bound.arguments.get("training") is False or bound.arguments.get("p") == 0
 
 
-# Python's augmented assignments (``x += y``), which Dynamo records as these operator functions.
-INPLACE_OPERATORS = frozenset({
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
-    operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-})
+def _input_written(value: Any) -> fx.Node | None:
+    """The placeholder (or attribute) whose memory ``value`` may share: followed back through views, item
+    reads and in-place results (ops whose aten schema returns an alias; an op we cannot name counts as one)."""
+    node = value
+    while isinstance(node, fx.Node):
+        if node.op in ("placeholder", "get_attr"):
+            return node
+        if not (node.target is operator.getitem or written(node) or _may_alias(node)) or not node.args:
+            return None
+        node = node.args[0]
+    return None
 
 
-def _in_place(node: fx.Node, name: str) -> bool:
-    """``x.add_(y)``, ``torch.relu_(x)``, ``x += y``; not ``operator.and_`` / ``or_`` (``x & y``), whose
-    trailing underscore only avoids the keyword."""
-    if node.target in INPLACE_OPERATORS:
+def _returns_view(schema: torch.FunctionSchema) -> bool:
+    """``Tensor(a)``: a view of an argument (``Tensor(a!)``, an in-place or ``out=`` result, is a write)."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+@functools.cache
+def _aten_aliases(name: str) -> bool:
+    packet = getattr(torch.ops.aten, name, None)
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
         return True
-    return name.endswith("_") and not name.endswith("__") and getattr(node.target, "__module__", None) != "_operator"
+    return any(_returns_view(getattr(packet, overload)._schema) for overload in packet.overloads())
+
+
+def _may_alias(node: fx.Node) -> bool:
+    if isinstance(node.target, torch._ops.OpOverload):
+        return _returns_view(node.target._schema)
+    return _aten_aliases(_name(node))
+
+
+def _writes_grad_input(node: fx.Node) -> bool:
+    """``node`` writes into a graph input that requires grad, or may (an attribute, an input of unknown kind): the
+    race runs each input that requires grad as a leaf of its own, which autograd forbids writing into."""
+    for value in written(node):
+        source = _input_written(value)
+        if source is not None and getattr(meta_value(source), "requires_grad", True):
+            return True
+    return False
+
+
+def _name(node: fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
+def is_random(node: fx.Node) -> bool:
+    """A node that draws random numbers (not our ops: ``recompile::dropout`` is a function of its seed input)."""
+    return (node.op in ("call_function", "call_method") and _op_name(node) is None and _is_random(_name(node))
+            and not _inactive_dropout(node))
 
 
 def tunable(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, allow_random: bool = False) -> bool:
-    """Repeatable runs only: real inputs, no random ops (unless ``allow_random``), no in-place or mutating ops,
-    no op that changes state outside the graph (``STATEFUL_NAMESPACES``, ``UPDATES_IN_BACKWARD``)."""
+    """Repeatable runs only: real inputs, no random ops (unless ``allow_random``), no write into an input that
+    requires grad (writes into intermediates, ``l2 += w.norm()``, and into other inputs, which the race restores,
+    are fine), no op that changes state outside the graph (``STATEFUL_NAMESPACES``, ``UPDATES_IN_BACKWARD``)."""
     if example_inputs is None or any(isinstance(x, torch.Tensor) and x.is_meta for x in example_inputs):
         return False
     for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method") or _inactive_dropout(node):
+        if node.op not in ("call_function", "call_method"):
             continue
-        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-        if (_is_random(name) and not allow_random) or _in_place(node, name):
+        if (is_random(node) and not allow_random) or _writes_grad_input(node):
             return False
-        if node.kwargs.get("inplace") is True:
-            return False
-        if isinstance(node.target, torch._ops.OpOverload) and (
-            node.target._schema.is_mutable or node.target.namespace in STATEFUL_NAMESPACES
-        ):
+        if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in STATEFUL_NAMESPACES:
             return False
         if _op_name(node) in UPDATES_IN_BACKWARD:
             return False
@@ -252,10 +318,12 @@ def matches(got: list[torch.Tensor], want: list[torch.Tensor]) -> str | None:
 
 
 def race(steps: dict[str, Callable[[], Any]], budget_s: float, min_rounds: int = MIN_ROUNDS,
-         clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+         clock: Callable[[], float] = time.perf_counter, reset: Callable[[], None] = lambda: None
+         ) -> dict[str, list[float]]:
     """Seconds per step of each candidate in every round. A round runs every candidate once, each round starting
     one candidate further (none always runs right after the same other), so that load from other processes falls
-    on all of them alike; rounds go on while the budget lasts, at least ``min_rounds`` (a median needs three)."""
+    on all of them alike; rounds go on while the budget lasts, at least ``min_rounds`` (a median needs three).
+    ``reset`` runs after each step, untimed (``Sandbox.restore``)."""
     names = list(steps)
     samples: dict[str, list[float]] = {name: [] for name in names}
     start = clock()
@@ -268,6 +336,7 @@ def race(steps: dict[str, Callable[[], Any]], budget_s: float, min_rounds: int =
             steps[name]()
             synchronize()
             samples[name].append(clock() - t0)
+            reset()
         rounds += 1
     return samples
 
@@ -295,6 +364,81 @@ def fastest(samples: dict[str, list[float]], incumbents: Sequence[str] = (), mar
         if name in relative and relative[name] <= relative[best] * (1 + margin):
             return name
     return best
+
+
+# ------------------------------------------------------------------------------------------------
+# the race is invisible
+
+
+class Sandbox:
+    """What the race runs on instead of a call's inputs, so that timing candidates changes nothing the caller
+    sees: each tensor as an alias outside the caller's autograd graph and version counters (``.data``; those
+    that require grad as leaves of their own), the value of each tensor that does not require grad kept and put
+    back after every run (a graph may write into its inputs without saying so: ``F.batch_norm(training=True)``
+    updates the running statistics it is given, ``num_batches_tracked.add_(1)``), and the caller's random stream
+    forked. ``seeds``: the values of the dropout seeds lifted out of the graph (``lift_seeds``), the same for
+    every candidate."""
+
+    def __init__(self, args: Sequence[Any], seeds: Sequence[torch.Tensor] = ()):
+        self.saved = [(t, t.detach().clone()) for t in _tensors(args) if not t.requires_grad]
+        alias = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.data.requires_grad_(t.requires_grad),
+                                                  list(args))
+        self.args = (*alias, *seeds)
+        self._rng = torch.random.fork_rng()
+
+    def restore(self) -> None:
+        for tensor, value in self.saved:
+            tensor.data.copy_(value)
+
+    def __enter__(self) -> "Sandbox":
+        self._rng.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()
+        self._rng.__exit__(*exc)
+
+
+def _is_seed(node: fx.Node) -> bool:
+    """A ``torch.randint`` whose only users take it as their dropout seed (``passes/dropout.py``)."""
+    return (node.op == "call_function" and node.target is torch.randint and bool(node.users)
+            and all(u.target is torch.ops.recompile.dropout.default and u.args[2] is node for u in node.users))
+
+
+def lift_seeds(gm: fx.GraphModule) -> list[tuple[tuple, dict]]:
+    """Turn each dropout seed drawn in ``gm`` into a trailing input; returns the ``torch.randint`` arguments that
+    draw them (``drawing_seeds``). The seed is then drawn once per call outside every candidate, from the
+    caller's random stream, so that eager ATen and Inductor (whose ``randint`` draws from its own generator)
+    run the same masks."""
+    seeds = [node for node in gm.graph.nodes if _is_seed(node)]
+    last = list(gm.graph.find_nodes(op="placeholder"))[-1] if seeds else None
+    draws = []
+    for i, node in enumerate(seeds):
+        with gm.graph.inserting_after(last):
+            last = gm.graph.placeholder(f"dropout_seed_{i}")
+        last.meta.update(node.meta)
+        node.replace_all_uses_with(last)
+        gm.graph.erase_node(node)
+        draws.append((node.args, dict(node.kwargs)))
+    gm.recompile()
+    return draws
+
+
+def seed_examples(draws: list[tuple[tuple, dict]]) -> list[torch.Tensor]:
+    """Fixed seeds for the race and the compiles (any value would do: the race must not draw from the caller)."""
+    return [torch.tensor([12345, 678], dtype=kwargs.get("dtype"), device=kwargs.get("device")) for _, kwargs in draws]
+
+
+def drawing_seeds(fn: Callable, draws: list[tuple[tuple, dict]]) -> Callable:
+    """``fn`` with the lifted seeds drawn from the caller's random stream at each call, as the graph drew them."""
+    if not draws:
+        return fn
+
+    def call(*args: Any) -> Any:
+        return fn(*args, *[torch.randint(*a, **kwargs) for a, kwargs in draws])
+
+    call.chooser = getattr(fn, "chooser", None)
+    return call
 
 
 # ------------------------------------------------------------------------------------------------
@@ -336,12 +480,13 @@ def _fresh(args: tuple, training: bool) -> tuple:
     )
 
 
-def tune_regions(gm: fx.GraphModule, args: Sequence[Any], target, training: bool, decision: Decision,
+def tune_regions(gm: fx.GraphModule, sandbox: Sandbox, target, training: bool, decision: Decision,
                  deadline: float) -> None:
     """Pick each rec op node's fastest correct kernel; rewrite its ``impl`` argument."""
     recorder = _ArgRecorder(gm)
     with torch.no_grad():
-        recorder.run(*args)
+        recorder.run(*sandbox.args)
+    sandbox.restore()
     for node in gm.graph.nodes:
         op = _op_name(node)
         if op is None or node.name not in recorder.recorded:
@@ -416,54 +561,65 @@ def inductor_can_win(rewritten: fx.GraphModule, args: Sequence[Any]) -> bool:
 
 class GraphChooser:
     """The compiled graph: its first call races the candidates on that call's inputs (outside the compile, so
-    that no timing run touches Dynamo's shape environment), keeps the fastest correct one (``fastest``: the
-    captured graph unless another wins by ``MARGIN``) and stores the decision, with the regions of the graph
-    the kept candidate runs (``graphs``: by eager candidate name); from then on ``run`` is that candidate itself,
-    called with no wrapper of ours in between."""
+    that no timing run touches Dynamo's shape environment, and in a ``Sandbox``, so that none touches the
+    caller's tensors, autograd graph or random stream), keeps the fastest correct one (``fastest``: the first of
+    ``incumbents`` unless another wins by ``MARGIN`` in rounds that agree, ``settled``) and stores the decision,
+    with the regions of the graph the kept candidate runs (``graphs``: by eager candidate name); from then on
+    ``run`` is that candidate itself, called with no wrapper of ours in between."""
 
     def __init__(self, candidates: dict[str, Callable], oracle: Callable, decision: Decision, budget_s: float,
-                 chosen: Callable | None = None, graphs: dict[str, Callable[[], fx.GraphModule]] | None = None):
+                 chosen: Callable | None = None, graphs: dict[str, Callable[[], fx.GraphModule]] | None = None,
+                 incumbents: Sequence[str] = INCUMBENTS):
         self.candidates, self.oracle, self.decision, self.budget_s = candidates, oracle, decision, budget_s
-        self.graphs = graphs
+        self.graphs, self.incumbents = graphs, incumbents
         # Runs a call that fails, for its error: the rec ops name the table or op at fault.
         self.rec = candidates.get("rec+eager")
         self.run: Callable = chosen or self.first_call
 
     @torch._dynamo.disable
     def first_call(self, *args: Any) -> Any:
-        if self.oracle is None:  # random graphs: timed only, and the race draws no random numbers of the run's
-            with torch.random.fork_rng():
-                self.run = self.choose(args, None)
+        with Sandbox(args) as sandbox:
+            try:
+                want = run_step(self.oracle, sandbox.args, self.decision.mode == "training")
+            except Exception:
+                want = None
+            sandbox.restore()
+            if want is not None:
+                self.run = self.choose(sandbox, want)
+        if want is not None:
             return self.run(*args)
-        try:
-            want = run_step(self.oracle, args, self.decision.mode == "training")
-        except Exception:
-            # Bad input: nothing to compare against; the choice waits for a call that runs.
-            if self.rec is None:
-                raise
-            return self.rec(*args)
-        self.run = self.choose(args, want)
-        return self.run(*args)
+        # Bad input (the rec ops' error names what is wrong), or a graph that runs on the caller's tensors only:
+        # the choice waits for a call that runs.
+        return (self.rec or self.oracle)(*args)
 
-    def choose(self, args: Sequence[Any], want: list[torch.Tensor]) -> Callable:
+    def choose(self, sandbox: Sandbox, want: list[torch.Tensor]) -> Callable:
         decision, training = self.decision, self.decision.mode == "training"
         steps = {}
         for name, fn in self.candidates.items():
             try:
-                got = run_step(fn, args, training)
-                why = None if want is None else matches(got, want)
+                why = matches(run_step(fn, sandbox.args, training), want)
             except Exception as exc:  # a candidate that fails to run is not kept
                 why = f"{type(exc).__name__}: {exc}"
+            finally:
+                sandbox.restore()
             if why is None:
-                steps[name] = functools.partial(run_step, fn, args, training)
+                steps[name] = functools.partial(run_step, fn, sandbox.args, training)
             else:
                 decision.rejected[name] = why
-        samples = race(steps, self.budget_s)
+        for step in steps.values():  # a second untimed call: each candidate is timed as it runs from then on
+            step()
+            sandbox.restore()
+        samples = race(steps, self.budget_s, reset=sandbox.restore)
         decision.timings_ms.update(median_ms(samples))
-        decision.choice = fastest(samples, INCUMBENTS, MARGIN) or "eager"
-        if decision.choice in steps and self.graphs is not None:
-            decision.regions = graph_regions(self.graphs[graph_of(decision.choice)]())
-        store(decision)
+        safe = next((name for name in self.incumbents if name in samples), None)
+        decision.choice = fastest(samples, self.incumbents, MARGIN) or safe or "eager"
+        if safe is not None and not settled(samples, decision.choice, safe):
+            decision.rejected[decision.choice] = f"its rounds disagree by more than {MARGIN:.0%}: {safe} kept, not cached"
+            decision.choice = safe
+        elif decision.choice in steps:
+            if self.graphs is not None:
+                decision.regions = graph_regions(self.graphs[graph_of(decision.choice)]())
+            store(decision)
         return self.candidates.get(decision.choice, self.oracle or self.rec)  # none correct: the captured graph
 
     def rerun_for_error(self, args: Sequence[Any]) -> Any:
@@ -472,6 +628,15 @@ class GraphChooser:
         if self.rec is None or self.run is self.rec or self.run == self.first_call:
             raise
         return self.rec(*args)
+
+
+def settled(samples: dict[str, list[float]], choice: str, safe: str) -> bool:
+    """Whether the rounds agree that ``choice`` beats ``safe``: no more than a quarter of them has it slower by
+    more than ``MARGIN`` (a machine whose load changes mid-race moves the rounds apart)."""
+    if choice == safe or choice not in samples:
+        return True
+    ratios = [t / max(r, 1e-12) for t, r in zip(samples[choice], samples[safe])]
+    return sum(r > 1 + MARGIN for r in ratios) <= len(ratios) / 4
 
 
 def compiled_graph(chooser: GraphChooser) -> Callable:
@@ -495,15 +660,18 @@ def without_pass(original: fx.GraphModule, ctx, name: str, regions: dict[str, st
     return gm
 
 
-def candidate_graphs(original: fx.GraphModule, rewritten: fx.GraphModule, ctx,
-                     regions: dict[str, str] | None) -> dict[str, Callable[[], fx.GraphModule]]:
+def candidate_graphs(original: fx.GraphModule, rewritten: fx.GraphModule, ctx, regions: dict[str, str] | None,
+                     captured: bool = True) -> dict[str, Callable[[], fx.GraphModule]]:
     """The graphs the whole-graph candidates run, unbuilt, by the name of their eager candidate: ``rec+eager``
     (the rewrite), ``eager`` (the captured graph) and, given the kernels chosen for the regions, ``rec+eager-<pass>``
     for each pass that replaced regions when several did, so that one pass's gain is kept when another's regions
     measure slower than what they replaced. Without rec regions the rewrite is the captured graph (normalized).
     With lookups whose bounds_check clamps or skips ids the captured graph would raise on, no graph keeps the
-    captured lookups."""
+    captured lookups. Not ``captured``: the captured graph draws other random numbers than the rewrite (its
+    dropout draws eager's masks), so it is no candidate."""
     graphs = {"rec+eager": lambda: rewritten, "eager": lambda: original}
+    if not captured:
+        del graphs["eager"]
     ops = {_op_name(node) for node in rewritten.graph.nodes} - {None}
     if not ops:
         del graphs["rec+eager"]
@@ -567,37 +735,37 @@ def graph_builders(graphs: dict[str, Callable[[], fx.GraphModule]], compile_indu
     return builders
 
 
-def fastest_eagerly(graphs: dict[str, Callable[[], fx.GraphModule]], args: Sequence[Any], training: bool,
+def fastest_eagerly(graphs: dict[str, Callable[[], fx.GraphModule]], sandbox: Sandbox, training: bool,
                     decision: Decision, budget_s: float) -> str:
-    """The graph that runs fastest eagerly (timed only, under a forked RNG); a graph that fails here is left out
-    (it fails again in the race, which keeps its error)."""
-    steps = {}
+    """The graph that runs fastest eagerly (timed only); a graph that fails here is left out (it fails again in
+    the race, which keeps its error)."""
+    steps, args = {}, sandbox.args
     for name, graph in graphs.items():
         fn = eager_forward(graph(), training)
         try:
-            with torch.random.fork_rng():
-                run_step(fn, args, training)
+            run_step(fn, args, training)
         except Exception:
             continue
+        finally:
+            sandbox.restore()
         steps[name] = functools.partial(run_step, fn, args, training)
-    with torch.random.fork_rng():
-        samples = race(steps, budget_s)
+    samples = race(steps, budget_s, reset=sandbox.restore)
     decision.timings_ms.update({f"eagerly:{name}": ms for name, ms in median_ms(samples).items()})
     return fastest(samples, INCUMBENTS, MARGIN) or next(iter(graphs))
 
 
-def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: dict, args: Sequence[Any],
+def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: dict, sandbox: Sandbox,
                     decision: Decision, training: bool, budget_s: float) -> None:
     """Leave in ``builders`` only the Inductor candidates that can win: Inductor compiles what the graphs share
     alike, so it compiles the graph that ran fastest eagerly (its regions are the fastest); inference graphs
     also compile the captured graph (the Inductor a user would otherwise get), and skip the fastest one where
     Inductor has little to fuse around our ops (``inductor_can_win``)."""
-    fastest = fastest_eagerly(graphs, args, training, decision, budget_s) if len(graphs) > 1 else next(iter(graphs))
+    fastest = fastest_eagerly(graphs, sandbox, training, decision, budget_s) if len(graphs) > 1 else next(iter(graphs))
     keep = {inductor_of(fastest)}
     why = f"{fastest} ran fastest eagerly"
     if not training and "eager" in graphs:
         keep.add("inductor-captured")
-        if fastest != "eager" and not inductor_can_win(graphs[fastest](), args):
+        if fastest != "eager" and not inductor_can_win(graphs[fastest](), sandbox.args):
             keep.discard(inductor_of(fastest))
             decision.rejected[inductor_of(fastest)] = (f"not compiled: the nodes it could fuse take under "
                                                        f"{MIN_FUSABLE_SHARE:.0%} of a call")
@@ -617,32 +785,50 @@ def build(builders: dict[str, Callable[[], Callable]], decision: Decision) -> di
 
 
 def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[Any], ctx,
-             compile_inductor: Callable[[fx.GraphModule], Callable], random: bool = False) -> Callable:
-    """The compiled callable for ``rewritten``: the cached decision, or a GraphChooser over the candidates.
+             compile_inductor: Callable[..., Callable]) -> Callable:
+    """The compiled callable for ``rewritten`` (``compile_inductor(graph[, inputs])`` compiles a graph through
+    Inductor): the dropout seeds lifted out (``lift_seeds``) so that every candidate draws the same masks,
+    then, with ``options.autotune`` and a graph the race can run invisibly (``tunable``), the cached decision
+    or a GraphChooser over the candidates; else Inductor on the rewrite. A graph with random ops other than
+    the lifted seeds is not raced: its candidates would draw other numbers."""
+    draws = lift_seeds(rewritten)
+    inputs = [*example_inputs, *seed_examples(draws)]
+    compile_graph = functools.partial(compile_inductor, inputs=inputs) if draws else compile_inductor
+    if (not ctx.options.autotune or not tunable(rewritten, inputs, allow_random=True)
+            or any(is_random(node) for node in rewritten.graph.nodes)):
+        return drawing_seeds(compile_graph(rewritten), draws)
+    return drawing_seeds(choose_graph(original, rewritten, inputs, ctx, compile_graph, random=bool(draws)), draws)
 
-    ``random``: the graph has random ops (dropout in training), so its outputs cannot be compared between
-    runs: the candidates race timed only, under a forked RNG, with no region tuning and no ablations."""
+
+def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Sequence[Any], ctx,
+                 compile_inductor: Callable[[fx.GraphModule], Callable], random: bool) -> Callable:
+    """The cached decision (taken under these ``conditions``), or a GraphChooser over the candidates.
+
+    ``random``: the rewrite draws dropout masks from its lifted seeds, which the captured graph does not: the
+    candidates are the rewrite's alone (eagerly and through Inductor, which is then the incumbent), with no
+    ablations."""
     training = is_training(rewritten)
     key = graph_key(rewritten, ctx.target.name, training)
     cached = load(key)
-    graphs = candidate_graphs(original, rewritten, ctx, None if random else (cached.kernels if cached else {}))
-    if random and "rec+eager" not in graphs:  # nothing to race but the graph through Inductor
-        return compile_inductor(rewritten)
+    graphs = candidate_graphs(original, rewritten, ctx, None if random else (cached.kernels if cached else {}),
+                              captured=not random)
     builders = graph_builders(graphs, compile_inductor, training)
+    oracle = eager_forward(rewritten, training) if random else original.forward
+    incumbents = ("inductor",) if random else INCUMBENTS
     if cached is not None and cached.choice in builders:
         apply_regions(rewritten, cached.kernels)
         ctx.tuning = cached.to_dict()
         rec = {"rec+eager": rewritten.forward} if "rec+eager" in graphs else {}
-        return compiled_graph(GraphChooser(rec, original.forward, cached, 0.0, chosen=builders[cached.choice]()))
-    decision = Decision("eager", mode="training" if training else "inference", key=key)
+        return compiled_graph(GraphChooser(rec, oracle, cached, 0.0, chosen=builders[cached.choice]()))
+    decision = Decision("eager", mode="training" if training else "inference", key=key, conditions=conditions())
     start = time.perf_counter()
-    args = concrete_inputs(example_inputs)
-    if not random:
-        tune_regions(rewritten, args, ctx.target, training, decision, start + BUDGET_S / 2)
-        graphs = candidate_graphs(original, rewritten, ctx, decision.kernels)
-        builders = graph_builders(graphs, compile_inductor, training)
-    choose_compiles(graphs, builders, args, decision, training, BUDGET_S / 8)
+    with Sandbox(concrete_inputs(inputs)) as sandbox:
+        tune_regions(rewritten, sandbox, ctx.target, training, decision, start + BUDGET_S / 2)
+        if not random:
+            graphs = candidate_graphs(original, rewritten, ctx, decision.kernels)
+            builders = graph_builders(graphs, compile_inductor, training)
+        choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8)
     ctx.tuning = decision.to_dict()
     budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
-    return compiled_graph(GraphChooser(build(builders, decision), None if random else original.forward, decision,
-                                       budget, graphs=graphs))
+    return compiled_graph(GraphChooser(build(builders, decision), oracle, decision, budget, graphs=graphs,
+                                       incumbents=incumbents))

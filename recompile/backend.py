@@ -52,7 +52,8 @@ def rec_ascend(
     """Run the rec pass pipeline on ``gm`` (torch-level, before autograd) and compile the result with Inductor.
 
     With ``options.autotune`` the result is instead the fastest correct of the rewritten and the captured graph
-    (and the rewrite without one pass), run eagerly or through Inductor where that can win (``recompile.autotune``).
+    (and the rewrite without one pass), run eagerly or through Inductor where that can win; either way the
+    dropout seeds are drawn outside the graph, so that every candidate draws the same masks (``recompile.autotune``).
     """
     opts = RecompileOptions.coerce(options)
     # As Inductor's own backend does: its kernel-compile workers start now, while our passes and races run.
@@ -61,13 +62,10 @@ def rec_ascend(
     rewritten = run_pipeline(gm, ctx)
     config_patches = torch._inductor.list_mode_options(mode) if mode else None
 
-    def inductor(graph: fx.GraphModule):
-        return compile_fx(graph, example_inputs, config_patches=config_patches, decompositions=inductor_decompositions())
+    def inductor(graph: fx.GraphModule, inputs: Sequence[Any] = example_inputs):
+        return compile_fx(graph, inputs, config_patches=config_patches, decompositions=inductor_decompositions())
 
-    if not opts.autotune or not autotune.tunable(rewritten, example_inputs, allow_random=True):
-        return inductor(rewritten)
-    random = not autotune.tunable(rewritten, example_inputs)
-    return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor, random=random)
+    return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor)
 
 
 def register_name() -> None:

@@ -203,8 +203,8 @@ register_kernel(STEP_OP, "fbgemm")(functools.partial(step_each_table, fbgemm=Tru
 
 
 @torch.library.custom_op(
-    "recompile::embedding_optimizer_step", mutates_args=(),
-    schema=f"(Tensor grad, {LOOKUP_SCHEMA}, str layout, str names, str bounds_check, str optimizer, str impl) -> Tensor",
+    "recompile::embedding_optimizer_step", mutates_args=("weights",),
+    schema=f"(Tensor grad, {LOOKUP_SCHEMA.replace('Tensor[] weights', 'Tensor(a!)[] weights')}, str layout, str names, str bounds_check, str optimizer, str impl) -> Tensor",
 )
 def embedding_optimizer_step(grad, weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset,
                              layout, names, bounds_check, optimizer, impl) -> Tensor:

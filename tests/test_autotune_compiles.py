@@ -15,6 +15,8 @@ from tests.test_interaction_autotune import Cross, eagerly_fastest  # noqa: F401
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RECOMPILE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(autotune, "BUDGET_S", 0.2)
+    # timed races on a loaded machine may disagree round to round and then cache nothing (test_interaction_race)
+    monkeypatch.setattr(autotune, "settled", lambda *args: True)
     return tmp_path
 
 
@@ -98,22 +100,22 @@ def test_fastest_eagerly_times_every_graph_and_returns_the_fastest():
     decision = autotune.Decision("eager")
     graphs = {"rec+eager": lambda: fast, "eager": lambda: slow}
     # a budget for all MAX_ROUNDS rounds (~0.1 s): a few rounds preempted by the other test worker cannot decide
-    assert autotune.fastest_eagerly(graphs, [torch.randn(64, 64)], False, decision, 1.0) == "rec+eager"
+    assert autotune.fastest_eagerly(graphs, autotune.Sandbox([torch.randn(64, 64)]), False, decision, 1.0) == "rec+eager"
     assert decision.timings_ms["eagerly:rec+eager"] < decision.timings_ms["eagerly:eager"]
 
 
-def test_random_graphs_compile_inductor_once(_cache, inductor_graphs, eagerly_fastest):
+def test_random_graphs_compile_inductor_once_on_the_rewrite(_cache, inductor_graphs):
+    """The captured graph draws eager's dropout masks, the rewrite its own: only the rewrite races."""
     class DroppedCross(Cross):
         def forward(self, x0):
             return torch.nn.functional.dropout(super().forward(x0), 0.5, training=True)
 
     torch._dynamo.reset()
     torch.compile(DroppedCross(), backend="rec_ascend")(torch.randn(8, 16, requires_grad=True)).sum().backward()
-    assert len(inductor_graphs) == 1
+    [graph] = inductor_graphs
+    assert _has_rec_ops(graph)
     [decision] = _decisions(_cache)
-    assert {"eagerly:rec+eager", "eagerly:eager"} <= set(decision["timings_ms"])
-    [fastest] = eagerly_fastest
-    assert _has_rec_ops(inductor_graphs[0]) == (fastest == "rec+eager")
+    assert set(decision["compile_s"]) == {"rec+eager", "inductor"}
 
 
 def test_clamping_lookups_keep_no_graph_with_the_captured_lookups(_cache, inductor_graphs):
@@ -181,7 +183,9 @@ def _dynamo_graph(fn, *args):
 
 
 def test_logical_operators_are_not_in_place_but_augmented_assignments_are():
-    """``x & y`` is ``operator.and_`` (a trailing underscore, not in-place); ``x += y`` is ``operator.iadd``."""
+    """``x & y`` is ``operator.and_`` (a trailing underscore, not in-place); ``x += y`` is ``operator.iadd``: into an
+    input that requires grad it is not raced (the race runs such inputs as leaves of its own), into an input that
+    does not it is (the race puts its value back), and into an intermediate (``l2 += w.norm()``) it is."""
     def masked(x, y):
         return torch.where((x > 0) & (y > 0) | (x < -1), x, y)
 
@@ -189,6 +193,14 @@ def test_logical_operators_are_not_in_place_but_augmented_assignments_are():
         x += y
         return x * 2
 
+    def regularized(x, y):
+        l2 = x.pow(2).sum()
+        l2 += y.norm()
+        return x * l2
+
     args = (torch.randn(6), torch.randn(6))
     assert autotune.tunable(_dynamo_graph(masked, *args), args)
-    assert not autotune.tunable(_dynamo_graph(accumulate, *[a.clone() for a in args]), args)
+    assert autotune.tunable(_dynamo_graph(accumulate, *[a.clone() for a in args]), args)
+    grad = (torch.randn(6).mul(1).requires_grad_(), torch.randn(6, requires_grad=True))
+    assert not autotune.tunable(_dynamo_graph(accumulate, grad[0] * 1, grad[1]), grad)
+    assert autotune.tunable(_dynamo_graph(regularized, *grad), grad)

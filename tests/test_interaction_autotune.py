@@ -14,6 +14,8 @@ from runtime.kernels import KERNELS
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RECOMPILE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(autotune, "BUDGET_S", 0.3)
+    # timed races on a loaded machine may disagree round to round and then cache nothing (test_interaction_race)
+    monkeypatch.setattr(autotune, "settled", lambda *args: True)
     return tmp_path
 
 
@@ -249,7 +251,7 @@ class DroppedBags(nn.Module):
         return torch.nn.functional.dropout(pooled, 0.5, training=True).sum(1)
 
 
-def test_random_graphs_race_timed_only_and_draw_no_numbers_of_the_run(_cache, eagerly_fastest):
+def test_random_graphs_race_the_rewrite_and_draw_no_numbers_of_the_run(_cache):
     model = DroppedBags()
     ids, offsets = torch.randint(0, 40, (12,)), torch.tensor([0, 3, 7, 7, 10])
     compiled = torch.compile(model, backend="rec_ascend")
@@ -259,10 +261,8 @@ def test_random_graphs_race_timed_only_and_draw_no_numbers_of_the_run(_cache, ea
     torch.testing.assert_close(compiled(ids, offsets), first)
     [decision] = _decisions(_cache)
     assert decision["mode"] == "training"
-    assert all(why.startswith("not compiled") for why in decision["rejected"].values())  # none ran and failed
+    assert decision["rejected"] == {}  # none ran and failed
     timings = decision["timings_ms"]
-    assert set(timings) >= {"rec+eager", "eager"} and decision["choice"] in timings
-    # one Inductor compile: of the graph that ran faster eagerly
-    assert {"eagerly:rec+eager", "eagerly:eager"} <= set(timings)
-    [fastest] = eagerly_fastest
-    assert list(decision["compile_s"].keys() & {"inductor", "inductor-captured"}) == [autotune.inductor_of(fastest)]
+    # the lifted seeds make the rewrite repeatable: its kernels are tuned, and it races through Inductor only
+    assert {"rec+eager", "inductor"} <= set(timings) and "eager" not in timings and decision["choice"] in timings
+    assert set(decision["compile_s"]) == {"rec+eager", "inductor"}

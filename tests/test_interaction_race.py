@@ -26,7 +26,7 @@ def _decision(cache_dir):
 
 def fake_race(seconds):
     """A race that runs nothing and reports ``seconds(name)`` (a list of per-round times) for each candidate."""
-    def race(steps, budget_s, min_rounds=autotune.MIN_ROUNDS, clock=None):
+    def race(steps, budget_s, min_rounds=autotune.MIN_ROUNDS, clock=None, reset=None):
         return {name: list(seconds(name)) for name in steps}
     return race
 
@@ -147,3 +147,39 @@ def test_an_eager_rewrite_calls_the_op_functions_for_inference(_cache, monkeypat
     if not training:
         [call] = [node for node in runs.graph.nodes if getattr(node.target, "__name__", "") == "cross_stack"]
         assert call.target is torch._library.custom_ops.OPDEFS["recompile::cross_stack"]._init_fn
+
+
+def test_rounds_that_disagree_beyond_the_margin_are_not_settled():
+    steady = {"eager": [1.0] * 8, "inductor": [0.8] * 8}
+    assert autotune.settled(steady, "inductor", "eager")
+    # faster at the median, slower by 20% in three rounds of eight: the machine's load moved under the race
+    shaky = {"eager": [1.0] * 8, "inductor": [0.7, 0.7, 0.7, 0.7, 0.8, 1.2, 1.2, 1.2]}
+    assert not autotune.settled(shaky, "inductor", "eager")
+    assert autotune.settled(shaky, "eager", "eager")
+
+
+def test_a_race_whose_rounds_disagree_keeps_the_safe_candidate_and_caches_nothing(_cache, monkeypatch):
+    rounds = [0.7, 0.7, 0.7, 0.7, 0.8, 1.2, 1.2, 1.2]
+    monkeypatch.setattr(autotune, "race", fake_race(lambda name: rounds if name.startswith("inductor") else [1.0] * 8))
+    chosen = []
+    monkeypatch.setattr(autotune, "compiled_graph", lambda chooser: chosen.append(chooser) or chooser.first_call)
+    model, x = Cross(), torch.randn(8, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="rec_ascend")(x), model(x), rtol=1e-5, atol=1e-5)
+    [chooser] = chosen
+    assert chooser.decision.choice == "eager" and "rounds disagree" in " ".join(chooser.decision.rejected.values())
+    assert not list((_cache / "autotune").glob("*.json"))
+
+
+def test_a_decision_is_raced_again_under_other_conditions(_cache, monkeypatch):
+    """A decision taken while the machine was busy (or on another CPU, or with other threads) is not applied on
+    a quiet one: each set of conditions has its own."""
+    model, x = Cross(), torch.randn(8, 16)
+    monkeypatch.setattr(autotune, "race", fake_race(lambda name: [1.0] * 3))
+    for busy in (True, True, False):
+        monkeypatch.setattr(autotune, "conditions", lambda busy=busy: {"cpu": "x", "threads": 2, "busy": busy})
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(model, backend="rec_ascend")(x)
+    decisions = [json.loads(p.read_text()) for p in (_cache / "autotune").glob("*.json")]
+    assert sorted(d["conditions"]["busy"] for d in decisions) == [False, True]

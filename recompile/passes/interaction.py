@@ -62,8 +62,8 @@ from torch._inductor.pattern_matcher import (
 )
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from recompile.passes.utils import (arg, classify_pairs, constant_value, is_call, is_training, meta_value, only_user,
-                                    tensor_meta)
+from recompile.passes.utils import (arg, classify_pairs, constant_value, eliminate_dead_code, is_call, is_training,
+                                    meta_value, only_user, tensor_meta)
 from recompile.pipeline import PassContext, register_pass
 from runtime.interaction import ACTIVATIONS
 
@@ -510,5 +510,5 @@ def interaction(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     finally:
         _CONTEXT.reset(token)
     stack_cross_layers(gm, ctx)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm)
     return gm

@@ -40,7 +40,7 @@ from recompile.passes.jagged_attention import (
 from recompile.passes.jagged_index import (
     IndexGather, index_gather, index_padding, prove_gather, row_slices, sequence_padding,
 )
-from recompile.passes.utils import arg, is_call, replace_node, tensor_meta
+from recompile.passes.utils import arg, eliminate_dead_code, is_call, replace_node, tensor_meta
 from recompile.pipeline import Fallback, PassContext, register_pass
 from runtime.fbgemm import fbgemm_ops
 
@@ -620,9 +620,7 @@ def _lift_padded_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
             ctx.fallbacks.append(Fallback(ctx.current_pass, f"left padded at {sink.name}: {why}"))
         else:
             replace_node(sink, info.twin)
-    before = set(gm.graph.nodes)
-    gm.graph.eliminate_dead_code()
-    erased = before - set(gm.graph.nodes)
+    erased = eliminate_dead_code(gm)
     for twin, op, impl, nodes in lifter.attention_regions:
         if twin not in erased:
             ctx.record_region("attention", nodes, op, impl)

@@ -131,3 +131,41 @@ def classify_pairs(num_features: int, flat: torch.Tensor) -> tuple[bool, bool] |
         if flat.numel() == want.numel() and torch.equal(flat, want):
             return order
     return None
+
+
+# Python's augmented and item assignments (``x += y``, ``x[i] = y``), which Dynamo records as these functions.
+IN_PLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+    operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.setitem,
+})
+
+
+def written(node: fx.Node) -> list[Any]:
+    """The arguments ``node`` writes into: ``x.add_(y)``, ``torch.relu_(x)``, ``x += y``, ``x[i] = y``,
+    ``inplace=True``, ``out=``, and an op's arguments its schema marks mutable (``Tensor(a!)``). Not
+    ``operator.and_`` (``x & y``), whose trailing underscore only avoids the keyword."""
+    target = node.target
+    if node.op not in ("call_function", "call_method"):
+        return []
+    if isinstance(target, torch._ops.OpOverload):
+        return [node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+                for i, a in enumerate(target._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    in_place = name.endswith("_") and not name.endswith("__") and getattr(target, "__module__", None) != "_operator"
+    writes = [node.args[0]] if node.args and (
+        target in IN_PLACE_OPERATORS or in_place or node.kwargs.get("inplace") is True) else []
+    return writes + ([node.kwargs["out"]] if node.kwargs.get("out") is not None else [])
+
+
+def has_effects(node: fx.Node) -> bool:
+    """Whether ``node`` must run though nothing uses its result: it writes into a tensor, or FX deems it impure
+    (random ops, asserts, effectful or mutable-schema ops)."""
+    return bool(written(node)) or node.is_impure()
+
+
+def eliminate_dead_code(gm: fx.GraphModule) -> set[fx.Node]:
+    """Erase the nodes whose results nothing uses, keeping those with effects (``x.add_(1)``, ``x[i] = y``:
+    FX's own pass drops a method call whose result is unused); returns the erased nodes."""
+    before = set(gm.graph.nodes)
+    gm.graph.eliminate_dead_code(is_impure_node=has_effects)
+    return before - set(gm.graph.nodes)
