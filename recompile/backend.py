@@ -1,6 +1,7 @@
 """The ``rec_ascend`` torch.compile backend: rec passes on the Dynamo graph, then Inductor."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from typing import Any, Mapping, Sequence
@@ -9,6 +10,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.async_compile import maybe_warm_pool
 from torch._inductor.compile_fx import compile_fx
+from torch._dynamo.repro.after_dynamo import WrapBackendDebug
 from torch._inductor.decomposition import select_decomp_table
 
 import recompile.passes  # noqa: F401  (registers the passes)
@@ -66,6 +68,49 @@ def rec_ascend(
         return compile_fx(graph, inputs, config_patches=config_patches, decompositions=inductor_decompositions())
 
     return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor)
+
+
+# The Dynamo settings rec_ascend traces under, and why (``recompile.report.BREAK_REMEDIES`` names them to
+# users whose graph breaks anyway): they hold only while Dynamo traces for this backend.
+TRACING_CONFIG = {
+    # offsets -> (row, position): repeat_interleave, nonzero, masked_select, boolean-mask indexing
+    "capture_dynamic_output_shape_ops": True,
+    # a max length or a total read with .item() / int(tensor)
+    "capture_scalar_outputs": True,
+    # TorchRec's modules are traced, not skipped, so that their lookups reach the embedding pass
+    "skip_torchrec": False,
+}
+
+
+def tracing_config() -> contextlib.AbstractContextManager:
+    """Dynamo's config patched to ``TRACING_CONFIG`` (the ``backend_ctx_ctor`` of rec_ascend)."""
+    return torch._dynamo.config.patch(TRACING_CONFIG)
+
+
+rec_ascend.backend_ctx_ctor = tracing_config
+
+
+def _backend_ctx_ctor(self: WrapBackendDebug):
+    """The ``backend_ctx_ctor`` of the backend a ``WrapBackendDebug`` wraps, looking through the wrapper
+    ``torch.compile`` puts around a backend given by name or with options (which drops the attribute)."""
+    backend = self._torchdynamo_orig_backend
+    if isinstance(backend, torch._TorchCompileWrapper):
+        backend = backend.compiler_fn
+    ctor = getattr(backend, "backend_ctx_ctor", None)
+    if ctor is None:
+        raise AttributeError("backend_ctx_ctor")
+    return ctor
+
+
+def forward_backend_context() -> None:
+    """Make ``torch.compile(model, backend=...)`` honour the backend's ``backend_ctx_ctor``, as
+    ``torch._dynamo.optimize(backend)`` does: Dynamo reads the attribute on the debug wrapper of
+    ``torch.compile``'s own wrapper, where it is absent. Backends without the attribute are unaffected."""
+    if not hasattr(WrapBackendDebug, "backend_ctx_ctor"):
+        WrapBackendDebug.backend_ctx_ctor = property(_backend_ctx_ctor)
+
+
+forward_backend_context()
 
 
 def register_name() -> None:

@@ -8,17 +8,20 @@ import torch
 import torch.fx as fx
 
 from recompile import autotune
-from recompile.backend import detect_target
+from recompile.backend import detect_target, tracing_config
 from recompile.options import RecompileOptions
 from recompile.pipeline import PassContext, run_pipeline
-from recompile.report import GraphReport, Report
+from recompile.report import GraphBreak, GraphReport, Report
 
 
-def _break_reason(gm: torch.fx.GraphModule) -> str | None:
+def _graph_break(gm: torch.fx.GraphModule) -> GraphBreak | None:
+    """Why Dynamo ended ``gm`` early, and where in the user's code; None if it ended with its frame."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None or not getattr(reason, "graph_break", False):
         return None
-    return str(reason.reason)
+    frame = reason.user_stack[-1] if reason.user_stack else None
+    where = f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}" if frame else None
+    return GraphBreak(str(reason.reason), where)
 
 
 @dataclass
@@ -46,8 +49,9 @@ def explain(model, *example_inputs, options: RecompileOptions | Mapping[str, Any
     def capture(gm: torch.fx.GraphModule, inputs):
         ctx = _RecordingContext(opts, report.target, None, graph_id=len(report.graphs))
         ctx.tuning = autotune.cached_decision(run_pipeline(gm, ctx), report.target.name)
-        report.graphs.append(GraphReport(ctx, _break_reason(gm), ctx.modules, list(inputs)))
+        report.graphs.append(GraphReport(ctx, _graph_break(gm), ctx.modules, list(inputs)))
         return gm.forward
 
+    capture.backend_ctx_ctor = tracing_config  # Dynamo traces as it does for rec_ascend
     torch.compile(model, backend=capture)(*example_inputs)
     return report

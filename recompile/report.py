@@ -30,6 +30,45 @@ REC_OP_NAMESPACES = ("recompile.", "hkv.")
 _NODE_LINE = re.compile(r"^\s+(\w+)(?:: \"[^\"]*\")? = ")
 
 
+# Graph-break reasons, as Dynamo words them -> the setting or rewrite that removes the break. rec_ascend traces
+# with the settings of ``recompile.backend.TRACING_CONFIG``; the others are rewrites of the user's code.
+BREAK_REMEDIES = (
+    (re.compile(r"Dynamic shape operator|capture_dynamic_output_shape_ops"),
+     "an op whose output size depends on the data (repeat_interleave, nonzero, masked_select, a boolean mask "
+     "index): compile with backend='rec_ascend' (it traces with capture_dynamic_output_shape_ops=True) or set "
+     "torch._dynamo.config.capture_dynamic_output_shape_ops = True; "
+     "repeat_interleave(..., output_size=values.shape[0]) avoids it"),
+    (re.compile(r"Tensor\.item\(\)|capture_scalar_outputs"),
+     "a Python number read from a tensor (.item(), int(t)): compile with backend='rec_ascend' (it traces with "
+     "capture_scalar_outputs=True) or set torch._dynamo.config.capture_scalar_outputs = True"),
+    (re.compile(r"[Dd]ata-dependent expression|GuardOnDataDependentSymNode"),
+     "a size read from the data (.item(), nonzero) is checked against a number Dynamo cannot decide: state what "
+     "holds right after reading it, e.g. torch._check(max_len > 0), or pad to a static max length"),
+    (re.compile(r"generic_jump|[Dd]ata-dependent branching"),
+     "a Python `if` on a tensor's value: write it as torch.where(...) or torch.cond(...), or move the check out "
+     "of the compiled model"),
+    (re.compile(r"builtin operator `print`|logging"),
+     "a print or log call: remove it, or list the function in torch._dynamo.config.reorderable_logging_functions"),
+    (re.compile(r"FBCODE_SKIP_TORCHREC|skip_torchrec"),
+     "a TorchRec module Dynamo skips: compile with backend='rec_ascend' (it traces with skip_torchrec=False)"),
+    (re.compile(r"marked as skipped|skip_files|[Ss]kipped"),
+     "a call Dynamo does not trace: wrap it as a custom op (torch.library.custom_op) or allow it in the graph "
+     "with torch.compiler.allow_in_graph"),
+)
+
+
+@dataclass
+class GraphBreak:
+    """Why Dynamo ended a graph before its frame's end, where in the user's code, and what removes it."""
+
+    reason: str
+    where: str | None = None
+
+    @property
+    def remedy(self) -> str | None:
+        return next((fix for pattern, fix in BREAK_REMEDIES if pattern.search(self.reason)), None)
+
+
 def runs_as(region: Region, target: Target) -> str:
     if region.impl.kind != "library" and not region.op.startswith("hkv::"):
         return RUNS_AS[region.impl.kind].format(triton=target.triton)
@@ -79,7 +118,7 @@ def _is_rec_op(node: fx.Node) -> bool:
 @dataclass
 class GraphReport:
     ctx: PassContext
-    break_reason: str | None  # why Dynamo ended this graph (a graph break), None at the frame's end
+    graph_break: GraphBreak | None  # why Dynamo ended this graph early, None at the frame's end
     modules: list[fx.GraphModule] = field(default_factory=list)  # the graph at each stage, as ctx.stages
     inputs: list | None = None  # the inputs Dynamo passed to this graph; profiling runs the stages on them
 
@@ -87,7 +126,9 @@ class GraphReport:
         stages = self.ctx.stages
         return {
             "id": self.ctx.graph_id,
-            "break_reason": self.break_reason,
+            "break_reason": self.graph_break and self.graph_break.reason,
+            "break_at": self.graph_break and self.graph_break.where,
+            "break_remedy": self.graph_break and self.graph_break.remedy,
             "num_nodes_before": stages[0].num_nodes,
             "num_nodes_after": stages[-1].num_nodes,
             "inductor_nodes": sum(1 for n in self.modules[-1].graph.nodes if n.op.startswith("call") and not _is_rec_op(n)),
@@ -204,6 +245,7 @@ class Report:
             brk = "; ended by a graph break:" if g["break_reason"] else ""
             lines.append(f"  graph {g['id']}: {g['num_nodes_before']} -> {g['num_nodes_after']} nodes{brk}")
             lines.extend(f"      {line.strip()}" for line in (g["break_reason"] or "").splitlines() if line.strip())
+            lines.extend(f"      {label}: {g[key]}" for label, key in (("at", "break_at"), ("fix", "break_remedy")) if g[key])
         lines.append("passes:")
         lines.extend(_pass_line(p) for p in d["passes"])
         lines.append(f"regions: {len(d['regions'])}")

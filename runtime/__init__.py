@@ -8,6 +8,7 @@ from runtime import jagged  # noqa: F401  (jagged_to_padded_dense, dense_to_jagg
 from runtime import jagged_attention  # noqa: F401  (hstu_attention, jagged_softmax_attention)
 from runtime import jagged_attention_native  # noqa: F401  (the native CPU kernel of hstu_attention)
 from runtime import paged_attention  # noqa: F401  (hstu_paged_attention: HSTU serving over a paged KV cache)
+from runtime import padded_attention  # noqa: F401  (padded_softmax_attention: padded histories, additive mask)
 from runtime import interaction  # noqa: F401,E402  (dot_interaction, cross_layer, fm_second_order)
 from runtime import embedding_optimizer  # noqa: F401  (defines torch.ops.recompile.embedding_optimizer_step)
 from runtime import embedding_native  # noqa: F401  (the native CPU kernels of the grouped embedding ops)

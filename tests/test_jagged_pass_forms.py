@@ -87,8 +87,8 @@ class ScatterEinsumHSTU(nn.Module):
 
 
 class MaskGather(IndexCopyFFN):
-    """The same padding, gathered back by the padding mask (a data-dependent size: needs Dynamo's
-    capture_dynamic_output_shape_ops)."""
+    """The same padding, gathered back by the padding mask (a data-dependent size: rec_ascend traces it
+    with Dynamo's capture_dynamic_output_shape_ops)."""
 
     def forward(self, values, lengths):
         b = lengths.shape[0]
@@ -201,11 +201,10 @@ def test_form_becomes_jagged_and_equals_eager(module, attention):
 def test_mask_gather_becomes_jagged():
     model = MaskGather().eval()
     values, lengths = batch_of([5, 0, 8, 1])
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        report = recompile.explain(model, values, lengths).to_dict()
-        assert report["fallbacks"] == []
-        assert "index_put" not in report["stages"][-1]["code"]
-        assert_compiled_equals_eager(model, values, lengths)
+    report = recompile.explain(model, values, lengths).to_dict()
+    assert report["fallbacks"] == []
+    assert "index_put" not in report["stages"][-1]["code"]
+    assert_compiled_equals_eager(model, values, lengths)
 
 
 def test_left_padding_stays_padded_with_reason():

@@ -50,3 +50,11 @@ for _op in ("hstu_attention", "hstu_attention_backward", "jagged_softmax_attenti
     )
 
 register_lowering("recompile::jagged_within", reference("runtime.jagged.jagged_within_reference"))
+
+# Attention on padded histories with an additive mask: keys after the last attended one cut per sequence.
+for _op in ("padded_softmax_attention", "padded_softmax_attention_backward"):
+    register_lowering(
+        f"recompile::{_op}",
+        Impl("cpu", "cpu_kernel", on_cpu, f"runtime.padded_attention ({_op}, keys cut to the attended ones, grouped)"),
+        reference(f"runtime.padded_attention ({_op}, the padded formula)"),
+    )

@@ -40,10 +40,6 @@ from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
 from recompile.pipeline import Fallback, PassContext, register_pass
 from runtime.embedding import MEAN, NONE, POOLING_NAMES, SUM
 
-# TorchRec's modules must be traced, not skipped, for their lookups to reach this pass; the backend
-# imports this module before Dynamo traces anything.
-torch._dynamo.config.skip_torchrec = False
-
 OP = "recompile::grouped_embedding_bag"
 EMBEDDING_BAG = (F.embedding_bag,)
 EMBEDDING = (F.embedding,)

@@ -17,6 +17,11 @@ Patterns and replacements:
   ``recompile.hstu_attention`` / ``recompile.jagged_softmax_attention`` (region kind "attention").
   The values are guarded by ``recompile.jagged_within`` (every sequence fits the padded length N).
   Paddings with the same offsets and N form one region (q, k and v padded one by one).
+- attention on histories that come padded (ids ``[B, N]`` with a padding id, as RecBole's SASRec and
+  BERT4Rec): ``matmul(softmax(matmul(q, k^T) * scale + mask), v)`` with an additive mask made from the ids or
+  the lengths -> ``recompile.padded_softmax_attention``: every row as the padded formula gives it (padded
+  rows included), the keys after the last one any query attends to cut off at run time (a check of the
+  mask itself; a mask that hides every key of some row keeps all N: the padded path).
 A padded node whose users cannot all be proven position-wise keeps its padded computation; a gather
 back that is not reached by a jagged equivalent stays, and the report says why.
 """
@@ -34,13 +39,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from recompile.passes.jagged_attention import (
-    AttentionMatch, Lengths, ScoreBias, Unproven, is_score_product, match_attention, match_mha, prove_bias,
-    prove_mask, prove_mha_mask, same_sizes, size_hint,
+    AttentionMatch, Lengths, ScoreBias, Unproven, is_score_product, match_attention, match_mha,
+    match_padded_attention, prove_bias, prove_mask, prove_mha_mask, same_sizes, size_hint,
 )
 from recompile.passes.jagged_index import (
     IndexGather, index_gather, index_padding, prove_gather, row_slices, sequence_padding,
 )
-from recompile.passes.utils import arg, eliminate_dead_code, is_call, replace_node, tensor_meta
+from recompile.passes.utils import arg, eliminate_dead_code, is_call, meta_value, replace_node, tensor_meta
 from recompile.pipeline import Fallback, PassContext, register_pass
 from runtime.fbgemm import fbgemm_ops
 
@@ -93,6 +98,7 @@ class PaddedBatch:
     offsets: fx.Node
     n: int
     lengths: Lengths
+    total: int | None  # the number of jagged values traced (None: data-dependent)
     lifted: list[fx.Node] = field(default_factory=list)
 
 
@@ -224,11 +230,13 @@ def einsum_form(equation: Any) -> tuple[bool, bool, bool, bool] | None:
 class _Chain:
     """Emits calls one after the other, after ``node``."""
 
-    def __init__(self, lifter: "Lifter", node: fx.Node):
-        self.lifter, self.last = lifter, node
+    def __init__(self, node: fx.Node):
+        self.last = node
 
     def __call__(self, target, *args, method: bool = False) -> fx.Node:
-        self.last = self.lifter.emit(self.last, target, args, method=method)
+        with self.last.graph.inserting_after(self.last):
+            call = self.last.graph.call_method if method else self.last.graph.call_function
+            self.last = call(target, args)
         return self.last
 
 
@@ -256,6 +264,7 @@ class Lifter:
         self.attention_regions: list[tuple[fx.Node, str, Any, list[fx.Node]]] = []  # (twin, op, impl, nodes)
         self.batches: dict[tuple[fx.Node, int], PaddedBatch] = {}  # by (offsets, N)
         self.unproven_paddings: list[tuple[fx.Node, str]] = []  # index writes of jagged values, and why
+        self.offsets: dict[fx.Node, fx.Node] = {}  # lengths -> the offsets made for them
 
     # -- helpers -------------------------------------------------------------------------------
     def emit(self, after: fx.Node, target, args, kwargs=None, method: bool = False) -> fx.Node:
@@ -263,6 +272,22 @@ class Lifter:
             if method:
                 return self.graph.call_method(target, args, kwargs or {})
             return self.graph.call_function(target, args, kwargs or {})
+
+    def offsets_before(self, node: fx.Node) -> Callable[[fx.Node], fx.Node]:
+        """``lengths -> recompile.complete_cumsum(lengths)``, made once per lengths, before ``node`` (the first
+        padding that needs them)."""
+
+        def offsets_of(lengths: fx.Node) -> fx.Node:
+            if lengths not in self.offsets:
+                with self.graph.inserting_before(node):
+                    impl = self.ctx.lower("recompile::complete_cumsum")
+                    offsets = self.graph.call_function(
+                        torch.ops.recompile.complete_cumsum.default, (lengths, impl.impl))
+                offsets.meta["example_value"] = F.pad(torch.cumsum(meta_value(lengths), 0), (1, 0))
+                self.offsets[lengths] = offsets
+            return self.offsets[lengths]
+
+        return offsets_of
 
     def emit_padded(self, after: fx.Node, target, *args) -> fx.Node:
         """A new padded-side call after ``after``, with its example value, lifted like a traced one."""
@@ -365,7 +390,7 @@ class Lifter:
         heads = match.num_heads
         op = "recompile::jagged_softmax_attention"
         impl = self.ctx.lower(op)
-        chain = _Chain(self, node)
+        chain = _Chain(node)
         qkv = chain(F.linear, info.twin, match.in_weight, match.in_bias)
         q, k, v = (chain("reshape", chain(operator.getitem, chain(torch.chunk, qkv, 3, -1), i), -1, heads,
                          embed // heads, method=True) for i in range(3))
@@ -489,7 +514,8 @@ class Lifter:
 
     # -- driver --------------------------------------------------------------------------------
     def start_region(self, node: fx.Node, values: fx.Node, lengths: Lengths, n: int, layout: str = "bn") -> None:
-        region = self.batches.setdefault((lengths.offsets, n), PaddedBatch(lengths.offsets, n, lengths))
+        total = size_hint(tensor_meta(values).shape[0])
+        region = self.batches.setdefault((lengths.offsets, n), PaddedBatch(lengths.offsets, n, lengths, total))
         impl = self.ctx.lower("recompile::jagged_within")
         guarded = self.emit(node, torch.ops.recompile.jagged_within.default, (values, lengths.offsets, n, impl.impl))
         self.padded[node] = Padded(region, layout, guarded)
@@ -512,7 +538,7 @@ class Lifter:
                               padding.layout)
             return True
         try:
-            padding = index_padding(node)
+            padding = index_padding(node, self.offsets_before(node))
         except Unproven as why:
             self.unproven_paddings.append((node, str(why)))
             return False
@@ -548,7 +574,8 @@ class Lifter:
             if info.layout != ("flat" if how.kind == "flat" else "bn"):
                 return node, None, f"{dense.name} is indexed in another layout than it was padded in"
             try:
-                prove_gather(how, info.region.lengths, info.region.n, size_hint(tensor_meta(node).shape[0]))
+                # the region's total: a gather by data-dependent indices has a data-dependent size
+                prove_gather(how, info.region.lengths, info.region.n, info.region.total)
             except Unproven as why:
                 return node, None, f"{dense.name} is gathered back by other indices than its padding: {why}"
         elif isinstance(how, tuple):
@@ -630,8 +657,29 @@ def _lift_padded_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
         ctx.record_region("jagged", [n for n in region.lifted if n in erased], op, ctx.lower(op))
 
 
+def _padded_attention(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Attention on padded histories left padded (no jagged values to lift: ids ``[B, N]`` with a padding id, or
+    lengths) with an additive mask -> ``recompile.padded_softmax_attention``, which cuts the keys no query
+    attends to at run time."""
+    op = "recompile::padded_softmax_attention"
+    for node in list(gm.graph.nodes):
+        try:
+            match = match_padded_attention(node)
+        except Unproven:
+            continue
+        impl = ctx.lower(op)
+        chain = _Chain(node)
+        k = chain(torch.permute, match.k, (0, 2, 1, 3)) if match.k_heads_last else match.k
+        fused = chain(torch.ops.recompile.padded_softmax_attention.default, match.q, k, match.v, match.mask,
+                      match.scale, impl.impl)
+        ctx.record_region("attention", list(match.nodes), op, impl)
+        replace_node(node, fused)
+    eliminate_dead_code(gm)
+
+
 @register_pass("jagged", order=30, regions={"jagged": "#ffd27f", "attention": "#f7b0d0"})
 def jagged(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     _rewrite_offsets(gm, ctx)
     _lift_padded_regions(gm, ctx)
+    _padded_attention(gm, ctx)
     return gm

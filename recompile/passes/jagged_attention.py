@@ -44,7 +44,7 @@ CONE_FUNCTIONS = {
     torch.transpose, torch.squeeze, torch.diff, torch.ops.aten.sym_size.int, torch.searchsorted,
     torch.repeat_interleave, torch.cumsum, torch.log, torch.div, torch._C._nn.pad,
     torch.ops.recompile.complete_cumsum.default, operator.truediv, operator.floordiv, torch.zeros_like,
-    torch.full, torch.masked_fill,
+    torch.full, torch.masked_fill, torch.nonzero, torch.masked_select, torch.bucketize,
     operator.add, operator.sub, operator.mul, operator.neg, operator.eq, operator.ne, operator.lt, operator.le,
     operator.gt, operator.ge, operator.and_, operator.or_, operator.invert, operator.getitem,
 }
@@ -52,8 +52,33 @@ CONE_METHODS = {
     "view", "reshape", "unsqueeze", "squeeze", "expand", "transpose", "t", "to", "bool", "long", "int", "float",
     "double",
     "logical_not", "logical_and", "logical_or", "size", "tril", "triu", "eq", "ne", "lt", "le", "gt", "ge",
-    "__getitem__", "clamp", "flip", "contiguous", "masked_fill", "masked_fill_",
+    "__getitem__", "clamp", "flip", "contiguous", "masked_fill", "masked_fill_", "nonzero", "masked_select",
+    "expand_as",
 }
+# Cone calls that read only the size of their tensor operand.
+SIZE_READS = {torch.ops.aten.sym_size.int, "size"}
+
+
+def is_cone_call(node: fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in CONE_FUNCTIONS
+    return node.op == "call_method" and node.target in CONE_METHODS
+
+
+def cone_leaves(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The tensors the cone of ``nodes`` reads other than through cone calls (sizes read aside)."""
+    leaves, seen, stack = set(), set(), list(nodes)
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if not is_cone_call(x):
+            if tensor_meta(x) is not None:
+                leaves.add(x)
+        elif x.target not in SIZE_READS:
+            stack.extend(x.all_input_nodes)
+    return leaves
 
 
 def evaluate_cone(node: Any, leaves: dict[fx.Node, Any]) -> Any:
@@ -71,9 +96,9 @@ def evaluate_cone(node: Any, leaves: dict[fx.Node, Any]) -> Any:
             return memo[x]
         if x.op == "placeholder" and isinstance(meta_value(x), torch.SymInt):
             return size_hint(meta_value(x))  # a traced size (the batch): probes use its traced value
-        if x.op == "call_function" and x.target in CONE_FUNCTIONS:
+        if x.op == "call_function" and is_cone_call(x):
             fn: Callable = x.target
-        elif x.op == "call_method" and x.target in CONE_METHODS:
+        elif is_cone_call(x):
             def fn(self, *a, _name=x.target, **k):
                 return getattr(self, _name)(*a, **k)
         else:
@@ -511,3 +536,93 @@ def _match_sdpa(out: fx.Node) -> AttentionMatch:
     if mask is None and not causal:
         raise Unproven(f"{out.name}: no mask, so padded keys are attended to")
     return AttentionMatch("softmax", q, k, v, mask, True, causal, float(scale), nodes=(out,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention over padded histories with an additive mask (RecBole's SASRec and BERT4Rec)
+
+
+@dataclass
+class PaddedAttentionMatch:
+    q: fx.Node
+    k: fx.Node  # [B, H, N, D], or a [B, N, H, D] view when ``k_heads_last``
+    v: fx.Node
+    mask: fx.Node
+    scale: float
+    k_heads_last: bool  # the key operand is ``k.permute(0, 2, 3, 1)`` of ``k [B, N, H, D]``
+    nodes: tuple[fx.Node, ...]
+
+
+def _identity_dropout(node: Any) -> bool:
+    return is_call(node, F.dropout) and (arg(node, 1, "p", 0.5) == 0.0 or arg(node, 2, "training", True) is False)
+
+
+def _calls(node: Any, function: Any, method: str) -> bool:
+    return is_call(node, function) or (isinstance(node, fx.Node) and node.op == "call_method" and node.target == method)
+
+
+def _key_operand(kt: Any) -> tuple[fx.Node, bool]:
+    """``(k, heads_last)`` of the key operand of the scores: ``k.transpose(-2, -1)`` or ``k.permute(0, 2, 3, 1)``."""
+    if _calls(kt, torch.permute, "permute"):
+        dims = kt.args[1] if len(kt.args) == 2 else kt.args[1:]
+        if tuple(dims) == (0, 2, 3, 1):
+            return kt.args[0], True
+    if _calls(kt, torch.transpose, "transpose"):
+        if {d % 4 for d in kt.args[1:3]} == {2, 3}:
+            return kt.args[0], False
+    raise Unproven(f"{getattr(kt, 'name', kt)}: the key operand is not k^T")
+
+
+def _data_free(mask: fx.Node) -> bool:
+    """Whether ``mask`` is computed through mask arithmetic from integer or bool tensors only (ids, lengths,
+    a padding mask): no gradient flows into it and no score reaches it."""
+    return not any(leaf.is_floating_point() or leaf.is_complex() for leaf in map(tensor_meta, cone_leaves([mask])))
+
+
+def match_padded_attention(out: fx.Node) -> PaddedAttentionMatch:
+    """``matmul(dropout?(softmax(matmul(q, k^T) * scale + mask, -1)), v)`` with ``q, k, v [B, H, N, D]``, a
+    dropout that is the identity (p = 0 or eval) and a 4-D additive float mask made from ids or lengths."""
+    if not is_call(out, torch.matmul) or len(out.args) != 2:
+        raise Unproven(f"{out.name} is not an attention product")
+    weights, v = out.args
+    nodes = [out]
+    if _identity_dropout(weights):
+        nodes.append(weights)
+        weights = weights.args[0]
+    if not is_call(weights, torch.softmax, F.softmax):
+        raise Unproven(f"{out.name}: not a product of softmax weights with v")
+    if arg(weights, 1, "dim") not in (-1, 3) or arg(weights, 2 if is_call(weights, torch.softmax) else 3, "dtype"):
+        raise Unproven(f"{weights.name}: softmax is not over the keys")
+    nodes.append(weights)
+    total = weights.args[0]
+    if not is_call(total, torch.add, operator.add) or len(total.args) != 2:
+        raise Unproven(f"{weights.name}: no additive mask on the scores")
+    nodes.append(total)
+    a, b = total.args
+    scores, mask = (a, b) if _reaches_product(a) else (b, a)
+    meta = tensor_meta(mask)
+    if meta is None or meta.dim() != 4 or not meta.is_floating_point() or not _data_free(mask):
+        raise Unproven(f"{total.name}: the added term is not a 4-D float mask made from ids or lengths")
+    scores, scale = _strip_scales(scores, nodes)
+    if not is_call(scores, torch.matmul) or len(scores.args) != 2:
+        raise Unproven(f"{total.name}: the scores are not q @ k^T")
+    nodes.append(scores)
+    q, kt = scores.args
+    k, heads_last = _key_operand(kt)
+    if any(tensor_meta(x) is None or tensor_meta(x).dim() != 4 for x in (q, k, v)):
+        raise Unproven(f"{out.name}: q, k, v are not 4-D")
+    _check_padded_shapes(out, q, k, v, mask, heads_last)
+    return PaddedAttentionMatch(q, k, v, mask, scale, heads_last, tuple(nodes))
+
+
+def _check_padded_shapes(out, q, k, v, mask, heads_last: bool) -> None:
+    """q, k, v share ``[B, H]`` (no broadcasting in the products), k and v their keys, and the mask broadcasts
+    to ``[B, H, Nq, N]`` (each dim 1 or the same size)."""
+    (b, h, nq, _), (kb, kn, kh, _), vs = (tensor_meta(x).shape for x in (q, k, v))
+    if not heads_last:
+        kh, kn = kn, kh
+    if not (same_sizes((b, h), (kb, kh)) and same_sizes((b, h, kn), vs[:3])):
+        raise Unproven(f"{out.name}: q, k and v do not share their batch, head and key dims")
+    for size, full in zip(tensor_meta(mask).shape, (b, h, nq, kn)):
+        if not (same_sizes((size,), (1,)) or same_sizes((size,), (full,))):
+            raise Unproven(f"{out.name}: the mask does not broadcast to [B, H, Nq, N]")

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from recompile.passes.jagged_attention import Lengths, Unproven, evaluate_cone, meta_value, size_hint
+from recompile.passes.jagged_attention import Lengths, Unproven, cone_leaves, evaluate_cone, meta_value, size_hint
 from recompile.passes.utils import arg, is_call, tensor_meta
 
 NUM_RANDOM_PROBES = 4
@@ -47,19 +47,30 @@ def _ancestors(node: fx.Node) -> Iterator[fx.Node]:
         stack.extend(x.all_input_nodes)
 
 
-def lengths_leaves(index: Any) -> Lengths | None:
-    """The offsets (``recompile.complete_cumsum(lengths)``) the index subgraph is computed from, if one."""
+def lengths_leaves(index: Any, offsets_of: Callable[[fx.Node], fx.Node]) -> Lengths | None:
+    """The lengths the index subgraph is computed from: the offsets ``recompile.complete_cumsum(lengths)``
+    it reads, if one, else the one tensor it reads if that is 1-D integer lengths (``offsets_of`` gives
+    their offsets)."""
     nodes = [index] if isinstance(index, fx.Node) else [i for i in index if isinstance(i, fx.Node)]
     found = {x for n in nodes for x in _ancestors(n) if is_call(x, torch.ops.recompile.complete_cumsum.default)}
-    if len(found) != 1:
+    if len(found) == 1:
+        offsets = found.pop()
+        return Lengths(offsets.args[0], offsets, size_hint(meta_value(offsets).shape[0]) - 1)
+    leaves = cone_leaves(nodes) if not found else set()
+    if len(leaves) != 1:
         return None
-    offsets = found.pop()
-    return Lengths(offsets.args[0], offsets, size_hint(meta_value(offsets).shape[0]) - 1)
+    (lengths,) = leaves
+    meta = tensor_meta(lengths)
+    if meta.dim() != 1 or meta.dtype not in (torch.int32, torch.int64):
+        return None
+    return Lengths(lengths, offsets_of(lengths), size_hint(meta.shape[0]))
 
 
 def jagged_probes(batch: int, total: int, n: int) -> Iterator[torch.Tensor]:
     """Lengths of ``batch`` sequences of at most ``n`` positions summing to ``total``: full rows first, full
     rows last, an even split, random splits."""
+    if total is None:
+        raise Unproven("the number of jagged values is data-dependent")
     if total > batch * n:
         raise Unproven(f"{total} values do not fit {batch} sequences of at most {n} positions")
     if batch == 0:
@@ -122,9 +133,10 @@ class IndexPadding:
     layout: str
 
 
-def index_padding(node: fx.Node) -> IndexPadding | None:
+def index_padding(node: fx.Node, offsets_of: Callable[[fx.Node], fx.Node]) -> IndexPadding | None:
     """The padding ``node`` performs, if it is one of the index writes above and its indices are proven;
-    raises Unproven for an index write of jagged-looking values whose indices are not."""
+    raises Unproven for an index write of jagged-looking values whose indices are not. ``offsets_of(lengths)``
+    gives the offsets of indices computed from the lengths alone."""
     write = _index_write(node)
     if write is None:
         return None
@@ -132,7 +144,7 @@ def index_padding(node: fx.Node) -> IndexPadding | None:
     base_meta, values_meta = tensor_meta(base), tensor_meta(values)
     if base_meta is None or values_meta is None or values_meta.dim() != 2 or base_meta.dtype != values_meta.dtype:
         return None
-    lengths = lengths_leaves(index)
+    lengths = lengths_leaves(index, offsets_of)
     if lengths is None:
         return None  # not computed from offsets: an index write of something else
     total = size_hint(values_meta.shape[0])
