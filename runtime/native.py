@@ -14,6 +14,7 @@ instruction set the runtime's kernels run.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 
@@ -43,3 +44,25 @@ def isa() -> str | None:
     from hkv.native import load
 
     return torch.ops.recompile_native.isa() if load("runtime._C") else None
+
+
+def available_isas() -> tuple[str, ...]:
+    """The instruction sets this build and CPU can run, of ISAS."""
+    import torch
+
+    from hkv.native import load
+
+    return tuple(name for name in ISAS if load("runtime._C") and torch.ops.recompile_native.isa_available(name))
+
+
+@contextlib.contextmanager
+def use_isa(name: str):
+    """Run the runtime's kernels with instruction set ``name`` inside the block (tests, benchmarks); the
+    environment variable RECOMPILE_ISA chooses for a whole process."""
+    import torch
+
+    before = torch.ops.recompile_native.set_isa(name)
+    try:
+        yield
+    finally:
+        torch.ops.recompile_native.set_isa(before)

@@ -107,8 +107,12 @@ extern const Kernels avx2_kernels, avx512_kernels;
 #endif
 
 /* The table the operators call: AVX-512 where the CPU has it, else AVX2, else the generic build; the environment
- * variable RECOMPILE_ISA (generic, avx2, avx512) forces one (an error if this CPU lacks it). Chosen once. */
+ * variable RECOMPILE_ISA (generic, avx2, avx512) forces one (an error if this CPU lacks it). */
 const Kernels &kernels();
+/* Switch to ``isa`` (an error if unknown or this CPU lacks it); returns the one before. */
+const char *use_isa(const char *isa);
+/* Whether this build and CPU can run ``isa``. */
+bool has_isa(const char *isa);
 
 }  // namespace recompile_native
 

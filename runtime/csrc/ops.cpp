@@ -14,6 +14,8 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <stdexcept>
+#include <string>
 #include <tuple>
 
 #include "kernels.h"
@@ -297,11 +299,19 @@ std::tuple<Tensor, Tensor> sampled_softmax_bwd(const Tensor &grad, const Tensor 
 }
 
 std::string isa() { return kernels().isa; }
+std::string set_isa(const std::string &name) {
+    TORCH_CHECK_VALUE(has_isa(name.c_str()), "recompile_native.set_isa: ", name,
+                      " is not an instruction set this build and CPU run (generic, avx2, avx512)");
+    return use_isa(name.c_str());
+}
+bool isa_available(const std::string &name) { return has_isa(name.c_str()); }
 
 }  // namespace
 
 TORCH_LIBRARY(recompile_native, m) {
     m.def("isa() -> str");
+    m.def("set_isa(str isa) -> str");
+    m.def("isa_available(str isa) -> bool");
     m.def("dropout(Tensor x, Tensor seed, float p) -> Tensor");
     m.def("geb_forward_pooled(int tables, Tensor meta, int batch, Tensor(a!) out, int out_stride, Tensor(b!) err, "
           "bool stream, int threads) -> ()");
@@ -351,7 +361,11 @@ TORCH_LIBRARY_IMPL(recompile_native, CPU, m) {
     m.impl("sampled_softmax_bwd", &sampled_softmax_bwd);
 }
 
-/* isa() takes no tensor: it is registered for every key. */
-TORCH_LIBRARY_IMPL(recompile_native, CompositeExplicitAutograd, m) { m.impl("isa", &isa); }
+/* The instruction set ops take no tensor: they are registered for every key. */
+TORCH_LIBRARY_IMPL(recompile_native, CompositeExplicitAutograd, m) {
+    m.impl("isa", &isa);
+    m.impl("set_isa", &set_isa);
+    m.impl("isa_available", &isa_available);
+}
 
 }  // namespace recompile_native
