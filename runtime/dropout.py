@@ -58,6 +58,11 @@ register_kernel(OP, "reference")(dropout_reference)
 
 NATIVE = NativeLibrary("runtime._C", frozenset({torch.float32}))  # the dtypes runtime/csrc/ops.cpp dropout takes
 available, supports = NATIVE.available, NATIVE.supports
+if available():  # the C++ op's fake, so that torch.export and torch.compile can trace a direct call
+
+    @torch.library.register_fake("recompile_native::dropout")
+    def _(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @register_kernel(OP, "native")
