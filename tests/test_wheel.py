@@ -1,7 +1,7 @@
 """The wheel a user builds works on its own: ``pip wheel --no-build-isolation --no-deps .`` carries the native
 sources and the built operator libraries; installed into a fresh directory (``pip install --target``, the
 project's torch reused through the interpreter) and run from outside the checkout, ``import hkv`` and
-``import recompile.distributed`` need no compiler, and a zoo model compiles with rec_ascend, every pass on, its
+``import recompile.distributed`` need no compiler, and the zoo's DLRM compiles with rec_ascend, every pass on, its
 native kernels chosen and no fallback, with eager's numbers."""
 import os
 import shutil
@@ -26,12 +26,12 @@ if sys.argv[2] == "imports":
 import torch, recompile
 from models.zoo import MODELS
 torch.manual_seed(0)
-work = MODELS["hstu"]("small")
+work = MODELS["dlrm"]("small")
 report = recompile.explain(work.model, *work.inputs).to_dict()
 assert not report["fallbacks"], report["fallbacks"]
 kernels = {r["op"]: (r["kernel_kind"], r["kernel"]) for r in report["regions"]}
 native = {op for op, (kind, _) in kernels.items() if kind == "cpu_kernel"}
-want = {"recompile::hstu_attention", "recompile::grouped_embedding_bag", "recompile::sampled_softmax_loss"}
+want = {"recompile::grouped_embedding_bag", "recompile::dot_interaction"}
 assert want <= native, kernels
 model = work.model.eval()  # no dropout: rec_ascend's counter-based masks are not eager's draws
 compiled = torch.compile(model, backend="rec_ascend")
@@ -62,6 +62,7 @@ def _checkout(dest) -> str:
     return str(dest)
 
 
+@pytest.mark.timeout(900)  # a cold C++ build and Inductor compile: about 2 minutes on 2 idle cores
 def test_wheel_installs_and_compiles_a_zoo_model(tmp_path):
     dist, target = tmp_path / "dist", tmp_path / "site"
     source = _checkout(tmp_path / "src")

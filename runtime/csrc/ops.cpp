@@ -8,6 +8,8 @@
  * torch.ops.recompile_native.*, callable from C++ once this library is loaded). A few ops (the grouped embedding
  * ones, the interaction backward) read tables of data pointers built by their Python callers, as the kernels do. */
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -67,6 +69,31 @@ Tensor dropout(const Tensor &x_, const Tensor &seed, double p) {
     kernels().dropout_f32(ptr<float>(x), ptr<float>(out), x.numel(), (uint32_t)s[0], (uint32_t)s[1], threshold,
                           (float)(1.0 / (1.0 - p)), threads());
     return out;
+}
+
+/* recompile::dropout(Tensor x, float p, Tensor seed, str impl) -> Tensor, the Python custom op of
+ * runtime/dropout.py, below autograd: with impl "native" and plain CPU tensors the kernel here, else (other
+ * kernels, tensor subclasses, fake, functional or batched tensors) on to the op's Python implementation. Calls
+ * from compiled graphs then skip the Python layers under the kernel. */
+bool plain_cpu(const Tensor &t, at::ScalarType dtype) {
+    static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                              c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+                                              c10::DispatchKey::Conjugate, c10::DispatchKey::Negative});
+    return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && t.scalar_type() == dtype &&
+           !t.key_set().has_any(wrapped);
+}
+
+void dropout_below_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
+    const auto args = torch::jit::last(*stack, 4);
+    const double p = args[1].toDouble();
+    if (args[3].toStringRef() == "native" && plain_cpu(args[0].toTensor(), F32) && plain_cpu(args[2].toTensor(), I64) &&
+        args[2].toTensor().numel() == 2 && p >= 0.0 && p < 1.0) {
+        Tensor out = dropout(args[0].toTensor(), args[2].toTensor(), p);
+        torch::jit::drop(*stack, 4);
+        torch::jit::push(*stack, std::move(out));
+        return;
+    }
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
 }
 
 /* ---------------------------------------------------------------------------- grouped embedding (meta) */
@@ -359,6 +386,10 @@ TORCH_LIBRARY_IMPL(recompile_native, CPU, m) {
     m.impl("hstu_attention_bwd", &hstu_attention_bwd);
     m.impl("sampled_softmax_fwd", &sampled_softmax_fwd);
     m.impl("sampled_softmax_bwd", &sampled_softmax_bwd);
+}
+
+TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
+    m.impl("dropout", torch::CppFunction::makeFromBoxedFunction<&dropout_below_autograd>());
 }
 
 /* The instruction set ops take no tensor: they are registered for every key. */
