@@ -11,7 +11,13 @@
 
 typedef uint16_t bf16_t;
 
-enum { VL = 16, FR = 12, BR = 6, BV = 4 }; /* one AVX-512 vector of float; forward tile rows; backward tile */
+/* VL: floats in one vector register (AVX-512: 16, else 8); forward tile rows (FR accumulators + 2 fit the
+   registers of either); backward tile */
+#if RECOMPILE_AVX512
+enum { VL = 16, FR = 12, BR = 6, BV = 4 };
+#else
+enum { VL = 8, FR = 12, BR = 6, BV = 4 };
+#endif
 typedef float vf __attribute__((vector_size(VL * sizeof(float)))); /* GCC lowers it to the machine's vectors */
 
 /* fn(args..., n) with n a compile-time constant in each case (register tiles of n rows or vectors). */

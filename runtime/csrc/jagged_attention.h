@@ -110,14 +110,7 @@ static inline vf gather(const float *table, vi index) {
 #if RECOMPILE_AVX512
     return (vf)_mm512_i32gather_ps((__m512i)index, table, 4);
 #elif RECOMPILE_AVX2
-    __m256i i[2];
-    __m256 g[2];
-    memcpy(i, &index, sizeof i);
-    g[0] = _mm256_i32gather_ps(table, i[0], 4);
-    g[1] = _mm256_i32gather_ps(table, i[1], 4);
-    vf out;
-    memcpy(&out, g, sizeof out);
-    return out;
+    return (vf)_mm256_i32gather_ps(table, (__m256i)index, 4);
 #else
     vf out;
     for (int l = 0; l < VL; l++) out[l] = table[index[l]];
@@ -239,7 +232,8 @@ static void build_tile(const hstu_problem *p, const sequence *s, int64_t i0, int
     const float inv_n = 1.0f / (float)p->max_seq_len;
     const int64_t N = p->max_seq_len;
     const int32_t ctx = p->contextual > 0, causal = p->causal, max_id = (int32_t)s->max_id;
-    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vi lane;
+    for (int l = 0; l < VL; l++) lane[l] = l;
     for (int64_t r = 0; r < m; r++) {
         const int64_t i = i0 + r;
         const int32_t id_i = s->ids[i], prefix = ctx && id_i == 0; /* the prefix sees the non-target history */
