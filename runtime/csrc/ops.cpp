@@ -71,31 +71,6 @@ Tensor dropout(const Tensor &x_, const Tensor &seed, double p) {
     return out;
 }
 
-/* recompile::dropout(Tensor x, float p, Tensor seed, str impl) -> Tensor, the Python custom op of
- * runtime/dropout.py, below autograd: with impl "native" and plain CPU tensors the kernel here, else (other
- * kernels, tensor subclasses, fake, functional or batched tensors) on to the op's Python implementation. Calls
- * from compiled graphs then skip the Python layers under the kernel. */
-bool plain_cpu(const Tensor &t, at::ScalarType dtype) {
-    static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
-                                              c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
-                                              c10::DispatchKey::Conjugate, c10::DispatchKey::Negative});
-    return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && t.scalar_type() == dtype &&
-           !t.key_set().has_any(wrapped);
-}
-
-void dropout_below_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
-    const auto args = torch::jit::last(*stack, 4);
-    const double p = args[1].toDouble();
-    if (args[3].toStringRef() == "native" && plain_cpu(args[0].toTensor(), F32) && plain_cpu(args[2].toTensor(), I64) &&
-        args[2].toTensor().numel() == 2 && p >= 0.0 && p < 1.0) {
-        Tensor out = dropout(args[0].toTensor(), args[2].toTensor(), p);
-        torch::jit::drop(*stack, 4);
-        torch::jit::push(*stack, std::move(out));
-        return;
-    }
-    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
-}
-
 /* ---------------------------------------------------------------------------- grouped embedding (meta) */
 
 void geb_forward_pooled(int64_t tables, const Tensor &meta, int64_t batch, const Tensor &out, int64_t out_stride,
@@ -325,6 +300,77 @@ std::tuple<Tensor, Tensor> sampled_softmax_bwd(const Tensor &grad, const Tensor 
     return {grad_pos, grad_neg};
 }
 
+/* ------------------------------------------------------------------ the custom ops' native kernel, below autograd
+ *
+ * The Python custom ops of runtime/ (torch.ops.recompile.*) whose ``native`` kernel is one operator here also get
+ * that kernel below autograd (the ADInplaceOrView key): with impl "native" and plain CPU tensors of the kernel's
+ * dtypes it runs here, else (other kernels, other dtypes, fake, functional or batched tensors) the call goes on to
+ * the op's Python implementation, which raises on bad input. Calls from compiled graphs then skip the Python
+ * layers under autograd. */
+const c10::DispatchKeySet WRAPPED({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                   c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+                                   c10::DispatchKey::Conjugate, c10::DispatchKey::Negative});
+
+bool plain_cpu(const Tensor &t, std::initializer_list<at::ScalarType> dtypes) {
+    bool dtype_ok = false;
+    for (auto d : dtypes) dtype_ok = dtype_ok || t.scalar_type() == d;
+    return t.defined() && dtype_ok && t.device().is_cpu() && t.layout() == at::kStrided && !t.key_set().has_any(WRAPPED);
+}
+
+/* Replace the N arguments on the stack by the results. */
+template <class... Results>
+bool returned(torch::jit::Stack *stack, size_t n, Results &&...results) {
+    torch::jit::drop(*stack, n);
+    (torch::jit::push(*stack, std::forward<Results>(results)), ...);
+    return true;
+}
+
+/* recompile::dropout(Tensor x, float p, Tensor seed, str impl) -> Tensor */
+bool dropout_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 4);
+    const double p = a[1].toDouble();
+    if (a[3].toStringRef() != "native" || !plain_cpu(a[0].toTensor(), {F32}) || !plain_cpu(a[2].toTensor(), {I64}) ||
+        a[2].toTensor().numel() != 2 || !(p >= 0.0 && p < 1.0))
+        return false;
+    return returned(stack, 4, dropout(a[0].toTensor(), a[2].toTensor(), p));
+}
+
+/* recompile::fm_second_order(Tensor v, bool reduce, str impl) -> Tensor */
+bool fm_second_order_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 3);
+    if (a[2].toStringRef() != "native" || !plain_cpu(a[0].toTensor(), FLOATS) || a[0].toTensor().dim() != 3)
+        return false;
+    return returned(stack, 3, fm_second_order_fwd(a[0].toTensor(), a[1].toBool()));
+}
+
+/* recompile::sampled_softmax_loss(Tensor pos, Tensor neg, Tensor? neg_ids, Tensor? target_ids, float scale,
+ * str impl) -> (Tensor, Tensor) */
+bool sampled_softmax_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 6);
+    if (a[5].toStringRef() != "native" || !plain_cpu(a[0].toTensor(), {F32}) || !plain_cpu(a[1].toTensor(), {F32}))
+        return false;
+    const Tensor pos = a[0].toTensor(), neg = a[1].toTensor();
+    if (neg.dim() != 2 || pos.dim() != 2 || pos.size(0) != neg.size(0) || pos.size(1) != 1 || a[2].isNone() != a[3].isNone())
+        return false;
+    OptTensor sorted, order, targets;
+    if (!a[2].isNone()) {
+        const Tensor ids = a[2].toTensor(), target = a[3].toTensor();
+        if (!plain_cpu(ids, {I64, I32}) || !plain_cpu(target, {I64, I32}) || ids.dim() != 1 || ids.size(0) != neg.size(1) ||
+            target.dim() != 1 || target.size(0) != neg.size(0))
+            return false;
+        auto [s, o] = ids.to(I64).sort();
+        sorted = s, order = o, targets = target.to(I64).contiguous();
+    }
+    auto [loss, lse] = sampled_softmax_fwd(pos.contiguous(), neg.contiguous(), sorted, order, targets, a[4].toDouble());
+    return returned(stack, 6, loss, lse);
+}
+
+template <bool (*native)(torch::jit::Stack *)>
+void below_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
+    /* a dispatch mode (Python), functionalization or vmap in the keys: the Python implementation */
+    if (keys.has_any(WRAPPED) || !native(stack)) op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+}
+
 std::string isa() { return kernels().isa; }
 std::string set_isa(const std::string &name) {
     TORCH_CHECK_VALUE(has_isa(name.c_str()), "recompile_native.set_isa: ", name,
@@ -389,7 +435,10 @@ TORCH_LIBRARY_IMPL(recompile_native, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
-    m.impl("dropout", torch::CppFunction::makeFromBoxedFunction<&dropout_below_autograd>());
+    m.impl("dropout", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&dropout_native>>());
+    m.impl("fm_second_order", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&fm_second_order_native>>());
+    m.impl("sampled_softmax_loss",
+           torch::CppFunction::makeFromBoxedFunction<&below_autograd<&sampled_softmax_native>>());
 }
 
 /* The instruction set ops take no tensor: they are registered for every key. */
