@@ -83,3 +83,11 @@ def test_wheel_installs_and_compiles_a_zoo_model(tmp_path):
     _run([sys.executable, str(script), str(target), "imports"], cwd=tmp_path, env={**env, "PATH": str(tmp_path)})
     out = _run([sys.executable, str(script), str(target), "compile"], cwd=tmp_path, env=env)
     assert "compiled" in out.stdout
+
+
+def test_install_without_a_compiler_stops_with_a_clear_error(tmp_path):
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++")}
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "setup.py"), "build_ext"], cwd=ROOT, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "needs a C++ compiler" in result.stderr and "no-such-c++" in result.stderr
