@@ -1,34 +1,23 @@
-"""Build plain-C kernels on first use, cache the shared library, and load it through ctypes.
+"""Load a package's native CPU kernels: C++ torch operators built at install (``runtime/native.py`` says how).
 
-The CPU kernels of hkv (``hkv/csrc``) and of the runtime ops (``runtime/csrc``; runtime imports hkv)
-are plain C with pthreads or OpenMP and no torch headers, so a build takes about a second. Libraries
-are cached under ``$HKV_CACHE_DIR`` (default ``~/.cache/hkv``), keyed by the source, the flags and
-this CPU's feature flags (the code is built with ``-march=native``), and written by rename so
-concurrent builders never see half a file. Without a C compiler (or when the build fails) ``load``
-returns None and callers keep their torch code path.
+``NativeLibrary("hkv._C", dtypes)`` is one built library: ``available()`` loads it into ``torch.ops`` (once, with
+``torch.ops.load_library``) and is False, with a warning, where the package was not built (a checkout without
+``pip install --no-build-isolation -e .``); ``supports(*tensors)`` is True when every given tensor is a CPU tensor
+of one of the dtypes its kernels are built for and the library loads (the operators check the same). There is no
+compiler at run time and no ctypes.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
+import importlib.util
 import os
-import re
-import shutil
-import subprocess
-import tempfile
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-fopenmp", "-std=gnu11")
-i64 = ctypes.c_int64
-ptr = ctypes.c_void_p
-i32 = ctypes.c_int
+import torch
 
-
-def address(t) -> int | None:
-    """A tensor's data pointer for a kernel argument; None (NULL) for an absent tensor."""
-    return None if t is None else t.data_ptr()
+BUILD_HINT = "pip install --no-build-isolation -e . (a C++ compiler with OpenMP is needed once, at install)"
 
 
 def unit_stride_rows(t):
@@ -36,73 +25,35 @@ def unit_stride_rows(t):
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
-def cache_dir() -> str:
-    return os.environ.get("HKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hkv")
-
-
-def _cpu_flags() -> bytes:
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith(b"flags")), b"")
-    except OSError:
-        return b""
-
-
-def _build(source: str, path: str, compiler: str) -> bool:
-    os.makedirs(cache_dir(), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *CFLAGS, source, "-o", tmp, "-lm"], check=True, capture_output=True)
-        os.replace(tmp, path)
-        return True
-    except (OSError, subprocess.CalledProcessError):
-        os.path.exists(tmp) and os.remove(tmp)
-        return False
-
-
-def _source_bytes(source: str) -> bytes:
-    """``source`` and every local header it includes (``#include "x.h"``, next to it), so that a changed header
-    rebuilds the library."""
-    with open(source, "rb") as f:
-        text = f.read()
-    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
-    return text + b"".join(_source_bytes(os.path.join(os.path.dirname(source), h.decode())) for h in headers)
+def library_path(module: str) -> str | None:
+    """Where the built library of ``module`` ("hkv._C") is, or None where it was not built."""
+    spec = importlib.util.find_spec(module)
+    return spec.origin if spec is not None and spec.origin and os.path.exists(spec.origin) else None
 
 
 @functools.cache
-def load(source: str, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | None:
-    """The library built from ``source`` with ``signatures`` ((symbol, argtypes[, restype]), ...) declared; None
-    without a compiler."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None
-    digest = hashlib.sha256(_source_bytes(source) + " ".join(CFLAGS).encode() + _cpu_flags()).hexdigest()[:16]
-    stem = os.path.splitext(os.path.basename(source))[0]
-    path = os.path.join(cache_dir(), f"{stem}_{digest}.so")
-    if not os.path.exists(path) and not _build(source, path, compiler):
-        return None
-    lib = ctypes.CDLL(path)
-    for name, argtypes, *restype in signatures:
-        getattr(lib, name).argtypes = list(argtypes)
-        if restype:
-            getattr(lib, name).restype = restype[0]
-    return lib
+def load(module: str) -> bool:
+    """Load ``module``'s operators into torch.ops (once); False, with a warning, where it was not built."""
+    path = library_path(module)
+    if path is None:
+        warnings.warn(f"{module}: the native CPU kernels are not built ({BUILD_HINT}); their ops run other kernels",
+                      RuntimeWarning, stacklevel=3)
+        return False
+    torch.ops.load_library(path)
+    return True
 
 
 @dataclass(frozen=True)
 class NativeLibrary:
-    """One C source's kernels, built on first use: ``library()`` (None without a C compiler), ``available()``,
-    and ``supports(*tensors)``: every given tensor is a CPU tensor of one of ``dtypes`` and the library loads."""
-    source: str
-    signatures: tuple[tuple[str, tuple], ...]
+    """One built library of native kernels (``module``) and the dtypes its kernels are built for."""
+    module: str
     dtypes: frozenset = frozenset()
 
-    def library(self) -> ctypes.CDLL | None:
-        return load(self.source, self.signatures)
+    def __post_init__(self):
+        load(self.module)  # the ops exist in torch.ops from here on
 
     def available(self) -> bool:
-        return self.library() is not None
+        return load(self.module)
 
     def supports(self, *tensors: Any) -> bool:
         present = [t for t in tensors if t is not None]

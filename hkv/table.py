@@ -52,7 +52,7 @@ class EvictStrategy(enum.Enum):
 
 SCORES_ARE_INCREMENTS = (EvictStrategy.LFU, EvictStrategy.EPOCH_LFU)
 CLOCK_STRATEGIES = (EvictStrategy.LRU, EvictStrategy.EPOCH_LRU)
-# How the CPU kernel's one-pass upsert sets scores (csrc/probe.c SCORE_*): the clock, +=, epoch | freq, as given.
+# How the CPU kernel's one-pass upsert sets scores (csrc/probe.h SCORE_*): the clock, +=, epoch | freq, as given.
 KERNEL_SCORING = {EvictStrategy.LRU: 0, EvictStrategy.EPOCH_LRU: 0, EvictStrategy.LFU: 1, EvictStrategy.EPOCH_LFU: 2,
                   EvictStrategy.CUSTOMIZED: 3}
 

@@ -2,27 +2,22 @@
 
 ``dropout(x, p, seed)`` keeps element ``i`` of ``x`` (row-major order) when ``h(i) >= p * 2**32`` and scales it by
 ``1 / (1 - p)``, zeroing the others (``x * 0``: NaN stays NaN), where ``h`` hashes the index with the two 31-bit
-seeds ``seed = [s0, s1]`` (``csrc/dropout.c`` says how). The mask is a function of the seed and the index alone:
+seeds ``seed = [s0, s1]`` (``csrc/dropout.h`` says how). The mask is a function of the seed and the index alone:
 the backward is the same op on the gradient with the same seed (nothing is stored), every kernel draws the same
 mask, and the seed comes from ``torch.randint`` on the default generator, so ``torch.manual_seed`` repeats a run.
 The masks are not eager's ``bernoulli_`` draws (nor are Inductor's own).
 
-Kernels: ``reference`` (torch integer ops, any device and dtype) and ``native`` (``csrc/dropout.c``, float32 on
-CPU, one OpenMP pass; other tensors take the reference).
+Kernels: ``reference`` (torch integer ops, any device and dtype) and ``native`` (``csrc/dropout.h``, the C++ op
+``torch.ops.recompile_native.dropout``: float32 on CPU, one OpenMP pass; other tensors take the reference).
 """
 from __future__ import annotations
 
-import ctypes
-import os
-
 import torch
 
-from hkv.native import NativeLibrary, i32, i64, ptr
+from hkv.native import NativeLibrary
 from runtime.kernels import get_kernel, register_kernel
 
 OP = "dropout"
-SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "dropout.c")
-SIGNATURES = (("dropout_f32", (ptr, ptr, i64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_float, i32)),)
 M32 = 0xFFFFFFFF
 SEED_BOUND = 2**31 - 1  # each of the two seeds is drawn from [0, SEED_BOUND)
 
@@ -61,20 +56,20 @@ def dropout_reference(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Te
 register_kernel(OP, "reference")(dropout_reference)
 
 
-NATIVE = NativeLibrary(SOURCE, SIGNATURES, frozenset({torch.float32}))
-library, available = NATIVE.library, NATIVE.available
+NATIVE = NativeLibrary("runtime._C", frozenset({torch.float32}))  # the dtypes runtime/csrc/ops.cpp dropout takes
+available, supports = NATIVE.available, NATIVE.supports
+if available():  # the C++ op's fake, so that torch.export and torch.compile can trace a direct call
+
+    @torch.library.register_fake("recompile_native::dropout")
+    def _(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @register_kernel(OP, "native")
 def _dropout_native(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     if not NATIVE.supports(x):
         return dropout_reference(x, p, seed)
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    s0, s1 = seed.tolist()
-    library().dropout_f32(x.data_ptr(), out.data_ptr(), x.numel(), s0, s1, threshold(p), 1.0 / (1.0 - p),
-                          torch.get_num_threads())
-    return out
+    return torch.ops.recompile_native.dropout(x, seed, p)
 
 
 def _check(x: torch.Tensor, p: float, seed: torch.Tensor) -> None:

@@ -1,38 +1,31 @@
-"""The native CPU kernels of the grouped embedding ops (``csrc/embedding.c``), called through ctypes.
+"""The native CPU kernels of the grouped embedding ops (``csrc/embedding.h``, the C++ ops
+``torch.ops.recompile_native.geb_*``).
 
 One call covers every table of a group: the forward (SUM/MEAN pooling into the ``"concat"`` or
 ``"stack"`` layout, or the ``"sequence"`` rows of NONE pooling), the backward (dense table gradients,
 or per-id rows for sparse tables, and per-sample weight gradients) and the fused optimizer step (ids
 deduplicated per table, touched rows updated in place). Tables are read through their data pointers,
 never packed. The kernels take fp32, fp16 and bf16 tables with unit column stride (summing in fp32; the
-optimizer step fp32 only); other groups run the ATen/torch kernels (``"cpu"``, ``"reference"``). Without a C compiler the kernels are unavailable and the
-lowering keeps the other kernels.
+optimizer step fp32 only); other groups run the ATen/torch kernels (``"cpu"``, ``"reference"``). A package built
+without its native kernels has them unavailable, and the lowering keeps the other kernels. The kernels read the
+tables through ``meta``, a table of data pointers and sizes this module writes (one row per table).
 """
 from __future__ import annotations
 
 import array
-import ctypes
 import operator
-import os
 import threading
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from hkv.native import NativeLibrary, i32, i64, ptr
+from hkv.native import NativeLibrary
 from runtime.embedding import BACKWARD_OP, NONE, OP, RAW_KERNELS, checked_lookup, forward_cpu, table_gradients
 from runtime.embedding_optimizer import OPTIMIZERS, STEP_OP, adam_step_size, step_each_table, table_state
 from runtime.kernels import register_kernel
 
-SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "embedding.c")
-SIGNATURES = (
-    ("geb_forward_pooled", (i64, ptr, i64, ptr, i64, ptr, i32, i32)),
-    ("geb_forward_sequence", (i64, ptr, ptr, i64, ptr, i32)),
-    ("geb_backward", (i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i32)),
-    ("geb_optimizer_step", (i64, ptr, i64, ptr, i64, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32)),
-)
-# The columns of a table's row in the kernels' meta array, and their number (csrc/embedding.c).
+# The columns of a table's row in the kernels' meta array, and their number (csrc/embedding.h).
 W_PTR, ROWS, DIM, W_STRIDE, IDS, N_IDS, OFFS, N_OFFS, PSW, POOLING, PAD, OUT_AT, FLAGS, META = range(14)
 IDS_I64, OFFS_I64, LAST_OFFSET, DTYPE_SHIFT = 1, 2, 4, 3
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the kernels' element types, by code
@@ -43,8 +36,9 @@ STATE_NAMES = {"exact_sgd": (), "exact_adagrad": ("sum",), "exact_rowwise_adagra
                "adam": ("exp_avg", "exp_avg_sq")}
 
 
-NATIVE = NativeLibrary(SOURCE, SIGNATURES)
-library, available = NATIVE.library, NATIVE.available
+NATIVE = NativeLibrary("runtime._C", frozenset(DTYPES))
+available = NATIVE.available
+ops = torch.ops.recompile_native
 
 
 def _threads(ids: int) -> int:
@@ -52,27 +46,25 @@ def _threads(ids: int) -> int:
     return max(1, min(torch.get_num_threads(), ids // GRAIN))
 
 
-class _Buffer(array.array):
-    """A flat array of numbers that ctypes passes by address (much cheaper to fill than a ctypes array)."""
-
-    @property
-    def _as_parameter_(self) -> ctypes.c_void_p:
-        return ctypes.c_void_p(self.buffer_info()[0])
+def _int64s(values: Sequence[int]) -> Tensor:
+    return torch.tensor(values, dtype=torch.int64)
 
 
-def _int64s(values: Sequence[int]) -> _Buffer:
-    return _Buffer("q", values)
+def _float64s(values: Sequence[float]) -> Tensor:
+    return torch.tensor(values, dtype=torch.float64)
 
 
-def _float64s(values: Sequence[float]) -> _Buffer:
-    return _Buffer("d", values)
+def _shared(values: Sequence[int]) -> tuple[array.array, Tensor]:
+    """An int64 array (cheap to write element by element from Python) and a tensor over the same memory."""
+    buffer = array.array("q", values)
+    return buffer, torch.frombuffer(buffer, dtype=torch.int64)
 
 
 class _Plan:
     """A group's tables as the kernels read them: ``meta``'s columns that depend on the tables and the lookup's
     static arguments, written once; a call writes its ids', offsets' and sample weights' columns only."""
 
-    __slots__ = ("meta", "err", "num", "dim", "width", "layout", "pooling", "last", "dtype", "type_flags")
+    __slots__ = ("meta", "meta_t", "err", "err_t", "num", "dim", "width", "layout", "pooling", "last", "dtype", "type_flags")
 
     def __init__(self, weights, pooling, padding_idx, include_last_offset, layout):
         self.num, self.dim, self.layout, self.dtype = len(weights), weights[0].shape[1], layout, weights[0].dtype
@@ -85,7 +77,7 @@ class _Plan:
             row[POOLING], row[PAD], row[OUT_AT] = mode, pad, t * self.dim if layout == "stack" else at
             meta += row
             at += w.shape[1]
-        self.meta, self.err, self.width = _int64s(meta), _int64s([0] * self.num), at
+        (self.meta, self.meta_t), (self.err, self.err_t), self.width = _shared(meta), _shared([0] * self.num), at
 
     def fill(self, indices, offsets, per_sample_weights) -> Optional[tuple[int, int]]:
         """Write a call's ids, offsets and sample weights into ``meta``: (output rows, ids looked up), or None where
@@ -183,14 +175,14 @@ def _features_plan(weights, features, per_sample_weights, pooling, padding_idx, 
 _EMPTY = torch.empty(0)
 
 
-def _raise_marked(err: _Buffer, check: Callable[[], object]) -> None:
+def _raise_marked(err: array.array, check: Callable[[], object]) -> None:
     """After a kernel marked bad ids or offsets: the Python checks raise (or warn) naming the feature."""
     if any(err):
         check()
         _reject_offsets(err, "the checks accept them")
 
 
-def _reject_offsets(err: _Buffer, why: str) -> None:
+def _reject_offsets(err: array.array, why: str) -> None:
     """The backward and the optimizer step get what the forward checked; their kernels still skip bad offsets."""
     bad = [t for t, e in enumerate(err) if e & ERR_OFFSETS]
     if bad:
@@ -202,10 +194,10 @@ def _run_forward(plan: _Plan, rows: int, looked_up: int) -> Tensor:
     out = plan.output(rows)
     threads = _threads(looked_up)
     if plan.layout == "sequence":
-        library().geb_forward_sequence(plan.num, plan.meta, out.data_ptr(), plan.dim, plan.err, threads)
+        ops.geb_forward_sequence(plan.num, plan.meta_t, out, plan.dim, plan.err_t, threads)
     else:
         stream = out.numel() * out.element_size() > STREAM_BYTES
-        library().geb_forward_pooled(plan.num, plan.meta, rows, out.data_ptr(), plan.stride(), plan.err, stream, threads)
+        ops.geb_forward_pooled(plan.num, plan.meta_t, rows, out, plan.stride(), plan.err_t, stream, threads)
     return out
 
 
@@ -252,10 +244,9 @@ def backward(grad, weights, features, per_sample_weights, pooling, padding_idx, 
     tables = [w.new_empty((f.ids.numel(), w.shape[1]) if is_sparse else w.shape)
               for w, f, is_sparse in zip(weights, features, sparse)]
     psw_grads = [torch.empty_like(p) if want else grad.new_empty(0) for p, want in zip(per_sample_weights, psw_grad)]
-    library().geb_backward(plan.num, plan.meta, rows, grad.data_ptr(), stride, _int64s([t.data_ptr() for t in tables]),
-                           _int64s([not is_sparse for is_sparse in sparse]),
-                           _int64s([p.data_ptr() if p.numel() else 0 for p in psw_grads]), plan.err,
-                           torch.get_num_threads())
+    ops.geb_backward(plan.num, plan.meta_t, rows, grad, stride, _int64s([t.data_ptr() for t in tables]),
+                     _int64s([not is_sparse for is_sparse in sparse]),
+                     _int64s([p.data_ptr() if p.numel() else 0 for p in psw_grads]), plan.err_t)
     _reject_offsets(plan.err, "in the backward")
     return tables + psw_grads
 
@@ -295,7 +286,6 @@ def optimizer_step(grad, weights, features, per_sample_weights, pooling, padding
     sums = _scratch("sums", sum(n * w.shape[1] for n, w in zip(ids, weights)), torch.float32)
     touched = _scratch("touched", sum(ids), torch.int64)
     slots = _scratch("slots", sum(w.shape[0] for w in weights), torch.int32)  # all zero between steps
-    library().geb_optimizer_step(plan.num, plan.meta, rows, grad.data_ptr(), stride, OPTIMIZERS.index(kind), hyper,
-                                 _int64s(states), _float64s(step_sizes), sums.data_ptr(), touched.data_ptr(),
-                                 slots.data_ptr(), plan.err, torch.get_num_threads())
+    ops.geb_optimizer_step(plan.num, plan.meta_t, rows, grad, stride, OPTIMIZERS.index(kind), hyper, _int64s(states),
+                           _float64s(step_sizes), sums, touched, slots, plan.err_t)
     _reject_offsets(plan.err, "in the optimizer step")

@@ -19,7 +19,7 @@
   ``0.5 * ((sum_f v)^2 - sum_f v^2)`` per dimension ``[B, D]``, or summed over D to ``[B, 1]``
   (``reduce``; the flattened TorchRec ``FactorizationMachine`` is ``v = x.unsqueeze(-1)`` with ``reduce``).
 
-Kernels: ``reference`` (plain torch, the oracle), ``cpu`` (torch), ``native`` (C, ``csrc/interaction.c``
+Kernels: ``reference`` (plain torch, the oracle), ``cpu`` (torch), ``native`` (C++, ``csrc/interaction.h``
 through ``runtime.interaction_native``; the ``cpu`` kernel where it cannot run), ``triton``. Backward
 passes are ops of their own (``dot_interaction_backward``, ``cross_epilogue_backward``,
 ``cross_stack_backward``, ``cross_mixture_backward``, ``fm_second_order_backward``).
@@ -109,7 +109,7 @@ def _dot_interaction_cpu(features, prefix, upper, self_interaction):
 
 @register_kernel("dot_interaction", "native")
 def _dot_interaction_native(features, prefix, upper, self_interaction):
-    """Only the needed pairs, read from the items in place and written after the prefix (csrc/interaction.c)."""
+    """Only the needed pairs, read from the items in place and written after the prefix (csrc/interaction.h)."""
     if not native.supports(*features, prefix):
         return _dot_interaction_cpu(features, prefix, upper, self_interaction)
     rows, cols = _pair_indices_cpu(num_features(features), upper, self_interaction)
@@ -691,7 +691,7 @@ def _fm_cpu(v, reduce):
 
 @register_kernel("fm_second_order", "native")
 def _fm_native(v, reduce):
-    """Sum and sum of squares per sample in one pass over the fields (csrc/interaction.c)."""
+    """Sum and sum of squares per sample in one pass over the fields (csrc/interaction.h)."""
     return native.fm_second_order(v, reduce) if native.supports(v) else _fm_cpu(v, reduce)
 
 

@@ -1,39 +1,22 @@
-"""The native CPU kernels of the interaction ops (``csrc/interaction.c``), built on first use by ``hkv.native``.
+"""The native CPU kernels of the interaction ops (``csrc/interaction.h``, the C++ ops
+``torch.ops.recompile_native.{dot_interaction,cross_epilogue,fm_second_order}_{fwd,bwd}``).
 
-Each function passes data pointers, sizes and ``torch.get_num_threads()`` to one C call per op (the whole
-batch, every feature). ``available`` is False without a C compiler; the ops then keep their torch kernels.
+Each function makes one op call (the whole batch, every feature, ``torch.get_num_threads()`` OpenMP threads);
+features are read in place through a table of their row pointers. ``available`` is False where the package was
+built without its native kernels; the ops then keep their torch kernels.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from hkv.native import NativeLibrary, address, i32, i64, ptr, unit_stride_rows
+from hkv.native import NativeLibrary, unit_stride_rows
 
-SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "interaction.c")
-SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-_ARGTYPES = {
-    "dot_interaction_fwd": (ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32),
-    "dot_interaction_bwd": (ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i32),
-    "cross_epilogue_fwd": (ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32),
-    "cross_epilogue_bwd": (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32),
-    "fm_second_order_fwd": (ptr, i64, i64, i64, i32, ptr, i32),
-    "fm_second_order_bwd": (ptr, ptr, i64, i64, i64, i32, ptr, i32),
-}
-SIGNATURES = tuple((f"{name}_{s}", args) for name, args in _ARGTYPES.items() for s in SUFFIX.values())
-
-
-NATIVE = NativeLibrary(SOURCE, SIGNATURES, frozenset(SUFFIX))
-library, available, supports = NATIVE.library, NATIVE.available, NATIVE.supports
-
-
-def _kernel(name: str, dtype: torch.dtype):
-    if dtype not in SUFFIX:
-        raise TypeError(f"recompile.{name.rsplit('_', 1)[0]}: the native kernel takes {sorted(map(str, SUFFIX))}, "
-                        f"got {dtype}")
-    return getattr(library(), f"{name}_{SUFFIX[dtype]}")
+DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})  # the dtypes runtime/csrc/ops.cpp takes
+NATIVE = NativeLibrary("runtime._C", DTYPES)
+available, supports = NATIVE.available, NATIVE.supports
+ops = torch.ops.recompile_native
 
 
 def feature_rows(items: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,14 +50,12 @@ def dot_interaction(items, prefix, rows, cols):
     items = [unit_stride_rows(t) for t in items]
     batch, dim = items[0].shape[0], items[0].shape[-1]
     pointers, strides = feature_rows(items)
-    lo, hi, off = row_ranges(rows, cols, pointers.numel())
+    ranges = row_ranges(rows, cols, pointers.numel())
     k = 0 if prefix is None else prefix.shape[1]
     prefix = None if prefix is None else unit_stride_rows(prefix)
     out = items[0].new_empty(batch, k + rows.numel())
-    _kernel("dot_interaction_fwd", out.dtype)(
-        pointers.data_ptr(), strides.data_ptr(), pointers.numel(), batch, dim, address(prefix),
-        0 if prefix is None else prefix.stride(0), k, lo.data_ptr(), hi.data_ptr(), off.data_ptr(), rows.numel(),
-        out.data_ptr(), torch.get_num_threads())
+    ops.dot_interaction_fwd(pointers, strides, batch, dim, prefix, 0 if prefix is None else prefix.stride(0), k,
+                            ranges, rows.numel(), out)
     return out
 
 
@@ -85,11 +66,8 @@ def dot_interaction_backward(grad, items, k, rows, cols):
     pairs = unit_stride_rows(grad[:, k:])
     pointers, strides = feature_rows(items)
     out_pointers, out_strides = feature_rows(grads)
-    lo, hi, off = row_ranges(rows, cols, pointers.numel())
-    _kernel("dot_interaction_bwd", grad.dtype)(
-        pairs.data_ptr(), pairs.stride(0), pointers.data_ptr(), strides.data_ptr(), out_pointers.data_ptr(),
-        out_strides.data_ptr(), pointers.numel(), grad.shape[0], items[0].shape[-1], lo.data_ptr(), hi.data_ptr(),
-        off.data_ptr(), torch.get_num_threads())
+    ops.dot_interaction_bwd(pairs, pairs.stride(0), pointers, strides, out_pointers, out_strides, grad.shape[0],
+                            items[0].shape[-1], row_ranges(rows, cols, pointers.numel()))
     return grads
 
 
@@ -98,9 +76,7 @@ def cross_epilogue(x0, x, h, bias, out=None, hb=None):
     ``hb`` (may be ``h``), ``h + bias`` too. All given tensors contiguous."""
     x0, x, h = x0.contiguous(), x.contiguous(), h.contiguous()
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
-    _kernel("cross_epilogue_fwd", x.dtype)(
-        x0.data_ptr(), x.data_ptr(), h.data_ptr(), address(None if bias is None else bias.contiguous()),
-        out.data_ptr(), address(hb), x.shape[0], x.shape[1], torch.get_num_threads())
+    ops.cross_epilogue_fwd(x0, x, h, None if bias is None else bias.contiguous(), out, hb)
     return out
 
 
@@ -170,26 +146,13 @@ def cross_epilogue_backward(grad, x0, h, bias):
     grad, x0, h = grad.contiguous(), x0.contiguous(), h.contiguous()
     grad_h, grad_x0 = torch.empty_like(grad), torch.empty_like(grad)
     grad_bias = None if bias is None else torch.empty(grad.shape[1], dtype=torch.float32)
-    _kernel("cross_epilogue_bwd", grad.dtype)(
-        grad.data_ptr(), x0.data_ptr(), h.data_ptr(), address(None if bias is None else bias.contiguous()),
-        grad_h.data_ptr(), grad_x0.data_ptr(), address(grad_bias), grad.shape[0], grad.shape[1],
-        torch.get_num_threads())
+    ops.cross_epilogue_bwd(grad, x0, h, None if bias is None else bias.contiguous(), grad_h, grad_x0, grad_bias)
     return grad_h, grad_x0, None if bias is None else grad_bias.to(bias.dtype)
 
 
 def fm_second_order(v, reduce):
-    v = v.contiguous()
-    batch, num_fields, dim = v.shape
-    out = v.new_empty(batch, 1 if reduce else dim)
-    _kernel("fm_second_order_fwd", v.dtype)(v.data_ptr(), batch, num_fields, dim, int(reduce), out.data_ptr(),
-                                            torch.get_num_threads())
-    return out
+    return ops.fm_second_order_fwd(v, reduce)
 
 
 def fm_second_order_backward(grad, v, reduce):
-    v, grad = v.contiguous(), grad.contiguous()
-    out = torch.empty_like(v)
-    batch, num_fields, dim = v.shape
-    _kernel("fm_second_order_bwd", v.dtype)(grad.data_ptr(), v.data_ptr(), batch, num_fields, dim, int(reduce),
-                                            out.data_ptr(), torch.get_num_threads())
-    return out
+    return ops.fm_second_order_bwd(grad, v, reduce)

@@ -8,40 +8,23 @@ whose id equals the row's target (an accidental hit, left out). It is
 ``[N, K + 1]`` logits, the ``[N, K]`` mask or the slow int64 compare that builds it. Returns ``(loss, lse)``
 (``lse`` [N], not differentiable, is what the backward reads).
 
-Kernels: ``reference`` (torch, the spelling above, any device and dtype) and ``native`` (``csrc/sampled_softmax.c``,
-float32 on CPU: hits found by binary search in the sorted negative ids, each row's passes in cache; other tensors
+Kernels: ``reference`` (torch, the spelling above, any device and dtype) and ``native`` (``csrc/sampled_softmax.h``,
+the C++ ops ``torch.ops.recompile_native.sampled_softmax_fwd/bwd``, float32 on CPU: hits found by binary search in the sorted negative ids, each row's passes in cache; other tensors
 take the reference).
 """
 from __future__ import annotations
 
-import ctypes
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from hkv.native import NativeLibrary, i32
+from hkv.native import NativeLibrary
 from runtime.kernels import get_kernel, register_kernel
 
 OP = "sampled_softmax_loss"
-SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "sampled_softmax.c")
-
-
-class Problem(ctypes.Structure):
-    _fields_ = [("pos", ctypes.c_void_p), ("neg", ctypes.c_void_p), ("sorted", ctypes.c_void_p),
-                ("order", ctypes.c_void_p), ("targets", ctypes.c_void_p), ("rows", ctypes.c_int64),
-                ("k", ctypes.c_int64), ("scale", ctypes.c_float)]
-
-
-SIGNATURES = (
-    ("sampled_softmax_fwd", (Problem, ctypes.c_void_p, ctypes.c_void_p, i32), ctypes.c_int),
-    ("sampled_softmax_bwd", (Problem, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, i32)),
-)
-
-
-NATIVE = NativeLibrary(SOURCE, SIGNATURES, frozenset({torch.float32}))
-library, available = NATIVE.library, NATIVE.available
+NATIVE = NativeLibrary("runtime._C", frozenset({torch.float32}))  # the dtypes runtime/csrc/ops.cpp takes
+available, supports = NATIVE.available, NATIVE.supports
 
 
 def _logits(pos, neg, neg_ids, target_ids, scale):
@@ -65,40 +48,28 @@ register_kernel(OP, "reference")(_reference)
 register_kernel(OP + "_backward", "reference")(_reference_backward)
 
 
-def _problem(pos, neg, neg_ids, target_ids, scale) -> tuple[Problem, list[Tensor]]:
-    """The C problem and the tensors its pointers keep alive."""
-    keep = [pos.contiguous(), neg.contiguous()]
-    pointers = [None, None, None]
-    if neg_ids is not None:
-        sorted_ids, order = torch.sort(neg_ids.to(torch.int64))
-        keep += [sorted_ids, order, target_ids.to(torch.int64).contiguous()]
-        pointers = [t.data_ptr() for t in keep[2:]]
-    problem = Problem(keep[0].data_ptr(), keep[1].data_ptr(), *pointers, neg.shape[0], neg.shape[1], scale)
-    return problem, keep
+def _problem(pos, neg, neg_ids, target_ids):
+    """The kernels' arguments: pos and neg contiguous, and the negative ids sorted (with their order) and the
+    targets as int64 (None without ids)."""
+    if neg_ids is None:
+        return pos.contiguous(), neg.contiguous(), None, None, None
+    sorted_ids, order = torch.sort(neg_ids.to(torch.int64))
+    return pos.contiguous(), neg.contiguous(), sorted_ids, order, target_ids.to(torch.int64).contiguous()
 
 
 @register_kernel(OP, "native")
 def _native(pos, neg, neg_ids, target_ids, scale):
     if not NATIVE.supports(pos, neg):
         return _reference(pos, neg, neg_ids, target_ids, scale)
-    problem, _alive = _problem(pos, neg, neg_ids, target_ids, scale)
-    loss, lse = neg.new_empty(neg.shape[0]), neg.new_empty(neg.shape[0])
-    if library().sampled_softmax_fwd(problem, loss.data_ptr(), lse.data_ptr(), torch.get_num_threads()):
-        raise MemoryError("recompile.sampled_softmax_loss (native): out of memory for a row buffer")
-    return loss, lse
+    return torch.ops.recompile_native.sampled_softmax_fwd(*_problem(pos, neg, neg_ids, target_ids), scale)
 
 
 @register_kernel(OP + "_backward", "native")
 def _native_backward(grad, pos, neg, neg_ids, target_ids, lse, scale):
     if not NATIVE.supports(grad, pos, neg, lse):
         return _reference_backward(grad, pos, neg, neg_ids, target_ids, lse, scale)
-    problem, _alive = _problem(pos, neg, neg_ids, target_ids, scale)
-    grad, lse = grad.contiguous(), lse.contiguous()
-    grad_pos = torch.empty_like(pos, memory_format=torch.contiguous_format)
-    grad_neg = torch.empty_like(neg, memory_format=torch.contiguous_format)
-    library().sampled_softmax_bwd(problem, grad.data_ptr(), lse.data_ptr(), grad_pos.data_ptr(), grad_neg.data_ptr(),
-                                  torch.get_num_threads())
-    return grad_pos, grad_neg
+    pos, neg, sorted_ids, order, targets = _problem(pos, neg, neg_ids, target_ids)
+    return torch.ops.recompile_native.sampled_softmax_bwd(grad, pos, neg, sorted_ids, order, targets, lse, scale)
 
 
 def _check(pos: Tensor, neg: Tensor, neg_ids: Optional[Tensor], target_ids: Optional[Tensor]) -> None:

@@ -1,4 +1,4 @@
-"""The native CPU kernels of the grouped embedding ops (runtime/csrc/embedding.c) against the torch kernels.
+"""The native CPU kernels of the grouped embedding ops (runtime/csrc/embedding.h) against the torch kernels.
 
 Forward and dense backward against eager are covered by test_embedding_ops (its IMPLS include "native");
 here: the backward's sparse and per-sample-weight forms, the fused optimizer step, its state accessor, and

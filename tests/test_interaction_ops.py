@@ -184,7 +184,7 @@ def test_backward_matches_autograd_of_reference(b, f, d, k, upper, self_interact
 @given(b=st.integers(0, 6), f=st.integers(1, 30), d=st.integers(1, 70), k=st.sampled_from([None, 4]),
        upper=st.booleans(), self_interaction=st.booleans(), dtype=DTYPES, layout=st.sampled_from(LAYOUTS))
 def test_native_kernels_forward_and_backward_in_every_dtype(b, f, d, k, upper, self_interaction, dtype, layout):
-    """The C kernels (runtime/csrc/interaction.c) against autograd of the fp32 reference, fp16/bf16 included;
+    """The C kernels (runtime/csrc/interaction.h) against autograd of the fp32 reference, fp16/bf16 included;
     D spans partial and several vector tiles, F runs of pairs shorter and longer than a block."""
     if not interaction_native.available():
         pytest.skip("no C compiler: the native kernels fall back to the torch ones")

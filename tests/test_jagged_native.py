@@ -1,4 +1,4 @@
-"""The native CPU kernel of recompile.hstu_attention (runtime/csrc/jagged_attention.c), forward and backward,
+"""The native CPU kernel of recompile.hstu_attention (runtime/csrc/jagged_attention.h), forward and backward,
 against the reference kernel (the padded formulation) and per-sequence eager attention: jagged lengths with
 zero-length sequences, one sequence, lengths across the kernel's 32-row and 64-key tiles and at max_seq_len,
 int32/int64 offsets, targets, contextual prefixes, relative position and time bias (gaps on both sides of

@@ -4,7 +4,7 @@ from runtime import dropout
 
 register_lowering(
     "recompile::dropout",
-    Impl("native", "cpu_kernel", native_on_cpu(dropout.available), "runtime/csrc/dropout.c: hash, test, scale in one pass"),
+    Impl("native", "cpu_kernel", native_on_cpu(dropout.available), "runtime/csrc/dropout.h: hash, test, scale in one pass"),
     reference("runtime.dropout.dropout_reference"),
 )
 declare_facts("recompile::dropout", random=True)

@@ -10,13 +10,13 @@ from recompile.lowering.registry import (
 )
 from runtime import embedding_native
 
-native_runs = native_on_cpu(embedding_native.available)  # runtime/csrc/embedding.c
+native_runs = native_on_cpu(embedding_native.available)  # runtime/csrc/embedding.h
 
 
 register_lowering(
     "recompile::grouped_embedding_bag",
     Impl("triton", "triton", has_triton, "runtime.triton_kernels.embedding (one persistent grid over all tables' bags)"),
-    Impl("native", "cpu_kernel", native_runs, "runtime/csrc/embedding.c: every table and bag in one OpenMP call"),
+    Impl("native", "cpu_kernel", native_runs, "runtime/csrc/embedding.h: every table and bag in one OpenMP call"),
     Impl("cpu", "cpu_kernel", on_cpu, "ATen embedding_bag per table (FBGEMM EmbeddingSpMDM) in one op"),
     reference("runtime.embedding.grouped_embedding_bag_reference"),
 )
@@ -26,7 +26,7 @@ register_lowering(
 # pooling, fp32, no per-sample weights or padding), else deduplication and row updates in torch.
 register_lowering(
     "recompile::embedding_optimizer_step",
-    Impl("native", "cpu_kernel", native_runs, "runtime/csrc/embedding.c: dedup + row updates of all tables in one call"),
+    Impl("native", "cpu_kernel", native_runs, "runtime/csrc/embedding.h: dedup + row updates of all tables in one call"),
     Impl("fbgemm", "library", lambda target: on_cpu(target) and target.has_fbgemm("split_embedding_backward_codegen_sgd_cpu"),
          "torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu per table (exact_sgd)"),
     reference("runtime.embedding_optimizer: unique ids, summed gradients, row updates"),

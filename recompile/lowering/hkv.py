@@ -11,7 +11,7 @@ register_lowering(
     "hkv::lookup",
     Impl("triton", "triton", has_triton, "hkv.triton_kernels.locate (probe) + gather"),
     Impl("cpu", "cpu_kernel", cpu_kernel_runs,
-         "hkv/csrc/probe.c: one pass per key (hash, probe, claim, score, row), threads over bucket ranges"),
+         "hkv/csrc/probe.h: one pass per key (hash, probe, claim, score, row), threads over bucket ranges"),
     reference("hkv.table: vectorised torch probing (any device)"),
 )
 # Lookups insert missing ids and their backward applies the optimizer to the table: all change the table.

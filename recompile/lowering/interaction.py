@@ -2,34 +2,34 @@
 from recompile.lowering.registry import Impl, has_triton, native_on_cpu, on_cpu, reference, register_lowering
 from runtime import interaction_native
 
-native_runs = native_on_cpu(interaction_native.available)  # runtime/csrc/interaction.c
+native_runs = native_on_cpu(interaction_native.available)  # runtime/csrc/interaction.h
 
 
 register_lowering(
     "recompile::dot_interaction",
     Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.dot_interaction"),
-    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.c: blocked GEMM of the needed pairs, features read in place"),
+    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.h: blocked GEMM of the needed pairs, features read in place"),
     Impl("cpu", "cpu_kernel", on_cpu, "bmm + index_select of the pairs"),
     reference("runtime.interaction.dot_interaction_reference"),
 )
 register_lowering(
     "recompile::cross_layer",
     Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.cross_layer (tl.dot, fused epilogue)"),
-    Impl("native", "cpu_kernel", native_runs, "mm (MKL) + csrc/interaction.c epilogue x0 * (h + b) + x, one pass"),
+    Impl("native", "cpu_kernel", native_runs, "mm (MKL) + csrc/interaction.h epilogue x0 * (h + b) + x, one pass"),
     Impl("cpu", "cpu_kernel", on_cpu, "addmm + addcmul"),
     reference("runtime.interaction.cross_layer_reference"),
 )
 register_lowering(
     "recompile::fm_second_order",
     Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.fm_second_order"),
-    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.c: sum and sum of squares in one pass"),
+    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.h: sum and sum of squares in one pass"),
     Impl("cpu", "cpu_kernel", on_cpu, "fp32 sum and sum of squares, combined in place"),
     reference("runtime.interaction.fm_second_order_reference"),
 )
 register_lowering(
     "recompile::cross_stack",
     Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.cross_stack (per layer tl.dot + epilogue)"),
-    Impl("native", "cpu_kernel", native_runs, "per layer mm (MKL), then csrc/interaction.c: h + b and x0 * (h + b) + x in one pass"),
+    Impl("native", "cpu_kernel", native_runs, "per layer mm (MKL), then csrc/interaction.h: h + b and x0 * (h + b) + x in one pass"),
     Impl("cpu", "cpu_kernel", on_cpu, "per layer addmm (MKL) into the saved h + b, then one addcmul pass"),
     reference("runtime.interaction.cross_stack_reference"),
 )

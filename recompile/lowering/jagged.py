@@ -1,6 +1,6 @@
 """Lowering of the jagged ops (runtime/jagged.py): FBGEMM where the target's library has the op,
 else the CPU kernel (index arithmetic, length buckets), else the reference. HSTU attention on CPU:
-the native C kernel (runtime/csrc/jagged_attention.c) first."""
+the native C kernel (runtime/csrc/jagged_attention.h) first."""
 from recompile.lowering.registry import (Impl, has_fbgemm, has_triton, native_on_cpu, on_cpu, reference,
                                          register_lowering)
 from runtime import jagged_attention_native
@@ -33,8 +33,8 @@ TRITON_ATTENTION = {
                                "over key tiles)",
 }
 NATIVE_ATTENTION = {
-    "hstu_attention": "csrc/jagged_attention.c: tiles of each sequence, bias and mask fused, no padding",
-    "hstu_attention_backward": "csrc/jagged_attention.c: scores recomputed per tile, dq dk dv and bias grads fused",
+    "hstu_attention": "csrc/jagged_attention.h: tiles of each sequence, bias and mask fused, no padding",
+    "hstu_attention_backward": "csrc/jagged_attention.h: scores recomputed per tile, dq dk dv and bias grads fused",
 }
 native_attention_runs = native_on_cpu(jagged_attention_native.available)
 for _op in ("hstu_attention", "hstu_attention_backward", "jagged_softmax_attention",

@@ -120,7 +120,7 @@ def on_cpu(target: Target) -> bool:
 
 
 def native_on_cpu(available: Callable[[], bool]) -> Callable[[Target], bool]:
-    """On CPU, when a native C kernel library builds (``available()``: a C compiler is present)."""
+    """On CPU, when the package was built with its native C++ kernels (``available()``)."""
 
     def runs(target: Target) -> bool:
         return on_cpu(target) and available()

@@ -5,6 +5,6 @@ from runtime import sampled_softmax
 register_lowering(
     "recompile::sampled_softmax_loss",
     Impl("native", "cpu_kernel", native_on_cpu(sampled_softmax.available),
-         "runtime/csrc/sampled_softmax.c: hits by binary search, each row's max, exp-sum and gradient in cache"),
+         "runtime/csrc/sampled_softmax.h: hits by binary search, each row's max, exp-sum and gradient in cache"),
     reference("runtime.sampled_softmax.sampled_softmax_loss reference (cat, masked_fill, logsumexp)"),
 )

@@ -1,12 +1,16 @@
-/* Vector types and math the native kernels share (runtime/csrc/*.c): GCC vector extensions of 16 floats, which
- * GCC lowers to the machine's vectors (one AVX-512 register here). A kernel including this file is rebuilt when it
- * changes (hkv/native.py hashes the local headers a source includes). */
+/* Vector types and math the native kernels share (runtime/csrc/*.h): GCC vector extensions of VL floats, one
+ * machine register: 16 with AVX-512, 8 with AVX2 and the generic build (so that a kernel's register tiles fit the
+ * 16 registers AVX2 has as they fit AVX-512's 32). */
 #ifndef RECOMPILE_VEC_H
 #define RECOMPILE_VEC_H
 
 #include <stdint.h>
 
+#if RECOMPILE_AVX512
 enum { VL = 16 };
+#else
+enum { VL = 8 };
+#endif
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 typedef float vfu __attribute__((vector_size(VL * sizeof(float)), aligned(4))); /* unaligned access */
 typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));

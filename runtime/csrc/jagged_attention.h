@@ -19,9 +19,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 #include "vec.h"
 
@@ -33,37 +30,23 @@ typedef int64_t vl __attribute__((vector_size(VL * sizeof(int64_t))));
 enum { DTYPE_F32 = 0, DTYPE_F16 = 1, DTYPE_BF16 = 2 };
 enum { HSTU_NO_MEMORY = -1, HSTU_BAD_OFFSETS = -2, HSTU_TOO_LONG = -3 }; /* entry points return 0 or these */
 
-/* The problem, as runtime/jagged_attention_native.py fills it (same field order). Strides are in elements:
- * [token, head]; the last dimension is contiguous. Optional pointers are NULL when absent. */
-typedef struct {
-    const void *q, *k, *v, *grad;
-    int64_t q_stride[2], k_stride[2], v_stride[2], grad_stride[2];
-    const int64_t *offsets; /* [batch + 1], within [0, total] */
-    int64_t total, batch, heads, dim, dim_v, max_seq_len;
-    float alpha;
-    int32_t causal;
-    int64_t contextual;
-    const int64_t *num_targets; /* [batch] */
-    const float *rel_bias;      /* [2 * max_seq_len - 1 + VL], zero-padded */
-    const int64_t *timestamps;  /* [total + VL] */
-    const float *time_bias;     /* [num_buckets + 1] */
-    const float *bucket_bounds; /* [num_buckets + 2]: -inf, the float gap where each bucket >= 1 starts, inf */
-    int64_t num_buckets;
-    int32_t dtype, threads;
-    void *out;           /* forward: [T, H, Dv] contiguous */
-    void *dq, *dk, *dv;  /* backward: contiguous, q's storage type */
-    float *drel, *dtime; /* backward: [2 * max_seq_len - 1], [num_buckets + 1], zeroed */
-} hstu_problem;
+/* hstu_problem: the problem of one call, in kernels.h (the entry points' interface). */
 
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-static void *alloc(int64_t floats) { /* 64-byte aligned, zeroed; 4-byte elements */
+/* A fresh buffer, converted to the pointer type it is assigned to (C's implicit void * conversion). */
+struct buffer {
+    void *p;
+    template <class T> operator T *() const { return (T *)p; }
+};
+
+static buffer alloc(int64_t floats) { /* 64-byte aligned, zeroed; 4-byte elements */
     size_t bytes = (size_t)round_up(max64(floats, 1) * 4, 64);
     void *p = aligned_alloc(64, bytes);
     if (p) memset(p, 0, bytes);
-    return p;
+    return buffer{p};
 }
 
 /* ------------------------------------------------------------------------------------------------ */
@@ -124,8 +107,10 @@ static void pack(int dtype, const void *x, const int64_t *stride, int64_t t0, in
 /* vector math */
 
 static inline vf gather(const float *table, vi index) {
-#ifdef __AVX512F__
+#if RECOMPILE_AVX512
     return (vf)_mm512_i32gather_ps((__m512i)index, table, 4);
+#elif RECOMPILE_AVX2
+    return (vf)_mm256_i32gather_ps(table, (__m256i)index, 4);
 #else
     vf out;
     for (int l = 0; l < VL; l++) out[l] = table[index[l]];
@@ -134,7 +119,7 @@ static inline vf gather(const float *table, vi index) {
 }
 
 static inline vf reciprocal(vf x) { /* to float precision: one Newton step after the 14-bit estimate */
-#ifdef __AVX512F__
+#if RECOMPILE_AVX512
     vf r = (vf)_mm512_rcp14_ps((__m512)x);
     return r * (2.0f - x * r);
 #else
@@ -247,7 +232,8 @@ static void build_tile(const hstu_problem *p, const sequence *s, int64_t i0, int
     const float inv_n = 1.0f / (float)p->max_seq_len;
     const int64_t N = p->max_seq_len;
     const int32_t ctx = p->contextual > 0, causal = p->causal, max_id = (int32_t)s->max_id;
-    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vi lane;
+    for (int l = 0; l < VL; l++) lane[l] = l;
     for (int64_t r = 0; r < m; r++) {
         const int64_t i = i0 + r;
         const int32_t id_i = s->ids[i], prefix = ctx && id_i == 0; /* the prefix sees the non-target history */
@@ -358,7 +344,7 @@ static int forward_space_init(const hstu_problem *p, int64_t nmax, forward_space
     const int64_t H = p->heads, D = p->dim, Dvp = round_up(p->dim_v, VL), np = round_up(nmax, VL);
     w->ids = alloc(nmax + VL);
     w->kt = alloc(H * D * np), w->v = alloc(H * nmax * Dvp), w->q = alloc(H * BM * D), w->o = alloc(H * BM * Dvp);
-    w->s = alloc(BM * BN), w->t.scale = alloc(BM * BN), w->t.bias = has_bias(p) ? alloc(BM * BN) : NULL;
+    w->s = alloc(BM * BN), w->t.scale = alloc(BM * BN), w->t.bias = has_bias(p) ? alloc(BM * BN) : buffer{NULL};
     w->t.bucket = NULL;
     return w->ids && w->kt && w->v && w->q && w->o && w->s && w->t.scale && (w->t.bias || !has_bias(p));
 }
@@ -411,7 +397,7 @@ int hstu_attention_fwd(const hstu_problem *p) {
     const int64_t nmax = max_length(p);
     int64_t blocks = 0;
     for (int64_t b = 0; b < p->batch; b++) blocks += (length(p, b) + BM - 1) / BM;
-    work_item *items = malloc(sizeof(work_item) * max64(blocks, 1));
+    work_item *items = (work_item *)malloc(sizeof(work_item) * max64(blocks, 1));
     if (!items) return HSTU_NO_MEMORY;
     const int64_t count = forward_items(p, items);
     int failed = 0;
@@ -450,9 +436,9 @@ static int backward_space_init(const hstu_problem *p, int64_t nmax, backward_spa
     w->ids = alloc(nmax + VL);
     w->q = alloc(H * nmax * D), w->g = alloc(H * nmax * Dvp), w->kt = alloc(H * D * np), w->k = alloc(H * nmax * Dp);
     w->vt = alloc(H * Dv * np), w->dq = alloc(H * nmax * Dp), w->dkt = alloc(H * D * np), w->dvt = alloc(H * Dv * np);
-    w->s = alloc(BM * BN), w->dp = alloc(BM * BN), w->ds_sum = bias ? alloc(BM * BN) : NULL;
-    w->t.scale = alloc(BM * BN), w->t.bias = bias ? alloc(BM * BN) : NULL;
-    w->t.bucket = p->timestamps ? alloc(BM * BN) : NULL;
+    w->s = alloc(BM * BN), w->dp = alloc(BM * BN), w->ds_sum = bias ? alloc(BM * BN) : buffer{NULL};
+    w->t.scale = alloc(BM * BN), w->t.bias = bias ? alloc(BM * BN) : buffer{NULL};
+    w->t.bucket = p->timestamps ? alloc(BM * BN) : buffer{NULL};
     w->drel = drel, w->dtime = dtime, w->time_size = time_size;
     return w->ids && w->q && w->g && w->kt && w->k && w->vt && w->dq && w->dkt && w->dvt && w->s && w->dp &&
            w->t.scale && (!bias || (w->ds_sum && w->t.bias)) && (!p->timestamps || w->t.bucket);
@@ -555,9 +541,9 @@ int hstu_attention_bwd(const hstu_problem *p) {
     zero_uncovered(p, p->dv, p->heads * p->dim_v);
     const int64_t nmax = max_length(p), threads = max64(p->threads, 1);
     const int64_t rel_size = round_up(2 * p->max_seq_len - 1 + VL, VL), time_size = round_up(p->num_buckets + 1, VL);
-    int64_t *order = malloc(sizeof(int64_t) * 2 * max64(p->batch, 1)); /* (sequence, length), longest first */
-    float *drel = p->drel ? alloc(threads * rel_size) : NULL;
-    float *dtime = p->dtime ? alloc(threads * SPREAD * time_size) : NULL;
+    int64_t *order = (int64_t *)malloc(sizeof(int64_t) * 2 * max64(p->batch, 1)); /* (sequence, length), longest first */
+    float *drel = p->drel ? alloc(threads * rel_size) : buffer{NULL};
+    float *dtime = p->dtime ? alloc(threads * SPREAD * time_size) : buffer{NULL};
     if (!order || (p->drel && !drel) || (p->dtime && !dtime)) {
         free(order), free(drel), free(dtime);
         return HSTU_NO_MEMORY;

@@ -11,12 +11,7 @@
 
 #include "vec.h"
 
-typedef struct {
-    const float *pos, *neg;     /* [N], [N, K] rows of K */
-    const int64_t *sorted, *order, *targets; /* NULL without ids */
-    int64_t rows, k;
-    float scale;
-} problem;
+typedef sampled_softmax_problem problem; /* kernels.h */
 
 /* [first, last) of the positions in ``sorted`` equal to ``target``. */
 static void hits(const problem *p, int64_t n, int64_t *first, int64_t *last) {
@@ -68,7 +63,7 @@ int sampled_softmax_fwd(problem p, float *loss, float *lse, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *buf = malloc((size_t)(p.k ? p.k : 1) * sizeof(float));
+        float *buf = (float *)malloc((size_t)(p.k ? p.k : 1) * sizeof(float));
         if (!buf) {
 #pragma omp atomic write
             failed = 1;

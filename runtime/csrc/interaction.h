@@ -11,7 +11,13 @@
 
 typedef uint16_t bf16_t;
 
-enum { VL = 16, FR = 12, BR = 6, BV = 4 }; /* one AVX-512 vector of float; forward tile rows; backward tile */
+/* VL: floats in one vector register (AVX-512: 16, else 8); forward tile rows (FR accumulators + 2 fit the
+   registers of either); backward tile */
+#if RECOMPILE_AVX512
+enum { VL = 16, FR = 12, BR = 6, BV = 4 };
+#else
+enum { VL = 8, FR = 12, BR = 6, BV = 4 };
+#endif
 typedef float vf __attribute__((vector_size(VL * sizeof(float)))); /* GCC lowers it to the machine's vectors */
 
 /* fn(args..., n) with n a compile-time constant in each case (register tiles of n rows or vectors). */
@@ -67,8 +73,7 @@ DEFINE_LOADV(bf16, bf16_t)
 /* pack_<S>(feat, stride, F, b, D, xt, FP): xt[d * FP + f] = feature f's row b at d in fp32, the transposed tile of
    one sample. With AVX-512, 16 x 16 blocks are transposed in registers (16 loads, 64 shuffles, 16 stores)
    instead of one strided store per element. */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#if RECOMPILE_AVX512
 static inline __m512 load16_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 static inline __m512 load16_f16(const _Float16 *p, __mmask16 m) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
@@ -113,6 +118,58 @@ static void pack_##S(const int64_t *feat, const int64_t *stride, int64_t F, int6
                                   : _mm512_setzero_ps();                                                       \
             transpose16(r);                                                                                    \
             for (int k = 0; k < nd; k++) _mm512_store_ps(xt + (d0 + k) * FP + f0, r[k]);                       \
+        }                                                                                                      \
+}
+#elif RECOMPILE_AVX2
+/* AVX2: 8 x 8 blocks, transposed in registers (8 loads, 24 shuffles, 8 stores); a block's last columns are
+   loaded through a zeroed buffer. */
+static inline __m256 load8_f32(const float *p, int n) {
+    if (n == 8) return _mm256_loadu_ps(p);
+    float t[8] = {0};
+    for (int i = 0; i < n; i++) t[i] = p[i];
+    return _mm256_loadu_ps(t);
+}
+static inline __m256 load8_f16(const _Float16 *p, int n) {
+    if (n == 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    float t[8] = {0};
+    for (int i = 0; i < n; i++) t[i] = load_f16(p + i);
+    return _mm256_loadu_ps(t);
+}
+static inline __m256 load8_bf16(const bf16_t *p, int n) {
+    if (n == 8) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    float t[8] = {0};
+    for (int i = 0; i < n; i++) t[i] = load_bf16(p + i);
+    return _mm256_loadu_ps(t);
+}
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+#define DEFINE_PACK(S, T)                                                                                      \
+static void pack_##S(const int64_t *feat, const int64_t *stride, int64_t F, int64_t b, int64_t D, float *xt,   \
+                     int64_t FP) {                                                                             \
+    for (int64_t f0 = 0; f0 < F; f0 += 8)                                                                      \
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {                                                                \
+            const int nd = D - d0 < 8 ? (int)(D - d0) : 8;                                                     \
+            __m256 r[8];                                                                                       \
+            for (int i = 0; i < 8; i++)                                                                        \
+                r[i] = f0 + i < F ? load8_##S((const T *)feat[f0 + i] + b * stride[f0 + i] + d0, nd)           \
+                                  : _mm256_setzero_ps();                                                       \
+            transpose8(r);                                                                                     \
+            for (int k = 0; k < nd; k++) _mm256_storeu_ps(xt + (d0 + k) * FP + f0, r[k]);                      \
         }                                                                                                      \
 }
 #else
@@ -164,7 +221,7 @@ void dot_interaction_fwd_##S(const int64_t *feat, const int64_t *stride, int64_t
                              const T *prefix, int64_t prefix_stride, int64_t K, const int32_t *lo,             \
                              const int32_t *hi, const int32_t *off, int64_t P, T *out, int threads) {          \
     const int64_t FP = (F + VL - 1) / VL * VL, tiles = FP / VL;                                                \
-    int32_t *tile_rows = malloc(sizeof(int32_t) * (tiles * F + tiles));                                        \
+    int32_t *tile_rows = (int32_t *)malloc(sizeof(int32_t) * (tiles * F + tiles));                                        \
     int32_t *tile_count = tile_rows + tiles * F;                                                               \
     for (int64_t t = 0; t < tiles; t++) {                                                                      \
         int32_t n = 0;                                                                                         \
@@ -174,7 +231,7 @@ void dot_interaction_fwd_##S(const int64_t *feat, const int64_t *stride, int64_t
     }                                                                                                          \
     _Pragma("omp parallel num_threads(threads)")                                                               \
     {                                                                                                          \
-        float *xt = aligned_alloc(64, (sizeof(float) * D * FP + 63) / 64 * 64);                                \
+        float *xt = (float *)aligned_alloc(64, (sizeof(float) * D * FP + 63) / 64 * 64);                                \
         memset(xt, 0, sizeof(float) * D * FP);                                                                 \
         _Pragma("omp for schedule(static)")                                                                    \
         for (int64_t b = 0; b < B; b++) {                                                                      \
@@ -224,9 +281,9 @@ void dot_interaction_bwd_##S(const T *grad, int64_t grad_stride, const int64_t *
                              const int32_t *lo, const int32_t *hi, const int32_t *off, int threads) {          \
     _Pragma("omp parallel num_threads(threads)")                                                               \
     {                                                                                                          \
-        float *s = malloc(sizeof(float) * F * F);                                                              \
-        const T **y = malloc(sizeof(T *) * F);                                                                 \
-        T **o = malloc(sizeof(T *) * F);                                                                       \
+        float *s = (float *)malloc(sizeof(float) * F * F);                                                              \
+        const T **y = (const T **)malloc(sizeof(T *) * F);                                                                 \
+        T **o = (T **)malloc(sizeof(T *) * F);                                                                       \
         _Pragma("omp for schedule(static)")                                                                    \
         for (int64_t b = 0; b < B; b++) {                                                                      \
             memset(s, 0, sizeof(float) * F * F);                                                               \
@@ -293,7 +350,7 @@ void cross_epilogue_bwd_##S(const T *grad, const T *x0, const T *h, const T *bia
     if (grad_bias) memset(grad_bias, 0, sizeof(float) * D);                                                    \
     _Pragma("omp parallel num_threads(threads)")                                                               \
     {                                                                                                          \
-        float *part = grad_bias ? calloc(D, sizeof(float)) : NULL;                                             \
+        float *part = grad_bias ? (float *)calloc(D, sizeof(float)) : NULL;                                             \
         _Pragma("omp for schedule(static)")                                                                    \
         for (int64_t b = 0; b < B; b++) {                                                                      \
             const int64_t r = b * D;                                                                           \
@@ -318,7 +375,7 @@ void cross_epilogue_bwd_##S(const T *grad, const T *x0, const T *h, const T *bia
 void fm_second_order_fwd_##S(const T *v, int64_t B, int64_t F, int64_t D, int reduce, T *out, int threads) {    \
     _Pragma("omp parallel num_threads(threads)")                                                               \
     {                                                                                                          \
-        float *sum = malloc(sizeof(float) * 2 * D);                                                            \
+        float *sum = (float *)malloc(sizeof(float) * 2 * D);                                                            \
         float *sq = sum + D;                                                                                   \
         _Pragma("omp for schedule(static)")                                                                    \
         for (int64_t b = 0; b < B; b++) {                                                                      \
@@ -348,7 +405,7 @@ void fm_second_order_bwd_##S(const T *grad, const T *v, int64_t B, int64_t F, in
                              int threads) {                                                                    \
     _Pragma("omp parallel num_threads(threads)")                                                               \
     {                                                                                                          \
-        float *sum = malloc(sizeof(float) * D);                                                                \
+        float *sum = (float *)malloc(sizeof(float) * D);                                                                \
         _Pragma("omp for schedule(static)")                                                                    \
         for (int64_t b = 0; b < B; b++) {                                                                      \
             const T *row = v + b * F * D;                                                                      \

@@ -20,9 +20,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 enum { W_PTR, ROWS, DIM, W_STRIDE, IDS, N_IDS, OFFS, N_OFFS, PSW, POOLING, PAD, OUT_AT, FLAGS, META };
 enum { SUM, MEAN, NONE };
@@ -168,6 +165,17 @@ static inline __attribute__((always_inline)) void store16(void *p, int64_t i, v1
     for (int k = 0; k < LANES; k++) store1(p, i + k, v[k], dt);
 }
 
+#if RECOMPILE_AVX512
+static inline void stream16(float *f, v16 v) { _mm512_stream_ps(f, (__m512)v); } /* f 64-byte aligned */
+#elif RECOMPILE_AVX2
+static inline void stream16(float *f, v16 v) {
+    __m256 h[2];
+    memcpy(h, &v, sizeof h);
+    _mm256_stream_ps(f, h[0]);
+    _mm256_stream_ps(f + 8, h[1]);
+}
+#endif
+
 /* Prefetch the first cache lines of id j's row (a prefetch never faults, a bad id is harmless here). */
 static inline void prefetch_row(const char *w, int64_t row_bytes, int64_t bytes, const void *ids, int ids64,
                                 int64_t n, int64_t j) {
@@ -186,7 +194,7 @@ static inline __attribute__((always_inline)) void pool_block(const table_t *t, i
     const int64_t stride = t->stride, n = t->n, pad = t->pad, size = ELEMENT_SIZE[dt];
     const int ids64 = t->ids64;
     for (int64_t j = start; j < end; j++) {
-        if (c == 0) prefetch_row(w, stride * size, t->dim * size, ids, ids64, n, j + PREFETCH);
+        if (c == 0) prefetch_row((const char *)w, stride * size, t->dim * size, ids, ids64, n, j + PREFETCH);
         int64_t row = row_of(t, j, err);
         if (row == pad) continue;
         int64_t r = row * stride + c;
@@ -202,17 +210,17 @@ static inline __attribute__((always_inline)) void pool_block(const table_t *t, i
         a2 /= divisor;
         a3 /= divisor;
     }
-#ifndef __AVX512F__
-    (void)stream;
-#else
+#if RECOMPILE_AVX512 || RECOMPILE_AVX2
     float *f = (float *)out + o;
     if (dt == F32 && stream && ((uintptr_t)f & 63) == 0) { /* an output larger than the caches: no read for ownership */
-        _mm512_stream_ps(f, (__m512)a0);
-        _mm512_stream_ps(f + LANES, (__m512)a1);
-        _mm512_stream_ps(f + 2 * LANES, (__m512)a2);
-        _mm512_stream_ps(f + 3 * LANES, (__m512)a3);
+        stream16(f, a0);
+        stream16(f + LANES, a1);
+        stream16(f + 2 * LANES, a2);
+        stream16(f + 3 * LANES, a3);
         return;
     }
+#else
+    (void)stream;
 #endif
     store16(out, o, a0, dt);
     store16(out, o + LANES, a1, dt);
@@ -270,7 +278,7 @@ void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, void *out, in
             else if (t.dt == BF16) pool_bags(&t, first, last, out, out_stride, err + ti, stream, BF16);
             else pool_bags(&t, first, last, out, out_stride, err + ti, stream, F32);
         }
-#ifdef __AVX512F__
+#if RECOMPILE_AVX512 || RECOMPILE_AVX2
         _mm_sfence(); /* the streamed rows are visible before the region ends */
 #endif
     }
@@ -423,7 +431,7 @@ void geb_optimizer_step(int64_t T, const int64_t *meta, int64_t B, const float *
                         const double *hyper, const int64_t *state, const double *step_size, float *sums_all,
                         int64_t *touched_all, int32_t *slots_all, int64_t *err, int threads) {
     memset(err, 0, T * sizeof *err);
-    int64_t *at = malloc(3 * (T + 1) * sizeof(int64_t)); /* each table's place in the three scratch buffers */
+    int64_t *at = (int64_t *)malloc(3 * (T + 1) * sizeof(int64_t)); /* each table's place in the three scratch buffers */
     at[0] = at[T + 1] = at[2 * (T + 1)] = 0;
     for (int64_t ti = 0; ti < T; ti++) {
         const int64_t *m = meta + ti * META;

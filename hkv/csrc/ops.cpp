@@ -1,0 +1,167 @@
+/* hkv's CPU kernels (probe.h) as torch operators: torch.ops.hkv_native.* (TORCH_LIBRARY, CPU dispatch key),
+ * called by hkv/cpu.py. Each checks what the kernel reads (CPU, int64 keys and scores, contiguous rows),
+ * allocates the outputs and calls the kernel with the tensors' data pointers. Tables are updated in place (the
+ * schemas mark them). Hash probing is bound by memory latency, not arithmetic: one build, no per-ISA variants. */
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+namespace hkv_native {
+namespace kernels {
+#include "probe.h"
+}
+namespace {
+
+using at::Tensor;
+
+void check(const Tensor &t, const char *op, const char *name, at::ScalarType dtype) {
+    TORCH_CHECK(t.device().is_cpu(), "hkv_native.", op, ": ", name, " must be a CPU tensor, got ", t.device());
+    TORCH_CHECK_TYPE(t.scalar_type() == dtype, "hkv_native.", op, ": ", name, " must be ", dtype, ", got ",
+                     t.scalar_type());
+    TORCH_CHECK_VALUE(t.is_contiguous(), "hkv_native.", op, ": ", name, " must be contiguous");
+}
+
+void check_rows(const Tensor &t, const char *op, const char *name) {
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.is_contiguous(), "hkv_native.", op, ": ", name,
+                " must be a contiguous [rows, dim] CPU tensor");
+}
+
+int threads() { return at::get_num_threads(); }
+
+template <class T>
+T *ptr(const Tensor &t) {
+    return static_cast<T *>(t.data_ptr());
+}
+
+Tensor locate(const Tensor &table_keys, int64_t num_buckets, int64_t bucket_size, const Tensor &keys_) {
+    check(table_keys, "locate", "table_keys", at::kLong);
+    const Tensor keys = keys_.contiguous();
+    check(keys, "locate", "keys", at::kLong);
+    Tensor slots = at::empty_like(keys);
+    kernels::hkv_locate(ptr<int64_t>(table_keys), num_buckets, bucket_size, ptr<int64_t>(keys), keys.numel(),
+                        ptr<int64_t>(slots), threads());
+    return slots;
+}
+
+std::tuple<Tensor, Tensor, Tensor> find(const Tensor &table_keys, int64_t num_buckets, int64_t bucket_size,
+                                        const Tensor &values, const Tensor &keys_) {
+    check(table_keys, "find", "table_keys", at::kLong);
+    check_rows(values, "find", "values");
+    const Tensor keys = keys_.contiguous();
+    check(keys, "find", "keys", at::kLong);
+    const int64_t n = keys.numel();
+    Tensor out = at::empty({n, values.size(1)}, values.options()), found = at::empty({n}, keys.options().dtype(at::kBool));
+    Tensor slots = at::empty_like(keys);
+    kernels::hkv_find(ptr<int64_t>(table_keys), num_buckets, bucket_size, ptr<const char>(values),
+                      values.size(1) * values.element_size(), ptr<int64_t>(keys), n, ptr<char>(out),
+                      ptr<uint8_t>(found), ptr<int64_t>(slots), threads());
+    return {out, found, slots};
+}
+
+Tensor claim(const Tensor &table_keys, const Tensor &table_scores, int64_t num_buckets, int64_t bucket_size,
+             const Tensor &keys_, const Tensor &scores_) {
+    check(table_keys, "claim", "table_keys", at::kLong);
+    check(table_scores, "claim", "table_scores", at::kLong);
+    const Tensor keys = keys_.contiguous(), scores = scores_.contiguous();
+    check(keys, "claim", "keys", at::kLong);
+    check(scores, "claim", "scores", at::kLong);
+    Tensor slots = at::empty_like(keys);
+    kernels::hkv_claim(ptr<int64_t>(table_keys), ptr<int64_t>(table_scores), num_buckets, bucket_size,
+                       ptr<int64_t>(keys), ptr<int64_t>(scores), keys.numel(), ptr<int64_t>(slots), threads());
+    return slots;
+}
+
+/* (slots, status, counts [6], out): out the stored rows of found keys when copy_out, else empty. */
+std::tuple<Tensor, Tensor, Tensor, Tensor> upsert(const Tensor &table_keys, const Tensor &table_scores,
+                                                  int64_t num_buckets, int64_t bucket_size, const Tensor &values,
+                                                  const Tensor &keys_, const std::optional<Tensor> &new_values_,
+                                                  const Tensor &given_, int64_t strategy, bool insert,
+                                                  int64_t clock_score, int64_t epoch, bool copy_out, bool grouped,
+                                                  const Tensor &fresh) {
+    check(table_keys, "upsert", "table_keys", at::kLong);
+    check(table_scores, "upsert", "table_scores", at::kLong);
+    check_rows(values, "upsert", "values");
+    check(fresh, "upsert", "fresh", at::kByte);
+    const Tensor keys = keys_.contiguous(), given = given_.contiguous();
+    check(keys, "upsert", "keys", at::kLong);
+    check(given, "upsert", "given", at::kLong);
+    const Tensor new_values = new_values_ && new_values_->defined() ? new_values_->contiguous() : Tensor();
+    if (new_values.defined()) {
+        TORCH_CHECK_TYPE(new_values.scalar_type() == values.scalar_type(), "hkv_native.upsert: new_values must be ",
+                         values.scalar_type());
+        TORCH_CHECK_VALUE(new_values.numel() == keys.numel() * values.size(1), "hkv_native.upsert: new_values must "
+                          "hold one row per key");
+    }
+    const int64_t n = keys.numel();
+    Tensor out = at::empty({copy_out ? n : 0, values.size(1)}, values.options());
+    Tensor slots = at::empty_like(keys), status = at::empty({n}, keys.options().dtype(at::kChar));
+    Tensor counts = at::zeros({6}, keys.options());
+    kernels::hkv_upsert(ptr<int64_t>(table_keys), ptr<int64_t>(table_scores), num_buckets, bucket_size,
+                        ptr<char>(values), values.size(1) * values.element_size(), ptr<int64_t>(keys), n,
+                        new_values.defined() ? ptr<const char>(new_values) : nullptr, ptr<int64_t>(given),
+                        (int)strategy, insert, clock_score, epoch, copy_out ? ptr<char>(out) : nullptr, grouped,
+                        ptr<uint8_t>(fresh), ptr<int64_t>(slots), ptr<int8_t>(status), ptr<int64_t>(counts),
+                        threads());
+    return {slots, status, counts, out};
+}
+
+std::tuple<Tensor, Tensor> unique(const Tensor &ids_, int64_t num_buckets) {
+    TORCH_CHECK(ids_.device().is_cpu(), "hkv_native.unique: ids must be a CPU tensor");
+    const Tensor ids = ids_.contiguous().to(at::kLong);
+    const int64_t n = ids.numel();
+    Tensor uniq = at::empty_like(ids), inverse = at::empty_like(ids);
+    /* a set of pow2(2n) <= 4n + 2 entries, and the bucket counts */
+    Tensor work = at::empty({6 * n + std::max<int64_t>(num_buckets, 0) + 3}, ids.options());
+    const int64_t m = kernels::hkv_unique(ptr<int64_t>(ids), n, num_buckets, ptr<int64_t>(uniq),
+                                          ptr<int64_t>(inverse), ptr<int64_t>(work));
+    return {uniq.narrow(0, 0, m), inverse};
+}
+
+Tensor pool_backward(const Tensor &grad_, const Tensor &offsets_, const Tensor &inverse_, bool mean,
+                     int64_t num_rows) {
+    const Tensor grad = grad_.contiguous(), offsets = offsets_.contiguous().to(at::kLong), inverse = inverse_.contiguous();
+    check(grad, "pool_backward", "grad", at::kFloat);
+    check(inverse, "pool_backward", "inverse", at::kLong);
+    TORCH_CHECK_VALUE(grad.dim() == 2, "hkv_native.pool_backward: grad must be [bags, dim]");
+    Tensor out = at::empty({num_rows, grad.size(1)}, grad.options());
+    kernels::hkv_pool_backward(ptr<float>(grad), ptr<int64_t>(offsets), offsets.numel(), ptr<int64_t>(inverse),
+                               inverse.numel(), grad.size(1), mean, ptr<float>(out), num_rows);
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hkv_native, m) {
+    m.def("locate(Tensor table_keys, int num_buckets, int bucket_size, Tensor keys) -> Tensor");
+    m.def("find(Tensor table_keys, int num_buckets, int bucket_size, Tensor values, Tensor keys) "
+          "-> (Tensor, Tensor, Tensor)");
+    m.def("claim(Tensor(a!) table_keys, Tensor(b!) table_scores, int num_buckets, int bucket_size, Tensor keys, "
+          "Tensor scores) -> Tensor");
+    m.def("upsert(Tensor(a!) table_keys, Tensor(b!) table_scores, int num_buckets, int bucket_size, "
+          "Tensor(c!) values, Tensor keys, Tensor? new_values, Tensor given, int strategy, bool insert, "
+          "int clock_score, int epoch, bool copy_out, bool grouped, Tensor(d!) fresh) "
+          "-> (Tensor, Tensor, Tensor, Tensor)");
+    m.def("unique(Tensor ids, int num_buckets) -> (Tensor, Tensor)");
+    m.def("pool_backward(Tensor grad, Tensor offsets, Tensor inverse, bool mean, int num_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hkv_native, CPU, m) {
+    m.impl("locate", &locate);
+    m.impl("find", &find);
+    m.impl("claim", &claim);
+    m.impl("upsert", &upsert);
+    m.impl("unique", &unique);
+    m.impl("pool_backward", &pool_backward);
+}
+
+}  // namespace hkv_native

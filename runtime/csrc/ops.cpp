@@ -1,0 +1,451 @@
+/* The native CPU kernels as torch operators: torch.ops.recompile_native.* (TORCH_LIBRARY, CPU dispatch key).
+ *
+ * Each operator is a thin entry point: it checks what the kernel reads (CPU tensors of the dtypes it is built
+ * for, unit stride where it reads rows), takes the data pointers and calls the kernel of the instruction set
+ * chosen when the library loaded (kernels.h). The ops are called by runtime/*_native.py, runtime/dropout.py and
+ * runtime/sampled_softmax.py, whose Python custom ops (torch.ops.recompile.*) keep their references, fakes and
+ * autograd; ``dropout`` and the functional ops here also stand alone (torch.export keeps them as
+ * torch.ops.recompile_native.*, callable from C++ once this library is loaded). A few ops (the grouped embedding
+ * ones, the interaction backward) read tables of data pointers built by their Python callers, as the kernels do. */
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include "kernels.h"
+
+namespace recompile_native {
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+template <class T = void>
+T *ptr(const Tensor &t) {
+    return static_cast<T *>(t.data_ptr());
+}
+template <class T = void>
+T *ptr(const OptTensor &t) {
+    return t && t->defined() ? static_cast<T *>(t->data_ptr()) : nullptr;
+}
+
+int threads() { return at::get_num_threads(); }
+
+void check(const Tensor &t, const char *op, const char *name, std::initializer_list<at::ScalarType> dtypes) {
+    TORCH_CHECK(t.device().is_cpu(), "recompile_native.", op, ": ", name, " must be a CPU tensor, got ", t.device());
+    bool ok = false;
+    for (auto d : dtypes) ok = ok || t.scalar_type() == d;
+    TORCH_CHECK_TYPE(ok, "recompile_native.", op, ": ", name, " has dtype ", t.scalar_type(),
+                     ", which the kernel is not built for");
+}
+void check(const OptTensor &t, const char *op, const char *name, std::initializer_list<at::ScalarType> dtypes) {
+    if (t && t->defined()) check(*t, op, name, dtypes);
+}
+
+constexpr auto F32 = at::kFloat, F16 = at::kHalf, BF16 = at::kBFloat16, I64 = at::kLong, I32 = at::kInt,
+               F64 = at::kDouble;
+#define FLOATS {F32, F16, BF16}
+
+/* ---------------------------------------------------------------------------------------------- dropout */
+
+Tensor dropout(const Tensor &x_, const Tensor &seed, double p) {
+    check(x_, "dropout", "x", {F32});
+    check(seed, "dropout", "seed", {I64});
+    TORCH_CHECK_VALUE(seed.numel() == 2, "recompile_native.dropout: seed must hold 2 values, got ", seed.numel());
+    TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, "recompile_native.dropout: p must be in [0, 1), got ", p);
+    const Tensor x = x_.contiguous();
+    Tensor out = at::empty(x.sizes(), x.options());
+    const int64_t *s = ptr<int64_t>(seed.contiguous());
+    const double t = p * 4294967296.0;
+    const uint32_t threshold = t >= 4294967295.0 ? 0xFFFFFFFFu : (uint32_t)t;
+    kernels().dropout_f32(ptr<float>(x), ptr<float>(out), x.numel(), (uint32_t)s[0], (uint32_t)s[1], threshold,
+                          (float)(1.0 / (1.0 - p)), threads());
+    return out;
+}
+
+/* ---------------------------------------------------------------------------- grouped embedding (meta) */
+
+void geb_forward_pooled(int64_t tables, const Tensor &meta, int64_t batch, const Tensor &out, int64_t out_stride,
+                        const Tensor &err, bool stream, int64_t nthreads) {
+    check(meta, "geb_forward_pooled", "meta", {I64});
+    check(err, "geb_forward_pooled", "err", {I64});
+    kernels().geb_forward_pooled(tables, ptr<int64_t>(meta), batch, ptr(out), out_stride, ptr<int64_t>(err), stream,
+                                 (int)nthreads);
+}
+
+void geb_forward_sequence(int64_t tables, const Tensor &meta, const Tensor &out, int64_t out_stride, const Tensor &err,
+                          int64_t nthreads) {
+    check(meta, "geb_forward_sequence", "meta", {I64});
+    check(err, "geb_forward_sequence", "err", {I64});
+    kernels().geb_forward_sequence(tables, ptr<int64_t>(meta), ptr(out), out_stride, ptr<int64_t>(err), (int)nthreads);
+}
+
+void geb_backward(int64_t tables, const Tensor &meta, int64_t batch, const Tensor &grad, int64_t grad_stride,
+                  const Tensor &table_out, const Tensor &dense, const Tensor &psw_out, const Tensor &err) {
+    for (auto *t : {&meta, &table_out, &dense, &psw_out, &err}) check(*t, "geb_backward", "a pointer table", {I64});
+    check(grad, "geb_backward", "grad", FLOATS);
+    kernels().geb_backward(tables, ptr<int64_t>(meta), batch, ptr(grad), grad_stride, ptr<int64_t>(table_out),
+                           ptr<int64_t>(dense), ptr<int64_t>(psw_out), ptr<int64_t>(err), threads());
+}
+
+void geb_optimizer_step(int64_t tables, const Tensor &meta, int64_t batch, const Tensor &grad, int64_t grad_stride,
+                        int64_t kind, const Tensor &hyper, const Tensor &state, const Tensor &step_size,
+                        const Tensor &sums, const Tensor &touched, const Tensor &slots, const Tensor &err) {
+    check(grad, "geb_optimizer_step", "grad", {F32});
+    check(sums, "geb_optimizer_step", "sums", {F32});
+    check(hyper, "geb_optimizer_step", "hyper", {F64});
+    check(step_size, "geb_optimizer_step", "step_size", {F64});
+    check(slots, "geb_optimizer_step", "slots", {I32});
+    for (auto *t : {&meta, &state, &touched, &err}) check(*t, "geb_optimizer_step", "an index table", {I64});
+    kernels().geb_optimizer_step(tables, ptr<int64_t>(meta), batch, ptr<float>(grad), grad_stride, (int)kind,
+                                 ptr<double>(hyper), ptr<int64_t>(state), ptr<double>(step_size), ptr<float>(sums),
+                                 ptr<int64_t>(touched), ptr<int32_t>(slots), ptr<int64_t>(err), threads());
+}
+
+/* ------------------------------------------------------------------------------------------ interaction */
+
+/* kernels().<name>_<f32|f16|bf16> for dtype, called with the element pointers as that type. */
+#define BY_DTYPE(dtype, name, T, ...)                                                                          \
+    do {                                                                                                       \
+        switch (dtype) {                                                                                       \
+            case at::kFloat: { using T = float; kernels().name##_f32(__VA_ARGS__); break; }                    \
+            case at::kHalf: { using T = _Float16; kernels().name##_f16(__VA_ARGS__); break; }                  \
+            case at::kBFloat16: { using T = bf16_t; kernels().name##_bf16(__VA_ARGS__); break; }               \
+            default: TORCH_CHECK_TYPE(false, "recompile_native." #name ": no kernel for ", dtype);             \
+        }                                                                                                      \
+    } while (0)
+
+void dot_interaction_fwd(const Tensor &feat, const Tensor &stride, int64_t batch, int64_t dim, const OptTensor &prefix,
+                         int64_t prefix_stride, int64_t k, const Tensor &ranges, int64_t pairs, const Tensor &out) {
+    check(out, "dot_interaction_fwd", "out", FLOATS);
+    check(prefix, "dot_interaction_fwd", "prefix", {out.scalar_type()});
+    check(ranges, "dot_interaction_fwd", "ranges", {I32});
+    const int64_t F = feat.numel();
+    const int32_t *r = ptr<int32_t>(ranges);
+    BY_DTYPE(out.scalar_type(), dot_interaction_fwd, T, ptr<int64_t>(feat), ptr<int64_t>(stride), F, batch, dim,
+             ptr<const T>(prefix), prefix_stride, k, r, r + F, r + 2 * F, pairs, ptr<T>(out), threads());
+}
+
+void dot_interaction_bwd(const Tensor &grad, int64_t grad_stride, const Tensor &feat, const Tensor &stride,
+                         const Tensor &out, const Tensor &out_stride, int64_t batch, int64_t dim, const Tensor &ranges) {
+    check(grad, "dot_interaction_bwd", "grad", FLOATS);
+    check(ranges, "dot_interaction_bwd", "ranges", {I32});
+    const int64_t F = feat.numel();
+    const int32_t *r = ptr<int32_t>(ranges);
+    BY_DTYPE(grad.scalar_type(), dot_interaction_bwd, T, ptr<const T>(grad), grad_stride, ptr<int64_t>(feat),
+             ptr<int64_t>(stride), ptr<int64_t>(out), ptr<int64_t>(out_stride), F, batch, dim, r, r + F, r + 2 * F,
+             threads());
+}
+
+void cross_epilogue_fwd(const Tensor &x0, const Tensor &x, const Tensor &h, const OptTensor &bias, const Tensor &out,
+                        const OptTensor &hb) {
+    check(x, "cross_epilogue_fwd", "x", FLOATS);
+    for (auto *t : {&x0, &h, &out}) check(*t, "cross_epilogue_fwd", "x0, h and out", {x.scalar_type()});
+    check(bias, "cross_epilogue_fwd", "bias", {x.scalar_type()});
+    check(hb, "cross_epilogue_fwd", "hb", {x.scalar_type()});
+    BY_DTYPE(x.scalar_type(), cross_epilogue_fwd, T, ptr<const T>(x0), ptr<const T>(x), ptr<const T>(h),
+             ptr<const T>(bias), ptr<T>(out), ptr<T>(hb), x.size(0), x.size(1), threads());
+}
+
+void cross_epilogue_bwd(const Tensor &grad, const Tensor &x0, const Tensor &h, const OptTensor &bias,
+                        const Tensor &grad_h, const Tensor &grad_x0, const OptTensor &grad_bias) {
+    check(grad, "cross_epilogue_bwd", "grad", FLOATS);
+    for (auto *t : {&x0, &h, &grad_h, &grad_x0}) check(*t, "cross_epilogue_bwd", "x0, h and the gradients", {grad.scalar_type()});
+    check(bias, "cross_epilogue_bwd", "bias", {grad.scalar_type()});
+    check(grad_bias, "cross_epilogue_bwd", "grad_bias", {F32});
+    BY_DTYPE(grad.scalar_type(), cross_epilogue_bwd, T, ptr<const T>(grad), ptr<const T>(x0), ptr<const T>(h),
+             ptr<const T>(bias), ptr<T>(grad_h), ptr<T>(grad_x0), ptr<float>(grad_bias), grad.size(0), grad.size(1),
+             threads());
+}
+
+Tensor fm_second_order_fwd(const Tensor &v_, bool reduce) {
+    check(v_, "fm_second_order_fwd", "v", FLOATS);
+    TORCH_CHECK_VALUE(v_.dim() == 3, "recompile_native.fm_second_order_fwd: v must be [B, F, D], got ", v_.sizes());
+    const Tensor v = v_.contiguous();
+    const int64_t B = v.size(0), F = v.size(1), D = v.size(2);
+    Tensor out = at::empty({B, reduce ? 1 : D}, v.options());
+    BY_DTYPE(v.scalar_type(), fm_second_order_fwd, T, ptr<const T>(v), B, F, D, (int)reduce, ptr<T>(out), threads());
+    return out;
+}
+
+Tensor fm_second_order_bwd(const Tensor &grad_, const Tensor &v_, bool reduce) {
+    check(v_, "fm_second_order_bwd", "v", FLOATS);
+    check(grad_, "fm_second_order_bwd", "grad", {v_.scalar_type()});
+    const Tensor v = v_.contiguous(), grad = grad_.contiguous();
+    Tensor out = at::empty(v.sizes(), v.options());
+    BY_DTYPE(v.scalar_type(), fm_second_order_bwd, T, ptr<const T>(grad), ptr<const T>(v), v.size(0), v.size(1),
+             v.size(2), (int)reduce, ptr<T>(out), threads());
+    return out;
+}
+
+/* ------------------------------------------------------------------------------------- hstu attention */
+
+constexpr int64_t VECTOR_PAD = 16; /* rel_bias's zero padding, one vector */
+
+int32_t hstu_dtype(at::ScalarType t) { return t == F32 ? 0 : t == F16 ? 1 : 2; }
+
+/* The problem of a call: q, k, v (rows of unit stride, any row and head strides), int64 offsets, num_targets and
+ * timestamps, float biases (rel_bias and timestamps zero-padded by the vector width, as the kernel reads them). */
+hstu_problem hstu(const char *op, const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &offsets,
+                  int64_t max_seq_len, double alpha, bool causal, const OptTensor &num_targets, int64_t contextual,
+                  const OptTensor &rel_bias, const OptTensor &timestamps, const OptTensor &time_bias,
+                  const OptTensor &bucket_bounds) {
+    check(q, op, "q", FLOATS);
+    for (auto *t : {&k, &v}) check(*t, op, "k and v", {q.scalar_type()});
+    for (auto *t : {&q, &k, &v})
+        TORCH_CHECK_VALUE(t->dim() == 3 && t->stride(2) == 1, "recompile_native.", op,
+                          ": q, k and v must be [T, H, D] with unit stride in D");
+    check(offsets, op, "offsets", {I64});
+    check(num_targets, op, "num_targets", {I64});
+    check(timestamps, op, "timestamps", {I64});
+    for (auto *t : {&rel_bias, &time_bias, &bucket_bounds}) check(*t, op, "the biases", {F32});
+    TORCH_CHECK_VALUE(!time_bias == !bucket_bounds, "recompile_native.", op, ": time_bias needs bucket_bounds");
+    hstu_problem p{};
+    p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
+    p.q_stride[0] = q.stride(0), p.q_stride[1] = q.stride(1);
+    p.k_stride[0] = k.stride(0), p.k_stride[1] = k.stride(1);
+    p.v_stride[0] = v.stride(0), p.v_stride[1] = v.stride(1);
+    p.offsets = ptr<int64_t>(offsets);
+    p.total = q.size(0), p.batch = offsets.numel() - 1, p.heads = q.size(1), p.dim = q.size(2), p.dim_v = v.size(2);
+    p.max_seq_len = max_seq_len, p.alpha = (float)alpha, p.causal = causal, p.contextual = contextual;
+    p.num_targets = ptr<int64_t>(num_targets), p.rel_bias = ptr<float>(rel_bias);
+    p.timestamps = ptr<int64_t>(timestamps), p.time_bias = ptr<float>(time_bias);
+    p.bucket_bounds = ptr<float>(bucket_bounds);
+    p.num_buckets = time_bias && time_bias->defined() ? time_bias->numel() - 1 : 0;
+    p.dtype = hstu_dtype(q.scalar_type()), p.threads = threads();
+    return p;
+}
+
+void hstu_status(const char *op, int status) {
+    TORCH_CHECK(status != -1, "recompile_native.", op, ": out of memory for the per-thread tiles");
+    TORCH_CHECK_VALUE(status != -2, "recompile_native.", op, ": offsets must be non-decreasing within [0, total]");
+    TORCH_CHECK_VALUE(status != -3, "recompile_native.", op,
+                      ": a sequence is longer than max_seq_len, beyond the relative position bias");
+}
+
+Tensor hstu_attention_fwd(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &offsets, int64_t max_seq_len,
+                          double alpha, bool causal, const OptTensor &num_targets, int64_t contextual,
+                          const OptTensor &rel_bias, const OptTensor &timestamps, const OptTensor &time_bias,
+                          const OptTensor &bucket_bounds) {
+    hstu_problem p = hstu("hstu_attention_fwd", q, k, v, offsets, max_seq_len, alpha, causal, num_targets,
+                          contextual, rel_bias, timestamps, time_bias, bucket_bounds);
+    Tensor out = at::empty(v.sizes(), v.options());
+    p.out = out.data_ptr();
+    hstu_status("hstu_attention_fwd", kernels().hstu_attention_fwd(&p));
+    return out;
+}
+
+/* (dq, dk, dv, drel, dtime): the bias gradients float32 of the padded biases' unpadded sizes, empty when absent. */
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_attention_bwd(
+    const Tensor &grad, const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &offsets, int64_t max_seq_len,
+    double alpha, bool causal, const OptTensor &num_targets, int64_t contextual, const OptTensor &rel_bias,
+    const OptTensor &timestamps, const OptTensor &time_bias, const OptTensor &bucket_bounds) {
+    hstu_problem p = hstu("hstu_attention_bwd", q, k, v, offsets, max_seq_len, alpha, causal, num_targets,
+                          contextual, rel_bias, timestamps, time_bias, bucket_bounds);
+    check(grad, "hstu_attention_bwd", "grad", {q.scalar_type()});
+    TORCH_CHECK_VALUE(grad.dim() == 3 && grad.stride(2) == 1, "recompile_native.hstu_attention_bwd: grad must be "
+                      "[T, H, Dv] with unit stride in Dv");
+    p.grad = grad.data_ptr(), p.grad_stride[0] = grad.stride(0), p.grad_stride[1] = grad.stride(1);
+    Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), q.options()),
+           dv = at::empty(v.sizes(), q.options());
+    const auto f32 = q.options().dtype(F32);
+    Tensor drel = rel_bias ? at::zeros({rel_bias->numel() - VECTOR_PAD}, f32) : at::empty({0}, f32);
+    Tensor dtime = time_bias ? at::zeros({time_bias->numel()}, f32) : at::empty({0}, f32);
+    p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
+    p.drel = rel_bias ? ptr<float>(drel) : nullptr, p.dtime = time_bias ? ptr<float>(dtime) : nullptr;
+    hstu_status("hstu_attention_bwd", kernels().hstu_attention_bwd(&p));
+    return {dq, dk, dv, drel, dtime};
+}
+
+/* ------------------------------------------------------------------------------------ sampled softmax */
+
+sampled_softmax_problem softmax_problem(const char *op, const Tensor &pos, const Tensor &neg, const OptTensor &sorted,
+                                        const OptTensor &order, const OptTensor &targets, double scale) {
+    for (auto *t : {&pos, &neg}) check(*t, op, "pos and neg", {F32});
+    TORCH_CHECK_VALUE(neg.dim() == 2 && pos.numel() == neg.size(0) && pos.is_contiguous() && neg.is_contiguous(),
+                      "recompile_native.", op, ": pos [N, 1] and neg [N, K], contiguous");
+    for (auto *t : {&sorted, &order, &targets}) check(*t, op, "the ids", {I64});
+    TORCH_CHECK_VALUE(!sorted == !order && !sorted == !targets, "recompile_native.", op,
+                      ": sorted, order and targets come together");
+    return {ptr<float>(pos), ptr<float>(neg), ptr<int64_t>(sorted), ptr<int64_t>(order), ptr<int64_t>(targets),
+            neg.size(0), neg.size(1), (float)scale};
+}
+
+std::tuple<Tensor, Tensor> sampled_softmax_fwd(const Tensor &pos, const Tensor &neg, const OptTensor &sorted,
+                                               const OptTensor &order, const OptTensor &targets, double scale) {
+    auto p = softmax_problem("sampled_softmax_fwd", pos, neg, sorted, order, targets, scale);
+    Tensor loss = at::empty({neg.size(0)}, neg.options()), lse = at::empty({neg.size(0)}, neg.options());
+    TORCH_CHECK(!kernels().sampled_softmax_fwd(p, ptr<float>(loss), ptr<float>(lse), threads()),
+                "recompile_native.sampled_softmax_fwd: out of memory for a row buffer");
+    return {loss, lse};
+}
+
+std::tuple<Tensor, Tensor> sampled_softmax_bwd(const Tensor &grad, const Tensor &pos, const Tensor &neg,
+                                               const OptTensor &sorted, const OptTensor &order,
+                                               const OptTensor &targets, const Tensor &lse, double scale) {
+    auto p = softmax_problem("sampled_softmax_bwd", pos, neg, sorted, order, targets, scale);
+    for (auto *t : {&grad, &lse}) check(*t, "sampled_softmax_bwd", "grad and lse", {F32});
+    const Tensor g = grad.contiguous(), l = lse.contiguous();
+    Tensor grad_pos = at::empty(pos.sizes(), pos.options()), grad_neg = at::empty(neg.sizes(), neg.options());
+    kernels().sampled_softmax_bwd(p, ptr<float>(g), ptr<float>(l), ptr<float>(grad_pos), ptr<float>(grad_neg),
+                                  threads());
+    return {grad_pos, grad_neg};
+}
+
+/* ------------------------------------------------------------------ the custom ops' native kernel, below autograd
+ *
+ * The Python custom ops of runtime/ (torch.ops.recompile.*) whose ``native`` kernel is one operator here also get
+ * that kernel below autograd (the ADInplaceOrView key): with impl "native" and plain CPU tensors of the kernel's
+ * dtypes it runs here, else (other kernels, other dtypes, fake, functional or batched tensors) the call goes on to
+ * the op's Python implementation, which raises on bad input. Calls from compiled graphs then skip the Python
+ * layers under autograd. */
+const c10::DispatchKeySet WRAPPED({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                   c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+                                   c10::DispatchKey::Conjugate, c10::DispatchKey::Negative});
+
+bool plain_cpu(const Tensor &t, std::initializer_list<at::ScalarType> dtypes) {
+    bool dtype_ok = false;
+    for (auto d : dtypes) dtype_ok = dtype_ok || t.scalar_type() == d;
+    return t.defined() && dtype_ok && t.device().is_cpu() && t.layout() == at::kStrided && !t.key_set().has_any(WRAPPED);
+}
+
+/* Replace the N arguments on the stack by the results. */
+template <class... Results>
+bool returned(torch::jit::Stack *stack, size_t n, Results &&...results) {
+    torch::jit::drop(*stack, n);
+    (torch::jit::push(*stack, std::forward<Results>(results)), ...);
+    return true;
+}
+
+/* recompile::dropout(Tensor x, float p, Tensor seed, str impl) -> Tensor */
+bool dropout_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 4);
+    const double p = a[1].toDouble();
+    if (a[3].toStringRef() != "native" || !plain_cpu(a[0].toTensor(), {F32}) || !plain_cpu(a[2].toTensor(), {I64}) ||
+        a[2].toTensor().numel() != 2 || !(p >= 0.0 && p < 1.0))
+        return false;
+    return returned(stack, 4, dropout(a[0].toTensor(), a[2].toTensor(), p));
+}
+
+/* recompile::fm_second_order(Tensor v, bool reduce, str impl) -> Tensor */
+bool fm_second_order_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 3);
+    if (a[2].toStringRef() != "native" || !plain_cpu(a[0].toTensor(), FLOATS) || a[0].toTensor().dim() != 3)
+        return false;
+    return returned(stack, 3, fm_second_order_fwd(a[0].toTensor(), a[1].toBool()));
+}
+
+/* recompile::sampled_softmax_loss(Tensor pos, Tensor neg, Tensor? neg_ids, Tensor? target_ids, float scale,
+ * str impl) -> (Tensor, Tensor) */
+bool sampled_softmax_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 6);
+    if (a[5].toStringRef() != "native" || !plain_cpu(a[0].toTensor(), {F32}) || !plain_cpu(a[1].toTensor(), {F32}))
+        return false;
+    const Tensor pos = a[0].toTensor(), neg = a[1].toTensor();
+    if (neg.dim() != 2 || pos.dim() != 2 || pos.size(0) != neg.size(0) || pos.size(1) != 1 || a[2].isNone() != a[3].isNone())
+        return false;
+    OptTensor sorted, order, targets;
+    if (!a[2].isNone()) {
+        const Tensor ids = a[2].toTensor(), target = a[3].toTensor();
+        if (!plain_cpu(ids, {I64, I32}) || !plain_cpu(target, {I64, I32}) || ids.dim() != 1 || ids.size(0) != neg.size(1) ||
+            target.dim() != 1 || target.size(0) != neg.size(0))
+            return false;
+        auto [s, o] = ids.to(I64).sort();
+        sorted = s, order = o, targets = target.to(I64).contiguous();
+    }
+    auto [loss, lse] = sampled_softmax_fwd(pos.contiguous(), neg.contiguous(), sorted, order, targets, a[4].toDouble());
+    return returned(stack, 6, loss, lse);
+}
+
+template <bool (*native)(torch::jit::Stack *)>
+void below_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
+    /* a dispatch mode (Python), functionalization or vmap in the keys: the Python implementation */
+    if (keys.has_any(WRAPPED) || !native(stack)) op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+}
+
+std::string isa() { return kernels().isa; }
+std::string set_isa(const std::string &name) {
+    TORCH_CHECK_VALUE(has_isa(name.c_str()), "recompile_native.set_isa: ", name,
+                      " is not an instruction set this build and CPU run (generic, avx2, avx512)");
+    return use_isa(name.c_str());
+}
+bool isa_available(const std::string &name) { return has_isa(name.c_str()); }
+
+}  // namespace
+
+TORCH_LIBRARY(recompile_native, m) {
+    m.def("isa() -> str");
+    m.def("set_isa(str isa) -> str");
+    m.def("isa_available(str isa) -> bool");
+    m.def("dropout(Tensor x, Tensor seed, float p) -> Tensor");
+    m.def("geb_forward_pooled(int tables, Tensor meta, int batch, Tensor(a!) out, int out_stride, Tensor(b!) err, "
+          "bool stream, int threads) -> ()");
+    m.def("geb_forward_sequence(int tables, Tensor meta, Tensor(a!) out, int out_stride, Tensor(b!) err, "
+          "int threads) -> ()");
+    m.def("geb_backward(int tables, Tensor meta, int batch, Tensor grad, int grad_stride, Tensor table_out, "
+          "Tensor dense, Tensor psw_out, Tensor(a!) err) -> ()");
+    m.def("geb_optimizer_step(int tables, Tensor meta, int batch, Tensor grad, int grad_stride, int kind, "
+          "Tensor hyper, Tensor state, Tensor step_size, Tensor(a!) sums, Tensor(b!) touched, Tensor(c!) slots, "
+          "Tensor(d!) err) -> ()");
+    m.def("dot_interaction_fwd(Tensor feat, Tensor stride, int batch, int dim, Tensor? prefix, int prefix_stride, "
+          "int k, Tensor ranges, int pairs, Tensor(a!) out) -> ()");
+    m.def("dot_interaction_bwd(Tensor grad, int grad_stride, Tensor feat, Tensor stride, Tensor out, "
+          "Tensor out_stride, int batch, int dim, Tensor ranges) -> ()");
+    m.def("cross_epilogue_fwd(Tensor x0, Tensor x, Tensor h, Tensor? bias, Tensor(a!) out, Tensor(b!)? hb) -> ()");
+    m.def("cross_epilogue_bwd(Tensor grad, Tensor x0, Tensor h, Tensor? bias, Tensor(a!) grad_h, "
+          "Tensor(b!) grad_x0, Tensor(c!)? grad_bias) -> ()");
+    m.def("fm_second_order_fwd(Tensor v, bool reduce) -> Tensor");
+    m.def("fm_second_order_bwd(Tensor grad, Tensor v, bool reduce) -> Tensor");
+    m.def("hstu_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor offsets, int max_seq_len, float alpha, "
+          "bool causal, Tensor? num_targets, int contextual, Tensor? rel_bias, Tensor? timestamps, "
+          "Tensor? time_bias, Tensor? bucket_bounds) -> Tensor");
+    m.def("hstu_attention_bwd(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor offsets, int max_seq_len, "
+          "float alpha, bool causal, Tensor? num_targets, int contextual, Tensor? rel_bias, Tensor? timestamps, "
+          "Tensor? time_bias, Tensor? bucket_bounds) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+    m.def("sampled_softmax_fwd(Tensor pos, Tensor neg, Tensor? sorted, Tensor? order, Tensor? targets, "
+          "float scale) -> (Tensor, Tensor)");
+    m.def("sampled_softmax_bwd(Tensor grad, Tensor pos, Tensor neg, Tensor? sorted, Tensor? order, "
+          "Tensor? targets, Tensor lse, float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(recompile_native, CPU, m) {
+    m.impl("dropout", &dropout);
+    m.impl("geb_forward_pooled", &geb_forward_pooled);
+    m.impl("geb_forward_sequence", &geb_forward_sequence);
+    m.impl("geb_backward", &geb_backward);
+    m.impl("geb_optimizer_step", &geb_optimizer_step);
+    m.impl("dot_interaction_fwd", &dot_interaction_fwd);
+    m.impl("dot_interaction_bwd", &dot_interaction_bwd);
+    m.impl("cross_epilogue_fwd", &cross_epilogue_fwd);
+    m.impl("cross_epilogue_bwd", &cross_epilogue_bwd);
+    m.impl("fm_second_order_fwd", &fm_second_order_fwd);
+    m.impl("fm_second_order_bwd", &fm_second_order_bwd);
+    m.impl("hstu_attention_fwd", &hstu_attention_fwd);
+    m.impl("hstu_attention_bwd", &hstu_attention_bwd);
+    m.impl("sampled_softmax_fwd", &sampled_softmax_fwd);
+    m.impl("sampled_softmax_bwd", &sampled_softmax_bwd);
+}
+
+TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
+    m.impl("dropout", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&dropout_native>>());
+    m.impl("fm_second_order", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&fm_second_order_native>>());
+    m.impl("sampled_softmax_loss",
+           torch::CppFunction::makeFromBoxedFunction<&below_autograd<&sampled_softmax_native>>());
+}
+
+/* The instruction set ops take no tensor: they are registered for every key. */
+TORCH_LIBRARY_IMPL(recompile_native, CompositeExplicitAutograd, m) {
+    m.impl("isa", &isa);
+    m.impl("set_isa", &set_isa);
+    m.impl("isa_available", &isa_available);
+}
+
+}  // namespace recompile_native

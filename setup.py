@@ -1,0 +1,39 @@
+"""Builds the native CPU kernels (runtime/native.py ``extensions``) when the package is installed.
+
+Install with torch already present and without build isolation (isolation would download another torch):
+``pip install --no-build-isolation -e .`` or ``pip wheel --no-build-isolation --no-deps .``. Everything else
+about the distribution is in pyproject.toml.
+"""
+import importlib.util
+import os
+import shutil
+import sys
+
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _native():
+    """runtime/native.py, loaded by path (importing the runtime package would define every op)."""
+    spec = importlib.util.spec_from_file_location("_recompile_native_build", os.path.join(HERE, "runtime", "native.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _require_compiler() -> None:
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        sys.exit(f"recompile: building the native CPU kernels needs a C++ compiler with OpenMP ({compiler!r} not found; "
+                 "on Debian/Ubuntu: apt-get install g++). Set CXX to use another one.")
+
+
+try:
+    from torch.utils.cpp_extension import BuildExtension
+except ImportError:
+    sys.exit("recompile: torch must be installed before building (pip install torch==2.13.0, then "
+             "pip install --no-build-isolation .)")
+
+_require_compiler()
+setup(ext_modules=_native().extensions(), cmdclass={"build_ext": BuildExtension})
