@@ -15,7 +15,7 @@ $(STAMP):
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: the package's native kernels are built against it, without build isolation.
 	$(PY) -m pip install -q torch==2.13.0 setuptools
-	$(PY) -m pip install -q --no-build-isolation -e '.[test,torchrec,tf]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,torchrec,tf,docs]'
 	# torchrec and recbole (the MovieLens-100k data carrier) without their dependency pins:
 	# torchrec's would replace fbgemm-gpu-cpu with the CUDA build.
 	$(PY) -m pip install -q --no-deps torchrec==1.8.0 recbole==1.2.1
