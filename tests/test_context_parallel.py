@@ -1,0 +1,80 @@
+"""Context-parallel HSTU attention on 1, 2 and 4 spawned gloo processes equals one process, forward and backward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recompile.distributed.context_parallel import ContextParallelLayout, context_parallel_hstu_attention
+from recompile.launch import spawn
+from tests.cp_workers import cases, context_parallel, one_process, problem
+
+# Lengths include 0, 1 and others shorter than 2 * world (empty chunks) and some of uneven chunks.
+LENGTHS = [13, 1, 0, 7, 3, 16, 5]
+MAX_SEQ_LEN = 16
+FEATURES = {
+    "causal_rel_bias": ("rel_bias",),
+    "non_causal_rel_bias": ("non_causal", "rel_bias"),
+    "time_bias_targets_contextual": ("rel_bias", "time_bias", "num_targets", "contextual"),
+}
+
+
+def _problems():
+    return [problem(seed, LENGTHS, MAX_SEQ_LEN, feats) for seed, feats in enumerate(FEATURES.values())]
+
+
+def _check(results_per_rank: list[list[dict]], problems: list[dict], world_size: int) -> None:
+    for case, (name, p) in enumerate(zip(FEATURES, problems)):
+        layout = ContextParallelLayout(p["offsets"], world_size)
+        ref = one_process(p)
+        parts = [rank_results[case] for rank_results in results_per_rank]
+        for key, expected in ref.items():
+            if key in ("drel_bias", "dtime_bias"):  # each rank's part of a replicated parameter's gradient
+                got = torch.stack([part[key] for part in parts]).sum(0)
+            else:
+                got = layout.unshard([part[key] for part in parts])
+            assert float(expected.abs().max()) > 1e-3, (name, key)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()),
+                                       msg=f"{name}: {key} on {world_size} ranks")
+
+
+@pytest.mark.parametrize("world_size, exchange", [(2, "ring"), (4, "ring"), (4, "all_gather")])
+def test_context_parallel_equals_one_process(world_size, exchange):
+    problems = _problems()
+    outcomes, hung = spawn(cases, world_size, problems, exchange, timeout_s=60, collective_timeout_s=30,
+                           preload=["tests.cp_workers"])
+    assert not hung, f"ranks {hung} did not finish"
+    for rank, o in enumerate(outcomes):
+        assert o is not None and o.error is None, f"rank {rank}: {o and o.trace}"
+    _check([o.value for o in outcomes], problems, world_size)
+
+
+def test_one_rank_without_a_process_group_equals_one_process():
+    problems = _problems()
+    _check([[context_parallel(0, 1, p) for p in problems]], problems, 1)
+
+
+def test_layout_balances_the_causal_triangle_and_covers_every_row():
+    offsets = torch.tensor([0, 100, 103, 103, 403])
+    layout = ContextParallelLayout(offsets, 4)
+    rows = torch.cat([layout.global_rows(r) for r in range(4)])
+    assert torch.equal(rows.sort().values, torch.arange(403))
+    assert [layout.chunk_ids(r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    # a rank's causal work: the keys at or before each of its queries
+    positions = torch.arange(403) - offsets[:-1][torch.bucketize(torch.arange(403), offsets[1:], right=True)]
+    causal = [int((positions[layout.global_rows(r)] + 1).sum()) for r in range(4)]
+    assert max(causal) / min(causal) < 1.05, causal
+    x = torch.randn(403, 3)
+    assert torch.equal(layout.unshard([layout.shard(x, r) for r in range(4)]), x)
+
+
+def test_bad_arguments_are_named():
+    p = problem(0, [4, 2], 4, ("rel_bias",))
+    layout = ContextParallelLayout(p["offsets"], 1)
+    with pytest.raises(ValueError, match="layout is for 2 ranks"):
+        context_parallel_hstu_attention(p["q"], p["k"], p["v"], ContextParallelLayout(p["offsets"], 2), 4, 1.0)
+    with pytest.raises(ValueError, match="longer than max_seq_len 3"):
+        context_parallel_hstu_attention(p["q"], p["k"], p["v"], layout, 3, 1.0)
+    with pytest.raises(ValueError, match=r"q, k must be \[6, heads, D\]"):
+        context_parallel_hstu_attention(p["q"][:5], p["k"], p["v"], layout, 4, 1.0)
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        context_parallel_hstu_attention(p["q"], p["k"], p["v"], layout, 4, 1.0, exchange="broadcast")
