@@ -37,10 +37,11 @@ def _check(results_per_rank: list[list[dict]], problems: list[dict], world_size:
                                        msg=f"{name}: {key} on {world_size} ranks")
 
 
-@pytest.mark.parametrize("world_size, exchange", [(2, "ring"), (4, "ring"), (4, "all_gather")])
-def test_context_parallel_equals_one_process(world_size, exchange):
+# block_size 2: chunks attended in blocks of 2 positions (several blocks per chunk).
+@pytest.mark.parametrize("world_size, exchange, block_size", [(2, "ring", 256), (4, "ring", 2), (4, "all_gather", 256)])
+def test_context_parallel_equals_one_process(world_size, exchange, block_size):
     problems = _problems()
-    outcomes, hung = spawn(cases, world_size, problems, exchange, timeout_s=60, collective_timeout_s=30,
+    outcomes, hung = spawn(cases, world_size, problems, exchange, block_size, timeout_s=60, collective_timeout_s=30,
                            preload=["tests.cp_workers"])
     assert not hung, f"ranks {hung} did not finish"
     for rank, o in enumerate(outcomes):
@@ -50,7 +51,7 @@ def test_context_parallel_equals_one_process(world_size, exchange):
 
 def test_one_rank_without_a_process_group_equals_one_process():
     problems = _problems()
-    _check([[context_parallel(0, 1, p) for p in problems]], problems, 1)
+    _check([[context_parallel(0, 1, p, block_size=3) for p in problems]], problems, 1)
 
 
 def test_layout_balances_the_causal_triangle_and_covers_every_row():

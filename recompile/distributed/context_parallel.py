@@ -9,7 +9,8 @@ late one).
 ``context_parallel_hstu_attention(q, k, v, layout, ...)`` equals ``recompile.hstu_attention`` on the whole batch
 for this rank's rows. HSTU's attention is pointwise (``silu``, no softmax), so a query's output is the sum of its
 parts over key chunks: each rank attends its two query chunks to every rank's key chunks, one chunk pair at a
-time (scores of at most ``[B, H, chunk, chunk]``; causal pairs above the diagonal are skipped), while K/V move
+time, in blocks of at most ``block_size`` positions (scores of at most ``[B, H, block, block]``: memory
+linear in the history; causal pairs above the diagonal are skipped), while K/V move
 on by one rank (``exchange="ring"``: ``isend``/``irecv`` overlapped with the pair's compute) or all at once
 (``exchange="all_gather"``). Backward recomputes the scores pair by pair; dK/dV accumulators travel the ring
 with their K/V and arrive home after one more hop (all_gather: sent home by one ``all_to_all``).
@@ -33,6 +34,8 @@ from runtime.jagged import check_offsets
 from runtime.jagged_attention import time_bucket, time_bucket_edges
 
 EXCHANGES = ("ring", "all_gather")
+# Positions of a chunk attended at once: scores of at most [B, H, BLOCK_SIZE, BLOCK_SIZE] per chunk pair.
+BLOCK_SIZE = 256
 KV_TAG, GRAD_TAG = 0, 1  # the ring's two kinds of messages, which may be in flight together
 
 
@@ -112,15 +115,16 @@ class ContextParallelLayout:
             out[self.global_rows(rank).to(part.device)] = part
         return out
 
-    def chunks(self, rank: int, device) -> list[Chunk]:
-        """Rank ``rank``'s early and late chunks of every sequence, padded; empty chunks are left out."""
+    def chunks(self, rank: int, device, block_size: int) -> list[Chunk]:
+        """Rank ``rank``'s early and late chunks of every sequence, padded, in blocks of at most ``block_size``
+        positions (each block keeps its chunk's index); empty chunks are left out."""
         out, skip = [], torch.zeros_like(self.lengths)
         local_offsets = self.local_offsets(rank)[:-1]
         for index in self.chunk_ids(rank):
             lengths = self.chunk_lengths[:, index]
             width = int(lengths.max()) if lengths.numel() else 0
-            if width:
-                col = torch.arange(width).view(1, -1)
+            for start in range(0, width, block_size):
+                col = torch.arange(start, min(start + block_size, width)).view(1, -1)
                 valid = col < lengths.view(-1, 1)
                 rows = torch.where(valid, (local_offsets + skip).view(-1, 1) + col, 0)
                 out.append(Chunk(index, (self.bounds[:, index].view(-1, 1) + col).to(device), valid.to(device),
@@ -156,15 +160,15 @@ def _hstu_ids(pos, lengths, num_targets, contextual_seq_len):
 class ContextParallelHSTU:
     """One call's arguments, its rank in the group and the ring; ``forward`` and ``backward`` on local rows."""
 
-    def __init__(self, layout: ContextParallelLayout, group, exchange: str, max_seq_len: int, alpha: float,
-                 causal: bool, num_targets: Optional[torch.Tensor], contextual_seq_len: int, device):
+    def __init__(self, layout: ContextParallelLayout, group, exchange: str, block_size: int, max_seq_len: int,
+                 alpha: float, causal: bool, num_targets: Optional[torch.Tensor], contextual_seq_len: int, device):
         self.layout, self.group, self.exchange = layout, group, exchange
         self.rank = dist.get_rank(group) if layout.world_size > 1 else 0
         self.max_seq_len, self.alpha, self.causal, self.contextual = max_seq_len, alpha, causal, contextual_seq_len
         self.lengths = layout.lengths.to(device)
         self.num_targets = None if num_targets is None else num_targets.to(device).long()
         self.device = device
-        self.chunks = [layout.chunks(r, device) for r in range(layout.world_size)]
+        self.chunks = [layout.chunks(r, device, block_size) for r in range(layout.world_size)]
 
     # -- one chunk pair ----------------------------------------------------------------------------------------
     def _skip(self, qc: Chunk, kc: Chunk) -> bool:
@@ -358,11 +362,12 @@ def context_parallel_hstu_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ContextParallelLayout, max_seq_len: int,
     alpha: float, causal: bool = True, num_targets: Optional[torch.Tensor] = None, contextual_seq_len: int = 0,
     rel_bias: Optional[torch.Tensor] = None, timestamps: Optional[torch.Tensor] = None,
-    time_bias: Optional[torch.Tensor] = None, group=None, exchange: str = "ring",
+    time_bias: Optional[torch.Tensor] = None, group=None, exchange: str = "ring", block_size: int = BLOCK_SIZE,
 ) -> torch.Tensor:
     """``recompile.hstu_attention`` of the whole batch, for this rank's rows (``layout.shard(x, rank)``) of
     ``q, k [n, H, D]``, ``v [n, H, Dv]`` and ``timestamps [n]``; ``num_targets [B]`` is per sequence (the same on
-    every rank); ``group``: the context-parallel process group (default: all ranks)."""
+    every rank); ``group``: the context-parallel process group (default: all ranks); ``block_size``: the most
+    positions of a chunk attended at once (scores of at most ``[B, H, block_size, block_size]``)."""
     op = "recompile.context_parallel_hstu_attention"
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     if layout.world_size != world:
@@ -381,6 +386,8 @@ def context_parallel_hstu_attention(
     if rel_bias is not None and rel_bias.numel() != 2 * max_seq_len - 1:
         raise ValueError(f"{op}: rel_bias must have 2 * max_seq_len - 1 = {2 * max_seq_len - 1} entries, "
                          f"got {rel_bias.numel()}")
-    attention = ContextParallelHSTU(layout, group, exchange, max_seq_len, alpha, causal, num_targets,
+    if block_size < 1:
+        raise ValueError(f"{op}: block_size must be >= 1, got {block_size}")
+    attention = ContextParallelHSTU(layout, group, exchange, block_size, max_seq_len, alpha, causal, num_targets,
                                     contextual_seq_len, q.device)
     return _ContextParallelHSTUFunction.apply(q, k, v, rel_bias, time_bias, timestamps, attention)
