@@ -241,18 +241,13 @@ class ContextParallelHSTU:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
     def _shift(self, tensors, recv_rank: int, tag: int):
-        """Send ``tensors`` to the next rank, receive the previous rank's (those of ``recv_rank``); returns a
-        function that waits and returns them."""
+        """Send ``tensors`` to the next rank, receive the previous rank's (those of ``recv_rank``), each tensor in
+        place (no packing copy); returns a function that waits and returns them."""
         world = self.layout.world_size
-        specs = self._specs(tensors, recv_rank)
-        send = _pack(tensors)
-        recv = torch.empty(sum(torch.Size(s).numel() * d.itemsize for s, d in specs), dtype=torch.uint8,
-                           device=send.device)
-        ops = []
-        if send.numel():
-            ops.append(dist.P2POp(dist.isend, send, self._global((self.rank + 1) % world), self.group, tag))
-        if recv.numel():
-            ops.append(dist.P2POp(dist.irecv, recv, self._global((self.rank - 1) % world), self.group, tag))
+        recv = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self._specs(tensors, recv_rank)]
+        nxt, prv = self._global((self.rank + 1) % world), self._global((self.rank - 1) % world)
+        ops = ([dist.P2POp(dist.isend, t.contiguous(), nxt, self.group, tag) for t in tensors if t.numel()]
+               + [dist.P2POp(dist.irecv, t, prv, self.group, tag) for t in recv if t.numel()])
         try:
             works = dist.batch_isend_irecv(ops) if ops else []
         except (RuntimeError, dist.DistError) as exc:
@@ -264,7 +259,7 @@ class ContextParallelHSTU:
                     w.wait()
             except (RuntimeError, dist.DistError) as exc:
                 raise self._error("ring send/recv", exc) from exc
-            return _unpack(recv, specs)
+            return recv
 
         return wait
 
