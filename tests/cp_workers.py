@@ -46,7 +46,8 @@ def one_process(p: dict) -> dict:
     return {"out": out.detach(), **{f"d{n}": t.grad for n, t in leaves.items()}}
 
 
-def context_parallel(rank: int, world_size: int, p: dict, exchange: str = "ring", block_size: int = 256) -> dict:
+def context_parallel(rank: int, world_size: int, p: dict, exchange: str = "ring", block_size: int = 256,
+                     group=None) -> dict:
     """This rank's output rows and the gradients of its rows (biases: its part of their gradients)."""
     layout = ContextParallelLayout(p["offsets"], world_size)
     local = {n: layout.shard(p[n], rank).requires_grad_() for n in ("q", "k", "v")}
@@ -54,11 +55,20 @@ def context_parallel(rank: int, world_size: int, p: dict, exchange: str = "ring"
     ts = None if p["timestamps"] is None else layout.shard(p["timestamps"], rank)
     out = context_parallel_hstu_attention(
         local["q"], local["k"], local["v"], layout, p["max_seq_len"], p["alpha"], p["causal"], p["num_targets"],
-        p["contextual_seq_len"], biases.get("rel_bias"), ts, biases.get("time_bias"), exchange=exchange,
-        block_size=block_size)
+        p["contextual_seq_len"], biases.get("rel_bias"), ts, biases.get("time_bias"), group=group,
+        exchange=exchange, block_size=block_size)
     out.backward(layout.shard(p["grad"], rank))
     return {"out": out.detach(), **{f"d{n}": t.grad for n, t in {**local, **biases}.items()}}
 
 
 def cases(rank: int, world_size: int, problems: list[dict], exchange: str, block_size: int) -> list[dict]:
     return [context_parallel(rank, world_size, p, exchange, block_size) for p in problems]
+
+
+def data_and_context_parallel(rank: int, world_size: int, problems: list[dict], cp_size: int) -> dict:
+    """A dp x cp grid: replica ``rank // cp_size`` attends ``problems[replica]`` on its group of ``cp_size`` ranks."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group(list(range(first, first + cp_size))) for first in range(0, world_size, cp_size)]
+    replica = rank // cp_size
+    return context_parallel(rank % cp_size, cp_size, problems[replica], "ring", 4, groups[replica])

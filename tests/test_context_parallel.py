@@ -6,7 +6,7 @@ import torch
 
 from recompile.distributed.context_parallel import ContextParallelLayout, context_parallel_hstu_attention
 from recompile.launch import spawn
-from tests.cp_workers import cases, context_parallel, one_process, problem
+from tests.cp_workers import cases, context_parallel, data_and_context_parallel, one_process, problem
 
 # Lengths include 0, 1 and others shorter than 2 * world (empty chunks) and some of uneven chunks.
 LENGTHS = [13, 1, 0, 7, 3, 16, 5]
@@ -22,8 +22,15 @@ def _problems():
     return [problem(seed, LENGTHS, MAX_SEQ_LEN, feats) for seed, feats in enumerate(FEATURES.values())]
 
 
-def _check(results_per_rank: list[list[dict]], problems: list[dict], world_size: int) -> None:
-    for case, (name, p) in enumerate(zip(FEATURES, problems)):
+def _ok(outcomes, hung) -> list:
+    assert not hung, f"ranks {hung} did not finish"
+    for rank, o in enumerate(outcomes):
+        assert o is not None and o.error is None, f"rank {rank}: {o and o.trace}"
+    return [o.value for o in outcomes]
+
+
+def _check(results_per_rank: list[list[dict]], problems: list[dict], world_size: int, names=FEATURES) -> None:
+    for case, (name, p) in enumerate(zip(names, problems)):
         layout = ContextParallelLayout(p["offsets"], world_size)
         ref = one_process(p)
         parts = [rank_results[case] for rank_results in results_per_rank]
@@ -41,12 +48,19 @@ def _check(results_per_rank: list[list[dict]], problems: list[dict], world_size:
 @pytest.mark.parametrize("world_size, exchange, block_size", [(2, "ring", 256), (4, "ring", 2), (4, "all_gather", 256)])
 def test_context_parallel_equals_one_process(world_size, exchange, block_size):
     problems = _problems()
-    outcomes, hung = spawn(cases, world_size, problems, exchange, block_size, timeout_s=60, collective_timeout_s=30,
-                           preload=["tests.cp_workers"])
-    assert not hung, f"ranks {hung} did not finish"
-    for rank, o in enumerate(outcomes):
-        assert o is not None and o.error is None, f"rank {rank}: {o and o.trace}"
-    _check([o.value for o in outcomes], problems, world_size)
+    results = _ok(*spawn(cases, world_size, problems, exchange, block_size, timeout_s=60, collective_timeout_s=30,
+                         preload=["tests.cp_workers"]))
+    _check(results, problems, world_size)
+
+
+def test_data_parallel_replicas_each_on_a_context_parallel_group_of_two():
+    """4 ranks as a 2 x 2 grid: ranks 0-1 and 2-3 are two context-parallel groups, each with its own batch."""
+    problems = [problem(10 + replica, LENGTHS[replica:], MAX_SEQ_LEN, FEATURES["time_bias_targets_contextual"])
+                for replica in range(2)]
+    results = _ok(*spawn(data_and_context_parallel, 4, problems, 2, timeout_s=60, collective_timeout_s=30,
+                         preload=["tests.cp_workers"]))
+    for replica, p in enumerate(problems):
+        _check([[r] for r in results[2 * replica: 2 * replica + 2]], [p], 2, [f"replica {replica}"])
 
 
 def test_one_rank_without_a_process_group_equals_one_process():
