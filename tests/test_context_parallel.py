@@ -93,3 +93,18 @@ def test_bad_arguments_are_named():
         context_parallel_hstu_attention(p["q"][:5], p["k"], p["v"], layout, 4, 1.0)
     with pytest.raises(ValueError, match="exchange must be one of"):
         context_parallel_hstu_attention(p["q"], p["k"], p["v"], layout, 4, 1.0, exchange="broadcast")
+
+
+def test_bench_search_finds_the_longest_history_within_the_budget():
+    from models.bench_distributed import CP_GRID, longest_fitting
+
+    calls = []
+
+    def peak_of(n):
+        calls.append(n)
+        return n * n
+
+    length, peak = longest_fitting(peak_of, 1000 ** 2, 100)
+    assert length % CP_GRID == 0 and length <= 1000 < length + max(CP_GRID, length // 8) and peak == length ** 2
+    assert len(calls) < 12, calls
+    assert longest_fitting(peak_of, 10, CP_GRID) == (0, 0)  # nothing fits
