@@ -293,8 +293,9 @@ class ContextParallelHSTU:
                                f"{self.layout.world_size} failed: a peer rank died or did not reach it within the "
                                f"process-group timeout ({type(exc).__name__}: {exc})")
 
-    def _sources(self, kv):
-        """(source rank, its K/V [, timestamps]) in the order this rank gets them."""
+    def _sources(self, kv, prefetch: bool):
+        """(source rank, its K/V [, timestamps]) in the order this rank gets them. ``prefetch``: the ring receives
+        the next K/V while the caller computes on these (else after: two buffers fewer held at once)."""
         world = self.layout.world_size
         if world == 1:
             yield 0, kv
@@ -303,16 +304,17 @@ class ContextParallelHSTU:
         else:
             for step in range(world):
                 src = (self.rank - step) % world
-                wait = self._shift(kv, (src - 1) % world, KV_TAG) if step < world - 1 else None
+                last = step == world - 1
+                wait = self._shift(kv, (src - 1) % world, KV_TAG) if prefetch and not last else None
                 yield src, kv
-                if wait is not None:
-                    kv = wait()
+                if not last:
+                    kv = (wait or self._shift(kv, (src - 1) % world, KV_TAG))()
 
     # -- the attention -----------------------------------------------------------------------------------------
     def forward(self, q, k, v, ts, rel_bias, time_bias) -> torch.Tensor:
         out = v.new_zeros(v.shape)
         kv = [k, v] + ([] if ts is None else [ts])
-        for src, src_kv in self._sources(kv):
+        for src, src_kv in self._sources(kv, prefetch=True):
             for qc, kc in self._pairs(src):
                 qc.scatter_add_(out, self._pair_forward(qc, kc, q, src_kv, ts, (rel_bias, time_bias)))
         return out
@@ -325,7 +327,8 @@ class ContextParallelHSTU:
         dkv = [torch.zeros_like(k), torch.zeros_like(v)]
         gathered = world > 1 and self.exchange == "all_gather"
         parts = [None] * world
-        for src, src_kv in self._sources(kv):
+        # No prefetch: the dK/dV exchange after a step would find two K/V and two dK/dV buffers alive, not three.
+        for src, src_kv in self._sources(kv, prefetch=False):
             if gathered:  # one accumulator per source, sent home at the end
                 dkv = [torch.zeros_like(src_kv[0]), torch.zeros_like(src_kv[1])]
             for qc, kc in self._pairs(src):
