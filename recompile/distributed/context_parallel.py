@@ -1,6 +1,6 @@
 """Context-parallel HSTU attention: each user's history split over the ranks of a group, forward and backward.
 
-``ContextParallelLayout.from_offsets(offsets, world_size)`` cuts every sequence into ``2 * world_size`` chunks
+``ContextParallelLayout(offsets, world_size)`` cuts every sequence into ``2 * world_size`` chunks
 (chunk ``i`` is positions ``[i * L // 2W, (i + 1) * L // 2W)``, empty where ``L < 2W``); rank ``r`` keeps chunks
 ``r`` and ``2W - 1 - r``, an early and a late one, so every rank has about the same share of the causal triangle.
 ``layout.shard(x, rank)`` takes a rank's rows of a jagged tensor (sequence by sequence: its early chunk, then its
@@ -56,10 +56,6 @@ class Chunk:
     valid: torch.Tensor
     rows: torch.Tensor
 
-    @property
-    def width(self) -> int:
-        return self.pos.shape[1]
-
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """``x [n, *inner]`` (the rank's rows) -> ``[B, width, *inner]``, zero past each chunk's end."""
         valid = self.valid.view(*self.valid.shape, *([1] * (x.dim() - 1)))
@@ -82,8 +78,6 @@ class ContextParallelLayout:
         n = 2 * world_size
         self.bounds = self.lengths.view(-1, 1) * torch.arange(n + 1).view(1, -1) // n  # [B, 2W + 1]
         self.chunk_lengths = self.bounds[:, 1:] - self.bounds[:, :-1]  # [B, 2W]
-
-    from_offsets = classmethod(lambda cls, offsets, world_size: cls(offsets, world_size))
 
     def chunk_ids(self, rank: int) -> tuple[int, int]:
         return rank, 2 * self.world_size - 1 - rank
