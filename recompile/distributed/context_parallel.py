@@ -11,8 +11,8 @@ for this rank's rows. HSTU's attention is pointwise (``silu``, no softmax), so a
 parts over key chunks: each rank attends its two query chunks to every rank's key chunks, one chunk pair at a
 time, in blocks of at most ``block_size`` positions (scores of at most ``[B, H, block, block]``: memory
 linear in the history; causal pairs above the diagonal are skipped), while K/V move
-on by one rank (``exchange="ring"``: ``isend``/``irecv`` overlapped with the pair's compute) or all at once
-(``exchange="all_gather"``). Backward recomputes the scores pair by pair; dK/dV accumulators travel the ring
+on by one rank (``exchange="ring"``: ``isend``/``irecv``, in forward overlapped with the compute) or all at
+once (``exchange="all_gather"``: faster on gloo, but every rank then holds all K/V). Backward recomputes the scores pair by pair; dK/dV accumulators travel the ring
 with their K/V and arrive home after one more hop (all_gather: sent home by one ``all_to_all``).
 
 Covered: causal or not, ``alpha``, the relative-position bias, the relative-time bias (key timestamps travel with
