@@ -39,14 +39,7 @@ def synthetic_codes(items: int, levels: int, codebook: int, seed: int) -> torch.
 def rerun_search(model: SIDGR, history: torch.Tensor, lengths: torch.Tensor, beams: int, k: int,
                  chunk: int = 32) -> BeamResult:
     """The same search without KV reuse: every step runs the full sequence of every beam (one user)."""
-    _, _, logp = model.prefill(history, lengths)
-    width = logp.shape[1]
-    start = torch.full((1, beams), float("-inf"))
-    start[:, 0] = 0.0
-    first = torch.full((1, beams, width), float("-inf"))
-    first[:, 0] = logp
-    scores, nodes, code, parent = model.select(start, first, torch.zeros(1, beams, dtype=torch.long),
-                                               torch.tensor(0))
+    scores, nodes, code, _ = model.first_beams(model.prefill(history, lengths)[2], beams)
     paths = code.view(beams, 1)
     for level in range(1, model.levels):
         parts = []
@@ -57,8 +50,7 @@ def rerun_search(model: SIDGR, history: torch.Tensor, lengths: torch.Tensor, bea
             parts.append(torch.log_softmax(model._logits(last, torch.tensor(level)), -1))
         scores, nodes, code, parent = model.select(scores, torch.cat(parts).unsqueeze(0), nodes, torch.tensor(level))
         paths = torch.cat([paths[parent[0]], code.view(beams, 1)], 1)
-    items = torch.where(scores > float("-inf"), nodes, -1)
-    return BeamResult(items[:, :k], scores[:, :k])
+    return BeamResult.top(scores, nodes, k)
 
 
 def kv_bytes(model: SIDGR, history: torch.Tensor, lengths: torch.Tensor, beams: int) -> dict[str, int]:

@@ -164,6 +164,16 @@ class SIDGR(nn.Module):
         parent, code = index // self.width, index % self.width
         return top, children.flatten(1).gather(1, index), code, parent
 
+    def first_beams(self, logp: torch.Tensor, beams: int):
+        """``select`` of the first level from the root (one live beam, the rest ``-inf``), ``logp [B, width]``."""
+        batch, width = logp.shape
+        start = torch.full((batch, beams), float("-inf"), device=logp.device)
+        start[:, 0] = 0.0
+        first = torch.full((batch, beams, width), float("-inf"), device=logp.device)
+        first[:, 0] = logp
+        zero = torch.zeros((), dtype=torch.long, device=logp.device)
+        return self.select(start, first, torch.zeros_like(start, dtype=torch.long), zero)
+
     def decode_step(self, context, context_lengths, beam_kv, scores, nodes, codes, level, impl: str = "cpu"):
         """Feed each beam's last ``codes [B, W]`` (of ``level``), attend to ContextKV + its BeamKV, and select
         the next level's beams. ``beam_kv``: per layer ``(k, v) [B, W, S, H, Dh]``, slot ``level`` written."""
@@ -196,6 +206,11 @@ class BeamResult:
     items: torch.Tensor  # [B, k] item ids, best first (-1 where fewer than k items were reachable)
     scores: torch.Tensor  # [B, k] their log-probabilities
 
+    @classmethod
+    def top(cls, scores: torch.Tensor, items: torch.Tensor, k: int) -> "BeamResult":
+        """The first ``k`` of the final beams (best first); beams that reached no item (``-inf``) give -1."""
+        return cls(torch.where(scores > float("-inf"), items, -1)[:, :k], scores[:, :k])
+
 
 def decode_impl(device: torch.device) -> str:
     """The beam_decode_attention kernel the lowering registry picks for ``device``."""
@@ -214,20 +229,14 @@ def beam_search(model: SIDGR, history: torch.Tensor, lengths: torch.Tensor, beam
     step = step or model.decode_step
     impl = impl or decode_impl(history.device)
     context, context_lengths, logp = model.prefill(history, lengths)
-    batch, width = logp.shape
-    start = torch.full((batch, beams), float("-inf"), device=logp.device)
-    start[:, 0] = 0.0  # one live beam: the root
-    first = torch.full((batch, beams, width), float("-inf"), device=logp.device)
-    first[:, 0] = logp
-    zero = torch.zeros((), dtype=torch.long, device=logp.device)
-    scores, nodes, codes, _ = model.select(start, first, torch.zeros_like(start, dtype=torch.long), zero)
+    batch = logp.shape[0]
+    scores, nodes, codes, _ = model.first_beams(logp, beams)
     suffix = model.levels - 1
     beam_kv = [tuple(t.new_zeros(batch, beams, suffix, *t.shape[2:]) for t in kv) for kv in context]
     for level in range(suffix):
         beam_kv, scores, nodes, codes = step(context, context_lengths, beam_kv, scores, nodes, codes,
                                              torch.tensor(level, device=logp.device), impl)
-    items = torch.where(scores > float("-inf"), nodes, -1)
-    return BeamResult(items[:, :k], scores[:, :k])
+    return BeamResult.top(scores, nodes, k)
 
 
 # ---- MovieLens-100k: training and evaluation against HSTU and popularity ----------------------------------
