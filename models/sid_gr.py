@@ -6,7 +6,7 @@ the top items. ``python -m models.sid_gr`` trains and evaluates it on MovieLens-
   (prefix) reached by appending a code, ``-1`` where no item continues so, and at the last level the item id.
 - ``SIDGR``: item and position embeddings, SASRec's causal blocks (``models.sequential.SASRecBlock``) over
   ``[history, BOS, c_1, ..., c_{L-1}]`` (right-padded: the BOS sits right after each history), one output head
-  per level; ``loss`` is teacher-forced cross entropy over the ``L`` codes.
+  per level; calling it gives the teacher-forced cross entropy over the ``L`` codes (the training loss).
 - ``beam_search``: the context ``[history, BOS]`` runs once (``prefill``: its per-layer keys and values, one
   copy per user: ContextKV); each step feeds every beam's last code, whose keys and values go to a fixed-size
   per-beam buffer (BeamKV) and whose query attends to both through ``recompile::beam_decode_attention``. The
