@@ -28,7 +28,7 @@ from models.train import run_training, write_json
 
 MODELS = ("hstu", "sasrec", "two_tower_mol", "two_tower")  # longest first: the workers finish together
 LABELS = {"hstu": "HSTU", "sasrec": "SASRec", "two_tower": "two-tower dot", "two_tower_mol": "two-tower MoL",
-          "popularity": "popularity"}
+          "popularity": "popularity", "sid_gr": "SID-GR"}
 K = 10
 METRICS = (f"HR@{K}", f"NDCG@{K}")
 # The two-tower model trains on (user, item) pairs, one per training interaction: fewer epochs, a larger batch,

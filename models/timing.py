@@ -10,12 +10,12 @@ from recompile.lowering.targets import synchronize
 
 
 def race_ms(steps: dict[str, Callable[[], object]], rounds: int, iters: int = 1,
-            device: torch.device = torch.device("cpu")) -> dict[str, float]:
+            device: torch.device = torch.device("cpu"), warmup: int = 3) -> dict[str, float]:
     """Wall-clock milliseconds per step of each candidate: the best of ``rounds`` rounds, each timing every
     candidate in turn (``iters`` steps each, then waiting for ``device``), so that load from other processes
-    falls on all of them alike."""
+    falls on all of them alike. ``warmup`` untimed runs of each first."""
     for step in steps.values():
-        for _ in range(3):
+        for _ in range(warmup):
             step()
     best = dict.fromkeys(steps, float("inf"))
     for _ in range(rounds):

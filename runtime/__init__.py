@@ -14,6 +14,7 @@ from runtime import embedding_optimizer  # noqa: F401  (defines torch.ops.recomp
 from runtime import embedding_native  # noqa: F401  (the native CPU kernels of the grouped embedding ops)
 from runtime import dropout  # noqa: F401  (defines torch.ops.recompile.dropout)
 from runtime import sampled_softmax  # noqa: F401  (defines torch.ops.recompile.sampled_softmax_loss)
+from runtime import beam_decode_attention  # noqa: F401  (defines torch.ops.recompile.beam_decode_attention)
 from runtime.kernels import KERNELS, get_kernel, register_kernel
 
 __all__ = ["KERNELS", "get_kernel", "register_kernel"]
