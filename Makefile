@@ -13,8 +13,9 @@ $(STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,torchrec,tf]'
-	# torchrec and recbole (the MovieLens-100k data carrier) without their dependency pins:
-	# torchrec's would replace fbgemm-gpu-cpu with the CUDA build.
+	# torchrec and recbole (the MovieLens-100k data carrier and the test corpus's RecBole models) without their
+	# dependency pins: torchrec's would replace fbgemm-gpu-cpu with the CUDA build, recbole's pull ray and thop;
+	# the runtime packages RecBole's modules import are in the test extra.
 	$(PY) -m pip install -q --no-deps torchrec==1.8.0 recbole==1.2.1
 	rm -f $(VENV)/.installed-*
 	touch $@
