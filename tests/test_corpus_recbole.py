@@ -7,6 +7,7 @@ pytest.importorskip("recbole")
 pytest.importorskip("pandas", reason="RecBole's data modules: pip install '.[test]'")
 
 from models.corpus import testing  # noqa: E402
+from models.corpus.harness import CASES  # noqa: E402
 
 PREFIX = "recbole/"
 
@@ -24,3 +25,9 @@ def test_expected_region_found(case, expect):
 @pytest.mark.parametrize("case", testing.breaks(PREFIX))
 def test_graph_breaks_only_where_expected(case):
     testing.check_graph_breaks(case)
+
+
+@pytest.mark.slow
+def test_fm_training_through_inductor():
+    """The same checks with Inductor compiling the rewritten graph, as rec_ascend does."""
+    testing.check_numbers_and_compiles(CASES["recbole/FM:loss"], inductor=True)

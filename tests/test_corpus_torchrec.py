@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("torchrec")
 
 from models.corpus import testing  # noqa: E402
+from models.corpus.harness import CASES  # noqa: E402
 
 PREFIXES = ("torchrec/", "gr/")
 
@@ -24,3 +25,9 @@ def test_expected_region_found(case, expect):
 @pytest.mark.parametrize("case", [p for prefix in PREFIXES for p in testing.breaks(prefix)])
 def test_graph_breaks_only_where_expected(case):
     testing.check_graph_breaks(case)
+
+
+@pytest.mark.slow
+def test_dlrm_training_through_inductor():
+    """The same checks with Inductor compiling the rewritten graph, as rec_ascend does."""
+    testing.check_numbers_and_compiles(CASES["torchrec/DLRM:train"], inductor=True)
