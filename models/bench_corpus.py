@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from models.corpus.expected import EXPECTED, graph_breaks
 from models.corpus.harness import CASES, Case, assert_equal, run
@@ -80,9 +81,16 @@ def race(steps: dict, rounds: int) -> tuple[dict, dict]:
         try:
             step()
         except Exception as exc:  # noqa: BLE001  (any backend failure is a result to report)
-            errors[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+            errors[name] = error_text(exc)
             del steps[name]
     return race_ms(steps, rounds), errors
+
+
+def error_text(exc: Exception) -> str:
+    """The line of ``exc``'s message that says what failed (Dynamo wraps a backend's error in advice lines)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip() and not line.startswith("Set TORCH")]
+    said = next((line for line in lines if "Error:" in line), lines[-1] if lines else "")
+    return f"{type(exc).__name__}: {said[:240]}"
 
 
 def warm_up() -> None:
@@ -114,9 +122,10 @@ def _materialize(arg, requires_grad: bool):
     value = _value(arg)
     if not isinstance(value, torch.Tensor):
         return value
+    shape = [optimization_hint(d, fallback=1) for d in value.shape]  # a dynamic graph's sizes: the ones it was captured with
     if value.is_floating_point():
-        return torch.randn(value.shape, dtype=value.dtype).requires_grad_(requires_grad)
-    return torch.zeros(value.shape, dtype=value.dtype)
+        return torch.randn(shape, dtype=value.dtype).requires_grad_(requires_grad)
+    return torch.zeros(shape, dtype=value.dtype)
 
 
 def _gemm_call(node: fx.Node):
@@ -220,7 +229,7 @@ def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False) -> dict
         try:
             cold = _timed(step)
         except Exception as exc:  # noqa: BLE001
-            errors[f"{name} at batch {first}"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+            errors[f"{name} at batch {first}"] = error_text(exc)
             continue
         compile_s[name] = max(0.0, cold - min(_timed(step) for _ in range(3)))
     numbers_equal = "rec_ascend" in compile_s and equal(case, fns["rec_ascend"], modules["rec_ascend"], modules["eager"],
