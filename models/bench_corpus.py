@@ -122,7 +122,7 @@ def _materialize(arg, requires_grad: bool):
     value = _value(arg)
     if not isinstance(value, torch.Tensor):
         return value
-    shape = [optimization_hint(d, fallback=1) for d in value.shape]  # a dynamic graph's sizes: the ones it was captured with
+    shape = [_hint(d) for d in value.shape]  # a dynamic graph's sizes: the ones it was captured with
     if value.is_floating_point():
         return torch.randn(shape, dtype=value.dtype).requires_grad_(requires_grad)
     return torch.zeros(shape, dtype=value.dtype)
@@ -171,9 +171,14 @@ def _lookup_bytes(node: fx.Node) -> int:
     out = _value(node)
     if ids is None or not tables:
         return 0
-    width, size = tables[0].shape[1], tables[0].element_size()
-    written = out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0
-    return int(ids.numel()) * int(width) * size + written
+    width, size = _hint(tables[0].shape[1]), tables[0].element_size()
+    written = _hint(out.numel()) * out.element_size() if isinstance(out, torch.Tensor) else 0
+    return _hint(ids.numel()) * width * size + written
+
+
+def _hint(size) -> int:
+    """A dynamic graph's size as the int it was captured with."""
+    return optimization_hint(size, fallback=1)
 
 
 def capture(case: Case, inputs) -> tuple[list[fx.GraphModule], list[float], collections.Counter]:
