@@ -292,8 +292,8 @@ def verdict(ms: dict, floors: dict, compile_s: dict, autotune: list[str]) -> lis
 
 
 def render_table(rows: list[dict]) -> str:
-    lines = ["| case | regions expected: found | numbers equal | rec/min(eager, inductor) per batch "
-             "| rec/floor per batch | compile rec/inductor |",
+    lines = ["| case | regions expected: found | numbers equal | speed: min(eager, inductor) / rec per batch "
+             "| rec / floor per batch | cold compile rec / inductor |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         regions = ", ".join(f"{e['label']}: {'yes' if e['found'] else 'no'}" for e in r["regions_expected"]) or "none"
