@@ -16,8 +16,9 @@ $(STAMP):
 	# torch first: the package's native kernels are built against it, without build isolation.
 	$(PY) -m pip install -q torch==2.13.0 setuptools
 	$(PY) -m pip install -q --no-build-isolation -e '.[test,torchrec,tf,docs]'
-	# torchrec and recbole (the MovieLens-100k data carrier) without their dependency pins:
-	# torchrec's would replace fbgemm-gpu-cpu with the CUDA build.
+	# torchrec and recbole (the MovieLens-100k data carrier and the test corpus's RecBole models) without their
+	# dependency pins: torchrec's would replace fbgemm-gpu-cpu with the CUDA build, recbole's pull ray and thop;
+	# the runtime packages RecBole's modules import are in the test extra.
 	$(PY) -m pip install -q --no-deps torchrec==1.8.0 recbole==1.2.1
 	rm -f $(VENV)/.installed-*
 	touch $@

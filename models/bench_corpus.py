@@ -1,0 +1,377 @@
+"""The corpus benchmark: third-party models (models/corpus), eager vs Inductor vs rec_ascend, side by side.
+
+    python -m models.bench_corpus [--quick] [--models recbole/FM torchrec/DLRM ...] [--rounds N] [--threads N]
+                                  [--json docs/benchmarks/corpus.json] [--doc docs/corpus.md]
+
+Per corpus case (a model's training loss or inference entry), in one process with cold compile caches (fresh
+Inductor and recompile cache folders, Inductor's FX-graph and AOT-autograd caches off):
+- cold compile time: the first call of Inductor and of rec_ascend (default options: the autotune race included)
+  at batch 128, less one steady step;
+- ms per step of eager, Inductor and rec_ascend at batch 128 and 2048 (inference entries: batch 1 too), timed
+  interleaved round by round (``models.timing.race_ms``); a training step is loss + backward;
+- the regions ``models/corpus/expected.py`` expects and those rec_ascend found, the autotune choice per graph;
+- whether rec_ascend's output (and gradients) equal eager's (1e-5 / 1e-4 relative);
+- the model's floor: its dense GEMMs (matmul, linear, bmm, einsum, conv; forward and, for training, backward)
+  timed alone on inputs of their shapes, plus its lookups' bytes over the measured memory bandwidth;
+- the rec pass pipeline's time per captured graph.
+Writes the JSON and renders the corpus table into the doc between its ``corpus-table`` markers. Figures from a
+loaded machine are marked so by the caller; ``--quick`` is a smoke run (four models, batch 128 and 1, one round).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import operator
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from math import nan
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from models.corpus.expected import EXPECTED, graph_breaks
+from models.corpus.harness import CASES, Case, assert_equal, run
+from models.timing import race_ms
+from models.train import write_json
+
+BACKENDS = ("eager", "inductor", "rec_ascend")
+TRAIN_BATCHES, INFER_BATCHES = (128, 2048), (1, 128, 2048)
+QUICK_TRAIN_BATCHES, QUICK_INFER_BATCHES = (128,), (1, 128)
+QUICK_MODELS = ("recbole/FM", "recbole/SASRec", "torchrec/DLRM", "gr/HSTU")
+TABLE_START, TABLE_END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
+GEMMS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
+         torch.baddbmm, torch.einsum, torch.tensordot, operator.matmul, torch.conv1d, torch.conv2d,
+         torch.nn.functional.conv1d, torch.nn.functional.conv2d}
+GEMM_METHODS = {"matmul", "mm", "bmm"}
+
+
+def cold_caches() -> str:
+    """Fresh cache folders for Inductor and recompile (autotune decisions), and no FX-graph / AOT-autograd cache
+    shared between the Inductor and rec_ascend compiles of one graph."""
+    folder = tempfile.mkdtemp(prefix="bench_corpus_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "inductor")
+    os.environ["RECOMPILE_CACHE_DIR"] = os.path.join(folder, "recompile")
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    return folder
+
+
+def step_fn(case: Case, fn, module, inputs):
+    if not case.training:
+        return lambda: fn(*inputs)
+
+    def step():
+        module.zero_grad(set_to_none=True)
+        fn(*inputs).backward()
+
+    return step
+
+
+def race(steps: dict, rounds: int) -> tuple[dict, dict]:
+    """``race_ms`` over the steps that run; a backend that fails (Inductor fails on some RecBole graphs) is left
+    out and its error returned beside the timings."""
+    errors = {}
+    for name, step in list(steps.items()):
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001  (any backend failure is a result to report)
+            errors[name] = error_text(exc)
+            del steps[name]
+    return race_ms(steps, rounds), errors
+
+
+def error_text(exc: Exception) -> str:
+    """The line of ``exc``'s message that says what failed (Dynamo wraps a backend's error in advice lines)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip() and not line.startswith("Set TORCH")]
+    said = next((line for line in lines if "Error:" in line), lines[-1] if lines else "")
+    return f"{type(exc).__name__}: {said[:240]}"
+
+
+def warm_up() -> None:
+    """Pay the process's one-time costs (Inductor's imports and compile workers) before any compile is timed."""
+    torch.compile(lambda x: (x * 2).sum(), backend="inductor")(torch.randn(4))
+    torch._dynamo.reset()
+
+
+def bandwidth_gbs(megabytes: int = 256) -> float:
+    """Measured copy bandwidth (bytes read + written per second), best of 5."""
+    src = torch.randn(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _value(node):
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else node
+
+
+def _materialize(arg, requires_grad: bool):
+    """A random tensor of ``arg``'s shape and dtype (fake tensors carry no data)."""
+    value = _value(arg)
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape = [_hint(d) for d in value.shape]  # a dynamic graph's sizes: the ones it was captured with
+    if value.is_floating_point():
+        return torch.randn(shape, dtype=value.dtype).requires_grad_(requires_grad)
+    return torch.zeros(shape, dtype=value.dtype)
+
+
+def _gemm_call(node: fx.Node):
+    if node.op == "call_function" and node.target in GEMMS:
+        return node.target
+    if node.op == "call_method" and node.target in GEMM_METHODS:
+        return getattr(torch, node.target)
+    return None
+
+
+def floor_ms(graphs: list[fx.GraphModule], training: bool, gbs: float, rounds: int) -> dict:
+    """Dense GEMMs timed alone (with their backward for training) plus lookup bytes over ``gbs``."""
+    gemm_ms, lookup_bytes = 0.0, 0
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            fn = _gemm_call(node)
+            if fn is not None:
+                args = fx.node.map_aggregate(node.args, lambda a: _materialize(a, training))
+                kwargs = fx.node.map_aggregate(node.kwargs, lambda a: _materialize(a, training))
+                gemm_ms += _time_alone(fn, args, kwargs, training, rounds)
+            elif node.op == "call_function" and "embedding" in getattr(node.target, "__name__", str(node.target)):
+                lookup_bytes += _lookup_bytes(node) * (2 if training else 1)
+    lookup_ms = lookup_bytes / (gbs * 1e9) * 1e3
+    return {"gemm_ms": gemm_ms, "lookup_bytes": lookup_bytes, "lookup_ms": lookup_ms, "ms": gemm_ms + lookup_ms}
+
+
+def _time_alone(fn, args, kwargs, training: bool, rounds: int) -> float:
+    def once():
+        out = fn(*args, **kwargs)
+        if training and out.requires_grad:
+            out.backward(torch.ones_like(out))
+
+    for _ in range(2):
+        once()
+    return min(_timed(once) for _ in range(max(3, rounds))) * 1e3
+
+
+def _lookup_bytes(node: fx.Node) -> int:
+    """Rows gathered times their width, plus the output written: the bytes a lookup must move at least."""
+    values = [_value(a) for a in node.all_input_nodes]
+    ids = next((v for v in values if isinstance(v, torch.Tensor) and not v.is_floating_point()), None)
+    tables = [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() == 2]
+    out = _value(node)
+    if ids is None or not tables:
+        return 0
+    width, size = _hint(tables[0].shape[1]), tables[0].element_size()
+    written = _hint(out.numel()) * out.element_size() if isinstance(out, torch.Tensor) else 0
+    return _hint(ids.numel()) * width * size + written
+
+
+def _hint(size) -> int:
+    """A dynamic graph's size as the int it was captured with."""
+    return optimization_hint(size, fallback=1)
+
+
+def capture(case: Case, inputs) -> tuple[list[fx.GraphModule], list[float], collections.Counter]:
+    """Dynamo's graphs of ``case`` on ``inputs``, the rec pipeline's time on each, and the regions it found."""
+    from recompile.backend import resolve_target
+    from recompile.options import RecompileOptions
+    from recompile.pipeline import PassContext, run_pipeline
+
+    opts = RecompileOptions()
+    graphs, pass_ms, regions = [], [], collections.Counter()
+
+    def backend(gm, example_inputs):
+        ctx = PassContext(opts, resolve_target(opts), example_inputs, graph_id=len(graphs))
+        start = time.perf_counter()
+        run_pipeline(gm, ctx)
+        pass_ms.append((time.perf_counter() - start) * 1e3)
+        regions.update((r.kind, r.op) for r in ctx.regions)
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(case.training):
+        torch.compile(case.make(0), backend=backend)(*inputs)
+    return graphs, pass_ms, regions
+
+
+def equal(case: Case, compiled, module, reference, inputs) -> bool:
+    out_c, grads_c = run(case, compiled, module, inputs)
+    out_e, grads_e = run(case, reference, reference, inputs)
+    try:
+        assert_equal(out_c, out_e, 1e-5, 1e-6, case.name)
+        for name, g in grads_e.items():
+            assert_equal(grads_c[name], g, 1e-4, 1e-5, name)
+    except (AssertionError, KeyError):
+        return False
+    return True
+
+
+def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False) -> dict:
+    torch._dynamo.reset()
+    modules = {b: case.make(0) for b in BACKENDS}
+    fns = {"eager": modules["eager"], "inductor": torch.compile(modules["inductor"], backend="inductor"),
+           "rec_ascend": torch.compile(modules["rec_ascend"], backend="rec_ascend")}
+    if quick:
+        batches = QUICK_TRAIN_BATCHES if case.training else QUICK_INFER_BATCHES
+    else:
+        batches = TRAIN_BATCHES if case.training else INFER_BATCHES
+    first = 128
+    inputs = {b: case.inputs(b, 0) for b in batches}
+    compile_s, errors = {}, {}
+    for name in ("inductor", "rec_ascend"):
+        step = step_fn(case, fns[name], modules[name], inputs[first])
+        try:
+            cold = _timed(step)
+        except Exception as exc:  # noqa: BLE001
+            errors[f"{name} at batch {first}"] = error_text(exc)
+            continue
+        compile_s[name] = max(0.0, cold - min(_timed(step) for _ in range(3)))
+    numbers_equal = "rec_ascend" in compile_s and equal(case, fns["rec_ascend"], modules["rec_ascend"], modules["eager"],
+                                                        inputs[first])
+    ms, floors = {}, {}
+    for b in batches:
+        steps = {name: step_fn(case, fns[name], modules[name], inputs[b]) for name in BACKENDS}
+        ms[b], failed = race(steps, rounds)
+        errors.update({f"{name} at batch {b}": why for name, why in failed.items()})
+        graphs, pass_ms, regions = capture(case, inputs[b])
+        floors[b] = floor_ms(graphs, case.training, gbs, rounds)
+    report = _explain(case, inputs[first])
+    expected = EXPECTED[case.model]
+    return {
+        "case": case.name, "training": case.training,
+        "regions_expected": [{"label": e.label, "found": e.found(regions) >= e.count, "track": e.track} for e in expected],
+        "regions_found": {f"{k} {op}": n for (k, op), n in sorted(regions.items())},
+        "graph_breaks": {"found": report["breaks"], "expected": graph_breaks(case.model)[0]},
+        "autotune": report["autotune"],
+        "numbers_equal": numbers_equal,
+        "compile_s": compile_s,
+        "ms": {str(b): v for b, v in ms.items()},
+        "floor": {str(b): v for b, v in floors.items()},
+        "pass_ms": pass_ms,
+        "errors": errors,
+        "verdict": verdict(ms, floors, compile_s, report["autotune"]) + [f"{k} failed: {v}" for k, v in errors.items()],
+    }
+
+
+def _explain(case: Case, inputs) -> dict:
+    import recompile
+
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(case.training):
+        d = recompile.explain(case.make(0), *inputs).to_dict()
+    return {"breaks": len([g for g in d["graphs"] if g["break_reason"]]),
+            "autotune": [f"graph {t['graph']}: {t['choice']}" for t in d["autotune"]]}
+
+
+def verdict(ms: dict, floors: dict, compile_s: dict, autotune: list[str]) -> list[str]:
+    """Where the issue's targets are missed, and what the run shows about why."""
+    notes = []
+    for b, m in ms.items():
+        if "rec_ascend" not in m:
+            continue
+        best = min(m.get("eager", float("inf")), m.get("inductor", float("inf")))
+        if m["rec_ascend"] > best:
+            kept = f"autotune kept {', '.join(autotune)}" if autotune else "no autotune decision recorded"
+            notes.append(f"batch {b}: rec_ascend {m['rec_ascend']:.3f} ms > min(eager, inductor) {best:.3f} ms ({kept})")
+        if m["rec_ascend"] > 1.5 * floors[b]["ms"]:
+            notes.append(f"batch {b}: {m['rec_ascend'] / floors[b]['ms']:.1f}x its floor {floors[b]['ms']:.3f} ms")
+    if len(compile_s) == 2 and compile_s["rec_ascend"] > 1.5 * compile_s["inductor"]:
+        notes.append(f"cold compile {compile_s['rec_ascend'] / max(compile_s['inductor'], 1e-9):.1f}x Inductor's")
+    return notes
+
+
+def render_table(rows: list[dict]) -> str:
+    lines = ["| case | regions expected: found | numbers equal | speed: min(eager, inductor) / rec per batch "
+             "| rec / floor per batch | cold compile rec / inductor |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        regions = ", ".join(f"{e['label']}: {'yes' if e['found'] else 'no'}" for e in r["regions_expected"]) or "none"
+        speed = ", ".join(f"{b}: {_ratio(min(m.get('eager', nan), m.get('inductor', nan)), m.get('rec_ascend'))}"
+                          for b, m in r["ms"].items())
+        floor = ", ".join(f"{b}: {_ratio(m.get('rec_ascend'), r['floor'][b]['ms'])}" for b, m in r["ms"].items())
+        comp = r["compile_s"]
+        compile_text = " / ".join(f"{comp[k]:.1f} s" if k in comp else "failed" for k in ("rec_ascend", "inductor"))
+        lines.append(f"| {r['case']} | {regions} | {'yes' if r['numbers_equal'] else 'NO'} | {speed} | {floor} "
+                     f"| {compile_text} ({_ratio(comp.get('rec_ascend'), comp.get('inductor'))}) |")
+    return "\n".join(lines)
+
+
+def _ratio(a, b) -> str:
+    """``a / b`` as "1.23x"; "n/a" where either failed (nan, None) or ``b`` is 0."""
+    if a is None or b is None or a != a or b != b or not b:
+        return "n/a"
+    return f"{a / b:.2f}x"
+
+
+def write_doc(path: str, result: dict) -> None:
+    """Replace the text between the doc's table markers with the table of ``result``."""
+    doc = Path(path)
+    text = doc.read_text()
+    if TABLE_START not in text or TABLE_END not in text:
+        raise ValueError(f"{path} has no {TABLE_START} ... {TABLE_END} markers to render the corpus table between")
+    head, rest = text.split(TABLE_START, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    note = (f"Measured {result['date']} on {result['machine']}, {result['threads']} threads, commit "
+            f"{result['commit']}{', --quick' if result['quick'] else ''}; speed ratios above 1 mean rec_ascend is "
+            f"faster. Generated by `python -m models.bench_corpus`.")
+    doc.write_text(f"{head}{TABLE_START}\n{note}\n\n{render_table(result['rows'])}\n{TABLE_END}{tail}")
+
+
+def commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=Path(__file__).parent)
+    return out.stdout.strip() or "unknown"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m models.bench_corpus", description=__doc__.split("\n\n")[0])
+    models = sorted({c.model for c in CASES.values()})
+    p.add_argument("--models", nargs="+", choices=models, metavar="MODEL", help=f"default: all ({', '.join(models)})")
+    p.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)}; batch 128 (inference: 1 and 128); one timed round")
+    p.add_argument("--rounds", type=int, default=10, help="timed rounds, each running every backend once in turn")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--json", default="docs/benchmarks/corpus.json")
+    p.add_argument("--doc", default="docs/corpus.md", help="the doc whose corpus table is rendered ('' : none)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cold_caches()
+    warm_up()
+    chosen = args.models or (QUICK_MODELS if args.quick else models)
+    rounds = 1 if args.quick else args.rounds
+    gbs = bandwidth_gbs(64 if args.quick else 256)
+    print(f"copy bandwidth {gbs:.1f} GB/s, {torch.get_num_threads()} threads", flush=True)
+    rows = []
+    for case in (c for c in CASES.values() if c.model in chosen):
+        row = bench_case(case, rounds, gbs, args.quick)
+        rows.append(row)
+        print(f"{row['case']:40s} equal={row['numbers_equal']} compile " +
+              " ".join(f"{k} {v:.1f}s" for k, v in row["compile_s"].items()) + "  " +
+              "  ".join(f"b{b}: " + " ".join(f"{k} {v:.3f}" for k, v in m.items()) + f" floor {row['floor'][b]['ms']:.3f}"
+                        for b, m in row["ms"].items()), flush=True)
+        for note in row["verdict"]:
+            print(f"    {note}", flush=True)
+    result = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
+              "threads": torch.get_num_threads(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "commit": commit(), "quick": args.quick, "rounds": rounds, "bandwidth_gbs": gbs, "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    write_json(args.json, result)
+    if args.doc:
+        write_doc(args.doc, result)
+    print(f"wrote {args.json}" + (f" and the table in {args.doc}" if args.doc else ""))
+    return result
+
+
+if __name__ == "__main__":
+    main()

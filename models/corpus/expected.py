@@ -1,0 +1,112 @@
+"""What rec_ascend should find in each corpus model, and why: the table the corpus tests and benchmark check.
+
+``EXPECTED[model]`` lists the rec regions the model's code contains (each FM, cross net, dot interaction,
+grouped lookup and jagged attention), as (region kind, the ops that may implement it, at least how many, why).
+``GRAPH_BREAKS[model]`` is how many graph breaks Dynamo must make in it, and why; every other model must compile
+as one graph. An entry's ``track`` names the work that builds its recognition where main does not find it yet: its
+test is ``xfail(strict=True)``, so it fails loudly once that work lands and the mark should go.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.corpus import gr_hstu, recbole_zoo, torchrec_zoo
+
+CANON = "track canon: one spelling per computation (issue 16 section 1) recognises it"
+JAGGED = "track jagged: padded and jagged attention without graph breaks (issue 16 section 2) recognises it"
+UNASSIGNED = "no track yet: a masked-mean pooling over nn.Embedding is not seen as an embedding bag (issue 16)"
+
+CROSS_OPS = ("recompile::cross_layer", "recompile::cross_stack", "recompile::cross_mixture")
+
+
+@dataclass(frozen=True)
+class Expect:
+    kind: str  # the region kind (recompile.pipeline.REGION_KINDS)
+    ops: tuple[str, ...] | None  # the ops that may implement it; None: any op of the kind
+    count: int  # at least this many such regions
+    why: str  # where in the model's code the region is
+    track: str | None = None  # not found by main yet: who builds it
+
+    def found(self, regions) -> int:
+        """How many of ``regions`` ((kind, op) -> count) meet this expectation."""
+        return sum(n for (kind, op), n in regions.items() if kind == self.kind and (self.ops is None or op in self.ops))
+
+    @property
+    def label(self) -> str:
+        return f"{self.count}x {self.kind}" + (f" {'|'.join(o.split('::')[1] for o in self.ops)}" if self.ops else "")
+
+
+def fm(why: str) -> Expect:
+    return Expect("interaction", ("recompile::fm_second_order",), 1, why)
+
+
+def cross(why: str, track: str | None = CANON) -> Expect:
+    return Expect("interaction", CROSS_OPS, 1, why, track)
+
+
+LOOKUPS = Expect("embedding", ("recompile::grouped_embedding_bag",), 1,
+                 "EmbeddingBagCollection: one pooled lookup per table, grouped into one call")
+MEAN_BAG = Expect("embedding", ("recompile::grouped_embedding_bag",), 1,
+                  "ContextRecommender.embed_token_seq_fields: the genre list ('class', token_seq) is an nn.Embedding "
+                  "lookup then a mean over the non-zero ids (mask = seq != 0, sum / count): an embedding bag in "
+                  "mean mode", UNASSIGNED)
+
+EXPECTED: dict[str, tuple[Expect, ...]] = {
+    # RecBole context-aware models: every one embeds the genre list through embed_token_seq_fields.
+    "recbole/FM": (fm("BaseFactorizationMachine: 0.5 * (sum(v, 1)^2 - sum(v^2, 1)) summed over the embedding"), MEAN_BAG),
+    "recbole/DeepFM": (fm("BaseFactorizationMachine, the FM half of DeepFM"), MEAN_BAG),
+    "recbole/NFM": (fm("BaseFactorizationMachine(reduce_sum=False): the bi-interaction pooling under NFM's MLP"),
+                    MEAN_BAG),
+    "recbole/DCN": (cross("DCN.cross_network: x_l+1 = x0 * tensordot(x_l, w_l) + b_l + x_l, raw Parameters "
+                          "(a vector cross layer), cross_layer_num layers"), MEAN_BAG),
+    "recbole/DCNV2": (cross("DCNV2.cross_network: x_l+1 = x0 * (matmul(W_l, x_l.unsqueeze(2)) + b_l) + x_l, raw "
+                            "Parameters, cross_layer_num layers"), MEAN_BAG),
+    "recbole/PNN": (Expect("interaction", ("recompile::dot_interaction",), 1,
+                           "InnerProductLayer: (feat_emb[:, row] * feat_emb[:, col]).sum(-1) over the upper-triangle "
+                           "pairs built by Python loops: a dot interaction", CANON), MEAN_BAG),
+    "recbole/WideDeep": (MEAN_BAG,),
+    "recbole/xDeepFM": (MEAN_BAG,),  # CIN: outer products through conv1d, no region of ours
+    "recbole/AutoInt": (MEAN_BAG,),  # multi-head self-attention over the F fields, dense: no jagged region
+    "recbole/AFM": (MEAN_BAG,),  # pairwise element-wise products weighted by attention, not summed: no dot region
+    "recbole/FwFM": (MEAN_BAG,),  # pairwise dots weighted per field pair: no plain dot region
+    # RecBole sequential models: padded histories [B, MAX_ITEM_LIST_LENGTH], padding id 0.
+    "recbole/SASRec": (Expect("attention", None, recbole_zoo.SMALL["n_layers"],
+                              "TransformerEncoder: causal softmax attention per layer over the padded history, additive "
+                              "mask from item_seq != 0 (get_attention_mask)", JAGGED),),
+    "recbole/BERT4Rec": (Expect("attention", None, recbole_zoo.SMALL["n_layers"],
+                                "TransformerEncoder: bidirectional softmax attention per layer over the padded history, "
+                                "additive mask from item_seq != 0", JAGGED),),
+    "recbole/GRU4Rec": (),  # nn.GRU over the history: no rec region
+    "recbole/Caser": (),  # convolutions over the history's embedding matrix
+    "recbole/NARM": (),  # nn.GRU and additive attention: no rec region
+    # TorchRec models and modules, EmbeddingBagCollection + KeyedJaggedTensor inputs.
+    "torchrec/DLRM": (LOOKUPS, Expect("interaction", ("recompile::dot_interaction",), 1,
+                                      "InteractionArch: bmm of [dense, sparse] with its transpose, the pairs picked "
+                                      "with triu_indices(F + 1, offset=1)")),
+    "torchrec/DLRM_DCN": (LOOKUPS, cross("InteractionDCNArch: LowRankCrossNet, x0 * (W (V x) + b) + x with the "
+                                         "weights in ParameterLists, dcn_num_layers layers")),
+    "torchrec/DeepFM": (LOOKUPS, fm("FactorizationMachine: the flattened FM over the pooled embeddings")),
+    "torchrec/CrossNet": (LOOKUPS, cross("CrossNet: x0 * (W x + b) + x, W in a ParameterList (matmul form)")),
+    "torchrec/LowRankCrossNet": (LOOKUPS, cross("LowRankCrossNet: x0 * (W (V x) + b) + x")),
+    "torchrec/VectorCrossNet": (LOOKUPS, cross("VectorCrossNet: x0 * (x . w) + b + x, a vector weight per layer")),
+    "torchrec/LowRankMixtureCrossNet": (LOOKUPS, cross("LowRankMixtureCrossNet: gated experts x0 * (U g(C g(V x))) + "
+                                                       "b mixed by a softmax gate (DCN-Mix)")),
+    # generative-recommenders' HSTU (gr_hstu): jagged q/k/v padded with fbgemm.jagged_to_padded_dense.
+    "gr/HSTU": (Expect("attention", ("recompile::hstu_attention",), gr_hstu.LAYERS,
+                       "_hstu_attention: silu(einsum(q, k) + bias) / n * causal mask, einsum with v, per layer", JAGGED),),
+}
+
+GRAPH_BREAKS: dict[str, tuple[int, str, str | None]] = {
+    "recbole/GRU4Rec": (1, "nn.GRU: Dynamo does not trace RNN modules; no rec region is near it", None),
+    "recbole/NARM": (1, "nn.GRU: Dynamo does not trace RNN modules; no rec region is near it", None),
+    "gr/HSTU": (0, "fbgemm.dense_to_jagged has a data-dependent output shape: Dynamo stops there without "
+                   "capture_dynamic_output_shape_ops, splitting the attention region", JAGGED),
+}
+
+
+def graph_breaks(model: str) -> tuple[int, str, str | None]:
+    return GRAPH_BREAKS.get(model, (0, "", None))
+
+
+assert set(EXPECTED) == {f"recbole/{n}" for n in recbole_zoo.CONTEXT + recbole_zoo.SEQUENTIAL} | {
+    f"torchrec/{n}" for n in torchrec_zoo.MODELS} | {"gr/HSTU"}, "every corpus model has its row"

@@ -1,0 +1,132 @@
+"""RecBole 1.2.1 models, unmodified, on the MovieLens-100k files its wheel ships.
+
+RecBole is installed without its dependency pins (``pip install --no-deps recbole==1.2.1``); the small runtime
+packages its config, data and model modules import are in the ``test`` extra. Two things in it need the harness:
+
+- it reads NumPy 1 aliases (``np.float_`` ...) at import: ``numpy_aliases`` defines the ones NumPy 2 removed,
+  before the first import, and leaves NumPy otherwise alone;
+- importing its sequential models turns on autograd anomaly detection for the whole process
+  (``sine.py``: ``torch.autograd.set_detect_anomaly(True)``): ``recbole()`` turns it off again.
+
+Models are built through RecBole's own ``Config`` / ``create_dataset`` / ``data_preparation``, so their
+hyper-parameters are RecBole's defaults for ml-100k except the sizes ``SMALL`` shrinks, and batches are its
+training dataloader's (labels for context-aware models; item histories, masks and targets for sequential ones).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import logging
+import os
+import random
+import types
+import warnings
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+# NumPy 2 removed these aliases; RecBole 1.2.1 reads them at import and when building datasets.
+NUMPY_ALIASES = {"float_": np.float64, "complex_": np.complex128, "unicode_": np.str_}
+
+# FiBiNET is not in RecBole 1.2.1; AFM and FwFM are its other pairwise-interaction models.
+CONTEXT = ("DCNV2", "DCN", "DeepFM", "WideDeep", "xDeepFM", "AutoInt", "AFM", "FwFM", "NFM", "PNN", "FM")
+SEQUENTIAL = ("SASRec", "BERT4Rec", "GRU4Rec", "Caser", "NARM")
+# The model whose configuration prepares the data of its kind; every model of the kind reads the same columns.
+REPRESENTATIVE = {"context": "DCN", "sequential": "SASRec"}
+ROWS = 4096  # training rows prepared per kind: the largest batch the benchmark times
+
+# Sizes small enough for the test suite; the rest is RecBole's per-model default configuration.
+SMALL = {
+    "embedding_size": 8, "hidden_size": 16, "inner_size": 32, "n_layers": 1, "n_heads": 2,
+    "mlp_hidden_size": [16, 16], "cross_layer_num": 2, "low_rank": 4, "cin_layer_size": [8, 8],
+    "attention_size": 8, "num_layers": 1, "MAX_ITEM_LIST_LENGTH": 12, "nv": 2, "nh": 2,
+}
+# The sequential models train with a full softmax over the items (CE): no sampled negatives.
+SEQUENTIAL_CONFIG = {"train_neg_sample_args": None, "loss_type": "CE"}
+
+
+def numpy_aliases() -> None:
+    for name, value in NUMPY_ALIASES.items():
+        if not hasattr(np, name):
+            setattr(np, name, value)
+
+
+@functools.cache
+def recbole():
+    """The RecBole modules the corpus uses, imported once with the aliases set and anomaly detection undone."""
+    numpy_aliases()
+    anomaly = torch.is_anomaly_enabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from recbole.config import Config
+        from recbole.data import create_dataset, data_preparation
+        from recbole.data.transform import construct_transform
+        from recbole.utils import get_model
+    torch.autograd.set_detect_anomaly(anomaly)
+    logging.getLogger().setLevel(logging.ERROR)
+    return types.SimpleNamespace(Config=Config, create_dataset=create_dataset, data_preparation=data_preparation,
+                                 construct_transform=construct_transform, get_model=get_model)
+
+
+def dataset_root() -> str:
+    import importlib.util
+
+    return os.path.join(os.path.dirname(importlib.util.find_spec("recbole").origin), "dataset_example")
+
+
+def _params(name: str) -> dict:
+    return {**SMALL, **(SEQUENTIAL_CONFIG if name in SEQUENTIAL else {}), "data_path": dataset_root(), "use_gpu": False,
+            "show_progress": False, "train_batch_size": ROWS, "state": "ERROR"}
+
+
+@functools.cache
+def config(name: str):
+    """RecBole's configuration of model ``name`` on ml-100k (its defaults, the sizes ``SMALL`` sets)."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        return recbole().Config(model=name, dataset="ml-100k", config_dict=_params(name))
+
+
+@functools.cache
+def training_data(kind: str):
+    """(dataset, first training batch of ``ROWS`` rows) that RecBole's dataloader gives every model of ``kind``:
+    the models of one kind read the same data, so it is prepared once."""
+    rb = recbole()
+    cfg = config(REPRESENTATIVE[kind])
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        train, _, _ = rb.data_preparation(cfg, rb.create_dataset(cfg))
+    return train.dataset, next(iter(train))
+
+
+def kind(name: str) -> str:
+    return "sequential" if name in SEQUENTIAL else "context"
+
+
+@functools.cache
+def transform(name: str):
+    """The batch transform model ``name``'s configuration names; constructing it also writes the field names it
+    adds into the configuration (BERT4Rec's model reads them), so it comes before the model."""
+    return recbole().construct_transform(config(name))
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    """RecBole model ``name`` with its initial weights drawn from ``seed``, in eval mode (dropout off, so the
+    compiled and eager runs compare the same function)."""
+    dataset, _ = training_data(kind(name))
+    transform(name)
+    torch.manual_seed(seed)
+    return recbole().get_model(name)(config(name), dataset).eval()
+
+
+def batch(name: str, size: int, seed: int = 0):
+    """``size`` rows (a RecBole ``Interaction``) of the shuffled training data, the ``seed``-th such slice, after
+    the batch transform the model's configuration names (BERT4Rec's item masking)."""
+    if size > ROWS:
+        raise ValueError(f"batch {size} for {name}: the corpus prepares {ROWS} rows per model")
+    dataset, rows = training_data(kind(name))
+    start = seed * size % (ROWS - size + 1)
+    random.seed(seed)
+    return transform(name)(dataset, rows[start:start + size])
