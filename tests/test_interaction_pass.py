@@ -131,13 +131,26 @@ def test_other_pairs_are_left_alone():
             idx = torch.arange(t.shape[1])
             return dots[:, idx, idx]  # the diagonal: not an interaction order
 
+    assert _regions(Diagonal(), torch.randn(2, 3, 4)) == []
+
+
+def test_pairs_selected_over_the_whole_batch_are_each_samples_pairs_reshaped():
+    """A triu mask broadcast over [B, F, F] selects every sample's pairs in order: normalize's pairs form is the
+    [B, P] dot interaction followed by the user's reshape, and the numbers are eager's."""
     class Flattened(nn.Module):
-        def forward(self, t):  # all samples' pairs in one row: not [B, P]
+        def forward(self, t):
             dots = torch.bmm(t, t.transpose(1, 2))
             return torch.masked_select(dots, torch.ones(3, 3, dtype=torch.bool).triu(1)).view(1, -1)
 
-    assert _regions(Diagonal(), torch.randn(2, 3, 4)) == []
-    assert _regions(Flattened(), torch.randn(2, 3, 4)) == []
+    t = torch.randn(5, 3, 4)
+    assert [r["op"] for r in _regions(Flattened(), t)] == ["recompile::dot_interaction"]
+    outs, grads = [], []
+    for model in (Flattened(), torch.compile(Flattened(), backend="rec_ascend")):
+        x = t.clone().requires_grad_()
+        outs.append(model(x))
+        grads.append(torch.autograd.grad(outs[-1].pow(2).sum(), x)[0])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
 
 
 class CrossNet(nn.Module):
