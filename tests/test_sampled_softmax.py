@@ -112,7 +112,9 @@ def test_the_pass_replaces_the_loss_and_matches_eager(form, mask):
     compiled = torch.compile(model, backend="rec_ascend")
     got = _loss_and_grads_of_module(compiled, h, targets, negatives)
     want = _loss_and_grads_of_module(model, h, targets, negatives)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Logits scaled by 10: eager's fp32 result is itself up to ~5e-5 from float64's, and whichever kernel the
+    # race keeps sums in another order (measured: the op is as close to float64 as eager, or closer).
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def _loss_and_grads_of_module(model, h, targets, negatives):
