@@ -10,7 +10,8 @@ os.environ.setdefault("RECOMPILE_CACHE_DIR", tempfile.mkdtemp(prefix="recompile-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import recompile  # noqa: E402,F401  (registers passes and ops)
+import recompile.passes  # noqa: E402,F401  (registers the passes)
+import runtime  # noqa: E402,F401  (defines torch.ops.recompile.*)
 
 
 @pytest.fixture(autouse=True)
