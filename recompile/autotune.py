@@ -63,7 +63,7 @@ import torch
 import torch.fx as fx
 from torch._library.custom_ops import OPDEFS
 
-from recompile.lowering import candidates
+from recompile.lowering import candidates, ops_where
 from recompile.lowering.targets import synchronize
 from recompile.passes.utils import input_metas, is_training, meta_value, written
 from recompile.pipeline import PassContext, concrete_inputs, run_pipeline
@@ -192,10 +192,10 @@ def cached_decision(rewritten: fx.GraphModule, target: str) -> dict | None:
 # Ops that change state the graph does not own, so every timing run would train or fill a table: hash-table
 # lookups (they insert, and their backward applies the optimizer) and the fused embedding optimizer.
 STATEFUL_NAMESPACES = frozenset({"hkv"})
-UPDATES_IN_BACKWARD = frozenset({"recompile::grouped_embedding_bag_fused"})
+UPDATES_IN_BACKWARD = ops_where("updates_in_backward")
 # Lookups whose bounds_check "warning"/"ignore" clamps or skips ids the captured graph would raise on:
 # with those modes the captured graph is no candidate.
-BOUNDS_CHECKED = frozenset({"recompile::grouped_embedding_bag", "recompile::grouped_embedding_bag_fused"})
+BOUNDS_CHECKED = ops_where("bounds_checked")
 
 
 def _is_random(name: str) -> bool:
