@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut 
 # The 25 slowest tests are printed, so that a test growing slow is seen.
 PYTEST_ARGS ?= -n 2 --durations=25
 
-.PHONY: venv browser run test bench clean
+.PHONY: venv browser run test wheel-check bench clean
 
 $(STAMP):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ browser:
 
 test: venv browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The wheel built from this tree, installed into a fresh venv with its dependencies, compiles a zoo model.
+wheel-check: venv
+	$(PY) .ci/wheel_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""CI's wheel check: the wheel a user builds works in a fresh virtual environment.
+
+``pip wheel --no-build-isolation --no-deps`` on a copy of the working tree (no earlier build's leftovers), then a
+new venv gets ``torch==2.13.0`` and ``pip install <wheel>`` with its declared dependencies, as a user's would. Run
+from outside the checkout with no C++ compiler on PATH, ``import hkv`` and ``import recompile.distributed`` build
+nothing, and the zoo's DLRM compiles with rec_ascend, every pass on, its native kernels chosen, no fallback, with
+eager's numbers. ``make wheel-check`` runs it; ``.ci/run`` calls that after the tests.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCH = "torch==2.13.0"
+
+CHILD = r"""
+import os, sys
+target = sys.argv[1]
+import hkv, recompile.distributed, runtime.native
+for module in (hkv, recompile.distributed, runtime):
+    assert module.__file__.startswith(target), module.__file__
+assert hkv.cpu.available() and runtime.native.isa() in ("generic", "avx2", "avx512")
+if sys.argv[2] == "imports":
+    sys.exit(0)
+import torch, recompile
+from models.zoo import MODELS
+torch.manual_seed(0)
+work = MODELS["dlrm"]("small")
+report = recompile.explain(work.model, *work.inputs).to_dict()
+assert not report["fallbacks"], report["fallbacks"]
+kernels = {r["op"]: (r["kernel_kind"], r["kernel"]) for r in report["regions"]}
+native = {op for op, (kind, _) in kernels.items() if kind == "cpu_kernel"}
+want = {"recompile::grouped_embedding_bag", "recompile::dot_interaction"}
+assert want <= native, kernels
+model = work.model.eval()  # no dropout: rec_ascend's counter-based masks are not eager's draws
+compiled = torch.compile(model, backend="rec_ascend")
+with torch.no_grad():
+    torch.manual_seed(1)
+    want = model(*work.inputs)
+    torch.manual_seed(1)
+    got = compiled(*work.inputs)
+torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+print("compiled", sorted(native))
+"""
+
+
+def _run(cmd, **kw):
+    result = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if result.returncode != 0:
+        sys.exit(f"wheel check: {cmd[:4]} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def _checkout(dest) -> str:
+    """The working tree's files (tracked and new, not ignored) in ``dest``: a build that no earlier build's
+    leftovers (build/, in-place libraries) can reach."""
+    files = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT).stdout
+    for name in filter(None, files.split("\0")):
+        if os.path.isfile(os.path.join(ROOT, name)):
+            os.makedirs(os.path.dirname(os.path.join(dest, name)) or dest, exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, name), os.path.join(dest, name))
+    return str(dest)
+
+
+
+def main(work: str) -> None:
+    start = time.monotonic()
+    dist, venv = os.path.join(work, "dist"), os.path.join(work, "venv")
+    source = _checkout(os.path.join(work, "src"))
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", dist, source],
+         cwd=work, env={**os.environ, "MAX_JOBS": str(os.cpu_count() or 1)})
+    [wheel] = [os.path.join(dist, n) for n in os.listdir(dist) if n.startswith("recompile-") and n.endswith(".whl")]
+    names = zipfile.ZipFile(wheel).namelist()
+    for needed in ("runtime/csrc/ops.cpp", "runtime/csrc/embedding.h", "hkv/csrc/probe.h"):
+        assert needed in names, f"the wheel lacks {needed}"
+    for lib in ("runtime/_C", "hkv/_C"):
+        assert any(n.startswith(lib) and n.endswith(".so") for n in names), f"the wheel lacks {lib}*.so"
+    _run([sys.executable, "-m", "venv", venv])
+    python = os.path.join(venv, "bin", "python")
+    # torch first and pinned: the wheel's dependencies then resolve against it (no other torch is pulled).
+    _run([python, "-m", "pip", "install", "-q", TORCH])
+    _run([python, "-m", "pip", "install", "-q", wheel])
+    site = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CC", "CXX", "VIRTUAL_ENV")}
+    script = os.path.join(work, "child.py")
+    with open(script, "w") as f:
+        f.write(CHILD)
+    # No compiler on PATH: importing the packages builds nothing.
+    _run([python, script, site, "imports"], cwd=work, env={**env, "PATH": os.path.join(venv, "bin")})
+    out = _run([python, script, site, "compile"], cwd=work, env=env)
+    print(f"wheel check: {os.path.basename(wheel)} installed in a fresh venv, {out.stdout.strip()} "
+          f"({time.monotonic() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory(prefix="recompile-wheel-") as work:
+        main(work)
