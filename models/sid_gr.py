@@ -33,7 +33,7 @@ from models.main import EPOCHS, popularity_ranks
 from models.metrics import ranking_metrics, user_gains
 from models.semantic_ids import SemanticIds, rq_kmeans
 from models.sequential import SASRecBlock, SASRecConfig, init_embeddings
-from models.train import Progress, compile_for, make_optimizer, optimizer_step, write_json
+from models.train import Progress, Run, compile_for, make_optimizer, optimizer_step, train_sequential, write_json
 from models.train import parser as train_parser
 
 
@@ -292,12 +292,66 @@ def sid_gr_ranks(model: SIDGR, split: D.LeaveOneOut, which: str, max_len: int, b
     return torch.cat(ranks)
 
 
+FEATURES = ("svd", "hstu")
+
+
+class FeatureTables:
+    """The item vectors the codes quantize, per (source, seed), made once: ``"svd"`` (``interaction_features``)
+    or ``"hstu"``: the item table of an HSTU trained on the same split and seed with the zoo's settings."""
+
+    def __init__(self, split: D.LeaveOneOut, svd_dim: int, settings, hstu_epochs: int):
+        self.split, self.svd_dim, self.settings, self.made = split, svd_dim, settings, {}
+        self.hstu_epochs = hstu_epochs
+
+    def __call__(self, source: str, seed: int) -> torch.Tensor:
+        if (source, seed) not in self.made:
+            self.made[source, seed] = self._make(source, seed)
+        return self.made[source, seed]
+
+    def _make(self, source: str, seed: int) -> torch.Tensor:
+        if source == "svd":
+            return interaction_features(self.split.train, self.svd_dim, seed)
+        args = argparse.Namespace(**{**vars(self.settings), "model": "hstu", "seed": seed, "epochs": self.hstu_epochs})
+        task, _ = train_sequential(args, self.split, Run(max_steps=args.max_steps))
+        return task.item_embeddings().detach()
+
+
+def sid_gr_run(args, settings, split: D.LeaveOneOut, features: FeatureTables, seed: int, which: str):
+    """Codes from ``args.features`` / ``args.codebook``, SID-GR trained on ``seed``, ranked on ``which``:
+    (the run's record, the tokenizer's report)."""
+    sid = rq_kmeans(features(args.features, seed), args.levels, args.codebook, seed=seed)
+    model = train_sid_gr(argparse.Namespace(**{**vars(settings), "seed": seed}), split, sid)
+    ranks = sid_gr_ranks(model, split, which, settings.max_len, args.beams, settings.backend)
+    run = {"seed": seed, "features": args.features, "codebook": args.codebook,
+           "metrics": ranking_metrics(ranks, (K,)), "ranks": ranks.tolist()}
+    return run, sid.report()
+
+
+def tune(args, settings, split: D.LeaveOneOut, features: FeatureTables) -> tuple[list[dict], dict]:
+    """Every (features, codebook) of the grid trained on the first seed and ranked on the validation item (the
+    second-to-last: the test item is never seen); the best NDCG@10 (then HR@10) is chosen."""
+    seed, trials = args.seeds[0], []
+    for source, codebook in itertools.product(args.grid_features, args.grid_codebook):
+        trial = argparse.Namespace(**{**vars(args), "features": source, "codebook": codebook})
+        run, report = sid_gr_run(trial, settings, split, features, seed, "valid")
+        trials.append({"features": source, "codebook": codebook, "metrics": run["metrics"], "codes": report})
+        print(f"validation: features {source} codebook {codebook}: {run['metrics']}", flush=True)
+    best = max(trials, key=lambda t: (t["metrics"][METRICS[1]], t["metrics"][METRICS[0]]))
+    return trials, {"features": best["features"], "codebook": best["codebook"]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m models.sid_gr", description=EVAL_DOC)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--levels", type=int, default=3)
     p.add_argument("--codebook", type=int, default=32)
+    p.add_argument("--features", choices=FEATURES, default="svd",
+                   help="what the codes quantize: the interaction SVD, or the item table of a trained HSTU")
     p.add_argument("--feature-dim", type=int, default=32, help="rank of the interaction SVD the codes quantize")
+    p.add_argument("--tune", action="store_true",
+                   help="choose --features and --codebook on the validation item (first seed), then evaluate")
+    p.add_argument("--grid-features", choices=FEATURES, nargs="+", default=list(FEATURES))
+    p.add_argument("--grid-codebook", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--beams", type=int, default=20)
     p.add_argument("--hstu-epochs", type=int, default=EPOCHS)
     p.add_argument("--workers", type=int, default=2, help="HSTU training runs at once, one thread each")
@@ -306,15 +360,15 @@ def main(argv: list[str] | None = None) -> dict:
     settings = train_parser().parse_args(["--data", "ml-100k", "--backend", "eager", *train_argv])
     split = D.leave_one_out(D.load_ratings())
     which = settings.eval_split
+    features = FeatureTables(split, args.feature_dim, settings, args.hstu_epochs)
+    validation, chosen = tune(args, settings, split, features) if args.tune else ([], {})
+    args = argparse.Namespace(**{**vars(args), **chosen})
     sid_runs, tokenizers = [], []
     for seed in args.seeds:
-        sid = rq_kmeans(interaction_features(split.train, args.feature_dim, seed), args.levels, args.codebook,
-                        seed=seed)
-        tokenizers.append(sid.report())
-        model = train_sid_gr(argparse.Namespace(**{**vars(settings), "seed": seed}), split, sid)
-        ranks = sid_gr_ranks(model, split, which, settings.max_len, args.beams, settings.backend)
-        sid_runs.append({"seed": seed, "metrics": ranking_metrics(ranks, (K,)), "ranks": ranks.tolist()})
-        print(f"SID-GR seed {seed}: {sid_runs[-1]['metrics']} codes {sid.report()}", flush=True)
+        run, report = sid_gr_run(args, settings, split, features, seed, which)
+        sid_runs.append(run)
+        tokenizers.append(report)
+        print(f"SID-GR seed {seed}: {run['metrics']} codes {report}", flush=True)
     hstu_common = ["--data", "ml-100k", "--backend", "eager", "--eval-split", which, "--quiet",
                    "--epochs", str(args.hstu_epochs)]
     hstu_runs = train_runs(argparse.Namespace(models=["hstu"], seeds=args.seeds, workers=args.workers), hstu_common,
@@ -336,6 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {better} > {worse} on {metric}: diff {result['mean_diff']:+.4f}, 95% CI [{lo:+.4f}, {hi:+.4f}]"
                   f" -> {'holds' if lo > 0 else 'NOT shown'}")
     out = {"eval_split": which, "seeds": args.seeds, "sid_settings": vars(args), "settings": vars(settings),
+           "validation": validation, "chosen_on_validation": chosen,
            "tokenizers": tokenizers, "summary": summary, "comparisons": comparisons,
            "hstu_epochs": args.hstu_epochs}
     if args.json:

@@ -97,3 +97,31 @@ def test_training_compiled_with_rec_ascend_matches_eager():
 def test_trie_refuses_shared_code_tuples():
     with pytest.raises(ValueError, match="CodeTrie: two items share"):
         CodeTrie(torch.tensor([[0, 1], [0, 1]]), [1, 2])
+
+
+def test_settings_are_chosen_on_the_validation_item_only(monkeypatch):
+    """``--tune``: every (features, codebook) of the grid is trained and ranked on the validation item, the best
+    NDCG@10 is chosen, and the test item is never looked at; "hstu" features are a trained HSTU's item table."""
+    import argparse
+
+    from models import data as D
+    from models import sid_gr
+    from models.train import parser as train_parser
+
+    split = D.leave_one_out(D.load_ratings())
+    asked = []
+    real = D.LeaveOneOut.held_out
+    monkeypatch.setattr(D.LeaveOneOut, "held_out", lambda self, which: asked.append(which) or real(self, which))
+    settings = train_parser().parse_args(["--data", "ml-100k", "--backend", "eager", "--max-steps", "2", "--quiet",
+                                          "--dim", "16", "--num-layers", "1", "--num-heads", "1", "--batch-size", "64"])
+    args = argparse.Namespace(seeds=[0], levels=2, codebook=32, features="svd", beams=4,
+                              grid_features=["svd", "hstu"], grid_codebook=[4])
+    features = sid_gr.FeatureTables(split, 8, settings, hstu_epochs=1)
+    trials, chosen = sid_gr.tune(args, settings, split, features)
+    assert [(t["features"], t["codebook"]) for t in trials] == [("svd", 4), ("hstu", 4)]
+    best = max(trials, key=lambda t: (t["metrics"]["NDCG@10"], t["metrics"]["HR@10"]))
+    assert chosen == {"features": best["features"], "codebook": best["codebook"]}
+    assert set(asked) == {"valid"}, asked
+    hstu = features("hstu", 0)
+    assert hstu.shape == (split.num_items, 16)  # the HSTU's item table (dim 16), not the rank-8 SVD
+    torch.testing.assert_close(hstu.norm(dim=1), torch.ones(split.num_items))
