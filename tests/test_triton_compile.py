@@ -59,12 +59,15 @@ SPECS = {
                         dict(BUCKET=128, BLOCK=hkv_kernels.BLOCK, CLAIM=True)),
 } | {
     f"hstu_{name}_{t}": (
-        kernel, {**_ptrs(t, "q_ptr", "k_ptr", "v_ptr", "g_ptr", "out_ptr", "dk_ptr", "dv_ptr", "rel_ptr"),
-                 "drel_ptr": "*fp32", **_ptrs("i32", "offsets_ptr", "tile_seq_ptr", "tile_start_ptr"),
-                 **dict.fromkeys(("num_items", "heads", "head_dim", "value_dim", "max_seq_len"), I32),
+        kernel, {**_ptrs(t, "q_ptr", "k_ptr", "v_ptr", "g_ptr", "out_ptr", "dk_ptr", "dv_ptr", "rel_ptr", "time_ptr"),
+                 **_ptrs("fp32", "drel_ptr", "dtime_ptr"), **_ptrs("i32", "offsets_ptr", "tile_seq_ptr", "tile_start_ptr"),
+                 **_ptrs("i64", "targets_ptr", "edges_ptr"), "ts_ptr": "*i64" if time == 1 else "*fp64",
+                 **dict.fromkeys(("num_items", "heads", "head_dim", "value_dim", "max_seq_len", "contextual",
+                                  "num_buckets", "steps"), I32),
                  "alpha": "fp32", "inv_norm": "fp32"},
-        dict(CAUSAL=True, HAS_REL=True, BLOCK=jagged_attention.BLOCK, BLOCK_D=64, BLOCK_V=64, **flags))
-    for t in ("fp32", "bf16")
+        dict(CAUSAL=True, HAS_REL=True, HAS_TARGETS=True, MASKED=True, TIME=time, BLOCK=jagged_attention.BLOCK,
+             BLOCK_D=64, BLOCK_V=64, **flags))
+    for t, time in (("fp32", 1), ("bf16", 2))
     for name, kernel, flags in (("forward", jagged_attention._query_tiles_kernel, dict(DQ=False)),
                                 ("dq", jagged_attention._query_tiles_kernel, dict(DQ=True)),
                                 ("dkdv", jagged_attention._hstu_dkdv_kernel, {}))

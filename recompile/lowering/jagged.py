@@ -28,9 +28,10 @@ for _op, _fbgemm in FBGEMM_EQUIVALENTS.items():
 # Attention on jagged sequences: the Triton kernel on accelerators; on CPU the native kernel (HSTU), then
 # length buckets of dense ATen ops.
 TRITON_ATTENTION = {
-    "hstu_attention": "runtime.triton_kernels.jagged_attention (forward over query tiles)",
-    "hstu_attention_backward": "runtime.triton_kernels.jagged_attention (dq over query tiles, dk dv and bias grads "
-                               "over key tiles)",
+    "hstu_attention": "runtime.triton_kernels.jagged_attention (forward over query tiles; position and time bias, "
+                      "targets, contextual prefix in the kernel)",
+    "hstu_attention_backward": "runtime.triton_kernels.jagged_attention (dq over query tiles, dk dv and both bias "
+                               "grads over key tiles)",
 }
 NATIVE_ATTENTION = {
     "hstu_attention": "csrc/jagged_attention.h: tiles of each sequence, bias and mask fused, no padding",
