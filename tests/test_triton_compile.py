@@ -28,11 +28,13 @@ def _ptrs(kind, *names):
 
 # (kernel, argument types, constexpr values): the specialisations the wrappers launch
 SPECS = {
-    f"embedding_{w}_{i}_{s}": (embedding._pooled_rows_kernel,
-                               {**_ptrs(w, "weight_ptr", "out_ptr"), **_ptrs(i, "ids_ptr", "bounds_ptr"),
-                                "scale_ptr": "*fp32", **dict.fromkeys(("num_bags", "dim", "weight_stride", "out_stride"), I32)},
-                               dict(HAS_SCALE=s, BLOCK_B=16, BLOCK_L=embedding.BLOCK_L, BLOCK_D=64))
-    for w, i, s in (("fp32", "i64", True), ("fp16", "i32", False), ("bf16", "i64", False))
+    f"embedding_{w}_{i}_{'backward' if b else 'forward'}": (
+        embedding._grouped_kernel,
+        {"meta_ptr": "*i64", **_ptrs("fp32" if b else w, "w_ptr"), **_ptrs(w, "out_ptr"), **_ptrs(i, "ids_ptr", "offs_ptr"),
+         "psw_ptr": "*fp32", "err_ptr": "*i32", **dict.fromkeys(("num_items", "num_tables", "out_stride"), I32)},
+        dict(BACKWARD=b, HAS_PSW=not b, BLOCK_T=4, BLOCK_B=16, BLOCK_L=embedding.BLOCK_L, BLOCK_D=64))
+    for w, i, b in (("fp32", "i64", False), ("fp16", "i32", False), ("bf16", "i64", False), ("fp32", "i64", True),
+                    ("bf16", "i32", True))
 } | {
     f"dot_interaction_{t}": (interaction._dot_interaction_kernel,
                              {**_ptrs(t, "t_ptr", "prefix_ptr", "out_ptr"),

@@ -15,7 +15,8 @@ native_runs = native_on_cpu(embedding_native.available)  # runtime/csrc/embeddin
 
 register_lowering(
     "recompile::grouped_embedding_bag",
-    Impl("triton", "triton", has_triton, "runtime.triton_kernels.embedding (one persistent grid over all tables' bags)"),
+    Impl("triton", "triton", has_triton, "runtime.triton_kernels.embedding: every table's bags in one launch, ids and "
+         "offsets checked in the kernel and reported after; the backward's dense gradients in one launch"),
     Impl("native", "cpu_kernel", native_runs, "runtime/csrc/embedding.h: every table and bag in one OpenMP call"),
     Impl("cpu", "cpu_kernel", on_cpu, "ATen embedding_bag per table (FBGEMM EmbeddingSpMDM) in one op"),
     reference("runtime.embedding.grouped_embedding_bag_reference"),
