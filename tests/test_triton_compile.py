@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's packages
 from hkv import triton_kernels as hkv_kernels  # noqa: E402
-from runtime.triton_kernels import embedding, interaction, jagged_attention, offsets  # noqa: E402
+from runtime.triton_kernels import embedding, embedding_optimizer, interaction, jagged_attention, offsets  # noqa: E402
 
 I32 = "i32"
 
@@ -35,6 +35,15 @@ SPECS = {
         dict(BACKWARD=b, HAS_PSW=not b, BLOCK_T=4, BLOCK_B=16, BLOCK_L=embedding.BLOCK_L, BLOCK_D=64))
     for w, i, b in (("fp32", "i64", False), ("fp16", "i32", False), ("bf16", "i64", False), ("fp32", "i64", True),
                     ("bf16", "i32", True))
+} | {
+    f"optimizer_{kind}_{w}": (
+        embedding_optimizer._step_kernel,
+        {"meta_ptr": "*i64", "step_size_ptr": "*fp32", **_ptrs("i64", "keys_ptr", "order_ptr", "run_end_ptr"),
+         **_ptrs("i32", "table_ptr", "bag_ptr"), **_ptrs("fp32", "factor_ptr", "s1_ptr", "s2_ptr"),
+         **_ptrs(w, "grad_ptr", "w_ptr"), "n": I32, "grad_stride": I32,
+         **dict.fromkeys(("lr", "eps", "beta1", "beta2"), "fp32")},
+        dict(OPT=embedding_optimizer.OPTIMIZERS.index(kind), BLOCK_R=64, BLOCK_D=64))
+    for kind in embedding_optimizer.OPTIMIZERS for w in ("fp32", "bf16")
 } | {
     f"dot_interaction_{t}": (interaction._dot_interaction_kernel,
                              {**_ptrs(t, "t_ptr", "prefix_ptr", "out_ptr"),

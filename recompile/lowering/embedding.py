@@ -22,11 +22,13 @@ register_lowering(
     reference("runtime.embedding.grouped_embedding_bag_reference"),
 )
 
-# The fused optimizer's step (not timed: it updates the tables): the native kernel (ids deduplicated and touched
+# The fused optimizer's step (not timed: it updates the tables): the Triton kernel on accelerators, the native kernel (ids deduplicated and touched
 # rows updated for all tables in one call), else FBGEMM's CPU exact-SGD op per table where it applies (SUM
 # pooling, fp32, no per-sample weights or padding), else deduplication and row updates in torch.
 register_lowering(
     "recompile::embedding_optimizer_step",
+    Impl("triton", "triton", has_triton, "runtime.triton_kernels.embedding_optimizer: ids sorted on the device, "
+         "each touched row's gradient summed and updated, all tables in one launch"),
     Impl("native", "cpu_kernel", native_runs, "runtime/csrc/embedding.h: dedup + row updates of all tables in one call"),
     Impl("fbgemm", "library", lambda target: on_cpu(target) and target.has_fbgemm("split_embedding_backward_codegen_sgd_cpu"),
          "torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu per table (exact_sgd)"),
