@@ -15,8 +15,8 @@
 
 Kernels: ``reference`` pads every sequence to the longest (the padded formulation), ``cpu`` groups
 sequences of similar length into buckets and runs each bucket as dense batched matmuls (work ~ the
-jagged sizes; see ``runtime.jagged.length_buckets``), ``triton`` (HSTU, every feature) runs one program per
-core over (tile, head) work items of the sequences' own tiles. Backward recomputes the scores
+jagged sizes; see ``runtime.jagged.length_buckets``), ``triton`` (HSTU with every feature, and softmax) runs one
+program per core over (tile, head) work items of the sequences' own tiles. Backward recomputes the scores
 bucket by bucket.
 """
 from __future__ import annotations
@@ -401,6 +401,20 @@ for _impl in BUCKET_RATIOS:
     _fwd, _bwd = _softmax_kernel(_impl)
     register_kernel("jagged_softmax_attention", _impl)(_fwd)
     register_kernel("jagged_softmax_attention_backward", _impl)(_bwd)
+
+
+@register_kernel("jagged_softmax_attention", "triton")
+def _softmax_attention_triton(*args):
+    from runtime.triton_kernels.softmax_attention import softmax_attention_forward
+
+    return softmax_attention_forward(*args)
+
+
+@register_kernel("jagged_softmax_attention_backward", "triton")
+def _softmax_attention_backward_triton(*args):
+    from runtime.triton_kernels.softmax_attention import softmax_attention_backward
+
+    return softmax_attention_backward(*args)
 
 
 def jagged_softmax_attention_reference(q, k, v, offsets, scale, causal=True):

@@ -17,7 +17,8 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's packages
 from hkv import triton_kernels as hkv_kernels  # noqa: E402
-from runtime.triton_kernels import embedding, embedding_optimizer, interaction, jagged_attention, offsets  # noqa: E402
+from runtime.triton_kernels import (embedding, embedding_optimizer, interaction, jagged_attention, offsets,  # noqa: E402
+                                    softmax_attention)
 
 I32 = "i32"
 
@@ -82,6 +83,16 @@ SPECS = {
     for name, kernel, flags in (("forward", jagged_attention._query_tiles_kernel, dict(DQ=False)),
                                 ("dq", jagged_attention._query_tiles_kernel, dict(DQ=True)),
                                 ("dkdv", jagged_attention._hstu_dkdv_kernel, {}))
+} | {
+    f"softmax_{name}_{t}": (
+        kernel, {**_ptrs(t, "q_ptr", "k_ptr", "v_ptr", "g_ptr", "out_ptr", "dk_ptr", "dv_ptr"),
+                 **_ptrs("fp32", "lse_ptr", "delta_ptr"), **_ptrs("i32", "offsets_ptr", "tile_seq_ptr", "tile_start_ptr"),
+                 **dict.fromkeys(("num_items", "heads", "head_dim", "value_dim"), I32), "scale": "fp32"},
+        dict(CAUSAL=True, BLOCK=jagged_attention.BLOCK, BLOCK_D=64, BLOCK_V=64, **flags))
+    for t in ("fp32", "bf16")
+    for name, kernel, flags in (("forward", softmax_attention._query_kernel, dict(DQ=False)),
+                                ("dq", softmax_attention._query_kernel, dict(DQ=True)),
+                                ("dkdv", softmax_attention._key_kernel, {}))
 }
 
 

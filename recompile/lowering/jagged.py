@@ -32,6 +32,9 @@ TRITON_ATTENTION = {
                       "targets, contextual prefix in the kernel)",
     "hstu_attention_backward": "runtime.triton_kernels.jagged_attention (dq over query tiles, dk dv and both bias "
                                "grads over key tiles)",
+    "jagged_softmax_attention": "runtime.triton_kernels.softmax_attention (online softmax over query tiles)",
+    "jagged_softmax_attention_backward": "runtime.triton_kernels.softmax_attention (forward recomputed for the "
+                                         "log-sum-exp, dq over query tiles, dk dv over key tiles)",
 }
 NATIVE_ATTENTION = {
     "hstu_attention": "csrc/jagged_attention.h: tiles of each sequence, bias and mask fused, no padding",
