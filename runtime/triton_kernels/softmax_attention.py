@@ -21,6 +21,16 @@ from runtime.triton_kernels.jagged_attention import (_blocks, _check_size, _load
 
 
 @triton.jit
+def _tile(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr, BLOCK: tl.constexpr):
+    """Work item ``item``'s head, its sequence's first row and length, its tile's first row, rows and which of them
+    are in the sequence."""
+    head, start, length, _, first = _work_item(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr, offsets_ptr,
+                                               False)
+    rows = first + tl.arange(0, BLOCK)
+    return head, start, length, first, rows, rows < length
+
+
+@triton.jit
 def _masked_scores(q, k, m, n, m_ok, n_ok, scale, CAUSAL: tl.constexpr):
     keep = m_ok[:, None] & n_ok[None, :]
     if CAUSAL:
@@ -45,10 +55,7 @@ def _query_kernel(
     dv = tl.arange(0, BLOCK_V)
     rows = tl.arange(0, BLOCK)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        head, start, length, _, q_start = _work_item(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr, offsets_ptr,
-                                                      False)
-        m = q_start + rows
-        m_ok = m < length
+        head, start, length, q_start, m, m_ok = _tile(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr, BLOCK)
         q = _load_rows(q_ptr, start, m, m_ok, heads, head, head_dim, dd)
         if DQ:
             g = _load_rows(g_ptr, start, m, m_ok, heads, head, value_dim, dv)
@@ -96,10 +103,7 @@ def _key_kernel(
     dv = tl.arange(0, BLOCK_V)
     rows = tl.arange(0, BLOCK)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        head, start, length, _, k_start = _work_item(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr, offsets_ptr,
-                                                      False)
-        n = k_start + rows
-        n_ok = n < length
+        head, start, length, k_start, n, n_ok = _tile(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr, BLOCK)
         k = _load_rows(k_ptr, start, n, n_ok, heads, head, head_dim, dd)
         v = _load_rows(v_ptr, start, n, n_ok, heads, head, value_dim, dv)
         dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
