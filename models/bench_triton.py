@@ -26,6 +26,7 @@ import os
 import platform
 import subprocess
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -338,6 +339,20 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / (1 + want.abs().max()))
 
 
+def host_syncs(fn: Callable[[], torch.Tensor]) -> int:
+    """How often one forward call makes the host wait for the GPU (torch's sync debug mode, the op's own checks
+    included)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with torch.no_grad():
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def _train(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
     def step():
         fn().float().sum().backward()
@@ -374,6 +389,8 @@ def run_kernels(ops: list[str], size: str, device: torch.device, rounds: int, ch
                 c = build(size, device, dtype, gen)
                 row["shape"] = c.shape
                 row.update(check(c, device))
+                if device.type == "cuda":
+                    row["host_syncs"] = host_syncs(c.triton)
                 if not check_only and row["ok"]:
                     row.update(time_case(c, device, rounds))
             except Exception as exc:  # a failing kernel is reported and the others still run
@@ -388,7 +405,8 @@ def format_kernel(row: dict) -> str:
     if "error" in row:
         return head + f"FAILED {row['error']}"
     errs = " ".join(f"{k} err {v:.1e}" for k, v in row["errors"].items())
-    return head + ("ok   " if row["ok"] else "WRONG ") + errs + timing_lines(row, "triton")
+    syncs = f", {row['host_syncs']} host syncs" if "host_syncs" in row else ""
+    return head + ("ok   " if row["ok"] else "WRONG ") + errs + syncs + timing_lines(row, "triton")
 
 
 def timing_lines(row: dict, ours: str) -> str:

@@ -59,3 +59,15 @@ def test_hstu_triton_contextual_prefix_past_a_tile(causal):
 def test_hstu_triton_single_row_and_all_empty():
     check_against_reference([1], targets=True, time="int", rel=True)
     check_against_reference([0, 0], targets=True, time="int", rel=True)
+
+
+def test_tiles_are_listed_without_waiting_for_the_device():
+    """The work list has B + total // 16 entries (known on the host); the real tiles are every sequence's own,
+    the spare entries start past their sequence."""
+    from runtime.triton_kernels.jagged_attention import _tiles
+
+    lengths = [0, 17, 16, 1, 0, 33]
+    seq, start = _tiles(ops.complete_cumsum(torch.tensor(lengths), "cpu"), sum(lengths))
+    assert seq.numel() == len(lengths) + sum(lengths) // 16
+    real = [(s, t) for s, t in zip(seq.tolist(), start.tolist()) if t < lengths[s]]
+    assert real == [(1, 0), (1, 16), (2, 0), (3, 0), (5, 0), (5, 16), (5, 32)]

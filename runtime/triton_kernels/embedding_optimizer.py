@@ -105,8 +105,7 @@ def optimizer_step(grad, weights, features, factors, states, step_sizes, layout,
     keys = torch.cat([f.ids.long() + base for f, base in zip(features, row_bases)])
     keys, order = torch.sort(keys, stable=True)
     run_end = torch.searchsorted(keys, keys, right=True)
-    tables = torch.repeat_interleave(torch.arange(len(weights), device=device, dtype=torch.int32),
-                                     torch.tensor(counts, device=device), output_size=n)
+    tables = torch.cat([torch.full((c,), t, dtype=torch.int32, device=device) for t, c in enumerate(counts)])
     bags = torch.cat([torch.arange(c, device=device) if layout == "sequence" else f.bag_of_id()
                       for c, f in zip(counts, features)]).to(torch.int32)
     factors = torch.cat([torch.ones(c, device=device) if s is None else s.float() for c, s in zip(counts, factors)])

@@ -30,16 +30,19 @@ NO_TIME, INT_TIME, FLOAT_TIME = 0, 1, 2
 
 @triton.jit
 def _work_item(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr, targets_ptr, HAS_TARGETS: tl.constexpr):
-    """Work item ``item``'s head, its sequence's first row, length and target count, and its tile's first row."""
+    """Work item ``item``'s head, its sequence's first row, length (0 for a spare item) and target count, and its
+    tile's first row."""
     tile = item // heads
     seq = tl.load(tile_seq_ptr + tile)
+    first = tl.load(tile_start_ptr + tile)
     start = tl.load(offsets_ptr + seq)
     length = tl.load(offsets_ptr + seq + 1) - start
+    length = tl.where(first < length, length, 0)
     if HAS_TARGETS:
         targets = tl.load(targets_ptr + seq).to(tl.int32)
     else:
         targets = 0
-    return item % heads, start, length, targets, tl.load(tile_start_ptr + tile)
+    return item % heads, start, length, targets, first
 
 
 @triton.jit
@@ -231,14 +234,17 @@ def _hstu_dkdv_kernel(
         _store_rows(dv_ptr, dvv, start, n, n_ok, heads, head, value_dim, dv)
 
 
-def _tiles(offsets: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each BLOCK-row tile's sequence and first row (int32), over every sequence's own tiles."""
+def _tiles(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each BLOCK-row tile's sequence and first row (int32), over every sequence's own tiles, in a list whose size
+    the host knows without waiting for the device: ``B + total // BLOCK`` entries, at least the tiles there are;
+    a spare entry starts past the end of the last sequence (its work item has nothing to do)."""
     lengths = offsets[1:] - offsets[:-1]
     tiles = (lengths + BLOCK - 1) // BLOCK
-    tile_seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=device, dtype=torch.int32), tiles)
-    first = torch.cumsum(tiles, 0) - tiles
-    tile_start = ((torch.arange(tile_seq.numel(), device=device) - first[tile_seq.long()]) * BLOCK).to(torch.int32)
-    return tile_seq, tile_start
+    ends = torch.cumsum(tiles, 0)
+    index = torch.arange(lengths.numel() + total // BLOCK, device=offsets.device)
+    tile_seq = torch.searchsorted(ends, index, right=True).clamp_(max=max(lengths.numel() - 1, 0))
+    tile_start = (index - (ends - tiles)[tile_seq]) * BLOCK
+    return tile_seq.to(torch.int32), tile_start.to(torch.int32)
 
 
 def _check_size(q, v, max_seq_len) -> None:
@@ -259,7 +265,7 @@ def _launch(q, v, offsets, max_seq_len, alpha, causal, num_targets, contextual_s
 
     _check_size(q, v, max_seq_len)
     offsets = offsets.to(torch.int32)
-    tile_seq, tile_start = _tiles(offsets, q.device)
+    tile_seq, tile_start = _tiles(offsets, q.shape[0])
     num_items = tile_seq.numel() * q.shape[1]
     if num_items == 0:
         return None

@@ -127,7 +127,7 @@ def _launch(q, v, offsets):
     """The grid and the arguments after the tensors every kernel takes; None without work."""
     _check_size(q, v, 0)
     offsets = offsets.to(torch.int32)
-    tile_seq, tile_start = _tiles(offsets, q.device)
+    tile_seq, tile_start = _tiles(offsets, q.shape[0])
     num_items = tile_seq.numel() * q.shape[1]
     if num_items == 0:
         return None
