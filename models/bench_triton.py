@@ -247,6 +247,24 @@ def softmax_attention_case(size, device, dtype, gen):
                 {"aten bucketed": attention("cpu")})
 
 
+@case("jagged_softmax", torch.float32)
+def jagged_softmax_case(size, device, dtype, gen):
+    """Softmax over each history's rows, column by column (DIN-style attention pooling)."""
+    from runtime.jagged import dense_to_jagged_reference, jagged_to_padded_dense_reference
+
+    s = ATTENTION[size]
+    n = s["max_len"]
+    lengths, offsets, values, _, _ = _histories(s, device, dtype, gen)
+    values = values.detach().flatten(1).requires_grad_()
+
+    def padded():
+        out = torch.softmax(jagged_to_padded_dense_reference(values, offsets, n, float("-inf")), 1)
+        return dense_to_jagged_reference(out, offsets, values.shape[0])
+    return Case(f"{s['batch']} long-tailed histories up to {n} ({values.shape[0]} rows) x {values.shape[1]}; eager: "
+                "padded with -inf", lambda: torch.ops.recompile.jagged_softmax(values, offsets, n, "triton"), padded,
+                [values], TOL[dtype])
+
+
 @case("embedding_optimizer_step", torch.float32)
 def optimizer_case(size, device, dtype, gen):
     """The fused row-wise Adagrad step over every table's looked-up rows (it updates the tables: each kernel steps

@@ -476,6 +476,20 @@ register_kernel("jagged_softmax", "reference")(jagged_softmax_reference)
 register_kernel("jagged_softmax_backward", "reference")(jagged_softmax_backward_reference)
 
 
+@register_kernel("jagged_softmax", "triton")
+def _jagged_softmax_triton(values, offsets, max_L):
+    from runtime.triton_kernels.jagged_softmax import jagged_softmax_forward
+
+    return jagged_softmax_forward(values, offsets, max_L)
+
+
+@register_kernel("jagged_softmax_backward", "triton")
+def _jagged_softmax_backward_triton(grad, output, offsets, max_L):
+    from runtime.triton_kernels.jagged_softmax import jagged_softmax_backward
+
+    return jagged_softmax_backward(grad, output, offsets, max_L)
+
+
 def _check_2d(op, offsets, bounds_check, *tensors):
     check_offsets(op, offsets, bounds_check)
     for t in tensors:

@@ -17,8 +17,8 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's packages
 from hkv import triton_kernels as hkv_kernels  # noqa: E402
-from runtime.triton_kernels import (embedding, embedding_optimizer, interaction, jagged_attention, offsets,  # noqa: E402
-                                    softmax_attention)
+from runtime.triton_kernels import (embedding, embedding_optimizer, interaction, jagged_attention,  # noqa: E402
+                                    jagged_softmax, offsets, softmax_attention)
 
 I32 = "i32"
 
@@ -93,6 +93,13 @@ SPECS = {
     for name, kernel, flags in (("forward", softmax_attention._query_kernel, dict(DQ=False)),
                                 ("dq", softmax_attention._query_kernel, dict(DQ=True)),
                                 ("dkdv", softmax_attention._key_kernel, {}))
+} | {
+    f"jagged_softmax_{'backward' if b else 'forward'}_{t}": (
+        jagged_softmax._softmax_kernel,
+        {**_ptrs(t, "x_ptr", "g_ptr", "out_ptr"), "offsets_ptr": "*i32",
+         **dict.fromkeys(("num_items", "col_blocks", "dim", "max_len"), I32)},
+        dict(BACKWARD=b, BLOCK_R=jagged_softmax.BLOCK_R, BLOCK_D=64))
+    for t in ("fp32", "bf16") for b in (False, True)
 }
 
 

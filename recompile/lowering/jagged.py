@@ -1,6 +1,7 @@
 """Lowering of the jagged ops (runtime/jagged.py): FBGEMM where the target's library has the op,
-else the CPU kernel (index arithmetic, length buckets), else the reference. HSTU attention on CPU:
-the native C kernel (runtime/csrc/jagged_attention.h) first."""
+else the Triton kernel on accelerators (jagged_softmax), else the CPU kernel (index arithmetic, length
+buckets), else the reference. HSTU attention on CPU: the native C kernel (runtime/csrc/jagged_attention.h)
+first."""
 from recompile.lowering.registry import (Impl, has_fbgemm, has_triton, native_on_cpu, on_cpu, reference,
                                          register_lowering)
 from runtime import jagged_attention_native
@@ -17,10 +18,18 @@ FBGEMM_EQUIVALENTS = {
     "jagged_dense_bmm": "jagged_dense_bmm",
 }
 
+# Triton kernels where the library lacks the op (fbgemm-ascend has no jagged_softmax).
+TRITON_JAGGED = {
+    "jagged_softmax": "runtime.triton_kernels.jagged_softmax (online max and sum per (sequence, column block))",
+    "jagged_softmax_backward": "runtime.triton_kernels.jagged_softmax (sum of g * y, then y (g - sum), per "
+                               "(sequence, column block))",
+}
+
 for _op, _fbgemm in FBGEMM_EQUIVALENTS.items():
     register_lowering(
         f"recompile::{_op}",
         Impl("fbgemm", "library", has_fbgemm(_fbgemm), f"torch.ops.fbgemm.{_fbgemm}"),
+        *((Impl("triton", "triton", has_triton, TRITON_JAGGED[_op]),) if _op in TRITON_JAGGED else ()),
         Impl("cpu", "cpu_kernel", on_cpu, f"runtime.jagged ({_op}, cpu)"),
         reference(f"runtime.jagged.{_op}_reference"),
     )
