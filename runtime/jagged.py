@@ -593,6 +593,20 @@ register_kernel("jagged_jagged_bmm", "reference")(jagged_jagged_bmm_reference)
 register_kernel("jagged_dense_bmm", "reference")(jagged_dense_bmm_reference)
 
 
+@register_kernel("jagged_jagged_bmm", "triton")
+def _jagged_jagged_bmm_triton(x_values, y_values, offsets, max_L):
+    from runtime.triton_kernels.jagged_bmm import jagged_jagged_bmm
+
+    return jagged_jagged_bmm(x_values, y_values, offsets, max_L)
+
+
+@register_kernel("jagged_dense_bmm", "triton")
+def _jagged_dense_bmm_triton(x_values, offsets, y, max_L):
+    from runtime.triton_kernels.jagged_bmm import jagged_dense_bmm
+
+    return jagged_dense_bmm(x_values, offsets, y, max_L)
+
+
 def _check_same_total(op, x_values, y_values):
     if x_values.shape[0] != y_values.shape[0]:
         raise ValueError(f"recompile.{op}: x_values and y_values must have the same length, got "
