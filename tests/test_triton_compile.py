@@ -18,7 +18,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's packages
 from hkv import triton_kernels as hkv_kernels  # noqa: E402
 from runtime.triton_kernels import (embedding, embedding_optimizer, interaction, jagged_attention,  # noqa: E402
-                                    jagged_bmm, jagged_softmax, offsets, softmax_attention)
+                                    jagged_bmm, jagged_dense, jagged_softmax, offsets, softmax_attention)
 
 I32 = "i32"
 
@@ -115,6 +115,13 @@ SPECS = {
          **dict.fromkeys(("num_items", "m_blocks", "n_blocks", "m_dim", "n_dim", "max_len"), I32)},
         dict(BLOCK=jagged_attention.BLOCK, BLOCK_M=jagged_bmm.BLOCK_N, BLOCK_N=jagged_bmm.BLOCK_N))
     for t in ("fp32", "bf16")
+} | {
+    f"jagged_dense_{mode}_{t}": (
+        jagged_dense._jagged_dense_kernel,
+        {**_ptrs(t, "x_ptr", "y_ptr", "out_ptr"), **_ptrs("i32", "offsets_ptr", "tile_seq_ptr", "tile_start_ptr"),
+         **dict.fromkeys(("num_items", "col_blocks", "dim", "padded_len"), I32)},
+        dict(MODE=mode, BLOCK=jagged_attention.BLOCK, BLOCK_D=64))
+    for t in ("fp32", "bf16") for mode in range(4)
 }
 
 

@@ -1,5 +1,5 @@
 """Lowering of the jagged ops (runtime/jagged.py): FBGEMM where the target's library has the op,
-else the Triton kernel on accelerators (softmax, bmm), else the CPU kernel (index arithmetic, length
+else the Triton kernel on accelerators, else the CPU kernel (index arithmetic, length
 buckets), else the reference. HSTU attention on CPU: the native C kernel (runtime/csrc/jagged_attention.h)
 first."""
 from recompile.lowering.registry import (Impl, has_fbgemm, has_triton, native_on_cpu, on_cpu, reference,
@@ -18,8 +18,12 @@ FBGEMM_EQUIVALENTS = {
     "jagged_dense_bmm": "jagged_dense_bmm",
 }
 
-# Triton kernels where the library lacks the op (fbgemm-ascend has no jagged softmax or bmm).
+# Triton kernels where the library lacks the op (fbgemm-ascend A2/A3 has only the conversions).
 TRITON_JAGGED = {
+    "jagged_to_padded_dense": "runtime.triton_kernels.jagged_dense (per (row tile, column block))",
+    "dense_to_jagged": "runtime.triton_kernels.jagged_dense (per (row tile, column block))",
+    "jagged_dense_elementwise_add": "runtime.triton_kernels.jagged_dense (per (row tile, column block), floating)",
+    "jagged_dense_elementwise_mul": "runtime.triton_kernels.jagged_dense (per (row tile, column block), floating)",
     "jagged_dense_bmm": "runtime.triton_kernels.jagged_bmm (per (row tile, column block) of each sequence)",
     "jagged_jagged_bmm": "runtime.triton_kernels.jagged_bmm (per (sequence, M block, N block), over its rows)",
     "jagged_softmax": "runtime.triton_kernels.jagged_softmax (online max and sum per (sequence, column block))",
