@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from runtime.triton_kernels import num_programs
-from runtime.triton_kernels.jagged_attention import BLOCK, _tiles
+from runtime.triton_kernels.jagged_attention import BLOCK, _tiles, _work_item
 
 BLOCK_K = 32
 BLOCK_N = 32
@@ -29,13 +29,12 @@ def _jagged_dense_kernel(
     rows = tl.arange(0, BLOCK)
     ks = tl.arange(0, BLOCK_K)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        tile = item // col_blocks
-        seq = tl.load(tile_seq_ptr + tile)
-        start = tl.load(offsets_ptr + seq)
-        limit = tl.minimum(tl.load(offsets_ptr + seq + 1) - start, max_len)
-        m = tl.load(tile_start_ptr + tile) + rows
-        m_ok = m < limit
-        n = (item % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_block, start, length, _, first = _work_item(item, col_blocks, offsets_ptr, tile_seq_ptr, tile_start_ptr,
+                                                        offsets_ptr, False)
+        seq = tl.load(tile_seq_ptr + item // col_blocks)
+        m = first + rows
+        m_ok = m < tl.minimum(length, max_len)
+        n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < n_dim
         acc = tl.zeros([BLOCK, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, tl.where(tl.max(m_ok.to(tl.int32), 0) > 0, k_dim, 0), BLOCK_K):

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from runtime.triton_kernels import num_programs
-from runtime.triton_kernels.jagged_attention import BLOCK, _tiles
+from runtime.triton_kernels.jagged_attention import BLOCK, _tiles, _work_item
 
 TO_PADDED, TO_JAGGED, ADD, MUL = 0, 1, 2, 3
 MAX_BLOCK_D = 128
@@ -32,13 +32,13 @@ def _jagged_dense_kernel(
     """``x_ptr`` the jagged values (TO_PADDED, ADD, MUL), ``y_ptr`` the padded ones (TO_JAGGED, ADD, MUL)."""
     rows = tl.arange(0, BLOCK)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        tile = item // col_blocks
-        seq = tl.load(tile_seq_ptr + tile)
-        start = tl.load(offsets_ptr + seq)
-        m = tl.load(tile_start_ptr + tile) + rows
-        m_ok = m < tl.load(offsets_ptr + seq + 1) - start
+        col_block, start, length, _, first = _work_item(item, col_blocks, offsets_ptr, tile_seq_ptr, tile_start_ptr,
+                                                        offsets_ptr, False)
+        seq = tl.load(tile_seq_ptr + item // col_blocks)
+        m = first + rows
+        m_ok = m < length
         paired = m_ok & (m < padded_len)
-        cols = (item % col_blocks) * BLOCK_D + tl.arange(0, BLOCK_D)
+        cols = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
         col_ok = cols[None, :] < dim
         jagged_at = (start + m)[:, None] * dim + cols[None, :]
         padded_at = (seq * padded_len + m)[:, None] * dim + cols[None, :]
