@@ -1,7 +1,10 @@
 """recompile's Triton kernels and compiled models on an accelerator, checked against eager and timed beside it.
 
     python -m models.bench_triton [--device cuda] [--ops embedding hstu_attention ...] [--models dlrm hstu ...]
-                                  [--check-only] [--json triton.json]
+                                  [--check-only] [--json docs/benchmarks/triton.json]
+
+One run on a GPU (bench sizes, 5 rounds) takes a few minutes and writes docs/benchmarks/triton.json (machine,
+date, commit included).
 
 1. Kernels: every op with a Triton lowering, on random inputs of the bench models' sizes. The op with
    ``impl="triton"`` is checked against the eager PyTorch spelling (forward, and the gradient of every
@@ -17,9 +20,13 @@ Without an accelerator, ``--device cpu`` runs the kernel checks under ``TRITON_I
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
+import subprocess
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 SIZES = ("tiny", "bench")
+DOCS_JSON = "docs/benchmarks/triton.json"
 
 
 @dataclass
@@ -160,33 +168,130 @@ def cross_mixture_case(size, device, dtype, gen):
                 [x0, gate, *downs, *mids, *ups, *biases], 1e-3)
 
 
-ATTENTION = {"tiny": dict(batch=4, max_len=40, heads=2, dim=16), "bench": dict(batch=128, max_len=1024, heads=2, dim=64)}
+ATTENTION = {"tiny": dict(batch=4, max_len=40, heads=2, dim=16, buckets=16),
+             "bench": dict(batch=128, max_len=1024, heads=2, dim=64, buckets=128)}
+
+
+def _histories(s, device, dtype, gen):
+    """Long-tailed jagged histories: lengths, offsets and q, k, v."""
+    from models.layers_jagged import long_tailed_lengths
+
+    lengths = long_tailed_lengths(s["batch"], s["max_len"], torch.Generator().manual_seed(0)).to(device)
+    offsets = torch.ops.recompile.complete_cumsum(lengths, "reference")
+    q, k, v = (_randn((int(lengths.sum()), s["heads"], s["dim"]), device, dtype, gen) for _ in range(3))
+    return lengths, offsets, q, k, v
+
+
+def _padded(offsets, n, *jagged):
+    """Jagged ``[total, ...]`` tensors padded to ``[B, n, ...]``."""
+    from runtime.jagged import jagged_to_padded_dense_reference
+
+    return [jagged_to_padded_dense_reference(t.flatten(1), offsets, n).unflatten(2, t.shape[1:]) for t in jagged]
+
+
+def _jagged(out, offsets, total):
+    from runtime.jagged import dense_to_jagged_reference
+
+    return dense_to_jagged_reference(out.flatten(2), offsets, total).unflatten(1, out.shape[2:])
 
 
 @case("hstu_attention", torch.float32, torch.bfloat16)
 def hstu_attention_case(size, device, dtype, gen):
-    from models.bench_jagged import padded_hstu
-    from models.layers_jagged import long_tailed_lengths
-    from runtime.jagged_attention import HSTUArgs
+    """HSTU attention as the zoo runs it: relative position and time bias, targets at the end of each history."""
+    from runtime.jagged_attention import HSTUArgs, HSTUBucket
 
     s = ATTENTION[size]
     n = s["max_len"]
-    lengths = long_tailed_lengths(s["batch"], n, torch.Generator().manual_seed(0)).to(device)
-    offsets = torch.ops.recompile.complete_cumsum(lengths, "reference")
-    total = int(lengths.sum())
-    q, k, v = (_randn((total, s["heads"], s["dim"]), device, dtype, gen) for _ in range(3))
+    lengths, offsets, q, k, v = _histories(s, device, dtype, gen)
+    total = q.shape[0]
     rel = (torch.randn(2 * n - 1, device=device, generator=gen) * 0.02).to(dtype).requires_grad_()
+    time_bias = (torch.randn(s["buckets"] + 1, device=device, generator=gen) * 0.02).to(dtype).requires_grad_()
+    timestamps = torch.randint(0, 3600, (total,), device=device, generator=gen).cumsum(0)
+    targets = torch.minimum(lengths, _randint(0, 4, lengths.shape, device, gen))
     args = HSTUArgs(n, s["dim"] ** -0.5, True, 0)
 
     def attention(impl):
-        return lambda: torch.ops.recompile.hstu_attention(q, k, v, offsets, n, args.alpha, True, None, 0, rel,
-                                                          None, None, impl)
+        return lambda: torch.ops.recompile.hstu_attention(q, k, v, offsets, n, args.alpha, True, targets, 0, rel,
+                                                          timestamps, time_bias, impl)
+
+    def padded():
+        pq, pk, pv, pts = _padded(offsets, n, q, k, v, timestamps[:, None])
+        out = HSTUBucket(pq, pk, pv, lengths, targets, pts[..., 0]).forward(args, rel, time_bias)
+        return _jagged(out, offsets, total)
     # tl.dot rounds fp32 inputs to tf32 on NVIDIA GPUs
     tol = 2e-2 if device.type != "cpu" else TOL[dtype]
     return Case(f"{s['batch']} long-tailed histories up to {n} ({total} items), {s['heads']} heads x {s['dim']}, "
-                "causal, relative position bias; eager: padded to the longest",
-                attention("triton"), lambda: padded_hstu(q, k, v, offsets, lengths, n, rel, args), [q, k, v, rel],
-                max(tol, TOL[dtype]), {"aten bucketed": attention("cpu")})
+                f"causal, relative position and time bias ({s['buckets']} buckets), 0-3 targets; eager: padded to "
+                "the longest", attention("triton"), padded, [q, k, v, rel, time_bias], max(tol, TOL[dtype]),
+                {"aten bucketed": attention("cpu")})
+
+
+@case("jagged_softmax_attention", torch.float32, torch.bfloat16)
+def softmax_attention_case(size, device, dtype, gen):
+    """SASRec's causal softmax attention on jagged histories."""
+    from runtime.jagged_attention import SoftmaxBucket
+
+    s = ATTENTION[size]
+    n = s["max_len"]
+    lengths, offsets, q, k, v = _histories(s, device, dtype, gen)
+    scale = s["dim"] ** -0.5
+
+    def attention(impl):
+        return lambda: torch.ops.recompile.jagged_softmax_attention(q, k, v, offsets, scale, True, impl)
+
+    def padded():
+        return _jagged(SoftmaxBucket(*_padded(offsets, n, q, k, v), lengths).forward(scale, True), offsets, q.shape[0])
+    tol = 2e-2 if device.type != "cpu" else TOL[dtype]
+    return Case(f"{s['batch']} long-tailed histories up to {n} ({q.shape[0]} items), {s['heads']} heads x {s['dim']}, "
+                "causal; eager: padded to the longest", attention("triton"), padded, [q, k, v], max(tol, TOL[dtype]),
+                {"aten bucketed": attention("cpu")})
+
+
+@case("jagged_softmax", torch.float32)
+def jagged_softmax_case(size, device, dtype, gen):
+    """Softmax over each history's rows, column by column (DIN-style attention pooling)."""
+    from runtime.jagged import dense_to_jagged_reference, jagged_to_padded_dense_reference
+
+    s = ATTENTION[size]
+    n = s["max_len"]
+    lengths, offsets, values, _, _ = _histories(s, device, dtype, gen)
+    values = values.detach().flatten(1).requires_grad_()
+
+    def padded():
+        out = torch.softmax(jagged_to_padded_dense_reference(values, offsets, n, float("-inf")), 1)
+        return dense_to_jagged_reference(out, offsets, values.shape[0])
+    return Case(f"{s['batch']} long-tailed histories up to {n} ({values.shape[0]} rows) x {values.shape[1]}; eager: "
+                "padded with -inf", lambda: torch.ops.recompile.jagged_softmax(values, offsets, n, "triton"), padded,
+                [values], TOL[dtype])
+
+
+@case("embedding_optimizer_step", torch.float32)
+def optimizer_case(size, device, dtype, gen):
+    """The fused row-wise Adagrad step over every table's looked-up rows (it updates the tables: each kernel steps
+    its own copy); eager: the reference step (ids deduplicated, rows updated with index_add, table by table)."""
+    from runtime.embedding import SUM
+    from runtime.embedding_optimizer import format_optimizer
+
+    s = EMBEDDING[size]
+    t = s["tables"]
+    tables = [_randn((s["rows"], s["dim"]), device, dtype, gen, False) for _ in range(t)]
+    lengths = [_randint(0, s["max_len"] + 1, (s["batch"],), device, gen) for _ in range(t)]
+    ids = [_randint(0, s["rows"], (int(n.sum()),), device, gen) for n in lengths]
+    offsets = [torch.cumsum(n, 0) - n for n in lengths]
+    grad = torch.randn(s["batch"], t * s["dim"], device=device, generator=gen)
+    names, spec = ",".join(f"t{i}" for i in range(t)), format_optimizer("exact_rowwise_adagrad", lr=0.01)
+    empty = [torch.empty(0, device=device)] * t
+
+    def step(impl):
+        own = [w.clone() for w in tables]
+
+        def run():
+            torch.ops.recompile.embedding_optimizer_step(grad, own, ids, offsets, empty, [SUM] * t, [-1] * t,
+                                                         [False] * t, "concat", names, "fatal", spec, impl)
+            return torch.cat([w.flatten() for w in own])
+        return run
+    return Case(f"{t} tables {s['rows']}x{s['dim']}, batch {s['batch']}, 0-{s['max_len']} ids per bag, row-wise "
+                "Adagrad", step("triton"), step("reference"), tol=1e-4)
 
 
 CUMSUM = {"tiny": 37, "bench": 2048 * 26}
@@ -252,6 +357,20 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / (1 + want.abs().max()))
 
 
+def host_syncs(fn: Callable[[], torch.Tensor]) -> int:
+    """How often one forward call makes the host wait for the GPU (torch's sync debug mode, the op's own checks
+    included)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with torch.no_grad():
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def _train(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
     def step():
         fn().float().sum().backward()
@@ -288,6 +407,8 @@ def run_kernels(ops: list[str], size: str, device: torch.device, rounds: int, ch
                 c = build(size, device, dtype, gen)
                 row["shape"] = c.shape
                 row.update(check(c, device))
+                if device.type == "cuda":
+                    row["host_syncs"] = host_syncs(c.triton)
                 if not check_only and row["ok"]:
                     row.update(time_case(c, device, rounds))
             except Exception as exc:  # a failing kernel is reported and the others still run
@@ -302,7 +423,8 @@ def format_kernel(row: dict) -> str:
     if "error" in row:
         return head + f"FAILED {row['error']}"
     errs = " ".join(f"{k} err {v:.1e}" for k, v in row["errors"].items())
-    return head + ("ok   " if row["ok"] else "WRONG ") + errs + timing_lines(row, "triton")
+    syncs = f", {row['host_syncs']} host syncs" if "host_syncs" in row else ""
+    return head + ("ok   " if row["ok"] else "WRONG ") + errs + syncs + timing_lines(row, "triton")
 
 
 def timing_lines(row: dict, ours: str) -> str:
@@ -377,8 +499,12 @@ def format_model(row: dict) -> str:
 def describe(device: torch.device) -> dict:
     import triton
 
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     info = {"device": str(device), "torch": torch.__version__, "triton": triton.__version__,
-            "interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
+            "interpreter": os.environ.get("TRITON_INTERPRET") == "1", "machine": platform.node(),
+            "threads": torch.get_num_threads(), "commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if device.type == "cuda":
         info["name"] = torch.cuda.get_device_name(device)
     return info
@@ -393,13 +519,16 @@ def main(argv: list[str] | None = None) -> dict:
                    metavar="MODEL", help="zoo models to time (none: kernels only)")
     p.add_argument("--model-size", default="bench", choices=("small", "bench"))
     p.add_argument("--check-only", action="store_true", help="check the kernels, time nothing")
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--json", default="bench_triton.json")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", help=f"where the results go (default: {DOCS_JSON} on an accelerator, "
+                                  "bench_triton.json on CPU)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     size = args.size or ("tiny" if device.type == "cpu" else "bench")
+    args.json = args.json or ("bench_triton.json" if device.type == "cpu" else DOCS_JSON)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     result = {"setup": describe(device), "size": size}
     print(json.dumps(result["setup"]), flush=True)
 

@@ -314,11 +314,14 @@ def forward_cpu(weights, features, per_sample_weights, pooling, padding_idx, lay
 
 
 @register_kernel(OP, "triton")
-def _forward_triton(weights, features, per_sample_weights, pooling, padding_idx, layout):
+def _forward_triton(*lookup):
+    """Every table in one launch; ids and offsets checked in the kernel and reported after (see the module)."""
     from runtime.triton_kernels.embedding import grouped_embedding_bag_forward
 
-    scales = [None if p == NONE else _id_scale(f, psw, p, pad) for f, psw, p, pad in zip(features, per_sample_weights, pooling, padding_idx)]
-    return grouped_embedding_bag_forward(weights, features, scales, layout)
+    return grouped_embedding_bag_forward(*lookup)
+
+
+RAW_KERNELS.add("triton")
 
 
 def id_gradients(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, psw_grad):
@@ -348,7 +351,18 @@ def table_gradients(grad, weights, features, per_sample_weights, pooling, paddin
 # The per-id gradient is a gather and a scale, which ATen already vectorises: it is the CPU kernel too.
 register_kernel(BACKWARD_OP, "reference")(table_gradients)
 register_kernel(BACKWARD_OP, "cpu")(table_gradients)
-register_kernel(BACKWARD_OP, "triton")(table_gradients)
+
+
+@register_kernel(BACKWARD_OP, "triton")
+def _backward_triton(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad):
+    """Dense table gradients in one launch; sparse tables and sample-weight gradients in torch."""
+    if any(sparse) or any(psw_grad):
+        return table_gradients(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse,
+                               psw_grad)
+    from runtime.triton_kernels.embedding import grouped_embedding_bag_backward
+
+    tables = grouped_embedding_bag_backward(grad, weights, features, per_sample_weights, pooling, padding_idx, layout)
+    return tables + [grad.new_empty(0) for _ in weights]
 
 
 def grouped_embedding_bag_reference(weights, indices, offsets, per_sample_weights, pooling, padding_idx,

@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from runtime.embedding import LOOKUP_SCHEMA, SUM, Feature, feature_names, features_of, id_gradients, output_slices, present
+from runtime.embedding import (LOOKUP_SCHEMA, SUM, Feature, _id_scale, feature_names, features_of, id_gradients,
+                               output_slices, present)
 from runtime.fbgemm import fbgemm_op
 from runtime.kernels import get_kernel, register_kernel
 
@@ -202,6 +203,21 @@ register_kernel(STEP_OP, "reference")(functools.partial(step_each_table, fbgemm=
 register_kernel(STEP_OP, "fbgemm")(functools.partial(step_each_table, fbgemm=True))
 
 
+@register_kernel(STEP_OP, "triton")
+def _step_triton(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params) -> None:
+    """Every table's touched rows in one launch (runtime.triton_kernels.embedding_optimizer), where it applies."""
+    from runtime.triton_kernels import embedding_optimizer as kernel
+
+    if not kernel.supports(weights, kind):
+        return step_each_table(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params,
+                               fbgemm=False)
+    states = [table_state(w, kind) if f.ids.numel() else {} for w, f in zip(weights, features)]  # as the reference
+    step_sizes = [adam_step_size(state, params) if kind == "adam" and state else 0.0 for state in states]
+    factors = [_id_scale(*args) for args in zip(features, per_sample_weights, pooling, padding_idx)]
+    tensors = [[v for v in state.values() if isinstance(v, Tensor)] for state in states]
+    kernel.optimizer_step(grad, weights, features, factors, tensors, step_sizes, layout, kind, params)
+
+
 @torch.library.custom_op(
     "recompile::embedding_optimizer_step", mutates_args=("weights",),
     schema=f"(Tensor grad, {LOOKUP_SCHEMA.replace('Tensor[] weights', 'Tensor(a!)[] weights')}, str layout, str names, str bounds_check, str optimizer, str impl) -> Tensor",
@@ -210,7 +226,8 @@ def embedding_optimizer_step(grad, weights, indices, offsets, per_sample_weights
                              layout, names, bounds_check, optimizer, impl) -> Tensor:
     """Apply ``optimizer`` to the rows of every table the lookup touched, from the gradient of the grouped
     output ``grad``; returns a zero scalar. ``impl``: ``"native"`` (runtime.embedding_native: all tables in one C
-    call), ``"fbgemm"`` (FBGEMM's CPU op where it applies) or ``"reference"``."""
+    call), ``"triton"`` (all tables in one launch), ``"fbgemm"`` (FBGEMM's CPU op where it applies) or
+    ``"reference"``."""
     kind, params = parse_optimizer(optimizer)
     names, per_sample_weights = feature_names(names, len(weights)), present(per_sample_weights)
     features = features_of(weights, indices, offsets, include_last_offset, names, layout, bounds_check, check=False)

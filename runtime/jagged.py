@@ -241,6 +241,20 @@ register_kernel("jagged_to_padded_dense", "reference")(jagged_to_padded_dense_re
 register_kernel("dense_to_jagged", "reference")(dense_to_jagged_reference)
 
 
+@register_kernel("jagged_to_padded_dense", "triton")
+def _jagged_to_padded_dense_triton(values, offsets, max_length, padding_value=0.0):
+    from runtime.triton_kernels import jagged_dense
+
+    return jagged_dense.jagged_to_padded_dense(values, offsets, max_length, padding_value)
+
+
+@register_kernel("dense_to_jagged", "triton")
+def _dense_to_jagged_triton(dense, offsets, total_L=None):
+    from runtime.triton_kernels import jagged_dense
+
+    return jagged_dense.dense_to_jagged(dense, offsets, total_L)
+
+
 @torch.library.custom_op("recompile::jagged_to_padded_dense", mutates_args=())
 def jagged_to_padded_dense(
     values: torch.Tensor, offsets: torch.Tensor, max_length: int, padding_value: float = 0.0, impl: str = "reference",
@@ -356,6 +370,23 @@ def _jagged_dense_mul_fbgemm(x_values, offsets, y):
 
 register_kernel("jagged_dense_elementwise_add", "reference")(jagged_dense_elementwise_add_reference)
 register_kernel("jagged_dense_elementwise_mul", "reference")(jagged_dense_elementwise_mul_reference)
+
+
+def _elementwise_triton(mode: str, cpu_kernel):
+    """The Triton kernel for floating results; integer ones run ``cpu_kernel`` (torch ops, on any device)."""
+
+    def kernel(x_values, offsets, y):
+        if not torch.result_type(x_values, y).is_floating_point:
+            return cpu_kernel(x_values, offsets, y)
+        from runtime.triton_kernels import jagged_dense
+
+        return jagged_dense.jagged_dense_elementwise(getattr(jagged_dense, mode), x_values, offsets, y)
+
+    return kernel
+
+
+register_kernel("jagged_dense_elementwise_add", "triton")(_elementwise_triton("ADD", _jagged_dense_add_cpu))
+register_kernel("jagged_dense_elementwise_mul", "triton")(_elementwise_triton("MUL", _jagged_dense_mul_cpu))
 
 
 def _check_jagged_dense(op, x_values, offsets, y, bounds_check):
@@ -476,6 +507,20 @@ register_kernel("jagged_softmax", "reference")(jagged_softmax_reference)
 register_kernel("jagged_softmax_backward", "reference")(jagged_softmax_backward_reference)
 
 
+@register_kernel("jagged_softmax", "triton")
+def _jagged_softmax_triton(values, offsets, max_L):
+    from runtime.triton_kernels.jagged_softmax import jagged_softmax_forward
+
+    return jagged_softmax_forward(values, offsets, max_L)
+
+
+@register_kernel("jagged_softmax_backward", "triton")
+def _jagged_softmax_backward_triton(grad, output, offsets, max_L):
+    from runtime.triton_kernels.jagged_softmax import jagged_softmax_backward
+
+    return jagged_softmax_backward(grad, output, offsets, max_L)
+
+
 def _check_2d(op, offsets, bounds_check, *tensors):
     check_offsets(op, offsets, bounds_check)
     for t in tensors:
@@ -577,6 +622,20 @@ def _jagged_dense_bmm_fbgemm(x_values, offsets, y, max_L):
 
 register_kernel("jagged_jagged_bmm", "reference")(jagged_jagged_bmm_reference)
 register_kernel("jagged_dense_bmm", "reference")(jagged_dense_bmm_reference)
+
+
+@register_kernel("jagged_jagged_bmm", "triton")
+def _jagged_jagged_bmm_triton(x_values, y_values, offsets, max_L):
+    from runtime.triton_kernels.jagged_bmm import jagged_jagged_bmm
+
+    return jagged_jagged_bmm(x_values, y_values, offsets, max_L)
+
+
+@register_kernel("jagged_dense_bmm", "triton")
+def _jagged_dense_bmm_triton(x_values, offsets, y, max_L):
+    from runtime.triton_kernels.jagged_bmm import jagged_dense_bmm
+
+    return jagged_dense_bmm(x_values, offsets, y, max_L)
 
 
 def _check_same_total(op, x_values, y_values):

@@ -15,8 +15,8 @@
 
 Kernels: ``reference`` pads every sequence to the longest (the padded formulation), ``cpu`` groups
 sequences of similar length into buckets and runs each bucket as dense batched matmuls (work ~ the
-jagged sizes; see ``runtime.jagged.length_buckets``), ``triton`` (HSTU forward) runs one program per
-core over (query tile, head) work items of the sequences' own tiles. Backward recomputes the scores
+jagged sizes; see ``runtime.jagged.length_buckets``), ``triton`` (HSTU with every feature, and softmax) runs one
+program per core over (tile, head) work items of the sequences' own tiles. Backward recomputes the scores
 bucket by bucket.
 """
 from __future__ import annotations
@@ -265,34 +265,19 @@ for _impl in BUCKET_RATIOS:
     register_kernel("hstu_attention_backward", _impl)(_bwd)
 
 
-def _triton_covers(num_targets, contextual_seq_len, time_bias) -> bool:
-    """The Triton kernels take no targets, contextual prefix or time bias: those run as length buckets of
-    dense torch ops on the device (the "cpu" kernel)."""
-    return num_targets is None and contextual_seq_len == 0 and time_bias is None
-
-
 @register_kernel("hstu_attention", "triton")
-def _hstu_attention_triton(q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual_seq_len, rel_bias,
-                           timestamps, time_bias):
-    if not _triton_covers(num_targets, contextual_seq_len, time_bias):
-        return get_kernel("hstu_attention", "cpu")(q, k, v, offsets, max_seq_len, alpha, causal, num_targets,
-                                                   contextual_seq_len, rel_bias, timestamps, time_bias)
+def _hstu_attention_triton(*args):
     from runtime.triton_kernels.jagged_attention import hstu_attention_forward
 
-    return hstu_attention_forward(q, k, v, offsets, max_seq_len, alpha, causal, rel_bias)
+    return hstu_attention_forward(*args)
 
 
 @register_kernel("hstu_attention_backward", "triton")
-def _hstu_attention_backward_triton(grad, q, k, v, offsets, max_seq_len, alpha, causal, num_targets,
-                                    contextual_seq_len, rel_bias, timestamps, time_bias):
-    if not _triton_covers(num_targets, contextual_seq_len, time_bias):
-        return get_kernel("hstu_attention_backward", "cpu")(grad, q, k, v, offsets, max_seq_len, alpha, causal,
-                                                            num_targets, contextual_seq_len, rel_bias, timestamps,
-                                                            time_bias)
+def _hstu_attention_backward_triton(*args):
     from runtime.triton_kernels.jagged_attention import hstu_attention_backward
 
-    dq, dk, dv, drel = hstu_attention_backward(grad, q, k, v, offsets, max_seq_len, alpha, causal, rel_bias)
-    return [dq, dk, dv], [drel, None]
+    dq, dk, dv, drel, dtime = hstu_attention_backward(*args)
+    return [dq, dk, dv], [drel, dtime]
 
 
 def hstu_attention_reference(q, k, v, offsets, max_seq_len, alpha, causal=True, num_targets=None,
@@ -416,6 +401,20 @@ for _impl in BUCKET_RATIOS:
     _fwd, _bwd = _softmax_kernel(_impl)
     register_kernel("jagged_softmax_attention", _impl)(_fwd)
     register_kernel("jagged_softmax_attention_backward", _impl)(_bwd)
+
+
+@register_kernel("jagged_softmax_attention", "triton")
+def _softmax_attention_triton(*args):
+    from runtime.triton_kernels.softmax_attention import softmax_attention_forward
+
+    return softmax_attention_forward(*args)
+
+
+@register_kernel("jagged_softmax_attention_backward", "triton")
+def _softmax_attention_backward_triton(*args):
+    from runtime.triton_kernels.softmax_attention import softmax_attention_backward
+
+    return softmax_attention_backward(*args)
 
 
 def jagged_softmax_attention_reference(q, k, v, offsets, scale, causal=True):

@@ -15,17 +15,20 @@ native_runs = native_on_cpu(embedding_native.available)  # runtime/csrc/embeddin
 
 register_lowering(
     "recompile::grouped_embedding_bag",
-    Impl("triton", "triton", has_triton, "runtime.triton_kernels.embedding (one persistent grid over all tables' bags)"),
+    Impl("triton", "triton", has_triton, "runtime.triton_kernels.embedding: every table's bags in one launch, ids and "
+         "offsets checked in the kernel and reported after; the backward's dense gradients in one launch"),
     Impl("native", "cpu_kernel", native_runs, "runtime/csrc/embedding.h: every table and bag in one OpenMP call"),
     Impl("cpu", "cpu_kernel", on_cpu, "ATen embedding_bag per table (FBGEMM EmbeddingSpMDM) in one op"),
     reference("runtime.embedding.grouped_embedding_bag_reference"),
 )
 
-# The fused optimizer's step (not timed: it updates the tables): the native kernel (ids deduplicated and touched
+# The fused optimizer's step (not timed: it updates the tables): the Triton kernel on accelerators, the native kernel (ids deduplicated and touched
 # rows updated for all tables in one call), else FBGEMM's CPU exact-SGD op per table where it applies (SUM
 # pooling, fp32, no per-sample weights or padding), else deduplication and row updates in torch.
 register_lowering(
     "recompile::embedding_optimizer_step",
+    Impl("triton", "triton", has_triton, "runtime.triton_kernels.embedding_optimizer: ids sorted on the device, "
+         "each touched row's gradient summed and updated, all tables in one launch"),
     Impl("native", "cpu_kernel", native_runs, "runtime/csrc/embedding.h: dedup + row updates of all tables in one call"),
     Impl("fbgemm", "library", lambda target: on_cpu(target) and target.has_fbgemm("split_embedding_backward_codegen_sgd_cpu"),
          "torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu per table (exact_sgd)"),

@@ -1,6 +1,7 @@
 """Lowering of the jagged ops (runtime/jagged.py): FBGEMM where the target's library has the op,
-else the CPU kernel (index arithmetic, length buckets), else the reference. HSTU attention on CPU:
-the native C kernel (runtime/csrc/jagged_attention.h) first."""
+else the Triton kernel on accelerators, else the CPU kernel (index arithmetic, length
+buckets), else the reference. HSTU attention on CPU: the native C kernel (runtime/csrc/jagged_attention.h)
+first."""
 from recompile.lowering.registry import (Impl, has_fbgemm, has_triton, native_on_cpu, on_cpu, reference,
                                          register_lowering)
 from runtime import jagged_attention_native
@@ -17,10 +18,24 @@ FBGEMM_EQUIVALENTS = {
     "jagged_dense_bmm": "jagged_dense_bmm",
 }
 
+# Triton kernels where the library lacks the op (fbgemm-ascend A2/A3 has only the conversions).
+TRITON_JAGGED = {
+    "jagged_to_padded_dense": "runtime.triton_kernels.jagged_dense (per (row tile, column block))",
+    "dense_to_jagged": "runtime.triton_kernels.jagged_dense (per (row tile, column block))",
+    "jagged_dense_elementwise_add": "runtime.triton_kernels.jagged_dense (per (row tile, column block), floating)",
+    "jagged_dense_elementwise_mul": "runtime.triton_kernels.jagged_dense (per (row tile, column block), floating)",
+    "jagged_dense_bmm": "runtime.triton_kernels.jagged_bmm (per (row tile, column block) of each sequence)",
+    "jagged_jagged_bmm": "runtime.triton_kernels.jagged_bmm (per (sequence, M block, N block), over its rows)",
+    "jagged_softmax": "runtime.triton_kernels.jagged_softmax (online max and sum per (sequence, column block))",
+    "jagged_softmax_backward": "runtime.triton_kernels.jagged_softmax (sum of g * y, then y (g - sum), per "
+                               "(sequence, column block))",
+}
+
 for _op, _fbgemm in FBGEMM_EQUIVALENTS.items():
     register_lowering(
         f"recompile::{_op}",
         Impl("fbgemm", "library", has_fbgemm(_fbgemm), f"torch.ops.fbgemm.{_fbgemm}"),
+        *((Impl("triton", "triton", has_triton, TRITON_JAGGED[_op]),) if _op in TRITON_JAGGED else ()),
         Impl("cpu", "cpu_kernel", on_cpu, f"runtime.jagged ({_op}, cpu)"),
         reference(f"runtime.jagged.{_op}_reference"),
     )
@@ -28,9 +43,13 @@ for _op, _fbgemm in FBGEMM_EQUIVALENTS.items():
 # Attention on jagged sequences: the Triton kernel on accelerators; on CPU the native kernel (HSTU), then
 # length buckets of dense ATen ops.
 TRITON_ATTENTION = {
-    "hstu_attention": "runtime.triton_kernels.jagged_attention (forward over query tiles)",
-    "hstu_attention_backward": "runtime.triton_kernels.jagged_attention (dq over query tiles, dk dv and bias grads "
-                               "over key tiles)",
+    "hstu_attention": "runtime.triton_kernels.jagged_attention (forward over query tiles; position and time bias, "
+                      "targets, contextual prefix in the kernel)",
+    "hstu_attention_backward": "runtime.triton_kernels.jagged_attention (dq over query tiles, dk dv and both bias "
+                               "grads over key tiles)",
+    "jagged_softmax_attention": "runtime.triton_kernels.softmax_attention (online softmax over query tiles)",
+    "jagged_softmax_attention_backward": "runtime.triton_kernels.softmax_attention (forward recomputed for the "
+                                         "log-sum-exp, dq over query tiles, dk dv over key tiles)",
 }
 NATIVE_ATTENTION = {
     "hstu_attention": "csrc/jagged_attention.h: tiles of each sequence, bias and mask fused, no padding",

@@ -56,7 +56,8 @@ def _paged_kernel(
         m = cached + local
         q = _load_rows(q_ptr, start, local, m_ok, heads, head, head_dim, dd)
         acc = tl.zeros([BLOCK, BLOCK_V], dtype=tl.float32)
-        hi = tl.minimum(cached + tl.load(tile_start_ptr + tile) + BLOCK, length)
+        hi = tl.where(tl.load(tile_start_ptr + tile) < new_len,  # a spare item (past the last tile) has no keys
+                      tl.minimum(cached + tl.load(tile_start_ptr + tile) + BLOCK, length), 0)
         for n0 in range(0, hi, BLOCK):
             n = n0 + rows
             n_ok = n < length
@@ -81,7 +82,7 @@ def hstu_paged_attention_forward(q, k, v, offsets, k_cache, v_cache, page_table,
         raise ValueError("recompile.hstu_paged_attention (triton): cache pools too large for int32 indexing")
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     offsets = offsets.to(torch.int32)
-    tile_seq, tile_start = _tiles(offsets, q.device)
+    tile_seq, tile_start = _tiles(offsets, q.shape[0])
     num_items = tile_seq.numel() * q.shape[1]
     if num_items == 0:
         return out
