@@ -156,6 +156,28 @@ def test_grouped_with_a_neighbouring_bag():
     assert_matches_eager(model, args)
 
 
+class TwoPoolings(nn.Module):
+    """RecBole's FM: the genre list pooled by the FM's table (mean) and by the first-order table (sum, keepdim);
+    a third list of another batch size cannot share their call."""
+
+    def __init__(self):
+        super().__init__()
+        self.table, self.first_order, self.other = nn.Embedding(40, 8), nn.Embedding(40, 1), nn.Embedding(40, 8)
+
+    def forward(self, ids, other_ids):
+        fm = recbole_mean(self.table(ids), ids)
+        linear = recbole_sum(self.first_order(ids), ids)
+        return torch.cat([(fm + linear).flatten(), clamp_mean(self.other(other_ids), other_ids).flatten()])
+
+
+def test_poolings_of_one_batch_share_a_call():
+    model, args = TwoPoolings(), (padded_ids(6, 4), padded_ids(9, 3, seed=1))
+    found, report = regions(model, *args)
+    assert sorted(len(r["replaced"]) for r in found) == [3, 6]  # (sum, product, lookup) per pooling
+    assert "torch.narrow(" in next(s["code"] for s in report["stages"] if s["name"] == "embedding")
+    assert_matches_eager(model, args)
+
+
 def test_compiles_at_most_twice_over_batches_and_lengths():
     model = Pooled(recbole_mean)
     counter = CompileCounterWithBackend(lambda gm, inputs: rec_passes_aot_eager(gm, inputs, options=NO_AUTOTUNE))

@@ -48,6 +48,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from recompile.options import embedding_optimizer_spec
 from recompile.passes.utils import arg, has_effects, is_call, meta_value, tensor_meta
@@ -383,16 +384,48 @@ def _rewrite_consumer(gm: fx.GraphModule, ctx: PassContext, consumer: fx.Node, l
             _erase(lookups[item])
 
 
-def _rewrite_alone(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, lookup: Lookup) -> None:
-    """A masked pooling as a one-table call (``[B, D]``, or ``[B, 1, D]`` for ``keepdim``); the mask's nodes
-    nothing else reads go with it."""
-    graph = gm.graph
-    with graph.inserting_before(node):
-        pooled = _grouped_call(gm, ctx, [lookup], "concat")
-        if lookup.keepdim:
-            pooled = _call(graph, torch.unsqueeze, (pooled, 1))
-    node.replace_all_uses_with(pooled)
-    _erase(lookup)
+def _joins(group: dict[fx.Node, Lookup], lookup: Lookup) -> bool:
+    """Whether ``lookup`` can share ``group``'s "concat" call: another table, its dtype and device, a batch size
+    known to be the same."""
+    first = next(iter(group.values()))
+    return (all(x.weight is not lookup.weight for x in group.values())
+            and (lookup.table.dtype, lookup.table.device) == (first.table.dtype, first.table.device)
+            and statically_known_true(sym_eq(tensor_meta(lookup.indices).shape[0], tensor_meta(first.indices).shape[0])))
+
+
+def _group_alone(gm: fx.GraphModule, ctx: PassContext, alone: dict[fx.Node, Lookup]) -> None:
+    """The masked poolings no stack/cat group took, grouped where ``_joins`` allows into one "concat" call (each
+    pooling its slice ``narrow(grouped, 1, start, D)``, unsqueezed for ``keepdim``), placed after their inputs;
+    a group of one (or one whose output is used before its ids are made) is a call per pooling in place."""
+    groups: list[dict[fx.Node, Lookup]] = []
+    for node, lookup in alone.items():
+        group = next((g for g in groups if _joins(g, lookup)), None)
+        if group is None:
+            group = {}
+            groups.append(group)
+        group[node] = lookup
+    for group in groups:
+        inputs = [x for lookup in group.values() for x in (lookup.weight, lookup.indices)]
+        position = _after_inputs(gm.graph, inputs, [u for node in group for u in node.users])
+        if len(group) == 1 or position is None:
+            for node, lookup in group.items():
+                _pool(gm, ctx, {node: lookup}, node)
+        else:
+            _pool(gm, ctx, group, position)
+
+
+def _pool(gm: fx.GraphModule, ctx: PassContext, group: dict[fx.Node, Lookup], position: fx.Node) -> None:
+    """One "concat" call for ``group``'s masked poolings, before ``position``; each pooling's users read its slice."""
+    graph, start = gm.graph, 0
+    with graph.inserting_before(position):
+        grouped = _grouped_call(gm, ctx, list(group.values()), "concat")
+        for node, lookup in group.items():
+            dim = lookup.table.shape[1]
+            part = grouped if len(group) == 1 else _call(graph, torch.narrow, (grouped, 1, start, dim))
+            start += dim
+            node.replace_all_uses_with(_call(graph, torch.unsqueeze, (part, 1)) if lookup.keepdim else part)
+    for lookup in group.values():
+        _erase(lookup)
 
 
 def _erase(lookup: Lookup) -> None:
@@ -447,12 +480,21 @@ def _group_unpooled(gm: fx.GraphModule, ctx: PassContext) -> None:
             _rewrite_unpooled(gm, ctx, list(members.values()))
 
 
+def _after_inputs(graph: fx.Graph, inputs: list[fx.Node], users: list[fx.Node]) -> fx.Node | None:
+    """The node a grouped call of ``inputs`` goes before (the first non-placeholder after the last of them),
+    None when one of ``users`` (of the lookups it replaces) comes before that."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    position = max(inputs, key=order.__getitem__).next
+    while position.op == "placeholder":
+        position = position.next
+    return None if users and min(order[u] for u in users) < order[position] else position
+
+
 def _rewrite_unpooled(gm: fx.GraphModule, ctx: PassContext, members: list[tuple]) -> None:
-    graph, order = gm.graph, {n: i for i, n in enumerate(gm.graph.nodes)}
+    graph = gm.graph
     inputs = [x for lookup, _, _ in members for x in (_bound(lookup)["input"], _bound(lookup)["weight"])]
-    users = [u for _, out, _ in members for u in out.users]
-    last_input = max(inputs, key=order.__getitem__)
-    if users and min(order[u] for u in users) <= order[last_input]:
+    position = _after_inputs(graph, inputs, [u for _, out, _ in members for u in out.users])
+    if position is None:
         ctx.fallbacks.append(Fallback("embedding", "unpooled lookups left alone: their ids are made after their outputs are used"))
         return
     run = []
@@ -460,7 +502,7 @@ def _rewrite_unpooled(gm: fx.GraphModule, ctx: PassContext, members: list[tuple]
         a = _bound(lookup)
         run.append(Lookup(erased, a["weight"], a["input"], None, None, NONE, _padding(a, tensor_meta(a["weight"]).shape[0]),
                           False, bool(a["sparse"])))
-    with graph.inserting_before(last_input.next):
+    with graph.inserting_before(position):
         grouped = _grouped_call(gm, ctx, run, "sequence")
         start: Any = 0
         for (_, out, _), x in zip(members, run):
@@ -481,7 +523,7 @@ def _rewrite_unpooled(gm: fx.GraphModule, ctx: PassContext, members: list[tuple]
 @register_pass("embedding", order=10, regions={"embedding": "#9fd3ff"})
 def embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     lookups: dict[fx.Node, Lookup] = {}
-    alone: dict[fx.Node, Lookup] = {}  # masked poolings no group takes: each its own one-table call
+    alone: dict[fx.Node, Lookup] = {}  # masked poolings no stack/cat group takes
     for node in list(gm.graph.nodes):
         try:
             lookup = _lookup(node)
@@ -501,7 +543,6 @@ def embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     consumers = {next(iter(node.users)) for node in lookups}
     for consumer in [n for n in gm.graph.nodes if n in consumers]:
         _rewrite_consumer(gm, ctx, consumer, _consumer_layout(consumer), lookups, alone)
-    for node, lookup in alone.items():
-        _rewrite_alone(gm, ctx, node, lookup)
+    _group_alone(gm, ctx, alone)
     _group_unpooled(gm, ctx)
     return gm
