@@ -254,7 +254,8 @@ def _masked_sum(node: fx.Node) -> Lookup | None:
     dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
     if dim not in (1, -2) or node.kwargs.get("dtype") is not None:
         raise NotGroupable("the masked sum is not over the bag dimension")
-    if tensor_meta(masked).shape != tensor_meta(emb).shape or tensor_meta(masked).dtype != weight.dtype:
+    same_shape = statically_known_true(sym_eq(tuple(tensor_meta(masked).shape), tuple(tensor_meta(emb).shape)))
+    if not same_shape or tensor_meta(masked).dtype != weight.dtype:
         raise NotGroupable("the mask broadcasts the lookup to another shape or promotes the table's dtype")
     if len(masked.users) != 1 or not all(u is masked or _mask_shape_of(u, emb, masked) for u in emb.users):
         raise NotGroupable("the masked lookup has other users")
@@ -533,7 +534,7 @@ def embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if lookup is None or (len(node.users) == 1 and _is_noop_cast(next(iter(node.users)))):
             continue  # not a lookup, or one whose cast is matched instead
         consumer = next(iter(node.users), None)
-        if len(node.users) != 1 or _consumer_layout(consumer) is None or lookup.keepdim:
+        if len(node.users) != 1 or _consumer_layout(consumer) is None:
             if lookup.keepdim is not None:
                 alone[node] = lookup
                 continue
