@@ -6,7 +6,8 @@
 Per case, in one process with cold caches (``bench_corpus.cold_caches``), ms per step timed interleaved round by
 round (``models.timing.race_ms``) of: eager; rec_ascend with the embedding pass off (``passes={"embedding":
 False}``: the masked pooling stays ``F.embedding`` * mask, summed, for Inductor to fuse); rec_ascend with it on (a
-SUM ``grouped_embedding_bag`` with padding_idx 0). Autotune is off in both so that the rewrite is what runs.
+SUM ``grouped_embedding_bag`` with padding_idx 0). Autotune is off in both so that the rewrite is what runs;
+``--autotune`` turns it on in both (the race may then drop the embedding pass's regions where they are slower).
 Cases: RecBole context models' ``calculate_loss`` (loss + backward) and ``predict`` at batch 128 and 2048, whose
 genre list is short (ml-100k: at most 6 genres), and a synthetic ``masked mean`` ([B, 50] ids, 30% padding, a
 100k x 64 table, RecBole's arithmetic) where the bag's saving, no [B, L, D] intermediate, is larger.
@@ -26,8 +27,7 @@ from models.corpus.harness import CASES, Case, assert_equal, run
 from models.timing import race_ms
 from models.train import write_json
 
-VARIANTS = {"eager": None, "no_rewrite": {"autotune": False, "passes": {"embedding": False}},
-            "rewrite": {"autotune": False}}
+VARIANTS = {"eager": None, "no_rewrite": {"passes": {"embedding": False}}, "rewrite": {}}
 MODELS = ("recbole/FM", "recbole/DeepFM", "recbole/WideDeep")
 BATCHES, QUICK_BATCHES = (128, 2048), (128,)
 
@@ -62,10 +62,11 @@ SYNTHETIC = [Case("synthetic/masked_mean", entry, training, _synthetic_model, _s
              for entry, training in (("train", True), ("forward", False))]
 
 
-def bench_case(case: Case, batches, rounds: int) -> dict:
+def bench_case(case: Case, batches, rounds: int, autotune: bool) -> dict:
     torch._dynamo.reset()
     modules = {name: case.make(0) for name in VARIANTS}
-    fns = {name: modules[name] if opts is None else torch.compile(modules[name], backend="rec_ascend", options=opts)
+    fns = {name: modules[name] if opts is None else
+           torch.compile(modules[name], backend="rec_ascend", options={**opts, "autotune": autotune})
            for name, opts in VARIANTS.items()}
     ms = {}
     for b in batches:  # outputs and gradients of both compiled variants equal eager's, or the run stops here
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="recbole/FM and the synthetic case, batch 128, one round")
     p.add_argument("--rounds", type=int, default=10, help="timed rounds, each running every variant once in turn")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--autotune", action="store_true", help="autotune on in both rec_ascend variants")
+    p.add_argument("--no-synthetic", dest="synthetic", action="store_false", help="leave out the synthetic case")
     p.add_argument("--json", default="docs/benchmarks/masked_pooling.json")
     args = p.parse_args(argv)
     if args.threads:
@@ -94,17 +97,18 @@ def main(argv: list[str] | None = None) -> dict:
     cold_caches()
     warm_up()
     models = ["recbole/FM"] if args.quick else args.models
+    cases = [c for c in CASES.values() if c.model in models] + (SYNTHETIC if args.synthetic else [])
     batches, rounds = (QUICK_BATCHES, 1) if args.quick else (BATCHES, args.rounds)
     rows = []
-    for case in [c for c in CASES.values() if c.model in models] + SYNTHETIC:
-        row = bench_case(case, batches, rounds)
+    for case in cases:
+        row = bench_case(case, batches, rounds, args.autotune)
         rows.append(row)
         print(f"{row['case']:32s} " + "  ".join(
             f"b{b}: " + " ".join(f"{k} {v:.3f}" for k, v in m.items()) + f" ms, rewrite {row['rewrite_vs_no_rewrite'][b]:.2f}x"
             for b, m in row["ms"].items()), flush=True)
     result = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
               "threads": torch.get_num_threads(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "commit": commit(), "quick": args.quick, "rounds": rounds, "rows": rows}
+              "commit": commit(), "quick": args.quick, "rounds": rounds, "autotune": args.autotune, "rows": rows}
     write_json(args.json, result)
     print(f"wrote {args.json}")
     return result
