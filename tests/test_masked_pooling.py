@@ -4,7 +4,8 @@ equal eager's, all-padding rows included; what is not such a pooling is left alo
 import pytest
 import torch
 import torch.nn as nn
-from torch._dynamo.testing import CompileCounterWithBackend
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import recompile
 from checks import train_step
@@ -178,16 +179,36 @@ def test_poolings_of_one_batch_share_a_call():
     assert_matches_eager(model, args)
 
 
+def recording_backend():
+    """rec_ascend's passes then AOT eager, recording each compiled graph's regions (kind, op)."""
+    from recompile.backend import resolve_target
+    from recompile.options import RecompileOptions
+    from recompile.pipeline import PassContext, run_pipeline
+    from torch._dynamo.backends.debugging import aot_eager
+
+    graphs = []
+
+    def backend(gm, inputs):
+        options = RecompileOptions.coerce(NO_AUTOTUNE)
+        ctx = PassContext(options, resolve_target(options), inputs)
+        rewritten = run_pipeline(gm, ctx)
+        graphs.append([(r.kind, r.op) for r in ctx.regions])
+        return aot_eager(rewritten, inputs)
+
+    return backend, graphs
+
+
 def test_compiles_at_most_twice_over_batches_and_lengths():
+    """The second batch compiles one dynamic graph (B and L symbolic) that keeps the rewrite and serves the rest."""
     model = Pooled(recbole_mean)
-    counter = CompileCounterWithBackend(lambda gm, inputs: rec_passes_aot_eager(gm, inputs, options=NO_AUTOTUNE))
-    compiled = torch.compile(model, backend=counter)
+    backend, graphs = recording_backend()
+    compiled = torch.compile(model, backend=backend)
     for batch, length in ((8, 5), (13, 7), (21, 3), (5, 9)):
         ids = padded_ids(batch, length, seed=batch)
         out = compiled(ids)
         torch.testing.assert_close(out, model(ids), rtol=1e-5, atol=1e-6)
         out.sum().backward()
-    assert counter.frame_count <= 2
+    assert len(graphs) <= 2 and all(regions == [("embedding", OP)] for regions in graphs), graphs
 
 
 @pytest.mark.slow
@@ -230,3 +251,27 @@ def test_not_a_masked_pooling_is_left_alone(form):
     found, _ = regions(model, *args)
     assert not found
     assert_matches_eager(model, args)
+
+
+@pytest.fixture(scope="module")
+def compiled_recbole_mean():
+    model = Pooled(recbole_mean)
+    backend, graphs = recording_backend()
+    yield model, torch.compile(model, backend=backend, dynamic=True)
+    assert graphs and all(regions == [("embedding", OP)] for regions in graphs), graphs
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.integers(1, 12), length=st.integers(1, 9), padding=st.floats(0.0, 1.0),
+       dtype=st.sampled_from([torch.int32, torch.int64]), seed=st.integers(0, 2**16))
+def test_property_any_padding_equals_eager(compiled_recbole_mean, batch, length, padding, dtype, seed):
+    """Any batch, length and share of padding (whole rows of it included), either id dtype: RecBole's masked mean
+    compiled equals eager, forward and the table's gradient."""
+    model, compiled = compiled_recbole_mean
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 40, (batch, length), generator=g)
+    ids = ids.masked_fill(torch.rand(batch, length, generator=g) < padding, 0).to(dtype)
+    out_c, grads_c = train_step(compiled, (ids,))
+    out_e, grads_e = train_step(model, (ids,))
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads_c["table.weight"], grads_e["table.weight"], rtol=1e-4, atol=1e-6)
