@@ -15,7 +15,6 @@ from models.corpus import gr_hstu, recbole_zoo, torchrec_zoo
 VECTOR_CROSS = "not built yet: the DCN-v1 vector cross (x0 * (x . w) + b + x) has no op form"
 GR_ATTENTION = ("not built yet: the jagged pass fails on generative-recommenders' padded einsum attention "
                 "(IndexError in the padded-region proof) and falls back")
-UNASSIGNED = "no track yet: a masked-mean pooling over nn.Embedding is not seen as an embedding bag (issue 16)"
 
 CROSS_OPS = ("recompile::cross_layer", "recompile::cross_stack", "recompile::cross_mixture")
 
@@ -49,8 +48,8 @@ LOOKUPS = Expect("embedding", ("recompile::grouped_embedding_bag",), 1,
                  "EmbeddingBagCollection: one pooled lookup per table, grouped into one call")
 MEAN_BAG = Expect("embedding", ("recompile::grouped_embedding_bag",), 1,
                   "ContextRecommender.embed_token_seq_fields: the genre list ('class', token_seq) is an nn.Embedding "
-                  "lookup then a mean over the non-zero ids (mask = seq != 0, sum / count): an embedding bag in "
-                  "mean mode", UNASSIGNED)
+                  "lookup then a mean over the non-zero ids (mask = seq != 0, sum / count): an embedding bag (SUM "
+                  "with padding_idx 0, RecBole's own division after it)")
 
 EXPECTED: dict[str, tuple[Expect, ...]] = {
     # RecBole context-aware models: every one embeds the genre list through embed_token_seq_fields.

@@ -19,6 +19,20 @@ Unpooled lookups ``F.embedding(ids1d, weight)`` (and their no-op ``.float()``: T
 ``EmbeddingCollection``) on distinct tables of one dtype and dim become one ``"sequence"`` call
 ``[sum(len(ids)), D]``; each lookup's value is its slice ``torch.narrow(grouped, 0, start, len(ids))``.
 
+Masked pooling over a padded lookup (RecBole's ``embed_token_seq_fields`` and the usual hand-written bag):
+``torch.sum(emb * mask, 1)``, ``torch.sum(masked_fill(emb, ~mask, 0), 1)`` or ``torch.sum(where(mask, emb, 0), 1)``
+(``keepdim`` either way) with ``emb = F.embedding(ids, weight)``, ``ids`` ``[B, L]`` and ``mask`` the test
+``ids != p`` (or ``~(ids == p)``) of the same ``ids`` against a constant padding id ``p``, cast and broadcast
+(``float()``, ``to``, ``unsqueeze(-1)``, ``[..., None]``, ``expand_as``) to ``emb``'s shape -> a SUM lookup
+with ``padding_idx = p``: each bag's non-padding rows summed, padding ids contributing nothing forward and
+receiving no gradient, as the mask gives. A mean is that sum divided by a count the model computes itself
+(RecBole's ``sum / (count + 1e-8)``, ``sum / count.clamp(min=1)``): the division stays as written, so every
+epsilon and clamp keeps its exact arithmetic, all-padding rows included. Such a lookup joins a group like any
+other; alone, it becomes a one-table call (``"concat"`` layout, ``unsqueeze(., 1)`` for ``keepdim``), which
+reads the table rows once instead of materialising ``[B, L, D]``. Left alone: a mask of other ids, another
+test (``ids > 0``) or a non-constant ``p``, a table whose own ``padding_idx`` is another id, a product that
+promotes the table's dtype (a bag would round its sum to the table's dtype), an ``emb`` with other users.
+
 Lookups left alone are reported as notes in ``ctx.fallbacks`` with the reason (``max`` pooling,
 ``max_norm``, ``scale_grad_by_freq``, a lookup with other users, no stack/cat consumer, ...).
 """
@@ -34,9 +48,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from recompile.options import embedding_optimizer_spec
-from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
+from recompile.passes.utils import arg, has_effects, is_call, meta_value, tensor_meta
 from recompile.pipeline import Fallback, PassContext, register_pass
 from runtime.embedding import MEAN, NONE, POOLING_NAMES, SUM
 
@@ -64,6 +79,7 @@ class Lookup:
     padding_idx: int
     include_last_offset: bool
     sparse: bool
+    keepdim: Optional[bool] = None  # a masked pooling's reduction kept its dim; None: not a masked pooling
 
     @property
     def table(self) -> torch.Tensor:
@@ -144,7 +160,107 @@ def _lookup(node: Any) -> Lookup | None:
         return _embedding_bag(node)
     if is_call(node, *BAG_REDUCTIONS) and is_call(node.args[0], *EMBEDDING):
         return _embedding_then_reduce(node)
+    if is_call(node, torch.sum):
+        return _masked_sum(node)
     return None
+
+
+# masked pooling: the mask ``ids != p`` through the casts and broadcasts that keep its 0/1 value per (b, l)
+MASK_CASTS = frozenset({"float", "half", "bfloat16", "double", "bool", "int", "long", "to", "type_as", "expand",
+                        "expand_as"})
+PADDING_TESTS = {operator.ne: True, torch.ne: True, operator.eq: False, torch.eq: False}
+NEGATIONS = (operator.invert, torch.logical_not)
+
+
+def _peeled_mask(node: Any) -> tuple[fx.Node, int, bool] | None:
+    """(ids, p, keep) when ``node`` is the test ``ids != p`` (keep) or ``ids == p`` (not keep) against an int
+    ``p``, cast, negated, broadcast in place or given trailing unit dims; None otherwise."""
+    negated = False
+    while isinstance(node, fx.Node):
+        meta, source = tensor_meta(node), tensor_meta(node.args[0]) if node.args else None
+        if meta is None or source is None:
+            return None
+        if node.op == "call_method" and node.target in MASK_CASTS and source.dim() == meta.dim():
+            node = node.args[0]
+        elif is_call(node, torch.unsqueeze) and node.args[1] in (source.dim(), -1):
+            node = node.args[0]
+        elif is_call(node, operator.getitem) and node.args[1] in ((Ellipsis, None), (slice(None), slice(None), None)):
+            node = node.args[0]
+        elif is_call(node, *NEGATIONS) and (node.target is torch.logical_not or meta.dtype == torch.bool):
+            node, negated = node.args[0], not negated
+        elif is_call(node, *PADDING_TESTS) and len(node.args) == 2 and not node.kwargs:
+            p = node.args[1]
+            if type(p) is not int or source.dtype not in (torch.int32, torch.int64):
+                return None
+            return node.args[0], p, PADDING_TESTS[node.target] != negated
+        else:
+            return None
+    return None
+
+
+def _is_zero(value: Any) -> bool:
+    return type(value) in (int, float) and value == 0
+
+
+def _masked_embedding(node: fx.Node) -> tuple[fx.Node, tuple[fx.Node, int, bool]] | None:
+    """(the F.embedding node, (ids, p, keep)) of ``emb * mask``, ``masked_fill(emb, mask, 0)``,
+    ``where(mask, emb, 0)`` or ``where(mask, 0, emb)``, ``keep`` saying whether the ids that pass the test are
+    the rows kept; None for another form, or a mask not of ``emb``'s rank (broadcast from the left)."""
+    args = node.args
+    if is_call(node, torch.mul) and len(args) == 2:
+        (emb, mask), drops = (args if is_call(args[0], *EMBEDDING) else args[::-1]), False
+    elif is_call(node, torch.masked_fill) and len(args) == 3 and _is_zero(args[2]):
+        (emb, mask), drops = args[:2], True
+    elif is_call(node, torch.where) and len(args) == 3 and (_is_zero(args[1]) or _is_zero(args[2])):
+        drops = _is_zero(args[1])
+        emb, mask = args[2 if drops else 1], args[0]
+    else:
+        return None
+    if not is_call(emb, *EMBEDDING) or getattr(tensor_meta(mask), "ndim", None) != 3:
+        return None
+    found = _peeled_mask(mask)
+    if found is None:
+        return None
+    ids, p, keep = found
+    return emb, (ids, p, keep != drops)
+
+
+def _mask_shape_of(node: fx.Node, emb: fx.Node, masked: fx.Node) -> bool:
+    """``mask.expand_as(emb)`` (RecBole's) or ``mask.type_as(emb)`` that only feeds ``masked``: it goes when
+    ``masked`` goes."""
+    if not (node.op == "call_method" and node.target in ("expand_as", "type_as") and node.args[1:] == (emb,)):
+        return False
+    while len(node.users) == 1 and node is not masked:
+        node = next(iter(node.users))
+    return node is masked
+
+
+def _masked_sum(node: fx.Node) -> Lookup | None:
+    """``torch.sum(masked(F.embedding(ids, W)), 1)`` over the mask ``ids != p`` as a SUM lookup with padding p."""
+    masked = node.args[0]
+    found = _masked_embedding(masked) if isinstance(masked, fx.Node) else None
+    if found is None:
+        return None
+    emb, (ids, p, keep) = found
+    a = _bound(emb)
+    weight = _check_common(a)
+    if ids is not a["input"] or tensor_meta(ids).dim() != 2:
+        raise NotGroupable("its mask tests other ids than the lookup's, or they are not [B, L]")
+    if not keep:
+        raise NotGroupable("its mask keeps the padding ids and drops the rest")
+    if not 0 <= p < weight.shape[0] or _padding(a, weight.shape[0]) not in (-1, p):
+        raise NotGroupable(f"padding id {p} is outside the table or not the table's own padding_idx")
+    dim = arg(node, 1, "dim")
+    dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
+    if dim not in (1, -2) or node.kwargs.get("dtype") is not None:
+        raise NotGroupable("the masked sum is not over the bag dimension")
+    same_shape = statically_known_true(sym_eq(tuple(tensor_meta(masked).shape), tuple(tensor_meta(emb).shape)))
+    if not same_shape or tensor_meta(masked).dtype != weight.dtype:
+        raise NotGroupable("the mask broadcasts the lookup to another shape or promotes the table's dtype")
+    if len(masked.users) != 1 or not all(u is masked or _mask_shape_of(u, emb, masked) for u in emb.users):
+        raise NotGroupable("the masked lookup has other users")
+    return Lookup([node, masked, emb], a["weight"], ids, None, None, SUM, p, False, bool(a["sparse"]),
+                  keepdim=bool(arg(node, 2, "keepdim", False)))
 
 
 def _consumer_layout(consumer: fx.Node) -> str | None:
@@ -237,12 +353,17 @@ def _grouped_call(gm: fx.GraphModule, ctx: PassContext, run: list[Lookup], layou
     return grouped
 
 
-def _rewrite_consumer(gm: fx.GraphModule, ctx: PassContext, consumer: fx.Node, layout: str, lookups: dict) -> None:
+def _rewrite_consumer(gm: fx.GraphModule, ctx: PassContext, consumer: fx.Node, layout: str, lookups: dict,
+                      alone: dict) -> None:
+    """Group the runs of lookups among ``consumer``'s items; the masked poolings no run takes go to ``alone``."""
     items = list(consumer.args[0])
     runs = _runs(items, lookups)
     grouped = {item for start, end in runs for item in items[start:end]}
     for item in items:
         if item in lookups and item not in grouped:
+            if lookups[item].keepdim is not None:
+                alone[item] = lookups[item]
+                continue
             why = "no neighbouring lookup on another table of its dtype in its stack/cat to group with"
             ctx.fallbacks.append(Fallback("embedding", f"lookup {item.name} left alone: {why}"))
     if not runs:
@@ -261,8 +382,71 @@ def _rewrite_consumer(gm: fx.GraphModule, ctx: PassContext, consumer: fx.Node, l
     graph.erase_node(consumer)
     for start, end in runs:
         for item in items[start:end]:
-            for node in lookups[item].erased:
-                graph.erase_node(node)
+            _erase(lookups[item])
+
+
+def _joins(group: dict[fx.Node, Lookup], lookup: Lookup) -> bool:
+    """Whether ``lookup`` can share ``group``'s "concat" call: another table, its dtype and device, a batch size
+    known to be the same."""
+    first = next(iter(group.values()))
+    return (all(x.weight is not lookup.weight for x in group.values())
+            and (lookup.table.dtype, lookup.table.device) == (first.table.dtype, first.table.device)
+            and statically_known_true(sym_eq(tensor_meta(lookup.indices).shape[0], tensor_meta(first.indices).shape[0])))
+
+
+def _group_alone(gm: fx.GraphModule, ctx: PassContext, alone: dict[fx.Node, Lookup]) -> None:
+    """The masked poolings no stack/cat group took, grouped where ``_joins`` allows into one "concat" call (each
+    pooling its slice ``narrow(grouped, 1, start, D)``, unsqueezed for ``keepdim``), placed after their inputs;
+    a group of one (or one whose output is used before its ids are made) is a call per pooling in place."""
+    groups: list[dict[fx.Node, Lookup]] = []
+    for node, lookup in alone.items():
+        group = next((g for g in groups if _joins(g, lookup)), None)
+        if group is None:
+            group = {}
+            groups.append(group)
+        group[node] = lookup
+    for group in groups:
+        inputs = [x for lookup in group.values() for x in (lookup.weight, lookup.indices)]
+        position = _after_inputs(gm.graph, inputs, [u for node in group for u in node.users])
+        if len(group) == 1 or position is None:
+            for node, lookup in group.items():
+                _pool(gm, ctx, {node: lookup}, node)
+        else:
+            _pool(gm, ctx, group, position)
+
+
+def _pool(gm: fx.GraphModule, ctx: PassContext, group: dict[fx.Node, Lookup], position: fx.Node) -> None:
+    """One "concat" call for ``group``'s masked poolings, before ``position``; each pooling's users read its slice."""
+    graph, start = gm.graph, 0
+    with graph.inserting_before(position):
+        grouped = _grouped_call(gm, ctx, list(group.values()), "concat")
+        for node, lookup in group.items():
+            dim = lookup.table.shape[1]
+            part = grouped if len(group) == 1 else _call(graph, torch.narrow, (grouped, 1, start, dim))
+            start += dim
+            node.replace_all_uses_with(_call(graph, torch.unsqueeze, (part, 1)) if lookup.keepdim else part)
+    for lookup in group.values():
+        _erase(lookup)
+
+
+def _erase(lookup: Lookup) -> None:
+    """Erase the nodes ``lookup`` replaced; with a masked pooling, its mask's nodes nothing else reads."""
+    for node in lookup.erased:
+        inputs = [n for n in node.all_input_nodes if n not in lookup.erased]
+        node.graph.erase_node(node)
+        if lookup.keepdim is not None:
+            _erase_unused(inputs, set(lookup.erased))
+
+
+def _erase_unused(nodes: list[fx.Node], erased: set[fx.Node]) -> None:
+    """Erase ``nodes`` and, transitively, their inputs, where nothing uses them any more (pure calls only), but
+    not those in ``erased``."""
+    while nodes:
+        node = nodes.pop()
+        if node not in erased and not node.users and node.op in ("call_function", "call_method") and not has_effects(node):
+            nodes += node.all_input_nodes
+            node.graph.erase_node(node)
+            erased.add(node)
 
 
 def _as_part(graph: fx.Graph, item: fx.Node, layout: str) -> fx.Node:
@@ -297,12 +481,21 @@ def _group_unpooled(gm: fx.GraphModule, ctx: PassContext) -> None:
             _rewrite_unpooled(gm, ctx, list(members.values()))
 
 
+def _after_inputs(graph: fx.Graph, inputs: list[fx.Node], users: list[fx.Node]) -> fx.Node | None:
+    """The node a grouped call of ``inputs`` goes before (the first non-placeholder after the last of them),
+    None when one of ``users`` (of the lookups it replaces) comes before that."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    position = max(inputs, key=order.__getitem__).next
+    while position.op == "placeholder":
+        position = position.next
+    return None if users and min(order[u] for u in users) < order[position] else position
+
+
 def _rewrite_unpooled(gm: fx.GraphModule, ctx: PassContext, members: list[tuple]) -> None:
-    graph, order = gm.graph, {n: i for i, n in enumerate(gm.graph.nodes)}
+    graph = gm.graph
     inputs = [x for lookup, _, _ in members for x in (_bound(lookup)["input"], _bound(lookup)["weight"])]
-    users = [u for _, out, _ in members for u in out.users]
-    last_input = max(inputs, key=order.__getitem__)
-    if users and min(order[u] for u in users) <= order[last_input]:
+    position = _after_inputs(graph, inputs, [u for _, out, _ in members for u in out.users])
+    if position is None:
         ctx.fallbacks.append(Fallback("embedding", "unpooled lookups left alone: their ids are made after their outputs are used"))
         return
     run = []
@@ -310,7 +503,7 @@ def _rewrite_unpooled(gm: fx.GraphModule, ctx: PassContext, members: list[tuple]
         a = _bound(lookup)
         run.append(Lookup(erased, a["weight"], a["input"], None, None, NONE, _padding(a, tensor_meta(a["weight"]).shape[0]),
                           False, bool(a["sparse"])))
-    with graph.inserting_before(last_input.next):
+    with graph.inserting_before(position):
         grouped = _grouped_call(gm, ctx, run, "sequence")
         start: Any = 0
         for (_, out, _), x in zip(members, run):
@@ -331,6 +524,7 @@ def _rewrite_unpooled(gm: fx.GraphModule, ctx: PassContext, members: list[tuple]
 @register_pass("embedding", order=10, regions={"embedding": "#9fd3ff"})
 def embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     lookups: dict[fx.Node, Lookup] = {}
+    alone: dict[fx.Node, Lookup] = {}  # masked poolings no stack/cat group takes
     for node in list(gm.graph.nodes):
         try:
             lookup = _lookup(node)
@@ -341,11 +535,15 @@ def embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue  # not a lookup, or one whose cast is matched instead
         consumer = next(iter(node.users), None)
         if len(node.users) != 1 or _consumer_layout(consumer) is None:
+            if lookup.keepdim is not None:
+                alone[node] = lookup
+                continue
             ctx.fallbacks.append(Fallback("embedding", f"lookup {node.name} left alone: it does not feed one stack/cat along dim 1"))
             continue
         lookups[node] = lookup
     consumers = {next(iter(node.users)) for node in lookups}
     for consumer in [n for n in gm.graph.nodes if n in consumers]:
-        _rewrite_consumer(gm, ctx, consumer, _consumer_layout(consumer), lookups)
+        _rewrite_consumer(gm, ctx, consumer, _consumer_layout(consumer), lookups, alone)
+    _group_alone(gm, ctx, alone)
     _group_unpooled(gm, ctx)
     return gm
