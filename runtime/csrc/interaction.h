@@ -424,9 +424,121 @@ void fm_second_order_bwd_##S(const T *grad, const T *v, int64_t B, int64_t F, in
     }                                                                                                          \
 }
 
+
+/* The DCN-v1 vector cross (runtime/interaction.py vector_cross): L layers x_{l+1} = x0 * (x_l . w_l) + b_l + x_l
+ * per sample, the row kept in a float scratch row (L1) across the layers: x and x0 are read once, the output
+ * written once. W and bias are float [L, D] (bias may be NULL); x0, x, out [B, D] contiguous. */
+static inline float vc_dot(const float *a, const float *b, int64_t D) {
+    float s = 0.f;
+    _Pragma("omp simd reduction(+ : s)")
+    for (int64_t d = 0; d < D; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* xl += x0 * s + bias (bias may be NULL) */
+static inline void vc_layer(float *xl, const float *x0, float s, const float *bias, int64_t D) {
+    if (bias) {
+        _Pragma("omp simd")
+        for (int64_t d = 0; d < D; d++) xl[d] += x0[d] * s + bias[d];
+    } else {
+        _Pragma("omp simd")
+        for (int64_t d = 0; d < D; d++) xl[d] += x0[d] * s;
+    }
+}
+
+#define DEFINE_VECTOR_CROSS_KERNELS(S, T)                                                                      \
+void vector_cross_fwd_##S(const T *x0, const T *x, const float *W, const float *bias, int64_t L, T *out,        \
+                          int64_t B, int64_t D, int threads) {                                                 \
+    _Pragma("omp parallel num_threads(threads)")                                                               \
+    {                                                                                                          \
+        float *xl = (float *)malloc(sizeof(float) * 2 * D), *x0f = xl + D;                                     \
+        _Pragma("omp for schedule(static)")                                                                    \
+        for (int64_t b = 0; b < B; b++) {                                                                      \
+            const int64_t r = b * D;                                                                           \
+            _Pragma("omp simd")                                                                                \
+            for (int64_t d = 0; d < D; d++) {                                                                  \
+                xl[d] = load_##S(x + r + d);                                                                   \
+                x0f[d] = load_##S(x0 + r + d);                                                                 \
+            }                                                                                                  \
+            for (int64_t l = 0; l < L; l++)                                                                    \
+                vc_layer(xl, x0f, vc_dot(xl, W + l * D, D), bias ? bias + l * D : NULL, D);                    \
+            _Pragma("omp simd")                                                                                \
+            for (int64_t d = 0; d < D; d++) store_##S(out + r + d, xl[d]);                                     \
+        }                                                                                                      \
+        free(xl);                                                                                              \
+    }                                                                                                          \
+}                                                                                                              \
+                                                                                                               \
+/* Per sample: the layers recomputed into scratch rows x_0 .. x_{L-1} and scalars s_l, then last layer first   \
+   ds_l = g . x0, grad_x0 += g s_l, grad_W_l += ds_l x_l, grad_b_l += g, g += ds_l w_l. grad_W and grad_bias   \
+   (float [L, D], grad_bias NULL without bias) are summed over per-thread parts. */                            \
+void vector_cross_bwd_##S(const T *grad, const T *x0, const T *x, const float *W, const float *bias, int64_t L, \
+                          T *grad_x0, T *grad_x, float *grad_W, float *grad_bias, int64_t B, int64_t D,        \
+                          int threads) {                                                                       \
+    memset(grad_W, 0, sizeof(float) * L * D);                                                                  \
+    if (grad_bias) memset(grad_bias, 0, sizeof(float) * L * D);                                                \
+    _Pragma("omp parallel num_threads(threads)")                                                               \
+    {                                                                                                          \
+        float *xs = (float *)malloc(sizeof(float) * ((L + 3) * D + L));                                        \
+        float *x0f = xs + L * D, *g = x0f + D, *gx0 = g + D, *s = gx0 + D;                                     \
+        float *part = (float *)calloc((grad_bias ? 2 : 1) * L * D, sizeof(float));                             \
+        float *part_b = grad_bias ? part + L * D : NULL;                                                       \
+        _Pragma("omp for schedule(static)")                                                                    \
+        for (int64_t b = 0; b < B; b++) {                                                                      \
+            const int64_t r = b * D;                                                                           \
+            _Pragma("omp simd")                                                                                \
+            for (int64_t d = 0; d < D; d++) {                                                                  \
+                xs[d] = load_##S(x + r + d);                                                                   \
+                x0f[d] = load_##S(x0 + r + d);                                                                 \
+                g[d] = load_##S(grad + r + d);                                                                 \
+                gx0[d] = 0.f;                                                                                  \
+            }                                                                                                  \
+            for (int64_t l = 0; l < L; l++) {                                                                  \
+                s[l] = vc_dot(xs + l * D, W + l * D, D);                                                       \
+                if (l + 1 < L) {                                                                               \
+                    memcpy(xs + (l + 1) * D, xs + l * D, sizeof(float) * D);                                   \
+                    vc_layer(xs + (l + 1) * D, x0f, s[l], bias ? bias + l * D : NULL, D);                      \
+                }                                                                                              \
+            }                                                                                                  \
+            for (int64_t l = L - 1; l >= 0; l--) {                                                             \
+                const float ds = vc_dot(g, x0f, D), sl = s[l];                                                 \
+                const float *w = W + l * D, *xl = xs + l * D;                                                  \
+                float *pw = part + l * D;                                                                      \
+                if (part_b) {                                                                                  \
+                    float *pb = part_b + l * D;                                                                \
+                    _Pragma("omp simd")                                                                        \
+                    for (int64_t d = 0; d < D; d++) pb[d] += g[d];                                             \
+                }                                                                                              \
+                _Pragma("omp simd")                                                                            \
+                for (int64_t d = 0; d < D; d++) {                                                              \
+                    gx0[d] += g[d] * sl;                                                                       \
+                    pw[d] += ds * xl[d];                                                                       \
+                    g[d] += ds * w[d];                                                                         \
+                }                                                                                              \
+            }                                                                                                  \
+            _Pragma("omp simd")                                                                                \
+            for (int64_t d = 0; d < D; d++) {                                                                  \
+                store_##S(grad_x0 + r + d, gx0[d]);                                                            \
+                store_##S(grad_x + r + d, g[d]);                                                               \
+            }                                                                                                  \
+        }                                                                                                      \
+        _Pragma("omp critical")                                                                                \
+        {                                                                                                      \
+            for (int64_t i = 0; i < L * D; i++) grad_W[i] += part[i];                                          \
+            if (part_b)                                                                                        \
+                for (int64_t i = 0; i < L * D; i++) grad_bias[i] += part_b[i];                                 \
+        }                                                                                                      \
+        free(part);                                                                                            \
+        free(xs);                                                                                              \
+    }                                                                                                          \
+}
+
 DEFINE_DOT_KERNELS(f32, float)
 DEFINE_KERNELS(f32, float)
+DEFINE_VECTOR_CROSS_KERNELS(f32, float)
 DEFINE_DOT_KERNELS(f16, _Float16)
 DEFINE_KERNELS(f16, _Float16)
+DEFINE_VECTOR_CROSS_KERNELS(f16, _Float16)
 DEFINE_DOT_KERNELS(bf16, bf16_t)
 DEFINE_KERNELS(bf16, bf16_t)
+DEFINE_VECTOR_CROSS_KERNELS(bf16, bf16_t)

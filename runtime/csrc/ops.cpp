@@ -166,6 +166,46 @@ void cross_epilogue_bwd(const Tensor &grad, const Tensor &x0, const Tensor &h, c
              threads());
 }
 
+/* W, bias: float [L, D] (bias optional); x0, x, grad and the outputs [B, D] contiguous of one dtype. */
+void check_vector_cross(const char *op, const Tensor &x, const Tensor &W, const OptTensor &bias,
+                        std::initializer_list<const Tensor *> rows) {
+    check(x, op, "x", FLOATS);
+    check(W, op, "W", {F32});
+    check(bias, op, "bias", {F32});
+    TORCH_CHECK_VALUE(x.dim() == 2 && W.dim() == 2 && W.size(1) == x.size(1) && x.is_contiguous() && W.is_contiguous(),
+                      "recompile_native.", op, ": expected x [B, D] and W [L, D] contiguous, got ", x.sizes(), " and ",
+                      W.sizes());
+    TORCH_CHECK_VALUE(!bias || !bias->defined() || (bias->sizes() == W.sizes() && bias->is_contiguous()),
+                      "recompile_native.", op, ": bias must be contiguous ", W.sizes());
+    for (auto *t : rows) {
+        check(*t, op, "x0, grad and the outputs", {x.scalar_type()});
+        TORCH_CHECK_VALUE(t->sizes() == x.sizes() && t->is_contiguous(), "recompile_native.", op,
+                          ": x0, grad and the outputs must be contiguous ", x.sizes(), ", got ", t->sizes());
+    }
+}
+
+void vector_cross_fwd(const Tensor &x0, const Tensor &x, const Tensor &W, const OptTensor &bias, const Tensor &out) {
+    check_vector_cross("vector_cross_fwd", x, W, bias, {&x0, &out});
+    BY_DTYPE(x.scalar_type(), vector_cross_fwd, T, ptr<const T>(x0), ptr<const T>(x), ptr<const float>(W),
+             ptr<const float>(bias), W.size(0), ptr<T>(out), x.size(0), x.size(1), threads());
+}
+
+void vector_cross_bwd(const Tensor &grad, const Tensor &x0, const Tensor &x, const Tensor &W, const OptTensor &bias,
+                      const Tensor &grad_x0, const Tensor &grad_x, const Tensor &grad_W, const OptTensor &grad_bias) {
+    check_vector_cross("vector_cross_bwd", x, W, bias, {&grad, &x0, &grad_x0, &grad_x});
+    check(grad_W, "vector_cross_bwd", "grad_W", {F32});
+    check(grad_bias, "vector_cross_bwd", "grad_bias", {F32});
+    const bool has_bias = bias && bias->defined();
+    TORCH_CHECK_VALUE(grad_W.sizes() == W.sizes() && grad_W.is_contiguous() &&
+                          has_bias == (grad_bias && grad_bias->defined()) &&
+                          (!has_bias || (grad_bias->sizes() == W.sizes() && grad_bias->is_contiguous())),
+                      "recompile_native.vector_cross_bwd: grad_W (and grad_bias, given with bias) must be contiguous ",
+                      W.sizes());
+    BY_DTYPE(x.scalar_type(), vector_cross_bwd, T, ptr<const T>(grad), ptr<const T>(x0), ptr<const T>(x),
+             ptr<const float>(W), ptr<const float>(bias), W.size(0), ptr<T>(grad_x0), ptr<T>(grad_x),
+             ptr<float>(grad_W), ptr<float>(grad_bias), x.size(0), x.size(1), threads());
+}
+
 Tensor fm_second_order_fwd(const Tensor &v_, bool reduce) {
     check(v_, "fm_second_order_fwd", "v", FLOATS);
     TORCH_CHECK_VALUE(v_.dim() == 3, "recompile_native.fm_second_order_fwd: v must be [B, F, D], got ", v_.sizes());
@@ -402,6 +442,9 @@ TORCH_LIBRARY(recompile_native, m) {
     m.def("cross_epilogue_fwd(Tensor x0, Tensor x, Tensor h, Tensor? bias, Tensor(a!) out, Tensor(b!)? hb) -> ()");
     m.def("cross_epilogue_bwd(Tensor grad, Tensor x0, Tensor h, Tensor? bias, Tensor(a!) grad_h, "
           "Tensor(b!) grad_x0, Tensor(c!)? grad_bias) -> ()");
+    m.def("vector_cross_fwd(Tensor x0, Tensor x, Tensor W, Tensor? bias, Tensor(a!) out) -> ()");
+    m.def("vector_cross_bwd(Tensor grad, Tensor x0, Tensor x, Tensor W, Tensor? bias, Tensor(a!) grad_x0, "
+          "Tensor(b!) grad_x, Tensor(c!) grad_W, Tensor(d!)? grad_bias) -> ()");
     m.def("fm_second_order_fwd(Tensor v, bool reduce) -> Tensor");
     m.def("fm_second_order_bwd(Tensor grad, Tensor v, bool reduce) -> Tensor");
     m.def("hstu_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor offsets, int max_seq_len, float alpha, "
@@ -426,6 +469,8 @@ TORCH_LIBRARY_IMPL(recompile_native, CPU, m) {
     m.impl("dot_interaction_bwd", &dot_interaction_bwd);
     m.impl("cross_epilogue_fwd", &cross_epilogue_fwd);
     m.impl("cross_epilogue_bwd", &cross_epilogue_bwd);
+    m.impl("vector_cross_fwd", &vector_cross_fwd);
+    m.impl("vector_cross_bwd", &vector_cross_bwd);
     m.impl("fm_second_order_fwd", &fm_second_order_fwd);
     m.impl("fm_second_order_bwd", &fm_second_order_bwd);
     m.impl("hstu_attention_fwd", &hstu_attention_fwd);
