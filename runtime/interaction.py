@@ -831,7 +831,8 @@ def vector_cross_backward(
     """(grad_x0, grad_x, grad_weights, grad_biases) of ``vector_cross``, each in its input's shape."""
     grad_x0, grad_x, grad_weights, grad_biases = backward_kernel("vector_cross_backward", impl)(
         grad, x0, x, weights, biases)
-    return grad_x0.contiguous(), grad_x.contiguous(), _unaliased(grad_weights), _unaliased(grad_biases)
+    fresh = functools.partial(torch.clone, memory_format=torch.contiguous_format)  # [D] each: rows of one [L, D]
+    return grad_x0.contiguous(), grad_x.contiguous(), [fresh(g) for g in grad_weights], [fresh(g) for g in grad_biases]
 
 
 @vector_cross_backward.register_fake
