@@ -159,9 +159,14 @@ def fm_second_order_backward(grad, v, reduce):
 
 
 def _vector_cross_params(weights, biases):
-    """The layers' [D] weights and biases as float [L, D] (the kernel's)."""
-    W = torch.stack(weights).float().contiguous()
-    return W, torch.stack(biases).float().contiguous() if biases else None
+    """The layers' [D] weights and biases as float [L, Dp], rows zero-padded to a multiple of 16 (the kernel's
+    whole vectors)."""
+    pad = -len(weights[0]) % 16
+
+    def rows(params):
+        return torch.nn.functional.pad(torch.stack(params).float(), (0, pad)).contiguous()
+
+    return rows(weights), rows(biases) if biases else None
 
 
 def vector_cross(x0, x, weights, biases):
@@ -180,4 +185,5 @@ def vector_cross_backward(grad, x0, x, weights, biases):
     grad_W = torch.empty_like(W)
     grad_B = None if B is None else torch.empty_like(B)
     ops.vector_cross_bwd(grad, x0, x, W, B, grad_x0, grad_x, grad_W, grad_B)
-    return grad_x0, grad_x, list(grad_W.unbind(0)), [] if grad_B is None else list(grad_B.unbind(0))
+    dim = x.shape[1]
+    return grad_x0, grad_x, list(grad_W[:, :dim].unbind(0)), [] if grad_B is None else list(grad_B[:, :dim].unbind(0))
