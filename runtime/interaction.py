@@ -1,4 +1,4 @@
-"""Feature interactions: ``torch.ops.recompile.dot_interaction``, ``cross_layer`` and ``fm_second_order``.
+"""Feature interactions: ``torch.ops.recompile.dot_interaction``, the DCN cross ops and ``fm_second_order``.
 
 - ``dot_interaction(features, prefix, upper, self_interaction)``: the DLRM dot interaction. ``features``
   is a list of ``[B, D]`` (one feature each) and ``[B, n, D]`` tensors that together make the feature
@@ -15,6 +15,9 @@
 - ``cross_mixture(x0, x, gate, downs, mids, ups, biases, activation, save)``: one DCN-Mix layer (TorchRec's
   ``LowRankMixtureCrossNet``), ``sum_e softmax(x G^T)_e * x0 * (U_e act(C_e act(V_e x)) + b_e) + x``; returns
   ``(out, saved)``, ``saved`` the gates and the experts' intermediates the backward reads (as ``cross_stack``).
+- ``vector_cross(x0, x, weights, biases)``: L DCN-v1 cross layers ``x_{l+1} = x0 * (x_l . w_l) + b_l + x_l``
+  (RecBole's DCN, TorchRec's ``VectorCrossNet``), a vector ``w_l`` [D] per layer, biases all or none; the
+  backward recomputes the layers from the inputs (nothing else is saved).
 - ``fm_second_order(v, reduce)``: the factorisation-machine second order term over ``v`` ``[B, F, D]``,
   ``0.5 * ((sum_f v)^2 - sum_f v^2)`` per dimension ``[B, D]``, or summed over D to ``[B, 1]``
   (``reduce``; the flattened TorchRec ``FactorizationMachine`` is ``v = x.unsqueeze(-1)`` with ``reduce``).
@@ -22,7 +25,7 @@
 Kernels: ``reference`` (plain torch, the oracle), ``cpu`` (torch), ``native`` (C++, ``csrc/interaction.h``
 through ``runtime.interaction_native``; the ``cpu`` kernel where it cannot run), ``triton``. Backward
 passes are ops of their own (``dot_interaction_backward``, ``cross_epilogue_backward``,
-``cross_stack_backward``, ``cross_mixture_backward``, ``fm_second_order_backward``).
+``cross_stack_backward``, ``cross_mixture_backward``, ``vector_cross_backward``, ``fm_second_order_backward``).
 """
 from __future__ import annotations
 

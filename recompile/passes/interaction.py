@@ -1,9 +1,9 @@
-"""interaction: feature interactions (DLRM dot, PNN inner products, DCN-v2 cross, DCN-Mix, FM) -> one fused op each.
+"""interaction: feature interactions (DLRM dot, PNN inner products, DCN-v1 and DCN-v2 cross, DCN-Mix, FM) -> one fused op each.
 
 Patterns are Inductor pattern-matcher expressions over the graph ``normalize`` leaves (one spelling per
 computation: bound arguments with non-negative dims, ``x @ W`` / ``mm`` / ``addmm`` / ``einsum`` as ``linear``,
 column-vector layers in row form, squares as ``x * x``, halves as ``x * 0.5``, triangle pair selections as one
-form), so each computation is one pattern: ``pattern_count()`` is 14 (1,225 when the graph still had every
+form), so each computation is one pattern: ``pattern_count()`` is 16 (1,225 when the graph still had every
 spelling). The matcher is built once; handlers read the running pass's context from ``_CONTEXT``.
 Patterns and replacements:
 
@@ -25,6 +25,12 @@ Patterns and replacements:
   such ops in a row (each output only the next one's ``x``, one ``x0``, one form) -> one
   ``recompile.cross_stack(x0, x, [W...], [b...], [V...], save)`` (the layers' regions become the stack's;
   ``save``: autograd will run through the graph, so the op keeps what its backward reads).
+- DCN-v1 vector cross (RecBole's ``DCN``, TorchRec's ``VectorCrossNet``, raw Parameters): ``x + (x0 * linear(x, w)
+  + b)`` with ``w`` [1, D] (normalize's one form of ``x . w``: ``tensordot``, ``x @ w``, ``(x * w).sum(-1)``,
+  ``matmul(x, w.unsqueeze(-1))``, the column form) and ``b`` [D] -> ``recompile.vector_cross(x0, x, [w], [b])``;
+  without a bias it is the cross layer's pattern with a [1, D] weight -> ``vector_cross(x0, x, [w], [])``.
+  Chains (each output only the next one's ``x``, one ``x0``, all with or all without biases) -> one
+  ``vector_cross`` over all their layers (its kernel keeps a sample's row in cache across the layers).
 - DCN-Mix (TorchRec ``LowRankMixtureCrossNet``, its per-expert gates one ``linear`` after normalize):
   ``g = softmax(linear(x, G), 1)``, ``experts =
   stack([x0 * linear(act(linear(act(linear(x, V_e)), C_e)), U_e, b_e) ...], 2)`` (the C stage optional,

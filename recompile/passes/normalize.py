@@ -16,6 +16,12 @@ Pattern -> replacement (each rule keyed by the call it rewrites, in ``RULES``; s
   ``matmul``, ``mm``, ``addmm(b, x, W)``, a linear ``einsum`` -> ``linear(x, transpose(W, 0, 1), b)`` with
   ``W`` [in, out] (``meta["weight_layout"] = "in_out"``), ``F.linear`` / ``nn.Linear`` calls stay
   ``linear(x, W, b)`` [out, in]; ``linear(x, W, None) + b`` (``b`` [out], the linear used once) -> ``linear(x, W, b)``.
+  Dot products with a vector ``w`` [D] (DCN-v1's ``x_l . w_l``): ``x @ w``, ``tensordot(x, w, dims=([-1], [0]))``
+  and ``sum(x * w, -1)`` -> ``squeeze(linear(x, transpose(unsqueeze(w, 1), 0, 1)), -1)`` (``keepdim``: without the
+  squeeze, as ``matmul(x, w.unsqueeze(-1))`` becomes); ``tensordot`` with a matrix -> ``linear``, over a column
+  batch [.., D, 1] -> its column form; ``unsqueeze(squeeze(a, d), d)`` -> ``a``; ``A @ B`` with ``A`` [.., N, 1]
+  and ``B`` [.., 1, M] (an outer product) -> ``A * B``; ``transpose(op(transpose(a), c))`` for a pointwise ``op``
+  of matrices -> ``op(a, c^T)`` (a vector ``c`` as ``unsqueeze(c, 1)``).
 - column vectors (DCN written as ``W @ x_l`` over ``x_l`` [B, N, 1], TorchRec's cross nets, RecBole's DCNV2):
   ``matmul(W, X)`` with ``X`` [.., N, 1] -> ``unsqueeze(linear(squeeze(X, -1), W), -1)``; pointwise ops sink
   below a shared ``unsqueeze`` (``op(unsqueeze(a, d), c)`` -> ``unsqueeze(op(a, squeeze(c, d)), d)`` when ``c``
