@@ -2,15 +2,19 @@
 (torch closed form, native per-row C++ under each instruction set) against autograd through the plain-torch
 reference, forward and backward, with hypothesis (empty batch, one row, D across partial vectors, 1-4 layers,
 with and without biases, [D] / [1, D] / [D, 1] weights, non-contiguous inputs, fp32 / fp16 / bf16); opcheck of the
-op and its backward; the lowering; a clear error for bad shapes."""
+op and its backward; the lowering; a clear error for bad shapes; normalize's one form of the layer's spellings."""
 import pytest
 import torch
+import torch.fx as fx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import recompile
 from recompile.lowering import choose, detect_target
 from runtime import interaction_native, native
 from runtime.interaction import vector_cross_reference
+from tests.test_interaction_forms import pipeline_only
+from tests.test_normalize import normalized
 
 KERNELS = ["reference", "cpu"] + (["native"] if interaction_native.available() else [])
 ISAS = native.available_isas() if interaction_native.available() else ()
@@ -119,3 +123,60 @@ def test_bad_shapes_raise_naming_the_op(weights, biases, names):
     x = torch.randn(4, 6)
     with pytest.raises(ValueError, match=rf"recompile\.vector_cross: .*{names}"):
         torch.ops.recompile.vector_cross(x, x, weights, biases, "cpu")
+
+
+DOTS = {  # x_l . w as [B, 1], spelled as users write it (RecBole's tensordot is squeezed, then transposed around)
+    "tensordot": lambda x, w: torch.tensordot(x, w, dims=([1], [0])).unsqueeze(1),
+    "matmul_vector": lambda x, w: (x @ w).unsqueeze(1),
+    "weighted_sum": lambda x, w: (x * w).sum(-1, keepdim=True),
+    "matmul_column": lambda x, w: torch.matmul(x, w.unsqueeze(-1)),
+}
+
+
+def _layers(dot):
+    def fn(x0, w0, w1, b0, b1):
+        x = x0
+        for w, b in ((w0, b0), (w1, b1)):
+            x = x0 * dot(x, w) + b + x
+        return x
+    return fn
+
+
+def _calls(gm) -> list[tuple]:
+    """The graph's calls, inputs named by their argument and calls by their place (Dynamo orders its
+    placeholders by first use, which differs between spellings)."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    name = {n: n.target if n.op == "placeholder" else calls.index(n) for n in gm.graph.nodes if n.op != "output"}
+    return [(n.target, fx.node.map_arg(n.args, name.__getitem__)) for n in calls]
+
+
+def test_spellings_of_the_dot_have_one_canonical_form():
+    """Every spelling of ``x0 * (x . w) + b + x`` leaves one graph after normalize (RecBole's
+    ``(x0.T * tensordot(x, w)).T`` included), the form the interaction pass matches."""
+    d = 6
+    args = (torch.randn(4, d), torch.randn(d), torch.randn(d), torch.randn(d), torch.randn(d))
+
+    def recbole(x0, w0, w1, b0, b1):
+        x = x0
+        for w, b in ((w0, b0), (w1, b1)):
+            x = (x0.transpose(0, 1) * torch.tensordot(x, w, dims=([1], [0]))).transpose(0, 1) + b + x
+        return x
+
+    forms = {name: _calls(normalized(_layers(dot), *args)) for name, dot in DOTS.items()}
+    forms["recbole"] = _calls(normalized(recbole, *args))
+    assert all(f == forms["matmul_column"] for f in forms.values()), forms
+
+
+def test_a_scalar_bias_inside_the_product_is_not_a_vector_cross():
+    """``x0 * (x . w + c) + x``: the bias is inside the product (the DCN-v2 form with a [1, D] weight): no region
+    (neither op computes it), and the rewritten graph still equals eager."""
+    w, c = torch.randn(1, 6), torch.randn(1)
+
+    def fn(x0):
+        return x0 * torch.nn.functional.linear(x0, w, c) + x0
+
+    x0 = torch.randn(5, 6)
+    regions = recompile.explain(fn, x0).to_dict()["regions"]
+    assert not [r for r in regions if r["kind"] == "interaction"]
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fn, backend=pipeline_only)(x0), fn(x0))
