@@ -173,10 +173,10 @@ def run_ops(batch: int, rounds: int = 30, names: list[str] | None = None) -> Non
         grad = torch.randn_like(eager().detach())
         torch.testing.assert_close(op(), eager(), rtol=1e-4, atol=1e-3)
         fwd, both = race_ms(timed(forward), rounds), race_ms(timed(train, grad), rounds)
-        print(f"{name:20s} B={batch:<5d} " + "  ".join(
-            f"{what}: eager {t['eager']:7.3f} ms  inductor {t['inductor']:7.3f} ms  op {t['op']:7.3f} ms "
-            f"({min(t['eager'], t['inductor']) / t['op']:4.2f}x min)" for what, t in (("forward", fwd), ("fwd+bwd", both))),
-            flush=True)
+        columns = [f"{what}: eager {t['eager']:7.3f} ms  inductor {t['inductor']:7.3f} ms  op {t['op']:7.3f} ms "
+                   f"({min(t['eager'], t['inductor']) / t['op']:4.2f}x min)"
+                   for what, t in (("forward", fwd), ("fwd+bwd", both))]
+        print(f"{name:20s} B={batch:<5d} " + "  ".join(columns), flush=True)
 
 
 def cold_compile(model: str, backend: str, quick: bool, cache: str, threads: int) -> float:

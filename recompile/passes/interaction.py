@@ -1,4 +1,4 @@
-"""interaction: feature interactions (DLRM dot, PNN inner products, DCN-v1 and DCN-v2 cross, DCN-Mix, FM) -> one fused op each.
+"""interaction: feature interactions (DLRM dot, PNN inner products, DCN-v1 and -v2 cross, DCN-Mix, FM) -> one op each.
 
 Patterns are Inductor pattern-matcher expressions over the graph ``normalize`` leaves (one spelling per
 computation: bound arguments with non-negative dims, ``x @ W`` / ``mm`` / ``addmm`` / ``einsum`` as ``linear``,

@@ -106,8 +106,8 @@ Rule = Callable[[fx.Node], "fx.Node | None"]
 RULES: dict[Any, list[Rule]] = {}
 # Targets normalize may leave unused (it erases them): pure calls it rewrites or creates.
 PURE = {*ALIASES.values(), *BOUND, *POINTWISE_UNARY, torch.reshape, torch.pow, torch.square, torch.mm, torch.addmm,
-        torch.functional.einsum, torch.einsum, torch.functional.tensordot, torch.t, torch.permute, operator.getitem, getattr, *OPERATOR_FUNCTIONS,
-        *CONSTANT_FUNCTIONS}
+        torch.functional.einsum, torch.einsum, torch.functional.tensordot, torch.t, torch.permute, operator.getitem,
+        getattr, *OPERATOR_FUNCTIONS, *CONSTANT_FUNCTIONS}
 
 
 def rule(*targets: Any) -> Callable[[Rule], Rule]:
