@@ -180,3 +180,17 @@ def test_a_scalar_bias_inside_the_product_is_not_a_vector_cross():
     assert not [r for r in regions if r["kind"] == "interaction"]
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(fn, backend=pipeline_only)(x0), fn(x0))
+
+
+def test_export_keeps_one_op_over_a_dynamic_batch():
+    """``recompile.export`` of TorchRec's VectorCrossNet: one ``vector_cross`` call, right at another batch size."""
+    from recompile.export import export
+
+    crossnet = pytest.importorskip("torchrec.modules.crossnet")
+    torch.manual_seed(0)
+    model = crossnet.VectorCrossNet(12, 3)
+    program = export(model, (torch.randn(5, 12),), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    ops = [n.target for n in program.graph.nodes if n.op == "call_function" and n.target.namespace == "recompile"]
+    assert ops == [torch.ops.recompile.vector_cross.default]
+    x = torch.randn(9, 12)
+    torch.testing.assert_close(program.module()(x), model(x), rtol=1e-5, atol=1e-5)
