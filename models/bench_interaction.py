@@ -1,11 +1,12 @@
 """Interaction benchmark: DLRM (26 tables of dim 64) and DCN-v2 (20 tables of dim 16, 3 cross layers),
 forward and training step, eager vs inductor vs rec_ascend side by side, and cold compile times.
 ``--models dcn_mix``: the same DCN-v2 with mixture-of-experts cross layers (4 experts of rank 32, DCN-Mix).
-``--ops``: each interaction op alone (the kernel the lowering picks on this CPU) against the eager spelling it
-replaces, forward and forward + backward, at the workloads' shapes.
+``--ops [OP ...]``: each interaction op alone (the kernel the lowering picks on this CPU) against the eager
+spelling it replaces and Inductor's compilation of that spelling, forward and forward + backward, at the workloads'
+shapes (``vector_cross_*``: the DCN-v1 vector cross at RecBole DCN's and a DLRM-sized input's shapes).
 
     python -m models.bench_interaction [--quick] [--no-compile-time] [--models dlrm dcn dcn_mix]
-                                       [--modes forward train] [--batch N] [--threads N] [--ops]
+                                       [--modes forward train] [--batch N] [--threads N] [--ops [OP ...]]
 
 Steps are timed with the wall clock (``time.perf_counter``), best of rounds that run every backend once in
 turn. Cold compile time is measured in a fresh process per backend with empty Inductor and recompile caches
@@ -129,10 +130,31 @@ def _mixture_case(batch: int):
                                                       torch.is_grad_enabled(), impl)[0], [x0, x])
 
 
-OP_CASES = {"dot_interaction": _dot_case, "cross_stack": _cross_case, "cross_mixture": _mixture_case}
+def _vector_cross_case(batch: int, dim: int, layers: int):
+    """DCN-v1's vector cross stack, written as RecBole's DCN writes it (``tensordot``, raw Parameters)."""
+    weights = [torch.nn.Parameter(torch.randn(dim) / dim ** 0.5) for _ in range(layers)]
+    biases = [torch.nn.Parameter(torch.randn(dim) * 0.1) for _ in range(layers)]
+    x0 = torch.randn(batch, dim, requires_grad=True)
+
+    def eager():
+        x = x0
+        for w, b in zip(weights, biases):
+            s = torch.tensordot(x, w, dims=([1], [0]))
+            x = (x0.transpose(0, 1) * s).transpose(0, 1) + b + x
+        return x
+    impl = choose("recompile::vector_cross", detect_target("cpu")).impl
+    return eager, lambda: torch.ops.recompile.vector_cross(x0, x0, weights, biases, impl), [x0]
 
 
-def run_ops(batch: int, rounds: int = 30) -> None:
+OP_CASES = {"dot_interaction": _dot_case, "cross_stack": _cross_case, "cross_mixture": _mixture_case,
+            # RecBole DCN's defaults on ml-100k (embedding_size 10, about 8 fields, 6 layers); a DLRM-sized input
+            "vector_cross_recbole": functools.partial(_vector_cross_case, dim=80, layers=6),
+            "vector_cross_333": functools.partial(_vector_cross_case, dim=333, layers=3)}
+
+
+def run_ops(batch: int, rounds: int = 30, names: list[str] | None = None) -> None:
+    """Each op (or those ``names``) against its eager spelling and Inductor's compilation of it, forward and
+    forward + backward; the ratio is against the faster of the two."""
     def forward(fn):
         with torch.no_grad():
             fn()
@@ -140,16 +162,21 @@ def run_ops(batch: int, rounds: int = 30) -> None:
     def train(fn, grad):
         fn().backward(grad)
 
+    def timed(step, *args):
+        return {name: functools.partial(step, fn, *args) for name, fn in candidates.items()}
+
     for name, case in OP_CASES.items():
+        if names and name not in names:
+            continue
         eager, op, _ = case(batch)
+        candidates = {"eager": eager, "inductor": torch.compile(eager, backend="inductor"), "op": op}
         grad = torch.randn_like(eager().detach())
         torch.testing.assert_close(op(), eager(), rtol=1e-4, atol=1e-3)
-        fwd = race_ms({"eager": functools.partial(forward, eager), "op": functools.partial(forward, op)}, rounds)
-        both = race_ms({"eager": functools.partial(train, eager, grad), "op": functools.partial(train, op, grad)},
-                       rounds)
-        print(f"{name:15s} B={batch:<5d} forward: eager {fwd['eager']:7.2f} ms  op {fwd['op']:7.2f} ms "
-              f"({fwd['eager'] / fwd['op']:4.2f}x)  forward+backward: eager {both['eager']:7.2f} ms  "
-              f"op {both['op']:7.2f} ms ({both['eager'] / both['op']:4.2f}x)", flush=True)
+        fwd, both = race_ms(timed(forward), rounds), race_ms(timed(train, grad), rounds)
+        columns = [f"{what}: eager {t['eager']:7.3f} ms  inductor {t['inductor']:7.3f} ms  op {t['op']:7.3f} ms "
+                   f"({min(t['eager'], t['inductor']) / t['op']:4.2f}x min)"
+                   for what, t in (("forward", fwd), ("fwd+bwd", both))]
+        print(f"{name:20s} B={batch:<5d} " + "  ".join(columns), flush=True)
 
 
 def cold_compile(model: str, backend: str, quick: bool, cache: str, threads: int) -> float:
@@ -188,12 +215,13 @@ def main(argv=None) -> None:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--batch", type=int, help="batch size (default 256 with --quick, else 2048)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
-    parser.add_argument("--ops", action="store_true", help="time each interaction op against its eager spelling")
+    parser.add_argument("--ops", nargs="*", choices=list(OP_CASES), default=None,
+                        help="time each interaction op (or those named) against its eager spelling and Inductor")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    if args.ops:
-        run_ops(args.batch or (256 if args.quick else 2048))
+    if args.ops is not None:
+        run_ops(args.batch or (256 if args.quick else 2048), names=args.ops)
         return
     run_steps(args.quick, args.models, args.modes, args.batch)
     if not args.no_compile_time:

@@ -1,4 +1,4 @@
-"""Feature interactions: ``torch.ops.recompile.dot_interaction``, ``cross_layer`` and ``fm_second_order``.
+"""Feature interactions: ``torch.ops.recompile.dot_interaction``, the DCN cross ops and ``fm_second_order``.
 
 - ``dot_interaction(features, prefix, upper, self_interaction)``: the DLRM dot interaction. ``features``
   is a list of ``[B, D]`` (one feature each) and ``[B, n, D]`` tensors that together make the feature
@@ -15,6 +15,9 @@
 - ``cross_mixture(x0, x, gate, downs, mids, ups, biases, activation, save)``: one DCN-Mix layer (TorchRec's
   ``LowRankMixtureCrossNet``), ``sum_e softmax(x G^T)_e * x0 * (U_e act(C_e act(V_e x)) + b_e) + x``; returns
   ``(out, saved)``, ``saved`` the gates and the experts' intermediates the backward reads (as ``cross_stack``).
+- ``vector_cross(x0, x, weights, biases)``: L DCN-v1 cross layers ``x_{l+1} = x0 * (x_l . w_l) + b_l + x_l``
+  (RecBole's DCN, TorchRec's ``VectorCrossNet``), a vector ``w_l`` [D] per layer, biases all or none; the
+  backward recomputes the layers from the inputs (nothing else is saved).
 - ``fm_second_order(v, reduce)``: the factorisation-machine second order term over ``v`` ``[B, F, D]``,
   ``0.5 * ((sum_f v)^2 - sum_f v^2)`` per dimension ``[B, D]``, or summed over D to ``[B, 1]``
   (``reduce``; the flattened TorchRec ``FactorizationMachine`` is ``v = x.unsqueeze(-1)`` with ``reduce``).
@@ -22,7 +25,7 @@
 Kernels: ``reference`` (plain torch, the oracle), ``cpu`` (torch), ``native`` (C++, ``csrc/interaction.h``
 through ``runtime.interaction_native``; the ``cpu`` kernel where it cannot run), ``triton``. Backward
 passes are ops of their own (``dot_interaction_backward``, ``cross_epilogue_backward``,
-``cross_stack_backward``, ``cross_mixture_backward``, ``fm_second_order_backward``).
+``cross_stack_backward``, ``cross_mixture_backward``, ``vector_cross_backward``, ``fm_second_order_backward``).
 """
 from __future__ import annotations
 
@@ -666,6 +669,195 @@ def _cross_mixture_backward(ctx, grad, grad_saved):
 
 
 cross_mixture.register_autograd(_cross_mixture_backward, setup_context=_cross_mixture_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# DCN-v1 vector cross: L layers x_{l+1} = x0 * (x_l . w_l) + b_l + x_l in one op
+
+
+def _flat(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The layers' vectors as [D] (a weight or bias may come as [D], [1, D] or [D, 1])."""
+    return [p.reshape(-1) for p in params]
+
+
+def vector_cross_reference(x0, x, weights, biases):
+    """Layer by layer, as DCN-v1 writes it."""
+    for layer, w in enumerate(_flat(weights)):
+        x = x0 * (x @ w).unsqueeze(1) + x
+        if biases:
+            x = x + biases[layer].reshape(-1)
+    return x
+
+
+register_kernel("vector_cross", "reference")(vector_cross_reference)
+
+
+@register_kernel("vector_cross_backward", "reference")
+def vector_cross_backward_reference(grad, x0, x, weights, biases):
+    """Layer by layer, last first: ``g_l = g_{l+1} + (g_{l+1} . x0) w_l``."""
+    inputs, scalars = [], []
+    for layer, w in enumerate(_flat(weights)):
+        inputs.append(x)
+        scalars.append((x @ w).unsqueeze(1))
+        x = vector_cross_reference(x0, x, weights[layer:layer + 1], biases[layer:layer + 1] if biases else [])
+    g, grad_x0, grad_weights, grad_biases = grad, torch.zeros_like(x0), [], []
+    for layer in reversed(range(len(weights))):
+        ds = (g * x0).sum(1)
+        grad_x0 = grad_x0 + g * scalars[layer]
+        grad_weights.append((ds @ inputs[layer]).reshape(weights[layer].shape))
+        if biases:
+            grad_biases.append(g.sum(0).reshape(biases[layer].shape))
+        g = g + ds.unsqueeze(1) * weights[layer].reshape(-1)
+    return grad_x0, g, grad_weights[::-1], grad_biases[::-1]
+
+
+def _vector_cross_scalars(x0, x, W, Bc):
+    """(s, S): the layers' scalars ``s_l = x_l . w_l`` [B, L] and their exclusive prefix sums ``S_l``, from two
+    [B, D] x [D, L] matmuls: ``x_l = x + x0 * S_l + Bc_l`` (``Bc_l`` the biases before layer l), so
+    ``s_l = x . w_l + S_l (x0 . w_l) + Bc_l . w_l``."""
+    P, Q = torch.mm(x, W.t()), torch.mm(x0, W.t())
+    c = (Bc * W).sum(1) if Bc is not None else None
+    s, S = torch.empty_like(P), torch.empty_like(P)
+    total = P.new_zeros(P.shape[0])
+    for layer in range(W.shape[0]):
+        S[:, layer] = total
+        s[:, layer] = torch.addcmul(P[:, layer], total, Q[:, layer]) + (0 if c is None else c[layer])
+        total = total + s[:, layer]
+    return s, S, Q
+
+
+def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(t, 0) - t
+
+
+def _vector_cross_params(weights, biases, dtype):
+    W = torch.stack(_flat(weights)).to(dtype)
+    Bm = torch.stack(_flat(biases)).to(dtype) if biases else None
+    return W, Bm
+
+
+@register_kernel("vector_cross", "cpu")
+def _vector_cross_torch(x0, x, weights, biases):
+    """All layers from two matmuls and one ``x + x0 * S_L + sum_l b_l`` pass (``_vector_cross_scalars``), in
+    float32 for 16-bit inputs."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    x0f, xf = x0.to(acc), x.to(acc)
+    W, Bm = _vector_cross_params(weights, biases, acc)
+    s, S, _ = _vector_cross_scalars(x0f, xf, W, None if Bm is None else _exclusive_cumsum(Bm))
+    base = xf if Bm is None else xf + Bm.sum(0)
+    return torch.addcmul(base, x0f, (S[:, -1] + s[:, -1]).unsqueeze(1)).to(x.dtype)
+
+
+def vector_cross_backward_torch(grad, x0, x, weights, biases):
+    """(grad_x0, grad_x, grad_weights, grad_biases) in closed form from ``g_{l+1} = G + sum_{k>l} ds_k w_k``:
+    ``ds_l = G . x0 + sum_{k>l} ds_k (x0 . w_k)``, grad_x = ``G + ds W``, grad_x0 = ``G S_L + (ds S) W``,
+    grad_w_l = ``ds_l^T x + (ds_l S_l)^T x0 + sum(ds_l) Bc_l``, grad_b_l = ``sum(G) + sum_{k>l} sum(ds_k) w_k``."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    G, x0f, xf = grad.to(acc), x0.to(acc), x.to(acc)
+    W, Bm = _vector_cross_params(weights, biases, acc)
+    Bc = None if Bm is None else _exclusive_cumsum(Bm)
+    s, S, Q = _vector_cross_scalars(x0f, xf, W, Bc)
+    R = (G * x0f).sum(1)
+    ds, carry = torch.empty_like(s), torch.zeros_like(R)
+    for layer in reversed(range(W.shape[0])):
+        ds[:, layer] = R + carry
+        carry = torch.addcmul(carry, ds[:, layer], Q[:, layer])
+    dsS = ds * S
+    grad_x = torch.addmm(G, ds, W)
+    grad_x0 = torch.addmm(G * (S[:, -1] + s[:, -1]).unsqueeze(1), dsS, W)
+    grad_W = torch.addmm(torch.mm(ds.t(), xf), dsS.t(), x0f)
+    grad_biases = []
+    if Bm is not None:
+        col = ds.sum(0).unsqueeze(1)  # [L, 1]
+        grad_W = grad_W + col * Bc
+        later = torch.flip(_exclusive_cumsum(torch.flip(col * W, (0,))), (0,))  # sum_{k>l} sum(ds_k) w_k
+        grad_biases = [(G.sum(0) + later[layer]).to(b.dtype).reshape(b.shape) for layer, b in enumerate(biases)]
+    grad_weights = [grad_W[layer].to(w.dtype).reshape(w.shape) for layer, w in enumerate(weights)]
+    return grad_x0.to(x0.dtype), grad_x.to(x.dtype), grad_weights, grad_biases
+
+
+register_kernel("vector_cross_backward", "cpu")(vector_cross_backward_torch)
+
+
+@register_kernel("vector_cross", "native")
+def _vector_cross_native(x0, x, weights, biases):
+    """Per sample, the layers over one row kept in registers and L1 (csrc/interaction.h): x and x0 read once,
+    the output written once."""
+    if not native.supports(x0, x, *weights, *biases):
+        return _vector_cross_torch(x0, x, weights, biases)
+    return native.vector_cross(x0, x, _flat(weights), _flat(biases))
+
+
+@register_kernel("vector_cross_backward", "native")
+def _vector_cross_backward_native(grad, x0, x, weights, biases):
+    if not native.supports(grad, x0, x, *weights, *biases):
+        return vector_cross_backward_torch(grad, x0, x, weights, biases)
+    grad_x0, grad_x, grad_W, grad_B = native.vector_cross_backward(grad, x0, x, _flat(weights), _flat(biases))
+    return (grad_x0, grad_x, [g.to(w.dtype).reshape(w.shape) for g, w in zip(grad_W, weights)],
+            [g.to(b.dtype).reshape(b.shape) for g, b in zip(grad_B, biases)] if biases else [])
+
+
+def _check_vector_cross(x0, x, weights, biases):
+    d = x.shape[-1] if x.dim() else None
+    ok = x.dim() == 2 and x0.shape == x.shape and bool(weights) and len(biases) in (0, len(weights))
+    ok = ok and all(p.dim() <= 2 and p.numel() == d and p.dtype == x.dtype for p in (*weights, *biases))
+    if not ok or x0.dtype != x.dtype:
+        raise ValueError(
+            "recompile.vector_cross: expected x0, x [B, D] of one dtype, one or more weights of D elements ([D], "
+            "[1, D] or [D, 1]) and as many biases (or none), all of that dtype; got x0 "
+            f"{tuple(x0.shape)} {x0.dtype}, x {tuple(x.shape)} {x.dtype}, weights "
+            f"{[(tuple(w.shape), w.dtype) for w in weights]}, biases {[(tuple(b.shape), b.dtype) for b in biases]}"
+        )
+
+
+@torch.library.custom_op("recompile::vector_cross", mutates_args=())
+def vector_cross(
+    x0: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor], impl: str
+) -> torch.Tensor:
+    """x_L of L DCN-v1 cross layers ``x_{l+1} = x0 * (x_l . w_l) + b_l + x_l`` from ``x_0 = x``. The backward
+    recomputes the layers from the inputs (nothing saved but them)."""
+    _check_vector_cross(x0, x, weights, biases)
+    return get_kernel("vector_cross", impl)(x0, x, weights, biases)
+
+
+@vector_cross.register_fake
+def _(x0, x, weights, biases, impl):
+    _check_vector_cross(x0, x, weights, biases)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("recompile::vector_cross_backward", mutates_args=())
+def vector_cross_backward(
+    grad: torch.Tensor, x0: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """(grad_x0, grad_x, grad_weights, grad_biases) of ``vector_cross``, each in its input's shape."""
+    grad_x0, grad_x, grad_weights, grad_biases = backward_kernel("vector_cross_backward", impl)(
+        grad, x0, x, weights, biases)
+    fresh = functools.partial(torch.clone, memory_format=torch.contiguous_format)  # [D] each: rows of one [L, D]
+    return grad_x0.contiguous(), grad_x.contiguous(), [fresh(g) for g in grad_weights], [fresh(g) for g in grad_biases]
+
+
+@vector_cross_backward.register_fake
+def _(grad, x0, x, weights, biases, impl):
+    like = functools.partial(torch.empty_like, memory_format=torch.contiguous_format)
+    return like(x0), like(x), [like(w) for w in weights], [like(b) for b in biases]
+
+
+def _vector_cross_setup(ctx, inputs, output):
+    x0, x, weights, biases, impl = inputs
+    ctx.save_for_backward(x0, x, *weights, *biases)
+    ctx.layers, ctx.impl = len(weights), impl
+
+
+def _vector_cross_backward(ctx, grad):
+    x0, x, *params = ctx.saved_tensors
+    weights, biases = params[:ctx.layers], params[ctx.layers:]
+    grad_x0, grad_x, grad_weights, grad_biases = vector_cross_backward(grad, x0, x, weights, biases, ctx.impl)
+    return grad_x0, grad_x, grad_weights, grad_biases, None
+
+
+vector_cross.register_autograd(_vector_cross_backward, setup_context=_vector_cross_setup)
 
 
 # ---------------------------------------------------------------------------------------------

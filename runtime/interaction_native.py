@@ -1,5 +1,5 @@
 """The native CPU kernels of the interaction ops (``csrc/interaction.h``, the C++ ops
-``torch.ops.recompile_native.{dot_interaction,cross_epilogue,fm_second_order}_{fwd,bwd}``).
+``torch.ops.recompile_native.{dot_interaction,cross_epilogue,fm_second_order,vector_cross}_{fwd,bwd}``).
 
 Each function makes one op call (the whole batch, every feature, ``torch.get_num_threads()`` OpenMP threads);
 features are read in place through a table of their row pointers. ``available`` is False where the package was
@@ -156,3 +156,34 @@ def fm_second_order(v, reduce):
 
 def fm_second_order_backward(grad, v, reduce):
     return ops.fm_second_order_bwd(grad, v, reduce)
+
+
+def _vector_cross_params(weights, biases):
+    """The layers' [D] weights and biases as float [L, Dp], rows zero-padded to a multiple of 16 (the kernel's
+    whole vectors)."""
+    pad = -len(weights[0]) % 16
+
+    def rows(params):
+        return torch.nn.functional.pad(torch.stack(params).float(), (0, pad)).contiguous()
+
+    return rows(weights), rows(biases) if biases else None
+
+
+def vector_cross(x0, x, weights, biases):
+    """x_L of the DCN-v1 vector cross (runtime.interaction.vector_cross), one pass over the batch."""
+    x0, x = x0.contiguous(), x.contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    ops.vector_cross_fwd(x0, x, *_vector_cross_params(weights, biases), out)
+    return out
+
+
+def vector_cross_backward(grad, x0, x, weights, biases):
+    """(grad_x0, grad_x, grad_weights, grad_biases): float [D] rows of grad_W / grad_B (none without biases)."""
+    grad, x0, x = grad.contiguous(), x0.contiguous(), x.contiguous()
+    W, B = _vector_cross_params(weights, biases)
+    grad_x0, grad_x = torch.empty_like(x), torch.empty_like(x)
+    grad_W = torch.empty_like(W)
+    grad_B = None if B is None else torch.empty_like(B)
+    ops.vector_cross_bwd(grad, x0, x, W, B, grad_x0, grad_x, grad_W, grad_B)
+    dim = x.shape[1]
+    return grad_x0, grad_x, list(grad_W[:, :dim].unbind(0)), [] if grad_B is None else list(grad_B[:, :dim].unbind(0))

@@ -58,6 +58,49 @@ def recbole_cross(cls_name: str):
     return Cross()
 
 
+class RawVectorCross(nn.Module):
+    """DCN-v1 with raw Parameters, ``x0 * (x . w) + b + x``, the dot written ``x @ w``, ``(x * w).sum(-1)`` or
+    ``matmul(x, w.unsqueeze(-1))``."""
+
+    def __init__(self, spelling: str = "matmul", layers: int = 3, bias: bool = True):
+        super().__init__()
+        self.spelling = spelling
+        self.w = nn.ParameterList(nn.Parameter(torch.randn(N) / N) for _ in range(layers))
+        self.b = nn.ParameterList(nn.Parameter(torch.randn(N)) for _ in range(layers)) if bias else None
+
+    def dot(self, x, w):
+        if self.spelling == "matmul":
+            return (x @ w).unsqueeze(1)
+        if self.spelling == "sum":
+            return (x * w).sum(-1, keepdim=True)
+        return torch.matmul(x, w.unsqueeze(-1))
+
+    def forward(self, x0):
+        x = x0
+        for layer, w in enumerate(self.w):
+            x = x0 * self.dot(x, w) + self.b[layer] + x if self.b is not None else x0 * self.dot(x, w) + x
+        return x
+
+
+def recbole_dcn():
+    """RecBole's DCN (v1) cross network, its method unmodified (the whole model needs a dataset)."""
+    dcn = pytest.importorskip("recbole.model.context_aware_recommender.dcn")
+
+    class Cross(nn.Module):
+        cross_network = dcn.DCN.cross_network
+
+        def __init__(self, layers: int = 3):
+            super().__init__()
+            self.cross_layer_num = layers
+            self.cross_layer_w = nn.ParameterList(nn.Parameter(torch.randn(N) / N) for _ in range(layers))
+            self.cross_layer_b = nn.ParameterList(nn.Parameter(torch.randn(N)) for _ in range(layers))
+
+        def forward(self, x):
+            return self.cross_network(x)
+
+    return Cross()
+
+
 def recbole_pnn():
     pnn = pytest.importorskip("recbole.model.context_aware_recommender.pnn")
     return pnn.InnerProductLayer(5, torch.device("cpu"))
@@ -107,6 +150,13 @@ CASES = {
     "torchrec_mixture": (lambda: torchrec_crossnet.LowRankMixtureCrossNet(N, 2, num_experts=3, low_rank=4),
                          _features, {"recompile::cross_mixture": 2}),
     "recbole_dcnv2": (lambda: recbole_cross("DCNV2"), _features, {"recompile::cross_stack": 1}),
+    "torchrec_vector_crossnet": (lambda: torchrec_crossnet.VectorCrossNet(N, 2), _features,
+                                 {"recompile::vector_cross": 1}),
+    "recbole_dcn": (recbole_dcn, _features, {"recompile::vector_cross": 1}),
+    "raw_vector_cross_matmul": (RawVectorCross, _features, {"recompile::vector_cross": 1}),
+    "raw_vector_cross_sum": (lambda: RawVectorCross("sum"), _features, {"recompile::vector_cross": 1}),
+    "raw_vector_cross_column": (lambda: RawVectorCross("column", bias=False), _features,
+                                {"recompile::vector_cross": 1}),
     "recbole_pnn_inner_product": (recbole_pnn, _fields, {"recompile::dot_interaction": 1}),
     "recbole_fm": (lambda: recbole_fm(True), _fields, {"recompile::fm_second_order": 1}),
     "recbole_fm_per_dim": (lambda: recbole_fm(False), _fields, {"recompile::fm_second_order": 1}),
@@ -191,12 +241,6 @@ def test_torchrec_dlrm_dcn_gets_its_cross_stack():
     assert ops == ["recompile::cross_stack"]
     compiled = torch.compile(model, backend=pipeline_only)
     torch.testing.assert_close(compiled(dense, kjt), model(dense, kjt), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.xfail(strict=True, reason="DCN-v1 vector cross (x0 * (x . w) + b + x): no op form for it yet")
-def test_torchrec_vector_crossnet():
-    model = torchrec_crossnet.VectorCrossNet(N, 2)
-    assert _regions(model, _features(5))
 
 
 def test_cross_stack_backward_fake_for_transposed_weights():

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from models.corpus import gr_hstu, recbole_zoo, torchrec_zoo
 
-VECTOR_CROSS = "not built yet: the DCN-v1 vector cross (x0 * (x . w) + b + x) has no op form"
 GR_ATTENTION = ("not built yet: the jagged pass fails on generative-recommenders' padded einsum attention "
                 "(IndexError in the padded-region proof) and falls back")
 
@@ -44,6 +43,10 @@ def cross(why: str, track: str | None = None) -> Expect:
     return Expect("interaction", CROSS_OPS, 1, why, track)
 
 
+def vector_cross(why: str) -> Expect:
+    return Expect("interaction", ("recompile::vector_cross",), 1, why)
+
+
 LOOKUPS = Expect("embedding", ("recompile::grouped_embedding_bag",), 1,
                  "EmbeddingBagCollection: one pooled lookup per table, grouped into one call")
 MEAN_BAG = Expect("embedding", ("recompile::grouped_embedding_bag",), 1,
@@ -57,8 +60,8 @@ EXPECTED: dict[str, tuple[Expect, ...]] = {
     "recbole/DeepFM": (fm("BaseFactorizationMachine, the FM half of DeepFM"), MEAN_BAG),
     "recbole/NFM": (fm("BaseFactorizationMachine(reduce_sum=False): the bi-interaction pooling under NFM's MLP"),
                     MEAN_BAG),
-    "recbole/DCN": (cross("DCN.cross_network: x_l+1 = x0 * tensordot(x_l, w_l) + b_l + x_l, raw Parameters "
-                          "(a vector cross layer), cross_layer_num layers", VECTOR_CROSS), MEAN_BAG),
+    "recbole/DCN": (vector_cross("DCN.cross_network: x_l+1 = x0 * tensordot(x_l, w_l) + b_l + x_l, raw Parameters "
+                                 "(a vector cross layer), cross_layer_num layers in one op"), MEAN_BAG),
     "recbole/DCNV2": (cross("DCNV2.cross_network: x_l+1 = x0 * (matmul(W_l, x_l.unsqueeze(2)) + b_l) + x_l, raw "
                             "Parameters, cross_layer_num layers"), MEAN_BAG),
     "recbole/PNN": (Expect("interaction", ("recompile::dot_interaction",), 1,
@@ -88,7 +91,8 @@ EXPECTED: dict[str, tuple[Expect, ...]] = {
     "torchrec/DeepFM": (LOOKUPS, fm("FactorizationMachine: the flattened FM over the pooled embeddings")),
     "torchrec/CrossNet": (LOOKUPS, cross("CrossNet: x0 * (W x + b) + x, W in a ParameterList (matmul form)")),
     "torchrec/LowRankCrossNet": (LOOKUPS, cross("LowRankCrossNet: x0 * (W (V x) + b) + x")),
-    "torchrec/VectorCrossNet": (LOOKUPS, cross("VectorCrossNet: x0 * (x . w) + b + x, a vector weight per layer", VECTOR_CROSS)),
+    "torchrec/VectorCrossNet": (LOOKUPS, vector_cross("VectorCrossNet: x0 * (x . w) + b + x in its [B, N, 1] column "
+                                                      "form, a vector weight per layer, both layers in one op")),
     "torchrec/LowRankMixtureCrossNet": (LOOKUPS, cross("LowRankMixtureCrossNet: gated experts x0 * (U g(C g(V x))) + "
                                                        "b mixed by a softmax gate (DCN-Mix)")),
     # generative-recommenders' HSTU (gr_hstu): jagged q/k/v padded with fbgemm.jagged_to_padded_dense.

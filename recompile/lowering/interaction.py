@@ -39,3 +39,10 @@ register_lowering(
     Impl("cpu", "cpu_kernel", on_cpu, "all experts in three matmuls (concatenated V, one bmm of C, gate-scaled U)"),
     reference("runtime.interaction.cross_mixture_reference"),
 )
+register_lowering(
+    "recompile::vector_cross",
+    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.h: per sample all layers over one row in L1, "
+         "x and x0 read once; backward recomputes the layers per row"),
+    Impl("cpu", "cpu_kernel", on_cpu, "two [B, D] x [D, L] matmuls, the layers' scalars, one addcmul pass"),
+    reference("runtime.interaction.vector_cross_reference"),
+)

@@ -1,9 +1,9 @@
-"""interaction: feature interactions (DLRM dot, PNN inner products, DCN-v2 cross, DCN-Mix, FM) -> one fused op each.
+"""interaction: feature interactions (DLRM dot, PNN inner products, DCN-v1 and -v2 cross, DCN-Mix, FM) -> one op each.
 
 Patterns are Inductor pattern-matcher expressions over the graph ``normalize`` leaves (one spelling per
 computation: bound arguments with non-negative dims, ``x @ W`` / ``mm`` / ``addmm`` / ``einsum`` as ``linear``,
 column-vector layers in row form, squares as ``x * x``, halves as ``x * 0.5``, triangle pair selections as one
-form), so each computation is one pattern: ``pattern_count()`` is 14 (1,225 when the graph still had every
+form), so each computation is one pattern: ``pattern_count()`` is 16 (1,225 when the graph still had every
 spelling). The matcher is built once; handlers read the running pass's context from ``_CONTEXT``.
 Patterns and replacements:
 
@@ -25,6 +25,12 @@ Patterns and replacements:
   such ops in a row (each output only the next one's ``x``, one ``x0``, one form) -> one
   ``recompile.cross_stack(x0, x, [W...], [b...], [V...], save)`` (the layers' regions become the stack's;
   ``save``: autograd will run through the graph, so the op keeps what its backward reads).
+- DCN-v1 vector cross (RecBole's ``DCN``, TorchRec's ``VectorCrossNet``, raw Parameters): ``x + (x0 * linear(x, w)
+  + b)`` with ``w`` [1, D] (normalize's one form of ``x . w``: ``tensordot``, ``x @ w``, ``(x * w).sum(-1)``,
+  ``matmul(x, w.unsqueeze(-1))``, the column form) and ``b`` [D] -> ``recompile.vector_cross(x0, x, [w], [b])``;
+  without a bias it is the cross layer's pattern with a [1, D] weight -> ``vector_cross(x0, x, [w], [])``.
+  Chains (each output only the next one's ``x``, one ``x0``, all with or all without biases) -> one
+  ``vector_cross`` over all their layers (its kernel keeps a sample's row in cache across the layers).
 - DCN-Mix (TorchRec ``LowRankMixtureCrossNet``, its per-expert gates one ``linear`` after normalize):
   ``g = softmax(linear(x, G), 1)``, ``experts =
   stack([x0 * linear(act(linear(act(linear(x, V_e)), C_e)), U_e, b_e) ...], 2)`` (the C stage optional,
@@ -115,6 +121,15 @@ def cross_patterns() -> Iterator[PatternExpr]:
     for h in hidden:
         for scaled in commuted(torch.mul, x0, h):
             yield CallFunction(torch.add, x, scaled)
+
+
+def vector_cross_patterns() -> Iterator[PatternExpr]:
+    """DCN-v1: ``x + (x0 * linear(x, w) + b)`` with ``w`` [1, D] (normalize's ``x . w``: tensordot, ``x @ w``,
+    ``(x * w).sum(-1, keepdim=True)``, ``matmul(x, w.unsqueeze(-1))``, TorchRec's column form)."""
+    x0, x = KeywordArg("x0"), KeywordArg("x")
+    scaled = CallFunction(torch.mul, x0, CallFunction(LINEAR, x, KeywordArg("weight"), None))
+    for biased in commuted(torch.add, scaled, KeywordArg("bias")):
+        yield CallFunction(torch.add, x, biased)
 
 
 @dataclass(frozen=True)
@@ -293,15 +308,42 @@ def _handle_loop(match: Match, pairs: list[tuple[fx.Node, fx.Node]]) -> None:
         _replace(match, join, "recompile::dot_interaction", args, list(match.nodes))
 
 
-def _handle_cross(match: Match, x0: fx.Node, x: fx.Node, weight: fx.Node, bias: Any, down: Any = None) -> None:
+def _cross_inputs(match: Match, x0: fx.Node, x: fx.Node, weight: fx.Node) -> tuple[torch.Tensor, int] | None:
+    """(x's meta, the weight's rows) when ``x0`` and ``x`` are one [B, D] float shape (``x0 * h + x`` does not
+    broadcast) and ``weight`` is a float matrix."""
     xs = [_float_tensor(x0, 2), _float_tensor(x, 2)]
-    if any(t is None for t in xs) or _float_tensor(weight, 2) is None:
-        return
+    w = _float_tensor(weight, 2)
+    if any(t is None for t in xs) or w is None:
+        return None
     if not _same_shape(xs[0], xs[1]) or not _same_shape(tensor_meta(match.output_node()), xs[1]):
-        return  # x0 * h + x must not broadcast
-    if bias is not None and (tensor_meta(bias) is None or tensor_meta(bias).dim() != 1):
+        return None
+    return xs[1], w.shape[0]
+
+
+def _is_vector(meta: Any, x: torch.Tensor) -> bool:
+    """``meta`` holds one [D] vector of ``x`` [B, D]'s dtype ([D], [1, D] or [D, 1])."""
+    return (meta is not None and meta.dim() in (1, 2) and meta.dtype == x.dtype
+            and statically_known_true(sym_eq(meta.numel(), x.shape[1])) and max(meta.shape) == meta.numel())
+
+
+def _handle_cross(match: Match, x0: fx.Node, x: fx.Node, weight: fx.Node, bias: Any, down: Any = None) -> None:
+    found = _cross_inputs(match, x0, x, weight)
+    if found is None or (bias is not None and (tensor_meta(bias) is None or tensor_meta(bias).dim() != 1)):
         return
-    _replace(match, match.output_node(), "recompile::cross_layer", (x0, x, weight, bias, down), list(match.nodes))
+    meta, rows = found
+    if rows == 1 and bias is None and down is None and _is_vector(tensor_meta(weight), meta):  # DCN-v1, no bias
+        _replace(match, match.output_node(), "recompile::vector_cross", (x0, x, [weight], []), list(match.nodes))
+    elif statically_known_true(sym_eq(rows, meta.shape[1])):
+        _replace(match, match.output_node(), "recompile::cross_layer", (x0, x, weight, bias, down), list(match.nodes))
+
+
+def _handle_vector_cross(match: Match, x0: fx.Node, x: fx.Node, weight: fx.Node, bias: Any) -> None:
+    found = _cross_inputs(match, x0, x, weight)
+    if found is None or found[1] != 1 or not _is_vector(tensor_meta(weight), found[0]):
+        return
+    if not _is_vector(tensor_meta(bias), found[0]) or tensor_meta(bias).dim() != 1:
+        return  # a [D] bias: anything else broadcasts differently
+    _replace(match, match.output_node(), "recompile::vector_cross", (x0, x, [weight], [bias]), list(match.nodes))
 
 
 def _handle_fm(form: FMForm, match: Match, v: fx.Node, dim: int, outer_dim: int = 1) -> None:
@@ -423,13 +465,12 @@ def _handle_mixture(form: MixtureForm, match: Match, x: fx.Node, gate: fx.Node, 
 
 
 # --------------------------------------------------------------------------------------------------
-# cross stacks: consecutive cross_layer ops over one x0 -> one cross_stack
+# cross stacks: consecutive cross layers over one x0 -> one op
 
 
-def _cross_chains(graph: fx.Graph) -> list[list[fx.Node]]:
-    """Runs of ``cross_layer`` nodes where each one's output is only the next one's ``x``, all with the same
-    ``x0`` and the same form (with or without bias, full or low rank)."""
-    layer = torch.ops.recompile.cross_layer.default
+def _chains(graph: fx.Graph, layer: Any, same_form: Callable[[fx.Node, fx.Node], bool]) -> list[list[fx.Node]]:
+    """Runs of ``layer`` nodes (args ``x0, x, ...``) where each one's output is only the next one's ``x``, all
+    with the same ``x0`` and ``same_form`` as the first."""
     chains, seen = [], set()
     for node in graph.nodes:
         if node.target is not layer or node in seen:
@@ -439,7 +480,7 @@ def _cross_chains(graph: fx.Graph) -> list[list[fx.Node]]:
             last, nxt = chain[-1], only_user(chain[-1])
             if nxt is None or nxt.target is not layer or nxt.args[1] is not last or nxt.args[0] is not node.args[0]:
                 break
-            if any((nxt.args[i] is None) != (node.args[i] is None) for i in (3, 4)):
+            if not same_form(node, nxt):
                 break
             chain.append(nxt)
         seen.update(chain)
@@ -448,32 +489,56 @@ def _cross_chains(graph: fx.Graph) -> list[list[fx.Node]]:
     return chains
 
 
+def _replace_chain(gm: fx.GraphModule, ctx: PassContext, chain: list[fx.Node], op: str, args: tuple,
+                   output: int | None) -> None:
+    """Replace ``chain`` by one ``op(*args)`` (its ``output``-th result for a tuple), whose region takes over the
+    layers' regions."""
+    last = chain[-1]
+    impl = ctx.lower(op)
+    graph = gm.graph
+    with graph.inserting_before(last):
+        call = out = graph.call_function(getattr(torch.ops.recompile, op.split("::")[1]).default, (*args, impl.impl))
+        if output is not None:
+            out = graph.call_function(operator.getitem, (call, output))
+    value = meta_value(last)
+    fake_mode = getattr(value, "fake_mode", None)
+    if fake_mode is not None and output is not None:  # Dynamo's graphs; the outputs are only needed by later passes
+        with fake_mode:
+            call.meta["example_value"] = call.target(*fx.node.map_arg(call.args, meta_value))
+    out.meta["example_value"] = value
+    last.replace_all_uses_with(out)
+    regions = [n.meta[REGION] for n in chain]
+    ctx.regions[:] = [r for r in ctx.regions if not any(r is q for q in regions)]
+    ctx.record_region("interaction", [name for r in regions for name in r.replaced], op, impl)
+    call.meta[REGION] = ctx.regions[-1]
+    for node in reversed(chain):
+        graph.erase_node(node)
+
+
+def _same_bias_and_rank(a: fx.Node, b: fx.Node) -> bool:
+    """Two cross_layer nodes both with or without a bias, both full or low rank."""
+    return all((a.args[i] is None) == (b.args[i] is None) for i in (3, 4))
+
+
+def _same_biases(a: fx.Node, b: fx.Node) -> bool:
+    """Two vector_cross nodes both with or without biases."""
+    return bool(a.args[3]) == bool(b.args[3])
+
+
 def stack_cross_layers(gm: fx.GraphModule, ctx: PassContext) -> None:
-    """Replace each chain of cross layers by one ``cross_stack`` (its region takes over the layers' regions)."""
+    """Replace each chain of DCN-v2 cross layers (one form: with or without bias, full or low rank) by one
+    ``cross_stack``, and each chain of vector cross ops (all with or all without biases) by one ``vector_cross``
+    over all their layers."""
     save = is_training(gm)
-    for chain in _cross_chains(gm.graph):
-        first, last = chain[0], chain[-1]
-        x0, x, _, bias, down, _ = first.args
+    for chain in _chains(gm.graph, torch.ops.recompile.cross_layer.default, _same_bias_and_rank):
+        x0, x, _, bias, down, _ = chain[0].args
         args = (x0, x, [n.args[2] for n in chain], [] if bias is None else [n.args[3] for n in chain],
                 [] if down is None else [n.args[4] for n in chain], save)
-        impl = ctx.lower("recompile::cross_stack")
-        graph = gm.graph
-        with graph.inserting_before(last):
-            stack = graph.call_function(torch.ops.recompile.cross_stack.default, (*args, impl.impl))
-            out = graph.call_function(operator.getitem, (stack, 0))
-        value = meta_value(last)
-        fake_mode = getattr(value, "fake_mode", None)
-        if fake_mode is not None:  # Dynamo's graphs; the stack's outputs are only needed by later passes
-            with fake_mode:
-                stack.meta["example_value"] = torch.ops.recompile.cross_stack.default(
-                    *fx.node.map_arg(args, meta_value), impl.impl)
-        out.meta["example_value"] = value
-        last.replace_all_uses_with(out)
-        regions = [n.meta[REGION] for n in chain]
-        ctx.regions[:] = [r for r in ctx.regions if not any(r is q for q in regions)]
-        ctx.record_region("interaction", [name for r in regions for name in r.replaced], "recompile::cross_stack", impl)
-        for node in reversed(chain):
-            graph.erase_node(node)
+        _replace_chain(gm, ctx, chain, "recompile::cross_stack", args, output=0)
+    for chain in _chains(gm.graph, torch.ops.recompile.vector_cross.default, _same_biases):
+        args = (chain[0].args[0], chain[0].args[1], [w for n in chain for w in n.args[2]],
+                [b for n in chain for b in n.args[3]])
+        _replace_chain(gm, ctx, chain, "recompile::vector_cross", args, output=None)
 
 
 def _registered(patterns: Iterator, handler: Callable) -> Iterator[tuple[PatternExpr, Callable]]:
@@ -490,7 +555,8 @@ def matcher() -> PatternMatcherPass:
     """The pass's patterns, built once; handlers read the running pass's context from ``_CONTEXT``."""
     built = PatternMatcherPass(pass_name="recompile.interaction")
     tables = ((dot_patterns(), _handle_dot), (gathered_patterns(), _handle_gathered), (loop_patterns(), _handle_loop),
-              (cross_patterns(), _handle_cross), (fm_patterns(), _handle_fm), (mixture_patterns(), _handle_mixture))
+              (cross_patterns(), _handle_cross), (vector_cross_patterns(), _handle_vector_cross),
+              (fm_patterns(), _handle_fm), (mixture_patterns(), _handle_mixture))
     for patterns, handler in tables:
         for pattern, handle in _registered(patterns, handler):
             register_graph_pattern(pattern, pass_dict=built)(handle)

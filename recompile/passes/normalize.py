@@ -16,6 +16,12 @@ Pattern -> replacement (each rule keyed by the call it rewrites, in ``RULES``; s
   ``matmul``, ``mm``, ``addmm(b, x, W)``, a linear ``einsum`` -> ``linear(x, transpose(W, 0, 1), b)`` with
   ``W`` [in, out] (``meta["weight_layout"] = "in_out"``), ``F.linear`` / ``nn.Linear`` calls stay
   ``linear(x, W, b)`` [out, in]; ``linear(x, W, None) + b`` (``b`` [out], the linear used once) -> ``linear(x, W, b)``.
+  Dot products with a vector ``w`` [D] (DCN-v1's ``x_l . w_l``): ``x @ w``, ``tensordot(x, w, dims=([-1], [0]))``
+  and ``sum(x * w, -1)`` -> ``squeeze(linear(x, transpose(unsqueeze(w, 1), 0, 1)), -1)`` (``keepdim``: without the
+  squeeze, as ``matmul(x, w.unsqueeze(-1))`` becomes); ``tensordot`` with a matrix -> ``linear``, over a column
+  batch [.., D, 1] -> its column form; ``unsqueeze(squeeze(a, d), d)`` -> ``a``; ``A @ B`` with ``A`` [.., N, 1]
+  and ``B`` [.., 1, M] (an outer product) -> ``A * B``; ``transpose(op(transpose(a), c))`` for a pointwise ``op``
+  of matrices -> ``op(a, c^T)`` (a vector ``c`` as ``unsqueeze(c, 1)``).
 - column vectors (DCN written as ``W @ x_l`` over ``x_l`` [B, N, 1], TorchRec's cross nets, RecBole's DCNV2):
   ``matmul(W, X)`` with ``X`` [.., N, 1] -> ``unsqueeze(linear(squeeze(X, -1), W), -1)``; pointwise ops sink
   below a shared ``unsqueeze`` (``op(unsqueeze(a, d), c)`` -> ``unsqueeze(op(a, squeeze(c, d)), d)`` when ``c``
@@ -100,8 +106,8 @@ Rule = Callable[[fx.Node], "fx.Node | None"]
 RULES: dict[Any, list[Rule]] = {}
 # Targets normalize may leave unused (it erases them): pure calls it rewrites or creates.
 PURE = {*ALIASES.values(), *BOUND, *POINTWISE_UNARY, torch.reshape, torch.pow, torch.square, torch.mm, torch.addmm,
-        torch.functional.einsum, torch.einsum, torch.t, torch.permute, operator.getitem, getattr, *OPERATOR_FUNCTIONS,
-        *CONSTANT_FUNCTIONS}
+        torch.functional.einsum, torch.einsum, torch.functional.tensordot, torch.t, torch.permute, operator.getitem,
+        getattr, *OPERATOR_FUNCTIONS, *CONSTANT_FUNCTIONS}
 
 
 def rule(*targets: Any) -> Callable[[Rule], Rule]:
@@ -391,6 +397,30 @@ def _double_transpose(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def _transposed_operand(node: fx.Node, operand: Any) -> Any:
+    """``operand`` of a pointwise op over a transposed [D, B] matrix, as it broadcasts against [B, D]."""
+    if _is_number(operand) or _rank(operand) == 0:
+        return operand
+    if _rank(operand) == 1:
+        return emit(node, torch.unsqueeze, operand, 1)
+    return emit(node, torch.transpose, operand, 0, 1) if _rank(operand) == 2 else None
+
+
+@rule(torch.transpose)
+def _transpose_through_pointwise(node: fx.Node) -> fx.Node | None:
+    """``transpose(op(transpose(a), c))`` of matrices -> ``op(a, c^T)`` (RecBole DCN's
+    ``(x0.transpose(0, 1) * s).transpose(0, 1)`` is ``x0 * s.unsqueeze(1)``)."""
+    inner = node.args[0]
+    if node.args[1:] != (0, 1) or _rank(node) != 2 or not is_call(inner, *POINTWISE_BINARY):
+        return None
+    if len(inner.users) != 1 or inner.kwargs or len(inner.args) != 2:
+        return None
+    if not any(is_call(a, torch.transpose) and a.args[1:] == (0, 1) and _rank(a) == 2 for a in inner.args):
+        return None
+    operands = [_transposed_operand(node, a) for a in inner.args]
+    return None if any(o is None for o in operands) else emit(node, inner.target, *operands)
+
+
 # --------------------------------------------------------------------------------------------------
 # linear algebra
 
@@ -403,17 +433,66 @@ def _linear(node: fx.Node, x: Any, weight: Any, bias: Any = None, in_out: bool =
     return out
 
 
+def _dot(node: fx.Node, x: Any, w: Any) -> fx.Node:
+    """``x . w`` over x's last axis for a vector ``w`` [D]: ``squeeze(linear(x, [w]), -1)``."""
+    return emit(node, torch.squeeze, _linear(node, x, emit(node, torch.unsqueeze, w, 1), in_out=True), _rank(x) - 1)
+
+
 @rule(torch.matmul)
 def _matmul_with_matrix(node: fx.Node) -> fx.Node | None:
-    """``x @ W`` -> ``linear(x, W^T)``; ``W @ X`` for a column batch ``X`` [.., N, 1] -> its column form."""
+    """``x @ W`` -> ``linear(x, W^T)`` (``x @ w`` for a vector ``w`` -> ``x . w``); ``W @ X`` for a column batch
+    ``X`` [.., N, 1] -> its column form; ``A @ B`` with ``A`` [.., N, 1] and ``B`` [.., 1, M] (an outer product,
+    one product per element) -> ``A * B``."""
     a, b = node.args[:2]
     if _rank(b) == 2 and (_rank(a) or 0) >= 1:
         return _linear(node, a, b, in_out=True)
+    if _rank(b) == 1 and (_rank(a) or 0) >= 2:
+        return _dot(node, a, b)
     if _rank(a) == 2 and (_rank(b) or 0) >= 3 and _known(tensor_meta(b).shape[-1], 1):
         last = _rank(b) - 1
         column = emit(node, torch.squeeze, b, last)
         return emit(node, torch.unsqueeze, _linear(node, column, a), last)
+    if (_rank(a) or 0) >= 2 and (_rank(b) or 0) >= 2 and _known(tensor_meta(a).shape[-1], 1) and _known(
+            tensor_meta(b).shape[-2], 1):
+        return emit(node, torch.mul, a, b)
     return None
+
+
+def _contracted_axes(node: fx.Node) -> tuple[int, int] | None:
+    """(axis of a, axis of b) of a ``tensordot(a, b, dims)`` over one axis pair, non-negative."""
+    a, b = node.args[:2]
+    dims = arg(node, 2, "dims", 2)
+    ranks = _rank(a), _rank(b)
+    if None in ranks:
+        return None
+    if dims == 1:
+        return ranks[0] - 1, 0
+    if not isinstance(dims, (list, tuple)) or len(dims) != 2:
+        return None
+    axes = [d if isinstance(d, int) else d[0] if isinstance(d, (list, tuple)) and len(d) == 1 else None for d in dims]
+    if any(not isinstance(d, int) or isinstance(d, bool) for d in axes):
+        return None
+    return axes[0] % ranks[0], axes[1] % ranks[1]
+
+
+@rule(torch.functional.tensordot)
+def _tensordot(node: fx.Node) -> fx.Node | None:
+    """``tensordot(x, W, dims=([k], [0]))`` with ``W`` [D] or [D, M] -> ``linear`` over x's last axis (k last),
+    or its column form for a column batch ``x`` [.., D, 1] (k the one before; DCN-v1's ``x_l . w_l``)."""
+    x, w = node.args[:2]
+    axes = _contracted_axes(node)
+    if axes is None or axes[1] != 0 or _rank(w) not in (1, 2) or len(node.args) + len(node.kwargs) != 3:
+        return None
+    rank = _rank(x)
+    if axes[0] == rank - 1:
+        return _dot(node, x, w) if _rank(w) == 1 else _linear(node, x, w, in_out=True)
+    if axes[0] != rank - 2 or not _known(tensor_meta(x).shape[-1], 1):
+        return None
+    column = emit(node, torch.squeeze, x, rank - 1)
+    if _rank(w) == 1:
+        return _linear(node, column, emit(node, torch.unsqueeze, w, 1), in_out=True)
+    one = _known(tensor_meta(w).shape[1], 1)  # [.., 1, 1]: the last axis, as the column form's other unsqueezes
+    return emit(node, torch.unsqueeze, _linear(node, column, w, in_out=True), rank - 1 if one else rank - 2)
 
 
 @rule(torch.mm)
@@ -449,6 +528,24 @@ def _einsum(node: fx.Node) -> fx.Node | None:
         return None
     in_out = _linear_einsum(equation.replace(" ", ""))
     return None if in_out is None else _linear(node, operands[0], operands[1], in_out=in_out)
+
+
+@rule(torch.sum)
+def _weighted_sum(node: fx.Node) -> fx.Node | None:
+    """``sum(x * w, -1, keepdim)`` for a vector ``w`` [D] -> ``linear(x, [w])`` (``x . w``, squeezed unless
+    keepdim)."""
+    product, dims, keepdim, *rest = node.args + (None,) * 3
+    dim = dims[0] if isinstance(dims, (list, tuple)) and len(dims) == 1 else dims
+    if not is_call(product, torch.mul) or len(product.users) != 1 or rest[0] is not None or node.kwargs:
+        return None
+    if dim != (_rank(product) or 0) - 1 or not isinstance(keepdim, bool):
+        return None
+    for x, w in (product.args, reversed(product.args)):
+        xm, wm = tensor_meta(x), tensor_meta(w)
+        if xm is not None and wm is not None and xm.dim() >= 2 and wm.dim() == 1 and _known(
+                wm.shape[0], xm.shape[-1]) and xm.dim() == _rank(product) and wm.dtype == xm.dtype:
+            return _linear(node, x, emit(node, torch.unsqueeze, w, 1), in_out=True) if keepdim else _dot(node, x, w)
+    return None
 
 
 @rule(torch.add)
@@ -515,6 +612,15 @@ def _sink_unsqueeze_softmax(node: fx.Node) -> fx.Node | None:
     if dim == axis:
         return None
     return emit(node, torch.unsqueeze, emit(node, torch.softmax, x.args[0], dim - (dim > axis)), axis)
+
+
+@rule(torch.unsqueeze)
+def _unsqueeze_of_squeeze(node: fx.Node) -> fx.Node | None:
+    """``unsqueeze(squeeze(a, d), d)`` -> ``a`` (``a`` is 1 along ``d``)."""
+    x = node.args[0]
+    if len(node.args) == 2 and is_call(x, torch.squeeze) and len(x.args) == 2 and x.args[1] == node.args[1]:
+        return x.args[0] if _rank(x.args[0]) == _rank(node) else None
+    return None
 
 
 @rule(torch.squeeze)

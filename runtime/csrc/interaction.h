@@ -424,9 +424,169 @@ void fm_second_order_bwd_##S(const T *grad, const T *v, int64_t B, int64_t F, in
     }                                                                                                          \
 }
 
+
+/* The DCN-v1 vector cross (runtime/interaction.py vector_cross): L layers x_{l+1} = x0 * (x_l . w_l) + b_l + x_l
+ * per sample. Tiles of up to VC_ROWS samples are kept in float scratch rows (L1) across the layers, so x and x0 are
+ * read once and the output written once; the tile's dot products run side by side (independent accumulators:
+ * one sample's dot is a chain of dependent FMAs and a horizontal sum). W and bias are float [L, Dp], rows
+ * zero-padded to Dp (a multiple of 16 >= D; bias may be NULL); x0, x, grad and the outputs [B, D] contiguous. */
+enum { VC_ROWS = 4 };
+typedef float vc_vfu __attribute__((vector_size(VL * sizeof(float)), aligned(4))); /* unaligned rows */
+
+static inline float vc_hsum(vf v) {
+    float s = 0.f;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
+}
+
+#define VC_AT(p) (*(vc_vfu *)(p))
+
+/* The tile's R rows xl (stride Dp) through the L layers; with xs, each layer's input rows are kept in
+   xs + l * R * Dp and its scalars in s[r * L + l]. */
+static inline __attribute__((always_inline)) void vc_forward_tile(float *xl, const float *x0, const float *W,
+                                                                  const float *bias, int64_t L, int64_t Dp,
+                                                                  float *xs, float *s, const int R) {
+    for (int64_t l = 0; l < L; l++) {
+        const float *w = W + l * Dp, *bl = bias ? bias + l * Dp : NULL;
+        if (xs) memcpy(xs + l * R * Dp, xl, sizeof(float) * R * Dp);
+        vf acc[VC_ROWS];
+        for (int r = 0; r < R; r++) acc[r] = (vf){0};
+        for (int64_t d = 0; d < Dp; d += VL) {
+            const vf wv = VC_AT(w + d);
+            for (int r = 0; r < R; r++) acc[r] += VC_AT(xl + r * Dp + d) * wv;
+        }
+        float sl[VC_ROWS];
+        for (int r = 0; r < R; r++) {
+            sl[r] = vc_hsum(acc[r]);
+            if (s) s[r * L + l] = sl[r];
+        }
+        for (int64_t d = 0; d < Dp; d += VL) {
+            const vf bv = bl ? VC_AT(bl + d) : (vf){0};
+            for (int r = 0; r < R; r++) VC_AT(xl + r * Dp + d) += VC_AT(x0 + r * Dp + d) * sl[r] + bv;
+        }
+    }
+}
+
+/* Last layer first, for the tile's R rows: ds = g . x0, grad_x0 += g s_l, part_w_l += ds x_l, part_b_l += g,
+   g += ds w_l (g ends as grad_x). */
+static inline __attribute__((always_inline)) void vc_backward_tile(float *g, float *gx0, const float *x0,
+                                                                   const float *xs, const float *s, const float *W,
+                                                                   float *part_w, float *part_b, int64_t L,
+                                                                   int64_t Dp, const int R) {
+    for (int64_t l = L - 1; l >= 0; l--) {
+        const float *w = W + l * Dp, *xl = xs + l * R * Dp;
+        float *pw = part_w + l * Dp, *pb = part_b ? part_b + l * Dp : NULL;
+        vf acc[VC_ROWS];
+        for (int r = 0; r < R; r++) acc[r] = (vf){0};
+        for (int64_t d = 0; d < Dp; d += VL)
+            for (int r = 0; r < R; r++) acc[r] += VC_AT(g + r * Dp + d) * VC_AT(x0 + r * Dp + d);
+        float ds[VC_ROWS], sl[VC_ROWS];
+        for (int r = 0; r < R; r++) {
+            ds[r] = vc_hsum(acc[r]);
+            sl[r] = s[r * L + l];
+        }
+        for (int64_t d = 0; d < Dp; d += VL) {
+            const vf wv = VC_AT(w + d);
+            vf pwv = VC_AT(pw + d), pbv = pb ? VC_AT(pb + d) : (vf){0};
+            for (int r = 0; r < R; r++) {
+                const vf gv = VC_AT(g + r * Dp + d);
+                pbv += gv;
+                VC_AT(gx0 + r * Dp + d) += gv * sl[r];
+                pwv += VC_AT(xl + r * Dp + d) * ds[r];
+                VC_AT(g + r * Dp + d) = gv + wv * ds[r];
+            }
+            VC_AT(pw + d) = pwv;
+            if (pb) VC_AT(pb + d) = pbv;
+        }
+    }
+}
+
+/* fn(args..., R) for the tile's row count R in 1..VC_ROWS, a compile-time constant in each case. */
+#define VC_SWITCH(R, fn, ...)                                                                                  \
+    switch (R) {                                                                                               \
+        case 4: fn(__VA_ARGS__, 4); break;                                                                     \
+        case 3: fn(__VA_ARGS__, 3); break;                                                                     \
+        case 2: fn(__VA_ARGS__, 2); break;                                                                     \
+        default: fn(__VA_ARGS__, 1); break;                                                                    \
+    }
+
+/* R rows of src (stride D, storage S) into float rows of stride Dp, zero-padded; and back. */
+#define VC_LOAD(S, dst, src, R, D, Dp)                                                                         \
+    for (int r = 0; r < (R); r++) {                                                                            \
+        _Pragma("omp simd")                                                                                    \
+        for (int64_t d = 0; d < (D); d++) (dst)[r * (Dp) + d] = load_##S((src) + r * (D) + d);                \
+        for (int64_t d = (D); d < (Dp); d++) (dst)[r * (Dp) + d] = 0.f;                                        \
+    }
+#define VC_STORE(S, dst, src, R, D, Dp)                                                                        \
+    for (int r = 0; r < (R); r++) {                                                                            \
+        _Pragma("omp simd")                                                                                    \
+        for (int64_t d = 0; d < (D); d++) store_##S((dst) + r * (D) + d, (src)[r * (Dp) + d]);                \
+    }
+
+#define DEFINE_VECTOR_CROSS_KERNELS(S, T)                                                                      \
+void vector_cross_fwd_##S(const T *x0, const T *x, const float *W, const float *bias, int64_t L, int64_t Dp,    \
+                          T *out, int64_t B, int64_t D, int threads) {                                         \
+    const int64_t tiles = (B + VC_ROWS - 1) / VC_ROWS;                                                         \
+    _Pragma("omp parallel num_threads(threads)")                                                               \
+    {                                                                                                          \
+        float *xl = (float *)malloc(sizeof(float) * 2 * VC_ROWS * Dp), *x0f = xl + VC_ROWS * Dp;               \
+        _Pragma("omp for schedule(static)")                                                                    \
+        for (int64_t t = 0; t < tiles; t++) {                                                                  \
+            const int64_t b = t * VC_ROWS, r0 = b * D;                                                         \
+            const int R = (int)(B - b < VC_ROWS ? B - b : VC_ROWS);                                            \
+            VC_LOAD(S, xl, x + r0, R, D, Dp)                                                                   \
+            VC_LOAD(S, x0f, x0 + r0, R, D, Dp)                                                                 \
+            VC_SWITCH(R, vc_forward_tile, xl, x0f, W, bias, L, Dp, NULL, NULL)                                 \
+            VC_STORE(S, out + r0, xl, R, D, Dp)                                                                \
+        }                                                                                                      \
+        free(xl);                                                                                              \
+    }                                                                                                          \
+}                                                                                                              \
+                                                                                                               \
+/* The layers recomputed per tile (inputs and scalars kept), then vc_backward_tile; grad_W and grad_bias       \
+   (float [L, Dp], grad_bias NULL without bias) are summed over per-thread parts. */                           \
+void vector_cross_bwd_##S(const T *grad, const T *x0, const T *x, const float *W, const float *bias, int64_t L, \
+                          int64_t Dp, T *grad_x0, T *grad_x, float *grad_W, float *grad_bias, int64_t B,        \
+                          int64_t D, int threads) {                                                            \
+    const int64_t tiles = (B + VC_ROWS - 1) / VC_ROWS, rows = VC_ROWS * Dp;                                    \
+    memset(grad_W, 0, sizeof(float) * L * Dp);                                                                 \
+    if (grad_bias) memset(grad_bias, 0, sizeof(float) * L * Dp);                                               \
+    _Pragma("omp parallel num_threads(threads)")                                                               \
+    {                                                                                                          \
+        float *xs = (float *)malloc(sizeof(float) * ((L + 4) * rows + VC_ROWS * L));                           \
+        float *xl = xs + L * rows, *x0f = xl + rows, *g = x0f + rows, *gx0 = g + rows, *s = gx0 + rows;        \
+        float *part = (float *)calloc((grad_bias ? 2 : 1) * L * Dp, sizeof(float));                            \
+        float *part_b = grad_bias ? part + L * Dp : NULL;                                                      \
+        _Pragma("omp for schedule(static)")                                                                    \
+        for (int64_t t = 0; t < tiles; t++) {                                                                  \
+            const int64_t b = t * VC_ROWS, r0 = b * D;                                                         \
+            const int R = (int)(B - b < VC_ROWS ? B - b : VC_ROWS);                                            \
+            VC_LOAD(S, xl, x + r0, R, D, Dp)                                                                   \
+            VC_LOAD(S, x0f, x0 + r0, R, D, Dp)                                                                 \
+            VC_LOAD(S, g, grad + r0, R, D, Dp)                                                                 \
+            memset(gx0, 0, sizeof(float) * rows);                                                              \
+            VC_SWITCH(R, vc_forward_tile, xl, x0f, W, bias, L, Dp, xs, s)                                      \
+            VC_SWITCH(R, vc_backward_tile, g, gx0, x0f, xs, s, W, part, part_b, L, Dp)                         \
+            VC_STORE(S, grad_x0 + r0, gx0, R, D, Dp)                                                           \
+            VC_STORE(S, grad_x + r0, g, R, D, Dp)                                                              \
+        }                                                                                                      \
+        _Pragma("omp critical")                                                                                \
+        {                                                                                                      \
+            for (int64_t i = 0; i < L * Dp; i++) grad_W[i] += part[i];                                         \
+            if (part_b)                                                                                        \
+                for (int64_t i = 0; i < L * Dp; i++) grad_bias[i] += part_b[i];                                \
+        }                                                                                                      \
+        free(part);                                                                                            \
+        free(xs);                                                                                              \
+    }                                                                                                          \
+}
+
 DEFINE_DOT_KERNELS(f32, float)
 DEFINE_KERNELS(f32, float)
+DEFINE_VECTOR_CROSS_KERNELS(f32, float)
 DEFINE_DOT_KERNELS(f16, _Float16)
 DEFINE_KERNELS(f16, _Float16)
+DEFINE_VECTOR_CROSS_KERNELS(f16, _Float16)
 DEFINE_DOT_KERNELS(bf16, bf16_t)
 DEFINE_KERNELS(bf16, bf16_t)
+DEFINE_VECTOR_CROSS_KERNELS(bf16, bf16_t)

@@ -166,6 +166,48 @@ void cross_epilogue_bwd(const Tensor &grad, const Tensor &x0, const Tensor &h, c
              threads());
 }
 
+/* W, bias: float [L, Dp] (bias optional), Dp a multiple of 16 >= D, zero-padded; x0, x, grad and the outputs
+   [B, D] contiguous of one dtype. */
+void check_vector_cross(const char *op, const Tensor &x, const Tensor &W, const OptTensor &bias,
+                        std::initializer_list<const Tensor *> rows) {
+    check(x, op, "x", FLOATS);
+    check(W, op, "W", {F32});
+    check(bias, op, "bias", {F32});
+    TORCH_CHECK_VALUE(x.dim() == 2 && W.dim() == 2 && W.size(1) % 16 == 0 && W.size(1) >= x.size(1) &&
+                          W.size(1) < x.size(1) + 16 && x.is_contiguous() && W.is_contiguous(),
+                      "recompile_native.", op, ": expected x [B, D] and W [L, Dp] contiguous (Dp: D padded to a "
+                      "multiple of 16), got ", x.sizes(), " and ", W.sizes());
+    TORCH_CHECK_VALUE(!bias || !bias->defined() || (bias->sizes() == W.sizes() && bias->is_contiguous()),
+                      "recompile_native.", op, ": bias must be contiguous ", W.sizes());
+    for (auto *t : rows) {
+        check(*t, op, "x0, grad and the outputs", {x.scalar_type()});
+        TORCH_CHECK_VALUE(t->sizes() == x.sizes() && t->is_contiguous(), "recompile_native.", op,
+                          ": x0, grad and the outputs must be contiguous ", x.sizes(), ", got ", t->sizes());
+    }
+}
+
+void vector_cross_fwd(const Tensor &x0, const Tensor &x, const Tensor &W, const OptTensor &bias, const Tensor &out) {
+    check_vector_cross("vector_cross_fwd", x, W, bias, {&x0, &out});
+    BY_DTYPE(x.scalar_type(), vector_cross_fwd, T, ptr<const T>(x0), ptr<const T>(x), ptr<const float>(W),
+             ptr<const float>(bias), W.size(0), W.size(1), ptr<T>(out), x.size(0), x.size(1), threads());
+}
+
+void vector_cross_bwd(const Tensor &grad, const Tensor &x0, const Tensor &x, const Tensor &W, const OptTensor &bias,
+                      const Tensor &grad_x0, const Tensor &grad_x, const Tensor &grad_W, const OptTensor &grad_bias) {
+    check_vector_cross("vector_cross_bwd", x, W, bias, {&grad, &x0, &grad_x0, &grad_x});
+    check(grad_W, "vector_cross_bwd", "grad_W", {F32});
+    check(grad_bias, "vector_cross_bwd", "grad_bias", {F32});
+    const bool has_bias = bias && bias->defined();
+    TORCH_CHECK_VALUE(grad_W.sizes() == W.sizes() && grad_W.is_contiguous() &&
+                          has_bias == (grad_bias && grad_bias->defined()) &&
+                          (!has_bias || (grad_bias->sizes() == W.sizes() && grad_bias->is_contiguous())),
+                      "recompile_native.vector_cross_bwd: grad_W (and grad_bias, given with bias) must be contiguous ",
+                      W.sizes());
+    BY_DTYPE(x.scalar_type(), vector_cross_bwd, T, ptr<const T>(grad), ptr<const T>(x0), ptr<const T>(x),
+             ptr<const float>(W), ptr<const float>(bias), W.size(0), W.size(1), ptr<T>(grad_x0), ptr<T>(grad_x),
+             ptr<float>(grad_W), ptr<float>(grad_bias), x.size(0), x.size(1), threads());
+}
+
 Tensor fm_second_order_fwd(const Tensor &v_, bool reduce) {
     check(v_, "fm_second_order_fwd", "v", FLOATS);
     TORCH_CHECK_VALUE(v_.dim() == 3, "recompile_native.fm_second_order_fwd: v must be [B, F, D], got ", v_.sizes());
@@ -365,6 +407,75 @@ bool sampled_softmax_native(torch::jit::Stack *stack) {
     return returned(stack, 6, loss, lse);
 }
 
+/* The layers' [D] vectors of one dtype (weights or biases of recompile::vector_cross: [D], [1, D] or [D, 1]) as
+   float [L, Dp], rows zero-padded to a multiple of 16; an undefined tensor when they do not fit. */
+Tensor vector_rows(const std::vector<Tensor> &params, int64_t D, at::ScalarType dtype) {
+    const int64_t L = (int64_t)params.size();
+    Tensor rows = at::zeros({L, (D + 15) / 16 * 16}, at::TensorOptions().dtype(F32));
+    for (int64_t l = 0; l < L; l++) {
+        const Tensor &p = params[l];
+        if (!plain_cpu(p, {dtype}) || p.dim() > 2 || p.numel() != D) return Tensor();
+        rows.select(0, l).narrow(0, 0, D).copy_(p.reshape({D}));
+    }
+    return rows;
+}
+
+/* Fresh tensors shaped like params (in their dtype) from the first D columns of the float rows. */
+std::vector<Tensor> vector_grads(const Tensor &rows, const std::vector<Tensor> &params, int64_t D) {
+    std::vector<Tensor> out;
+    for (size_t l = 0; l < params.size(); l++)
+        out.push_back(at::empty(params[l].sizes(), params[l].options())
+                          .copy_(rows.select(0, (int64_t)l).narrow(0, 0, D).reshape(params[l].sizes())));
+    return out;
+}
+
+/* (W, bias, B, D) of a recompile::vector_cross call the native kernel takes (x0, x and the rows given plain CPU
+   tensors of one dtype, x [B, D], L weights and L or no biases of D elements); W undefined when it does not. */
+std::tuple<Tensor, OptTensor> vector_cross_args(std::initializer_list<const Tensor *> rows,
+                                                const std::vector<Tensor> &weights, const std::vector<Tensor> &biases) {
+    const Tensor &x = **rows.begin();
+    bool ok = plain_cpu(x, FLOATS) && x.dim() == 2 && !weights.empty() &&
+              (biases.empty() || biases.size() == weights.size());
+    for (auto *t : rows) ok = ok && plain_cpu(*t, {x.scalar_type()}) && t->sizes() == x.sizes();
+    if (!ok) return {Tensor(), std::nullopt};
+    Tensor W = vector_rows(weights, x.size(1), x.scalar_type());
+    OptTensor bias;
+    if (!biases.empty()) bias = vector_rows(biases, x.size(1), x.scalar_type());
+    if (bias && !bias->defined()) W = Tensor();
+    return {W, bias};
+}
+
+/* recompile::vector_cross(Tensor x0, Tensor x, Tensor[] weights, Tensor[] biases, str impl) -> Tensor */
+bool vector_cross_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 5);
+    if (a[4].toStringRef() != "native") return false;
+    const Tensor x0 = a[0].toTensor(), x = a[1].toTensor();
+    auto [W, bias] = vector_cross_args({&x, &x0}, a[2].toTensorVector(), a[3].toTensorVector());
+    if (!W.defined()) return false;
+    Tensor out = at::empty(x.sizes(), x.options());
+    vector_cross_fwd(x0.contiguous(), x.contiguous(), W, bias, out);
+    return returned(stack, 5, out);
+}
+
+/* recompile::vector_cross_backward(Tensor grad, Tensor x0, Tensor x, Tensor[] weights, Tensor[] biases, str impl)
+ * -> (Tensor, Tensor, Tensor[], Tensor[]) */
+bool vector_cross_backward_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 6);
+    if (a[5].toStringRef() != "native") return false;
+    const Tensor grad = a[0].toTensor(), x0 = a[1].toTensor(), x = a[2].toTensor();
+    const std::vector<Tensor> weights = a[3].toTensorVector(), biases = a[4].toTensorVector();
+    auto [W, bias] = vector_cross_args({&x, &x0, &grad}, weights, biases);
+    if (!W.defined()) return false;
+    Tensor grad_x0 = at::empty(x.sizes(), x.options()), grad_x = at::empty(x.sizes(), x.options());
+    Tensor grad_W = at::empty(W.sizes(), W.options());
+    OptTensor grad_bias;
+    if (bias) grad_bias = at::empty(W.sizes(), W.options());
+    vector_cross_bwd(grad.contiguous(), x0.contiguous(), x.contiguous(), W, bias, grad_x0, grad_x, grad_W, grad_bias);
+    const int64_t D = x.size(1);
+    return returned(stack, 6, grad_x0, grad_x, vector_grads(grad_W, weights, D),
+                    bias ? vector_grads(*grad_bias, biases, D) : std::vector<Tensor>());
+}
+
 template <bool (*native)(torch::jit::Stack *)>
 void below_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
     /* a dispatch mode (Python), functionalization or vmap in the keys: the Python implementation */
@@ -402,6 +513,9 @@ TORCH_LIBRARY(recompile_native, m) {
     m.def("cross_epilogue_fwd(Tensor x0, Tensor x, Tensor h, Tensor? bias, Tensor(a!) out, Tensor(b!)? hb) -> ()");
     m.def("cross_epilogue_bwd(Tensor grad, Tensor x0, Tensor h, Tensor? bias, Tensor(a!) grad_h, "
           "Tensor(b!) grad_x0, Tensor(c!)? grad_bias) -> ()");
+    m.def("vector_cross_fwd(Tensor x0, Tensor x, Tensor W, Tensor? bias, Tensor(a!) out) -> ()");
+    m.def("vector_cross_bwd(Tensor grad, Tensor x0, Tensor x, Tensor W, Tensor? bias, Tensor(a!) grad_x0, "
+          "Tensor(b!) grad_x, Tensor(c!) grad_W, Tensor(d!)? grad_bias) -> ()");
     m.def("fm_second_order_fwd(Tensor v, bool reduce) -> Tensor");
     m.def("fm_second_order_bwd(Tensor grad, Tensor v, bool reduce) -> Tensor");
     m.def("hstu_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor offsets, int max_seq_len, float alpha, "
@@ -426,6 +540,8 @@ TORCH_LIBRARY_IMPL(recompile_native, CPU, m) {
     m.impl("dot_interaction_bwd", &dot_interaction_bwd);
     m.impl("cross_epilogue_fwd", &cross_epilogue_fwd);
     m.impl("cross_epilogue_bwd", &cross_epilogue_bwd);
+    m.impl("vector_cross_fwd", &vector_cross_fwd);
+    m.impl("vector_cross_bwd", &vector_cross_bwd);
     m.impl("fm_second_order_fwd", &fm_second_order_fwd);
     m.impl("fm_second_order_bwd", &fm_second_order_bwd);
     m.impl("hstu_attention_fwd", &hstu_attention_fwd);
@@ -437,6 +553,9 @@ TORCH_LIBRARY_IMPL(recompile_native, CPU, m) {
 TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
     m.impl("dropout", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&dropout_native>>());
     m.impl("fm_second_order", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&fm_second_order_native>>());
+    m.impl("vector_cross", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&vector_cross_native>>());
+    m.impl("vector_cross_backward",
+           torch::CppFunction::makeFromBoxedFunction<&below_autograd<&vector_cross_backward_native>>());
     m.impl("sampled_softmax_loss",
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&sampled_softmax_native>>());
 }
