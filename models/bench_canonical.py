@@ -77,12 +77,12 @@ def _best_ms(run_pass, graph, example_inputs, rounds: int) -> tuple[float, PassC
 def time_passes(gm, example_inputs, rounds: int) -> tuple[float, float, int]:
     """(best ms of normalize on ``gm``, best ms of the interaction pass on ``gm`` after the passes before it, the
     regions it found)."""
-    normalize_ms, _ = _best_ms(PASSES["normalize"], gm, example_inputs, rounds)
+    normalize_ms, _ = _best_ms(PASSES["normalize"].fn, gm, example_inputs, rounds)
     ctx = PassContext(RecompileOptions(), detect_target("cpu"), example_inputs)
     prepared = copy_graph_module(gm)
     for name in PASS_ORDER[:PASS_ORDER.index("interaction")]:
-        prepared = PASSES[name](prepared, ctx)
-    interaction_ms, ctx = _best_ms(PASSES["interaction"], prepared, example_inputs, rounds)
+        prepared = PASSES[name].fn(prepared, ctx)
+    interaction_ms, ctx = _best_ms(PASSES["interaction"].fn, prepared, example_inputs, rounds)
     return normalize_ms, interaction_ms, len(ctx.regions)
 
 
