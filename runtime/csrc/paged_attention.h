@@ -24,6 +24,7 @@ static int paged_by_cost_desc(const void *a, const void *b) {
 
 typedef struct {
     float *q, *kt, *v, *s, *scale, *bias, *o; /* [BM, D], [D, BN], [BN, Dvp], [BM, BN] x 3, [BM, Dvp] */
+    float *time_row;                          /* [BN]: the time bias of the current row's timestamp */
     int64_t *ts;                              /* [BN + VL]: the tile's key timestamps */
 } paged_space;
 
@@ -31,11 +32,12 @@ static int paged_space_init(const paged_problem *p, paged_space *w) {
     const int64_t D = p->dim, Dvp = round_up(p->dim_v, VL);
     w->q = alloc(BM * D), w->kt = alloc(D * BN), w->v = alloc(BN * Dvp), w->s = alloc(BM * BN);
     w->scale = alloc(BM * BN), w->bias = alloc(BM * BN), w->o = alloc(BM * Dvp), w->ts = alloc(2 * (BN + VL));
-    return w->q && w->kt && w->v && w->s && w->scale && w->bias && w->o && w->ts;
+    w->time_row = alloc(BN);
+    return w->q && w->kt && w->v && w->s && w->scale && w->bias && w->o && w->ts && w->time_row;
 }
 
 static void paged_space_free(paged_space *w) {
-    free(w->q), free(w->kt), free(w->v), free(w->s), free(w->scale), free(w->bias), free(w->o), free(w->ts);
+    free(w->q), free(w->kt), free(w->v), free(w->s), free(w->scale), free(w->bias), free(w->o), free(w->ts), free(w->time_row);
 }
 
 static int64_t paged_row_bytes(const paged_problem *p) { return element_size(p->dtype); }
@@ -97,9 +99,13 @@ static void paged_item_run(const paged_problem *p, const paged_item *it, paged_s
             float *bias = w->bias + r * ncp;
             if (p->rel_bias) memcpy(bias, p->rel_bias + N - 1 + j0 - i, ncp * sizeof(float));
             else memset(bias, 0, ncp * sizeof(float));
-            if (p->time_bias) {
+            if (p->time_bias) { /* rows of one timestamp (a request's candidates) share the time bias row */
                 const int64_t ts_i = p->timestamps[start + it->r0 + r];
-                for (int64_t c = 0; c < ncp; c += VL) add_time_bias(p, ts_i, w->ts + c, bias + c);
+                if (r == 0 || ts_i != p->timestamps[start + it->r0 + r - 1]) {
+                    memset(w->time_row, 0, ncp * sizeof(float));
+                    for (int64_t c = 0; c < ncp; c += VL) add_time_bias(p, ts_i, w->ts + c, w->time_row + c);
+                }
+                for (int64_t c = 0; c < ncp; c += VL) *(vf *)(bias + c) += *(const vf *)(w->time_row + c);
             }
         }
         gemm(m, ncp, D, w->q, D, 1, w->kt, BN, w->s, ncp, 0);
