@@ -155,6 +155,7 @@ def _int64(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def _native(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, alpha, num_targets,
             rel_bias, timestamps, ts_cache, time_bias):
     if not native_supports(q, k, v, k_cache, v_cache, timestamps):
+        _check_values(offsets, k_cache, page_table, cached_lengths, max_seq_len, rel_bias)
         return _cpu(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, alpha, num_targets,
                     rel_bias, timestamps, ts_cache, time_bias)
     pad = jagged_attention_native.VECTOR
@@ -215,6 +216,11 @@ def _check(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_s
         _fail(f"ts_cache must be [pages, page_size] = {tuple(k_cache.shape[:2])}, got {tuple(ts_cache.shape)}")
     if rel_bias is not None and rel_bias.numel() != 2 * max_seq_len - 1:
         _fail(f"rel_bias must have 2 * max_seq_len - 1 = {2 * max_seq_len - 1} entries, got {rel_bias.numel()}")
+
+
+def _check_values(offsets, k_cache, page_table, cached_lengths, max_seq_len, rel_bias) -> None:
+    """The checks that read the lengths (host syncs): the native kernel makes them itself, in C++."""
+    batch = offsets.numel() - 1
     if batch and int(cached_lengths.max()) > page_table.shape[1] * k_cache.shape[1]:
         _fail(f"a cached length ({int(cached_lengths.max())}) is beyond its page table "
               f"({page_table.shape[1]} pages of {k_cache.shape[1]})")
@@ -234,6 +240,8 @@ def hstu_paged_attention(
 ) -> torch.Tensor:
     _check(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, num_targets, rel_bias,
            timestamps, ts_cache, time_bias)
+    if impl != "native":
+        _check_values(offsets, k_cache, page_table, cached_lengths, max_seq_len, rel_bias)
     return get_kernel(OP, impl)(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, alpha,
                                 num_targets, rel_bias, timestamps, ts_cache, time_bias)
 

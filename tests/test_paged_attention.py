@@ -102,7 +102,8 @@ def test_opcheck():
     (lambda a: a[:12] + (None,) + a[13:], "timestamps, ts_cache and time_bias"),
     (lambda a: a[:8] + (4,) + a[9:11] + (a[11][:7],) + a[12:], "longer than max_seq_len=4"),
 ])
-def test_bad_arguments_are_named(bad, match):
+@pytest.mark.parametrize("impl", [impl for impl in ("cpu", "native") if impl in IMPLS])
+def test_bad_arguments_are_named(bad, match, impl):
     args, _ = make_case([5, 2], [3, 2], [1, 1], 2)
     with pytest.raises(ValueError, match=match):
-        ops.hstu_paged_attention(*bad(args), impl="cpu")
+        ops.hstu_paged_attention(*bad(args), impl=impl)

@@ -94,8 +94,9 @@ Tensor hstu_paged_attention(const Tensor &q, const Tensor &k, const Tensor &v, c
                           ": offsets must be non-decreasing and num_targets within each user's new rows");
         TORCH_CHECK_VALUE(c >= 0 && c <= page_table.size(1) * page_size, "recompile_native.", op, ": user ", b,
                           "'s cached length ", c, " is beyond its page table");
-        TORCH_CHECK_VALUE(!rel_bias || c + n <= max_seq_len, "recompile_native.", op, ": user ", b,
-                          "'s sequence is longer than max_seq_len, beyond the relative position bias");
+        TORCH_CHECK_VALUE(!rel_bias || c + n <= max_seq_len, "recompile_native.", op, ": user ", b, "'s sequence of ",
+                          c + n, " (cached + new) is longer than max_seq_len=", max_seq_len,
+                          ", beyond the relative position bias");
         for (int64_t i = 0; i < (c + page_size - 1) / page_size; i++)
             TORCH_CHECK_VALUE(table[b * page_table.size(1) + i] >= 0 && table[b * page_table.size(1) + i] < pages,
                               "recompile_native.", op, ": page_table[", b, ", ", i, "] is not a page of the pool");
