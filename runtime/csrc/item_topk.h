@@ -9,9 +9,7 @@
  * min-heap of k. The threads' heaps are merged and sorted at the end: the result is the exact top k of the float
  * scores (equal values by index). */
 
-enum { TOPK_BLOCK = 16 };
-typedef float v16f __attribute__((vector_size(TOPK_BLOCK * sizeof(float))));
-typedef int8_t v16b __attribute__((vector_size(TOPK_BLOCK)));
+enum { TOPK_BLOCK = 16, HALVES = TOPK_BLOCK / VL }; /* a block is HALVES vectors of VL items */
 
 typedef struct {
     float value;
@@ -53,33 +51,87 @@ static float dot_f32(const float *a, const float *b, int64_t d) {
     return s;
 }
 
-/* Blocks [b0, b1) into the heaps (one per query, k each) of one thread. */
+/* VL int8 codes as floats (GCC scalarises the vector conversion: the ISA's sign extension instead). */
+static inline vf load_codes(const int8_t *codes) {
+#if RECOMPILE_AVX512
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+#elif RECOMPILE_AVX2
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)codes)));
+#else
+    vf out;
+    for (int l = 0; l < VL; l++) out[l] = codes[l];
+    return out;
+#endif
+}
+
+/* Bit l set where v[l] >= x. */
+static inline uint32_t lanes_at_least(vf v, float x) {
+#if RECOMPILE_AVX512
+    return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(x), _CMP_GE_OQ);
+#elif RECOMPILE_AVX2
+    return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps((__m256)v, _mm256_set1_ps(x), _CMP_GE_OQ));
+#else
+    uint32_t mask = 0;
+    for (int l = 0; l < VL; l++) mask |= (uint32_t)(v[l] >= x) << l;
+    return mask;
+#endif
+}
+
+/* out[q * HALVES + h] = queries[q] . codes of one block's items (vector h), for NQ queries: the accumulators
+   stay in registers, A independent chains per (query, vector) hide the FMA latency. */
+template <int NQ>
+static void block_dots(const int8_t *codes, const float *queries, int64_t d, vf *out) {
+    enum { A = NQ * HALVES >= 4 ? 1 : 4 / (NQ * HALVES) };
+    vf acc[NQ][HALVES][A];
+    _Pragma("GCC unroll 8") for (int q = 0; q < NQ; q++)
+        _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++)
+            _Pragma("GCC unroll 4") for (int a = 0; a < A; a++) acc[q][h][a] = (vf){0};
+    int64_t i = 0;
+    for (; i + A <= d; i += A) {
+        _Pragma("GCC unroll 4") for (int a = 0; a < A; a++) {
+            _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++) {
+                const vf x = load_codes(codes + (i + a) * TOPK_BLOCK + h * VL);
+                _Pragma("GCC unroll 8") for (int q = 0; q < NQ; q++) acc[q][h][a] += queries[q * d + i + a] * x;
+            }
+        }
+    }
+    for (; i < d; i++)
+        for (int h = 0; h < HALVES; h++) {
+            const vf x = load_codes(codes + i * TOPK_BLOCK + h * VL);
+            for (int q = 0; q < NQ; q++) acc[q][h][0] += queries[q * d + i] * x;
+        }
+    _Pragma("GCC unroll 8") for (int q = 0; q < NQ; q++)
+        _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++) {
+            out[q * HALVES + h] = acc[q][h][0];
+            _Pragma("GCC unroll 4") for (int a = 1; a < A; a++) out[q * HALVES + h] += acc[q][h][a];
+        }
+}
+
+typedef void (*block_dots_fn)(const int8_t *, const float *, int64_t, vf *);
+static const block_dots_fn BLOCK_DOTS[8] = {block_dots<1>, block_dots<2>, block_dots<3>, block_dots<4>,
+                                            block_dots<5>, block_dots<6>, block_dots<7>, block_dots<8>};
+
+/* Blocks [b0, b1) into the heaps (one per query, k each) of one thread, 8 queries at a time. */
 static void topk_range(const topk_problem *p, int64_t b0, int64_t b1, scored *heaps, int64_t *sizes, float *slack) {
     const int64_t B = p->batch, d = p->dim, k = p->k;
-    v16f acc[8];
+    vf dots[8 * HALVES];
     for (int64_t q0 = 0; q0 < B; q0 += 8) {
         const int64_t nq = min64(8, B - q0);
         for (int64_t blk = b0; blk < b1; blk++) {
-            const int8_t *codes = p->codes + blk * d * TOPK_BLOCK;
-            for (int64_t q = 0; q < nq; q++) acc[q] = (v16f){0};
-            for (int64_t i = 0; i < d; i++) {
-                v16b c;
-                memcpy(&c, codes + i * TOPK_BLOCK, sizeof c);
-                const v16f x = __builtin_convertvector(c, v16f);
-                for (int64_t q = 0; q < nq; q++) acc[q] += p->queries[(q0 + q) * d + i] * x;
-            }
-            v16f scale;
-            memcpy(&scale, p->scales + blk * TOPK_BLOCK, sizeof scale);
+            BLOCK_DOTS[nq - 1](p->codes + blk * d * TOPK_BLOCK, p->queries + q0 * d, d, dots);
             for (int64_t q = 0; q < nq; q++) {
                 scored *heap = heaps + (q0 + q) * k;
                 int64_t *size = sizes + q0 + q;
-                const v16f bound = (acc[q] + slack[q0 + q]) * scale;
-                const float threshold = *size < k ? -INFINITY : heap[0].value;
-                for (int l = 0; l < TOPK_BLOCK; l++) {
-                    const int64_t n = blk * TOPK_BLOCK + l;
-                    if (bound[l] < threshold || n >= p->num_items) continue;
-                    const scored x = {dot_f32(p->queries + (q0 + q) * d, p->items + n * d, d), n};
-                    heap_push(heap, size, k, x);
+                for (int h = 0; h < HALVES; h++) {
+                    const float threshold = *size < k ? -INFINITY : heap[0].value;
+                    const vf scale = *(const vfu *)(p->scales + blk * TOPK_BLOCK + h * VL);
+                    const vf bound = (dots[q * HALVES + h] + slack[q0 + q]) * scale;
+                    for (uint32_t m = lanes_at_least(bound, threshold); m; m &= m - 1) {
+                        const int64_t n = blk * TOPK_BLOCK + h * VL + __builtin_ctz(m);
+                        if (n >= p->num_items) break;
+                        const scored x = {dot_f32(p->queries + (q0 + q) * d, p->items + n * d, d), n};
+                        heap_push(heap, size, k, x);
+                    }
                 }
             }
         }
