@@ -9,6 +9,8 @@
   offsets, k)`` with the model's head (dot: normalised matmul per block; MoL: the head on each block), and
   ``shortlist=M`` for an h-indexer-style first stage: a cheap score (one matmul) picks ``M`` items, the MoL
   head re-scores only those (``recall`` measures what that loses against exact MoL top-k).
+- ``QuantizedItems``: plain dot-product top-k over a float corpus by the native kernel: int8 bounds prune, the
+  survivors are re-scored exactly (reads about a quarter of the corpus' bytes, no score matrix).
 """
 from __future__ import annotations
 
@@ -55,6 +57,34 @@ def matmul_scores(queries: torch.Tensor, items: torch.Tensor, scale: float = 1.0
         return scores.mul_(scale) if scale != 1.0 else scores
 
     return score_block
+
+
+class QuantizedItems:
+    """A corpus of float item vectors ``[N, d]`` indexed for exact dot-product top-k on CPU
+    (``torch.ops.recompile_native.item_topk``, runtime/csrc/item_topk.h): int8 codes per item (scale max|x| / 127)
+    in blocks of 16 items laid out dimension-major, read to bound every item's score; only the items whose bound
+    reaches the running k-th best are re-scored from the float rows. Built once per corpus; ``topk(queries, k)``
+    equals ``torch.topk`` of ``queries @ items.T`` (values, and indices up to ties) without the score matrix."""
+
+    BLOCK = 16
+
+    def __init__(self, items: torch.Tensor):
+        from runtime import jagged_attention_native  # loads the native library
+
+        if not jagged_attention_native.available():
+            raise RuntimeError("QuantizedItems: the native CPU kernels are not built")
+        self.items = items.detach().float().contiguous()
+        n, d = self.items.shape
+        padded = F.pad(self.items, (0, 0, 0, -n % self.BLOCK))
+        scales = padded.abs().amax(1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        codes = torch.round(padded / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+        self.codes = codes.view(-1, self.BLOCK, d).transpose(1, 2).contiguous()  # [N / 16, d, 16]
+        self.scales = scales.contiguous()
+
+    def topk(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(values [B, k], indices [B, k])``: the best ``k`` items of each query, sorted, equal values by index."""
+        return torch.ops.recompile_native.item_topk(queries.detach().float().contiguous(), self.items, self.codes,
+                                                    self.scales, k)
 
 
 def recall(found: torch.Tensor, exact: torch.Tensor) -> float:

@@ -189,8 +189,7 @@ class RankingServer:
         rows = torch.cat([torch.arange(s, s + n) for s, n in zip(offsets.tolist(), step.fresh)])  # new history rows
         users = [r.user for r in requests]
         slots = self.cache.slots(users, step.fresh)
-        for layer in range(self.cache.num_layers):
-            self.cache.write(layer, slots, keys[layer, rows], values[layer, rows])
+        self.cache.write_layers(slots, keys[:, rows], values[:, rows])
         self.cache.commit(users, [r.history for r in requests], slots, ts[rows])
         return candidate_scores(scores, offsets, num_targets)
 

@@ -15,8 +15,10 @@ Only the new rows are computed: work ~ ``N_b * (cached + N_b)`` instead of ``(ca
 manager's job (``recompile.serving``), not the op's: the op mutates nothing.
 
 Kernels: ``reference`` rebuilds each whole sequence and runs ``hstu_attention``'s reference on it (the oracle);
-``cpu`` gathers each user's pages and runs the new rows against them as dense matmuls; ``triton`` runs one
-program per core over (query tile, head) items, reading keys through the page table (no time bias: that
+``native`` is the C++ kernel (``runtime/csrc/paged_attention.h``, ``torch.ops.recompile_native.hstu_paged_attention``:
+OpenMP over (user, head, query block), keys and values read tile by tile through the page table, f32 / f16 /
+bf16); ``cpu`` gathers each user's pages and runs the new rows against them as dense matmuls; ``triton`` runs
+one program per core over (query tile, head) items, reading keys through the page table (no time bias: that
 falls back to ``cpu``, as ``hstu_attention``'s Triton kernel does).
 """
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from hkv.native import unit_stride_rows
+from runtime import jagged_attention_native
 from runtime.jagged import check_offsets, jagged_positions
 from runtime.jagged_attention import hstu_attention_reference, time_bucket
 from runtime.kernels import get_kernel, register_kernel
@@ -136,6 +140,33 @@ def _own_key_terms(q, k, v, alpha, max_seq_len, rel_bias, timestamps, time_bias)
     return F.silu(own).unsqueeze(-1) * v
 
 
+def native_supports(q, k, v, k_cache, v_cache, timestamps) -> bool:
+    """CPU tensors of one dtype the native kernel is built for, integer timestamps, and the library loads."""
+    return (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            and (timestamps is None or not timestamps.is_floating_point())
+            and jagged_attention_native.NATIVE.supports(q, k, v, k_cache, v_cache))
+
+
+def _int64(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.to(torch.int64).contiguous()
+
+
+@register_kernel(OP, "native")
+def _native(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, alpha, num_targets,
+            rel_bias, timestamps, ts_cache, time_bias):
+    if not native_supports(q, k, v, k_cache, v_cache, timestamps):
+        _check_values(offsets, k_cache, page_table, cached_lengths, max_seq_len, rel_bias)
+        return _cpu(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, alpha, num_targets,
+                    rel_bias, timestamps, ts_cache, time_bias)
+    pad = jagged_attention_native.VECTOR
+    return torch.ops.recompile_native.hstu_paged_attention(
+        *(unit_stride_rows(t) for t in (q, k, v)), _int64(offsets), k_cache.contiguous(), v_cache.contiguous(),
+        _int64(page_table), _int64(cached_lengths), max_seq_len, alpha, _int64(num_targets),
+        None if rel_bias is None else F.pad(rel_bias.detach().float().contiguous(), (0, pad)), _int64(timestamps),
+        _int64(ts_cache), None if time_bias is None else time_bias.detach().float().contiguous(),
+        None if time_bias is None else jagged_attention_native.bucket_bounds(time_bias.numel() - 1))
+
+
 @register_kernel(OP, "triton")
 def _triton(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, alpha, num_targets,
             rel_bias, timestamps, ts_cache, time_bias):
@@ -185,6 +216,11 @@ def _check(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_s
         _fail(f"ts_cache must be [pages, page_size] = {tuple(k_cache.shape[:2])}, got {tuple(ts_cache.shape)}")
     if rel_bias is not None and rel_bias.numel() != 2 * max_seq_len - 1:
         _fail(f"rel_bias must have 2 * max_seq_len - 1 = {2 * max_seq_len - 1} entries, got {rel_bias.numel()}")
+
+
+def _check_values(offsets, k_cache, page_table, cached_lengths, max_seq_len, rel_bias) -> None:
+    """The checks that read the lengths (host syncs): the native kernel makes them itself, in C++."""
+    batch = offsets.numel() - 1
     if batch and int(cached_lengths.max()) > page_table.shape[1] * k_cache.shape[1]:
         _fail(f"a cached length ({int(cached_lengths.max())}) is beyond its page table "
               f"({page_table.shape[1]} pages of {k_cache.shape[1]})")
@@ -204,6 +240,8 @@ def hstu_paged_attention(
 ) -> torch.Tensor:
     _check(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, num_targets, rel_bias,
            timestamps, ts_cache, time_bias)
+    if impl != "native":
+        _check_values(offsets, k_cache, page_table, cached_lengths, max_seq_len, rel_bias)
     return get_kernel(OP, impl)(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, alpha,
                                 num_targets, rel_bias, timestamps, ts_cache, time_bias)
 

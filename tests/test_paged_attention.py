@@ -15,7 +15,7 @@ MAX_LEN, HEADS, DIM, DIM_V, BUCKETS = 40, 2, 8, 4, 16
 
 
 def make_case(cached, new, targets, page_size, rel=True, time=True, dtype=torch.float32, table_dtype=torch.int64,
-              seed=0):
+              seed=0, max_len=MAX_LEN):
     """Whole sequences, their prefixes written into shuffled pages, and the op's arguments for the new rows."""
     g = torch.Generator().manual_seed(seed)
     full = [c + n for c, n in zip(cached, new)]
@@ -42,14 +42,14 @@ def make_case(cached, new, targets, page_size, rel=True, time=True, dtype=torch.
         new_rows.append(torch.arange(start + c, start + c + n))
         start += c + n
     new_rows = torch.cat(new_rows)
-    rel_bias = torch.randn(2 * MAX_LEN - 1, generator=g) if rel else None
+    rel_bias = torch.randn(2 * max_len - 1, generator=g) if rel else None
     time_bias = torch.randn(BUCKETS + 1, generator=g) if time else None
     num_targets = torch.tensor(targets)
     full_offsets = torch.tensor([0] + full).cumsum(0)
-    expected = ops.hstu_attention(q, k, v, full_offsets, MAX_LEN, 0.5, True, num_targets, 0, rel_bias,
+    expected = ops.hstu_attention(q, k, v, full_offsets, max_len, 0.5, True, num_targets, 0, rel_bias,
                                   ts if time else None, time_bias)[new_rows]
     args = (q[new_rows], k[new_rows], v[new_rows], torch.tensor([0] + new).cumsum(0), k_cache, v_cache, table,
-            torch.tensor(cached), MAX_LEN, 0.5, num_targets, rel_bias, ts[new_rows] if time else None,
+            torch.tensor(cached), max_len, 0.5, num_targets, rel_bias, ts[new_rows] if time else None,
             ts_cache if time else None, time_bias)
     return args, expected
 
@@ -102,7 +102,8 @@ def test_opcheck():
     (lambda a: a[:12] + (None,) + a[13:], "timestamps, ts_cache and time_bias"),
     (lambda a: a[:8] + (4,) + a[9:11] + (a[11][:7],) + a[12:], "longer than max_seq_len=4"),
 ])
-def test_bad_arguments_are_named(bad, match):
+@pytest.mark.parametrize("impl", [impl for impl in ("cpu", "native") if impl in IMPLS])
+def test_bad_arguments_are_named(bad, match, impl):
     args, _ = make_case([5, 2], [3, 2], [1, 1], 2)
     with pytest.raises(ValueError, match=match):
-        ops.hstu_paged_attention(*bad(args), impl="cpu")
+        ops.hstu_paged_attention(*bad(args), impl=impl)

@@ -134,6 +134,12 @@ class PagedKVCache:
         self.k[layer].view(-1, self.heads, self.head_dim).index_copy_(0, slots, k.to(self.dtype))
         self.v[layer].view(-1, self.heads, self.value_dim).index_copy_(0, slots, v.to(self.dtype))
 
+    def write_layers(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every layer's keys ``[layers, n, H, D]`` and values ``[layers, n, H, Dv]`` of the new tokens into
+        ``slots``: one copy per pool."""
+        self.k.view(self.num_layers, -1, self.heads, self.head_dim).index_copy_(1, slots, k.to(self.dtype))
+        self.v.view(self.num_layers, -1, self.heads, self.value_dim).index_copy_(1, slots, v.to(self.dtype))
+
     def commit(self, users: Sequence[Hashable], histories: Sequence[torch.Tensor], slots: torch.Tensor,
                timestamps: torch.Tensor) -> None:
         """The users' cached histories are now ``histories``; ``timestamps`` of the new tokens go to ``slots``."""
