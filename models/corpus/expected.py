@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from models.corpus import gr_hstu, recbole_zoo, torchrec_zoo
 
 VECTOR_CROSS = "not built yet: the DCN-v1 vector cross (x0 * (x . w) + b + x) has no op form"
-GR_ATTENTION = ("not built yet: the jagged pass fails on generative-recommenders' padded einsum attention "
-                "(IndexError in the padded-region proof) and falls back")
 UNASSIGNED = "no track yet: a masked-mean pooling over nn.Embedding is not seen as an embedding bag (issue 16)"
 
 CROSS_OPS = ("recompile::cross_layer", "recompile::cross_stack", "recompile::cross_mixture")
@@ -94,7 +92,8 @@ EXPECTED: dict[str, tuple[Expect, ...]] = {
                                                        "b mixed by a softmax gate (DCN-Mix)")),
     # generative-recommenders' HSTU (gr_hstu): jagged q/k/v padded with fbgemm.jagged_to_padded_dense.
     "gr/HSTU": (Expect("attention", ("recompile::hstu_attention",), gr_hstu.LAYERS,
-                       "_hstu_attention: silu(einsum(q, k) + bias) / n * causal mask, einsum with v, per layer", GR_ATTENTION),),
+                       "_hstu_attention: silu(einsum(q, k) + bias) / n * causal mask, einsum with v, per layer (q, k padded with "
+                       "keyword arguments; the bias moved into place by pad/repeat/slices; the mask a module buffer)"),),
 }
 
 GRAPH_BREAKS: dict[str, tuple[int, str, str | None]] = {

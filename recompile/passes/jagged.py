@@ -128,7 +128,7 @@ def _pad_source(node: fx.Node) -> tuple[fx.Node, fx.Node, Any] | None:
     """``(values, offsets, N)`` of a ``jagged_to_padded_dense`` call (the padding value never matters:
     padded rows are dropped, and masks are proven to hide padded keys)."""
     if is_call(node, *_fbgemm_targets("jagged_to_padded_dense")):
-        values, offsets, lengths = node.args[0], arg(node, 1, "offsets"), arg(node, 2, "max_lengths")
+        values, offsets, lengths = arg(node, 0, "values"), arg(node, 1, "offsets"), arg(node, 2, "max_lengths")
         if len(offsets) != 1 or len(lengths) != 1:
             return None
         offsets, n = offsets[0], lengths[0]
@@ -151,7 +151,7 @@ def _sink(node: fx.Node) -> tuple[fx.Node, Any] | None:
         if is_call(call, *_fbgemm_targets("dense_to_jagged")):
             offsets = arg(call, 1, "x_offsets")
             if len(offsets) == 1:
-                return call.args[0], offsets[0]
+                return arg(call, 0, "dense"), offsets[0]
     if is_call(node, torch.ops.recompile.dense_to_jagged.default):
         return node.args[0], node.args[1]
     if (gather := index_gather(node)) is not None:
@@ -289,12 +289,14 @@ class Lifter:
 
         return offsets_of
 
-    def emit_padded(self, after: fx.Node, target, *args) -> fx.Node:
-        """A new padded-side call after ``after``, with its example value, lifted like a traced one."""
+    def emit_padded(self, after: fx.Node, target, *args, lift: bool = True) -> fx.Node:
+        """A new padded-side call after ``after``, with its example value, lifted like a traced one (unless
+        ``lift`` is False: k^T, which the attention takes whole)."""
         node = self.emit(after, target, args)
         node.meta["example_value"] = target(*(a.meta["example_value"] if isinstance(a, fx.Node) else a for a in args))
         self.tainted.add(node)
-        self.lift(node)
+        if lift and any(a in self.padded for a in node.all_input_nodes):
+            self.lift(node)
         return node
 
     def operands(self, node: fx.Node) -> list[fx.Node]:
@@ -448,14 +450,16 @@ class Lifter:
         if swap_b:
             b = after = self.emit_padded(after, torch.transpose, b, 1, 2)
         if transpose_b:
-            b = after = self.emit_padded(after, torch.transpose, b, -2, -1)
+            b = after = self.emit_padded(after, torch.transpose, b, -2, -1, lift=False)
         out = after = self.emit_padded(after, torch.matmul, a, b)
         if swap_out:
             out = self.emit_padded(after, torch.transpose, out, 1, 2)
         node.replace_all_uses_with(out)
-        if out not in self.padded:
-            raise Unproven(self.blocked.get(out, f"{node.name}: its matmul form is not lifted"))
-        return self.padded[out]
+        if out in self.padded:
+            return self.padded[out]
+        if is_score_product(after):
+            raise Inherited(f"{node.name}: q @ k^T, taken whole by the attention that uses it")
+        raise Inherited(f"{node.name}: its matmul form {after.name} is left padded")
 
     def attention(self, node: fx.Node) -> Padded:
         match = match_attention(node)
@@ -509,7 +513,8 @@ class Lifter:
             # node left padded is no reason of its own
             if isinstance(why, Inherited):
                 return
-            if not is_score_product(node) and not all(is_score_product(user) for user in node.users):
+            # (a node the einsum rule just emitted has no users yet: it is blocked unless it is q @ k^T)
+            if not is_score_product(node) and not (node.users and all(map(is_score_product, node.users))):
                 self.blocked[node] = str(why)
 
     # -- driver --------------------------------------------------------------------------------
