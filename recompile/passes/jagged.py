@@ -15,7 +15,8 @@ Patterns and replacements:
   ``[B, N] <-> [N, B]`` transpose. Attention on head-first ``[B, H, N, D]`` views, as matmuls or
   einsums, and ``nn.MultiheadAttention`` (see ``recompile.passes.jagged_attention``) ->
   ``recompile.hstu_attention`` / ``recompile.jagged_softmax_attention`` (region kind "attention").
-  The values are guarded by ``recompile.jagged_within`` (every sequence fits the padded length N).
+  The values are guarded by ``recompile.jagged_within`` (every sequence fits the padded length N). The jagged
+  ops emitted check their offsets per ``options.bounds_check`` ("fatal" / "warning" / "ignore").
   Paddings with the same offsets and N form one region (q, k and v padded one by one).
 - attention on histories that come padded (ids ``[B, N]`` with a padding id, as RecBole's SASRec and
   BERT4Rec): ``matmul(softmax(matmul(q, k^T) * scale + mask), v)`` with an additive mask made from the ids or
@@ -265,6 +266,7 @@ class Lifter:
         self.batches: dict[tuple[fx.Node, int], PaddedBatch] = {}  # by (offsets, N)
         self.unproven_paddings: list[tuple[fx.Node, str]] = []  # index writes of jagged values, and why
         self.offsets: dict[fx.Node, fx.Node] = {}  # lengths -> the offsets made for them
+        self.bounds_check = ctx.options.bounds_check  # what the jagged ops emitted do with malformed offsets
 
     # -- helpers -------------------------------------------------------------------------------
     def emit(self, after: fx.Node, target, args, kwargs=None, method: bool = False) -> fx.Node:
@@ -397,7 +399,7 @@ class Lifter:
         q, k, v = (chain("reshape", chain(operator.getitem, chain(torch.chunk, qkv, 3, -1), i), -1, heads,
                          embed // heads, method=True) for i in range(3))
         attended = chain(torch.ops.recompile.jagged_softmax_attention.default, q, k, v, region.offsets,
-                         1.0 / math.sqrt(embed // heads), causal, impl.impl)
+                         1.0 / math.sqrt(embed // heads), causal, impl.impl, self.bounds_check)
         out = chain(F.linear, chain("reshape", attended, -1, embed, method=True), match.out_weight, match.out_bias)
         self.attention_regions.append((attended, op, impl, [node]))
         return Padded(region, "nb", out)
@@ -479,7 +481,7 @@ class Lifter:
             op = "recompile::jagged_softmax_attention"
             args = (q, k, v, region.offsets, match.alpha, causal)
         impl = self.ctx.lower(op)
-        twin = self.emit(node, getattr(torch.ops.recompile, op.split("::")[1]).default, (*args, impl.impl))
+        twin = self.emit(node, getattr(torch.ops.recompile, op.split("::")[1]).default, (*args, impl.impl, self.bounds_check))
         self.attention_regions.append((twin, op, impl, list(match.nodes)))
         return Padded(region, "bhn", twin)
 
@@ -522,7 +524,8 @@ class Lifter:
         total = size_hint(tensor_meta(values).shape[0])
         region = self.batches.setdefault((lengths.offsets, n), PaddedBatch(lengths.offsets, n, lengths, total))
         impl = self.ctx.lower("recompile::jagged_within")
-        guarded = self.emit(node, torch.ops.recompile.jagged_within.default, (values, lengths.offsets, n, impl.impl))
+        guarded = self.emit(node, torch.ops.recompile.jagged_within.default, (values, lengths.offsets, n, impl.impl,
+                                                                                 self.bounds_check))
         self.padded[node] = Padded(region, layout, guarded)
         region.lifted.append(node)
 
