@@ -22,7 +22,10 @@ Patterns and replacements:
   BERT4Rec): ``matmul(softmax(matmul(q, k^T) * scale + mask), v)`` with an additive mask made from the ids or
   the lengths -> ``recompile.padded_softmax_attention``: every row as the padded formula gives it (padded
   rows included), the keys after the last one any query attends to cut off at run time (a check of the
-  mask itself; a mask that hides every key of some row keeps all N: the padded path).
+  mask itself; a mask that hides every key of some row keeps all N: the padded path). Where the outputs are
+  proven to be read at one row per sequence (``gather(h, 1, item_seq_len - 1 ...)``, through row-wise ops and
+  attentions on the same mask: ``recompile.passes.jagged_rows``), the op gets those rows and computes only the
+  query rows they depend on (checked on the mask at run time), 0 in the others.
 A padded node whose users cannot all be proven position-wise keeps its padded computation; a gather
 back that is not reached by a jagged equivalent stays, and the report says why.
 """
@@ -46,6 +49,7 @@ from recompile.passes.jagged_attention import (
 from recompile.passes.jagged_index import (
     IndexGather, index_gather, index_padding, prove_gather, row_slices, sequence_padding,
 )
+from recompile.passes.jagged_rows import hoist, read_rows
 from recompile.passes.utils import arg, eliminate_dead_code, is_call, meta_value, replace_node, tensor_meta
 from recompile.pipeline import Fallback, PassContext, register_pass
 from runtime.fbgemm import fbgemm_ops
@@ -670,6 +674,7 @@ def _padded_attention(gm: fx.GraphModule, ctx: PassContext) -> None:
     lengths) with an additive mask -> ``recompile.padded_softmax_attention``, which cuts the keys no query
     attends to at run time."""
     op = "recompile::padded_softmax_attention"
+    groups: dict[fx.Node, list[fx.Node]] = {}  # by mask
     for node in list(gm.graph.nodes):
         try:
             match = match_padded_attention(node)
@@ -682,7 +687,23 @@ def _padded_attention(gm: fx.GraphModule, ctx: PassContext) -> None:
                       match.scale, impl.impl)
         ctx.record_region("attention", list(match.nodes), op, impl)
         replace_node(node, fused)
+        groups.setdefault(match.mask, []).append(fused)
     eliminate_dead_code(gm)
+    for group in groups.values():
+        _cut_query_rows(group)
+
+
+def _cut_query_rows(group: list[fx.Node]) -> None:
+    """Give the attentions of one mask the rows their outputs are read at, where ``read_rows`` proves it: they
+    then compute only the query rows those rows depend on (``runtime.padded_attention``). Unproven: every row,
+    which is the padded formula (no fallback to report)."""
+    try:
+        rows = read_rows(group)
+        hoist(rows, group[0])
+    except Unproven:
+        return
+    for fused in group:
+        fused.args = (*fused.args, rows)
 
 
 @register_pass("jagged", order=30, regions={"jagged": "#ffd27f", "attention": "#f7b0d0"})
