@@ -90,7 +90,9 @@ def _query_rows(q, mask, rows):
 def padded_softmax_attention_cpu(q, k, v, mask, scale, rows=None):
     cut, q_cut, mask = _query_rows(q, mask, rows)
     out = padded_softmax_attention_reference(q_cut, *_cut(cut_length(mask, k.shape[2]), k, v, mask), scale)
-    return out if cut == q.shape[2] else torch.cat([out, out.new_zeros(*out.shape[:2], q.shape[2] - cut, out.shape[3])], 2)
+    if cut == q.shape[2]:
+        return out
+    return torch.cat([out, out.new_zeros(*out.shape[:2], q.shape[2] - cut, out.shape[3])], 2)
 
 
 def _attention_backward(grad, q, k, v, mask, scale, rows=None):

@@ -71,7 +71,8 @@ EXPECTED: dict[str, tuple[Expect, ...]] = {
     # RecBole sequential models: padded histories [B, MAX_ITEM_LIST_LENGTH], padding id 0.
     "recbole/SASRec": (Expect("attention", None, recbole_zoo.SMALL["n_layers"],
                               "TransformerEncoder: causal softmax attention per layer over the padded history, additive "
-                              "mask from item_seq != 0 (get_attention_mask)"),),
+                              "mask from item_seq != 0 (get_attention_mask); read at item_seq_len - 1 (gather_indexes), "
+                              "so only the query rows up to the longest read history are computed"),),
     "recbole/BERT4Rec": (Expect("attention", None, recbole_zoo.SMALL["n_layers"],
                                 "TransformerEncoder: bidirectional softmax attention per layer over the padded history, "
                                 "additive mask from item_seq != 0"),),

@@ -485,7 +485,8 @@ class Lifter:
             op = "recompile::jagged_softmax_attention"
             args = (q, k, v, region.offsets, match.alpha, causal)
         impl = self.ctx.lower(op)
-        twin = self.emit(node, getattr(torch.ops.recompile, op.split("::")[1]).default, (*args, impl.impl, self.bounds_check))
+        target = getattr(torch.ops.recompile, op.split("::")[1]).default
+        twin = self.emit(node, target, (*args, impl.impl, self.bounds_check))
         self.attention_regions.append((twin, op, impl, list(match.nodes)))
         return Padded(region, "bhn", twin)
 

@@ -64,7 +64,8 @@ def buffer_value(node: fx.Node) -> torch.Tensor | None:
     ``passes.utils.constant_value`` reads index buffers; None for inputs, parameters and anything else."""
     grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
     example = getattr(grapharg, "example", None)
-    if "._buffers[" not in getattr(getattr(grapharg, "source", None), "name", "") or not isinstance(example, torch.Tensor):
+    source = getattr(getattr(grapharg, "source", None), "name", "")
+    if "._buffers[" not in source or not isinstance(example, torch.Tensor):
         return None
     return None if example.requires_grad else example
 
