@@ -15,11 +15,12 @@ padded path. Backward recomputes the scores on the same cut.
 ``rows [B]`` (optional, self-attention only): the query row each sequence is read at downstream (RecBole's
 ``gather_indexes(output, item_seq_len - 1)``), when the jagged pass has proven that the output reaches the
 graph's outputs only through row-wise ops, that gather, and the keys and values of attentions with the same mask
-and rows. Then only the rows those read rows can depend on are computed: the first ``Lq`` rows, ``Lq`` the
-smallest length >= ``max(rows) + 1`` whose queries attend (through the mask) to no key at or past ``Lq`` (with a
-causal mask ``max(rows) + 1``: the longest history read; bidirectional: the longest history). Every row past
-``Lq`` is 0 in the output and gets no gradient, in every kernel. The check is of the mask itself, at run time,
-so a mask with holes or an empty history widens ``Lq`` (up to N: the padded path) and stays exact.
+and rows. Then only the rows those read rows can depend on are computed, per sequence (jagged query rows): the
+first ``Lq[b]`` rows of sequence b, ``Lq[b]`` the smallest length >= ``rows[b] + 1`` whose queries attend (through
+the mask) to no key at or past it (a causal mask: ``rows[b] + 1``, the history read; bidirectional: the history).
+Every row past ``Lq[b]`` is 0 in the output and gets no gradient, in every kernel. The check is of the mask itself,
+at run time, so a mask with holes or an empty history widens ``Lq[b]`` (up to N: the padded path) and stays exact.
+The CPU kernel runs the sequences in buckets of ``Lq`` rounded up to ``BUCKET``, each on its own width.
 """
 from __future__ import annotations
 
@@ -37,31 +38,32 @@ DROPPED = -1e4
 def padded_softmax_attention_reference(q, k, v, mask, scale, rows=None):
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale + mask
     out = torch.matmul(torch.softmax(scores, dim=-1), v)
-    return out if rows is None else _zero_rows_from(out, query_cut(mask, rows, q.shape[2]))
+    return out if rows is None else _zero_rows_from(out, query_cuts(mask, rows, q.shape[2]))
 
 
 register_kernel(OP, "reference")(padded_softmax_attention_reference)
 
 
-def _zero_rows_from(x: torch.Tensor, cut: int) -> torch.Tensor:
-    keep = (torch.arange(x.shape[2], device=x.device) < cut).view(-1, 1)
-    return x * keep.to(x.dtype)
+def _zero_rows_from(x: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, N, D]`` with the rows of sequence b at or past ``cuts[b]`` set to 0."""
+    keep = torch.arange(x.shape[2], device=x.device) < cuts.view(-1, 1)
+    return x * keep.view(keep.shape[0], 1, -1, 1).to(x.dtype)
 
 
-def query_cut(mask: torch.Tensor, rows: torch.Tensor, n: int) -> int:
-    """``Lq`` (module docstring): the query rows the read ``rows`` depend on through attentions on ``mask``."""
-    if rows.numel() == 0:
-        return 0
-    kept = (mask > DROPPED).reshape(-1, *mask.shape[-2:]).expand(-1, n, -1)
+def query_cuts(mask: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """``Lq`` per sequence (module docstring): the query rows sequence b's read row ``rows[b]`` depends on
+    through attentions on ``mask``: the smallest length past it whose queries attend to no key at or past it."""
+    kept = (mask > DROPPED).expand(rows.shape[0], -1, n, -1)
     keys = kept.shape[-1]
     position = torch.arange(1, keys + 1, device=mask.device)
-    # one past the last key each query row attends to; a row attending to none spreads over every key
-    reach = torch.where(kept.any(-1), (kept * position).amax(-1), keys).amax(0)
-    reach = reach.cummax(0).values.tolist()
-    cut = min(max(int(rows.max()) + 1, 0), n)
-    while cut and reach[cut - 1] > cut:
-        cut = min(reach[cut - 1], n)
-    return cut
+    # one past the last key each query row attends to (over the heads); a row attending to none: every key
+    reach = torch.where(kept.any(-1), (kept * position).amax(-1), keys).amax(1).cummax(1).values.clamp(max=n)
+    cuts = (rows.long() + 1).clamp(0, n)
+    while True:
+        wider = torch.maximum(cuts, reach.gather(1, (cuts - 1).clamp(min=0).view(-1, 1)).view(-1)) * (cuts > 0)
+        if torch.equal(wider, cuts):
+            return cuts
+        cuts = wider
 
 
 def cut_length(mask: torch.Tensor, n: int) -> int:
@@ -78,27 +80,38 @@ def _cut(cut, k, v, mask):
     return k[:, :, :cut], v[:, :, :cut], mask[..., :cut]
 
 
-def _query_rows(q, mask, rows):
-    """``(Lq, q, mask)`` with the queries and mask rows past ``Lq`` cut off (all of them without ``rows``)."""
-    if rows is None:
-        return q.shape[2], q, mask
-    cut = query_cut(mask, rows, q.shape[2])
-    return cut, q[:, :, :cut], mask[..., :cut, :] if mask.shape[-2] != 1 else mask
+# Sequences whose query cuts round up to the same multiple of this run together.
+BUCKET = 8
+
+
+def _buckets(mask: torch.Tensor, rows: torch.Tensor, n: int):
+    """``(cuts, [(width, sequences, their mask [.., width, width]), ...])``: the sequences by their cut rounded
+    up to ``BUCKET``; within a bucket a sequence's rows before its cut attend only to keys before it."""
+    cuts = query_cuts(mask, rows, n)
+    widths = ((cuts + BUCKET - 1) // BUCKET * BUCKET).clamp(max=n)
+    buckets = []
+    for width in widths.unique().tolist():
+        if width:
+            seqs = (widths == width).nonzero().view(-1)
+            part = mask if mask.shape[0] == 1 else mask[seqs]
+            buckets.append((width, seqs, part[..., :width, :width] if part.shape[-2] != 1 else part[..., :width]))
+    return cuts, buckets
 
 
 @register_kernel(OP, "cpu")
 def padded_softmax_attention_cpu(q, k, v, mask, scale, rows=None):
-    cut, q_cut, mask = _query_rows(q, mask, rows)
-    out = padded_softmax_attention_reference(q_cut, *_cut(cut_length(mask, k.shape[2]), k, v, mask), scale)
-    if cut == q.shape[2]:
-        return out
-    return torch.cat([out, out.new_zeros(*out.shape[:2], q.shape[2] - cut, out.shape[3])], 2)
+    if rows is None:
+        return padded_softmax_attention_reference(q, *_cut(cut_length(mask, k.shape[2]), k, v, mask), scale)
+    cuts, buckets = _buckets(mask, rows, q.shape[2])
+    out = q.new_zeros(*q.shape[:3], v.shape[-1])
+    for width, seqs, part in buckets:
+        out[seqs, :, :width] = padded_softmax_attention_reference(
+            q[seqs, :, :width], k[seqs, :, :width], v[seqs, :, :width], part, scale)
+    return _zero_rows_from(out, cuts)
 
 
-def _attention_backward(grad, q, k, v, mask, scale, rows=None):
+def _attention_backward(grad, q, k, v, mask, scale):
     """dq, dk, dv of ``padded_softmax_attention_reference`` (the weights recomputed)."""
-    if rows is not None:  # the rows past Lq are 0 whatever q, k, v: no gradient
-        grad = _zero_rows_from(grad, query_cut(mask, rows, q.shape[2]))
     weights = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * scale + mask, dim=-1)
     dweights = torch.matmul(grad, v.transpose(-2, -1))
     dscores = weights * (dweights - (dweights * weights).sum(-1, keepdim=True)) * scale
@@ -106,17 +119,26 @@ def _attention_backward(grad, q, k, v, mask, scale, rows=None):
     return dq, dk, torch.matmul(weights.transpose(-2, -1), grad)
 
 
+@register_kernel(f"{OP}_backward", "reference")
+def padded_softmax_attention_backward_reference(grad, q, k, v, mask, scale, rows=None):
+    if rows is not None:  # the rows past a sequence's cut are 0 whatever q, k, v: no gradient
+        grad = _zero_rows_from(grad, query_cuts(mask, rows, q.shape[2]))
+    return _attention_backward(grad, q, k, v, mask, scale)
+
+
 @register_kernel(f"{OP}_backward", "cpu")
 def padded_softmax_attention_backward_cpu(grad, q, k, v, mask, scale, rows=None):
-    rows_cut, q_cut, mask = _query_rows(q, mask, rows)
-    cut = cut_length(mask, k.shape[2])
-    dq_cut, dk_cut, dv_cut = _attention_backward(grad[:, :, :rows_cut], q_cut, *_cut(cut, k, v, mask), scale)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dq[:, :, :rows_cut], dk[:, :, :cut], dv[:, :, :cut] = dq_cut, dk_cut, dv_cut
+    if rows is None:
+        cut = cut_length(mask, k.shape[2])
+        dq, dk[:, :, :cut], dv[:, :, :cut] = _attention_backward(grad, q, *_cut(cut, k, v, mask), scale)
+        return dq, dk, dv
+    cuts, buckets = _buckets(mask, rows, q.shape[2])
+    grad = _zero_rows_from(grad, cuts)
+    for width, seqs, part in buckets:
+        dq[seqs, :, :width], dk[seqs, :, :width], dv[seqs, :, :width] = _attention_backward(
+            grad[seqs, :, :width], q[seqs, :, :width], k[seqs, :, :width], v[seqs, :, :width], part, scale)
     return dq, dk, dv
-
-
-register_kernel(f"{OP}_backward", "reference")(_attention_backward)
 
 
 def _check(q, k, v, mask, rows=None):

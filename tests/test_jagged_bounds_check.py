@@ -37,10 +37,10 @@ class PaddedHSTU(nn.Module):
         return torch.ops.fbgemm.dense_to_jagged(out, [offsets])[0]
 
 
-def compiled_for(mode):
+def compiled_for(mode, autotune=False):
     torch._dynamo.reset()
     model = PaddedHSTU()
-    compiled = torch.compile(model, backend="rec_ascend", options={"bounds_check": mode, "autotune": False})
+    compiled = torch.compile(model, backend="rec_ascend", options={"bounds_check": mode, "autotune": autotune})
     values = torch.randn(7, C)
     torch.testing.assert_close(compiled(values, torch.tensor(GOOD)), model(values, torch.tensor(GOOD)))
     return model, compiled, values
@@ -60,9 +60,10 @@ def test_fatal_names_the_op_and_argument():
         compiled(values, torch.tensor(MALFORMED))
 
 
-@pytest.mark.parametrize("mode", ["warning", "ignore"])
-def test_warning_and_ignore_repair_the_offsets(mode):
-    model, compiled, values = compiled_for(mode)
+@pytest.mark.parametrize("mode, autotune", [("warning", False), ("ignore", False), ("warning", True)])
+def test_warning_and_ignore_repair_the_offsets(mode, autotune):
+    """With the race on too (it rewrites each op's kernel, its last argument: bounds_check is a keyword)."""
+    model, compiled, values = compiled_for(mode, autotune)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = compiled(values, torch.tensor(MALFORMED))

@@ -270,7 +270,9 @@ class Lifter:
         self.batches: dict[tuple[fx.Node, int], PaddedBatch] = {}  # by (offsets, N)
         self.unproven_paddings: list[tuple[fx.Node, str]] = []  # index writes of jagged values, and why
         self.offsets: dict[fx.Node, fx.Node] = {}  # lengths -> the offsets made for them
-        self.bounds_check = ctx.options.bounds_check  # what the jagged ops emitted do with malformed offsets
+        # what the jagged ops emitted do with malformed offsets; a keyword: ``impl`` stays the last argument,
+        # which the autotune race rewrites
+        self.checked = {"bounds_check": ctx.options.bounds_check}
 
     # -- helpers -------------------------------------------------------------------------------
     def emit(self, after: fx.Node, target, args, kwargs=None, method: bool = False) -> fx.Node:
@@ -403,7 +405,9 @@ class Lifter:
         q, k, v = (chain("reshape", chain(operator.getitem, chain(torch.chunk, qkv, 3, -1), i), -1, heads,
                          embed // heads, method=True) for i in range(3))
         attended = chain(torch.ops.recompile.jagged_softmax_attention.default, q, k, v, region.offsets,
-                         1.0 / math.sqrt(embed // heads), causal, impl.impl, self.bounds_check)
+                         1.0 / math.sqrt(embed // heads), causal, impl.impl)
+        attended.kwargs = self.checked
+
         out = chain(F.linear, chain("reshape", attended, -1, embed, method=True), match.out_weight, match.out_bias)
         self.attention_regions.append((attended, op, impl, [node]))
         return Padded(region, "nb", out)
@@ -486,7 +490,7 @@ class Lifter:
             args = (q, k, v, region.offsets, match.alpha, causal)
         impl = self.ctx.lower(op)
         target = getattr(torch.ops.recompile, op.split("::")[1]).default
-        twin = self.emit(node, target, (*args, impl.impl, self.bounds_check))
+        twin = self.emit(node, target, (*args, impl.impl), self.checked)
         self.attention_regions.append((twin, op, impl, list(match.nodes)))
         return Padded(region, "bhn", twin)
 
@@ -529,8 +533,8 @@ class Lifter:
         total = size_hint(tensor_meta(values).shape[0])
         region = self.batches.setdefault((lengths.offsets, n), PaddedBatch(lengths.offsets, n, lengths, total))
         impl = self.ctx.lower("recompile::jagged_within")
-        guarded = self.emit(node, torch.ops.recompile.jagged_within.default, (values, lengths.offsets, n, impl.impl,
-                                                                                 self.bounds_check))
+        guarded = self.emit(node, torch.ops.recompile.jagged_within.default, (values, lengths.offsets, n, impl.impl),
+                            self.checked)
         self.padded[node] = Padded(region, layout, guarded)
         region.lifted.append(node)
 
@@ -704,7 +708,7 @@ def _cut_query_rows(group: list[fx.Node]) -> None:
     except Unproven:
         return
     for fused in group:
-        fused.args = (*fused.args, rows)
+        fused.kwargs = {"rows": rows}  # a keyword: ``impl`` stays the last argument (the race rewrites it)
 
 
 @register_pass("jagged", order=30, regions={"jagged": "#ffd27f", "attention": "#f7b0d0"})
