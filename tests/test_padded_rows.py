@@ -83,7 +83,7 @@ def test_recbole_sasrec_gets_its_read_rows():
     assert len(calls) == 2 and all(map(takes_rows, calls))
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_query_normed_layer_equals_eager_and_compiles_at_most_twice(causal):
     """Training mode, forward and backward; changing batch size and lengths; a 0 inside a history (not a
     prefix mask) in the last batch."""
