@@ -11,8 +11,20 @@ one any query attends to (mask above ``DROPPED``) are dropped for every query, s
 padded length does the work of its longest history. A mask with a query row that attends to no key at all
 (an empty history: the padded formula then spreads that row over every key) keeps all N keys, which is the
 padded path. Backward recomputes the scores on the same cut.
+
+``rows [B]`` (optional, self-attention only): the query row each sequence is read at downstream (RecBole's
+``gather_indexes(output, item_seq_len - 1)``), when the jagged pass has proven that the output reaches the
+graph's outputs only through row-wise ops, that gather, and the keys and values of attentions with the same mask
+and rows. Then only the rows those read rows can depend on are computed, per sequence (jagged query rows): the
+first ``Lq[b]`` rows of sequence b, ``Lq[b]`` the smallest length >= ``rows[b] + 1`` whose queries attend (through
+the mask) to no key at or past it (a causal mask: ``rows[b] + 1``, the history read; bidirectional: the history).
+Every row past ``Lq[b]`` is 0 in the output and gets no gradient, in every kernel. The check is of the mask itself,
+at run time, so a mask with holes or an empty history widens ``Lq[b]`` (up to N: the padded path) and stays exact.
+The CPU kernel runs the sequences in buckets of ``Lq`` rounded up to ``BUCKET``, each on its own width.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -23,12 +35,35 @@ OP = "padded_softmax_attention"
 DROPPED = -1e4
 
 
-def padded_softmax_attention_reference(q, k, v, mask, scale):
+def padded_softmax_attention_reference(q, k, v, mask, scale, rows=None):
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale + mask
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)
+    return out if rows is None else _zero_rows_from(out, query_cuts(mask, rows, q.shape[2]))
 
 
 register_kernel(OP, "reference")(padded_softmax_attention_reference)
+
+
+def _zero_rows_from(x: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, N, D]`` with the rows of sequence b at or past ``cuts[b]`` set to 0."""
+    keep = torch.arange(x.shape[2], device=x.device) < cuts.view(-1, 1)
+    return x * keep.view(keep.shape[0], 1, -1, 1).to(x.dtype)
+
+
+def query_cuts(mask: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """``Lq`` per sequence (module docstring): the query rows sequence b's read row ``rows[b]`` depends on
+    through attentions on ``mask``: the smallest length past it whose queries attend to no key at or past it."""
+    kept = (mask > DROPPED).expand(rows.shape[0], -1, n, -1)
+    keys = kept.shape[-1]
+    position = torch.arange(1, keys + 1, device=mask.device)
+    # one past the last key each query row attends to (over the heads); a row attending to none: every key
+    reach = torch.where(kept.any(-1), (kept * position).amax(-1), keys).amax(1).cummax(1).values.clamp(max=n)
+    cuts = (rows.long() + 1).clamp(0, n)
+    while True:
+        wider = torch.maximum(cuts, reach.gather(1, (cuts - 1).clamp(min=0).view(-1, 1)).view(-1)) * (cuts > 0)
+        if torch.equal(wider, cuts):
+            return cuts
+        cuts = wider
 
 
 def cut_length(mask: torch.Tensor, n: int) -> int:
@@ -45,9 +80,34 @@ def _cut(cut, k, v, mask):
     return k[:, :, :cut], v[:, :, :cut], mask[..., :cut]
 
 
+# Sequences whose query cuts round up to the same multiple of this run together.
+BUCKET = 8
+
+
+def _buckets(mask: torch.Tensor, rows: torch.Tensor, n: int):
+    """``(cuts, [(width, sequences, their mask [.., width, width]), ...])``: the sequences by their cut rounded
+    up to ``BUCKET``; within a bucket a sequence's rows before its cut attend only to keys before it."""
+    cuts = query_cuts(mask, rows, n)
+    widths = ((cuts + BUCKET - 1) // BUCKET * BUCKET).clamp(max=n)
+    buckets = []
+    for width in widths.unique().tolist():
+        if width:
+            seqs = (widths == width).nonzero().view(-1)
+            part = mask if mask.shape[0] == 1 else mask[seqs]
+            buckets.append((width, seqs, part[..., :width, :width] if part.shape[-2] != 1 else part[..., :width]))
+    return cuts, buckets
+
+
 @register_kernel(OP, "cpu")
-def padded_softmax_attention_cpu(q, k, v, mask, scale):
-    return padded_softmax_attention_reference(q, *_cut(cut_length(mask, k.shape[2]), k, v, mask), scale)
+def padded_softmax_attention_cpu(q, k, v, mask, scale, rows=None):
+    if rows is None:
+        return padded_softmax_attention_reference(q, *_cut(cut_length(mask, k.shape[2]), k, v, mask), scale)
+    cuts, buckets = _buckets(mask, rows, q.shape[2])
+    out = q.new_zeros(*q.shape[:3], v.shape[-1])
+    for width, seqs, part in buckets:
+        out[seqs, :, :width] = padded_softmax_attention_reference(
+            q[seqs, :, :width], k[seqs, :, :width], v[seqs, :, :width], part, scale)
+    return _zero_rows_from(out, cuts)
 
 
 def _attention_backward(grad, q, k, v, mask, scale):
@@ -59,64 +119,80 @@ def _attention_backward(grad, q, k, v, mask, scale):
     return dq, dk, torch.matmul(weights.transpose(-2, -1), grad)
 
 
+@register_kernel(f"{OP}_backward", "reference")
+def padded_softmax_attention_backward_reference(grad, q, k, v, mask, scale, rows=None):
+    if rows is not None:  # the rows past a sequence's cut are 0 whatever q, k, v: no gradient
+        grad = _zero_rows_from(grad, query_cuts(mask, rows, q.shape[2]))
+    return _attention_backward(grad, q, k, v, mask, scale)
+
+
 @register_kernel(f"{OP}_backward", "cpu")
-def padded_softmax_attention_backward_cpu(grad, q, k, v, mask, scale):
-    cut = cut_length(mask, k.shape[2])
-    dq, dk_cut, dv_cut = _attention_backward(grad, q, *_cut(cut, k, v, mask), scale)
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    dk[:, :, :cut], dv[:, :, :cut] = dk_cut, dv_cut
+def padded_softmax_attention_backward_cpu(grad, q, k, v, mask, scale, rows=None):
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if rows is None:
+        cut = cut_length(mask, k.shape[2])
+        dq, dk[:, :, :cut], dv[:, :, :cut] = _attention_backward(grad, q, *_cut(cut, k, v, mask), scale)
+        return dq, dk, dv
+    cuts, buckets = _buckets(mask, rows, q.shape[2])
+    grad = _zero_rows_from(grad, cuts)
+    for width, seqs, part in buckets:
+        dq[seqs, :, :width], dk[seqs, :, :width], dv[seqs, :, :width] = _attention_backward(
+            grad[seqs, :, :width], q[seqs, :, :width], k[seqs, :, :width], v[seqs, :, :width], part, scale)
     return dq, dk, dv
 
 
-register_kernel(f"{OP}_backward", "reference")(_attention_backward)
-
-
-def _check(q, k, v, mask):
+def _check(q, k, v, mask, rows=None):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"recompile.{OP}: q, k and v must be [B, H, N, D]; got {list(q.shape)}, {list(k.shape)}, "
                          f"{list(v.shape)}")
     if mask.dim() != 4 or not mask.is_floating_point():
         raise ValueError(f"recompile.{OP}: the mask must be an additive float [B|1, H|1, Nq|1, N] tensor without "
                          f"gradient; got {mask.dtype} {list(mask.shape)}")
+    if rows is not None and (rows.dim() != 1 or rows.is_floating_point() or q.shape[2] != k.shape[2]):
+        raise ValueError(f"recompile.{OP}: rows must be integer [B] read rows of a self-attention (Nq = N); got "
+                         f"{rows.dtype} {list(rows.shape)} with Nq = {q.shape[2]}, N = {k.shape[2]}")
 
 
 @torch.library.custom_op(f"recompile::{OP}", mutates_args=())
 def padded_softmax_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, impl: str = "reference",
+    rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    _check(q, k, v, mask)
-    return get_kernel(OP, impl)(q, k, v, mask, scale)
+    _check(q, k, v, mask, rows)
+    return get_kernel(OP, impl)(q, k, v, mask, scale, rows)
 
 
 @padded_softmax_attention.register_fake
-def _(q, k, v, mask, scale, impl="reference"):
+def _(q, k, v, mask, scale, impl="reference", rows=None):
+    _check(q, k, v, mask, rows)
     return q.new_empty(*q.shape[:3], v.shape[-1])
 
 
 @torch.library.custom_op(f"recompile::{OP}_backward", mutates_args=())
 def padded_softmax_attention_backward(
     grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, impl: str,
+    rows: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = get_kernel(f"{OP}_backward", impl)(grad.contiguous(), q, k, v, mask, scale)
+    dq, dk, dv = get_kernel(f"{OP}_backward", impl)(grad.contiguous(), q, k, v, mask, scale, rows)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @padded_softmax_attention_backward.register_fake
-def _(grad, q, k, v, mask, scale, impl):
+def _(grad, q, k, v, mask, scale, impl, rows=None):
     # contiguous whatever the strides of q, k, v (k is often a permuted view)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, mask, scale, impl = inputs
-    ctx.save_for_backward(q, k, v, mask)
+    q, k, v, mask, scale, impl, rows = inputs
+    ctx.save_for_backward(q, k, v, mask, rows)
     ctx.args = (scale, impl)
 
 
 def _backward_formula(ctx, grad):
-    q, k, v, mask = ctx.saved_tensors
-    dq, dk, dv = padded_softmax_attention_backward(grad, q, k, v, mask, *ctx.args)
-    return dq, dk, dv, None, None, None
+    q, k, v, mask, rows = ctx.saved_tensors
+    dq, dk, dv = padded_softmax_attention_backward(grad, q, k, v, mask, *ctx.args, rows)
+    return dq, dk, dv, None, None, None, None
 
 
 padded_softmax_attention.register_autograd(_backward_formula, setup_context=_setup)

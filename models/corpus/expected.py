@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 from models.corpus import gr_hstu, recbole_zoo, torchrec_zoo
 
-GR_ATTENTION = ("not built yet: the jagged pass fails on generative-recommenders' padded einsum attention "
-                "(IndexError in the padded-region proof) and falls back")
 
 CROSS_OPS = ("recompile::cross_layer", "recompile::cross_stack", "recompile::cross_mixture")
 
@@ -75,7 +73,8 @@ EXPECTED: dict[str, tuple[Expect, ...]] = {
     # RecBole sequential models: padded histories [B, MAX_ITEM_LIST_LENGTH], padding id 0.
     "recbole/SASRec": (Expect("attention", None, recbole_zoo.SMALL["n_layers"],
                               "TransformerEncoder: causal softmax attention per layer over the padded history, additive "
-                              "mask from item_seq != 0 (get_attention_mask)"),),
+                              "mask from item_seq != 0 (get_attention_mask); read at item_seq_len - 1 (gather_indexes), "
+                              "so only the query rows up to the longest read history are computed"),),
     "recbole/BERT4Rec": (Expect("attention", None, recbole_zoo.SMALL["n_layers"],
                                 "TransformerEncoder: bidirectional softmax attention per layer over the padded history, "
                                 "additive mask from item_seq != 0"),),
@@ -97,7 +96,8 @@ EXPECTED: dict[str, tuple[Expect, ...]] = {
                                                        "b mixed by a softmax gate (DCN-Mix)")),
     # generative-recommenders' HSTU (gr_hstu): jagged q/k/v padded with fbgemm.jagged_to_padded_dense.
     "gr/HSTU": (Expect("attention", ("recompile::hstu_attention",), gr_hstu.LAYERS,
-                       "_hstu_attention: silu(einsum(q, k) + bias) / n * causal mask, einsum with v, per layer", GR_ATTENTION),),
+                       "_hstu_attention: silu(einsum(q, k) + bias) / n * causal mask, einsum with v, per layer (q, k padded with "
+                       "keyword arguments; the bias moved into place by pad/repeat/slices; the mask a module buffer)"),),
 }
 
 GRAPH_BREAKS: dict[str, tuple[int, str, str | None]] = {

@@ -2,8 +2,8 @@
 else the Triton kernel on accelerators, else the CPU kernel (index arithmetic, length
 buckets), else the reference. HSTU attention on CPU: the native C kernel (runtime/csrc/jagged_attention.h)
 first."""
-from recompile.lowering.registry import (Impl, has_fbgemm, has_triton, native_on_cpu, on_cpu, reference,
-                                         register_lowering)
+from recompile.lowering.registry import (Impl, declare_facts, has_fbgemm, has_triton, native_on_cpu, on_cpu,
+                                         reference, register_lowering)
 from runtime import jagged_attention_native
 
 # recompile op -> the FBGEMM op with its semantics.
@@ -69,6 +69,11 @@ for _op in ("hstu_attention", "hstu_attention_backward", "jagged_softmax_attenti
     )
 
 register_lowering("recompile::jagged_within", reference("runtime.jagged.jagged_within_reference"))
+
+# The ops the jagged pass emits check their offsets per options.bounds_check: "warning"/"ignore" repair offsets
+# the captured graph would take as they are, so with those modes the captured graph is no autotune candidate.
+for _op in ("jagged_within", "hstu_attention", "jagged_softmax_attention"):
+    declare_facts(f"recompile::{_op}", bounds_checked=True)
 
 # Attention on padded histories with an additive mask: keys after the last attended one cut per sequence.
 for _op in ("padded_softmax_attention", "padded_softmax_attention_backward"):

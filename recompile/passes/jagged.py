@@ -15,13 +15,17 @@ Patterns and replacements:
   ``[B, N] <-> [N, B]`` transpose. Attention on head-first ``[B, H, N, D]`` views, as matmuls or
   einsums, and ``nn.MultiheadAttention`` (see ``recompile.passes.jagged_attention``) ->
   ``recompile.hstu_attention`` / ``recompile.jagged_softmax_attention`` (region kind "attention").
-  The values are guarded by ``recompile.jagged_within`` (every sequence fits the padded length N).
+  The values are guarded by ``recompile.jagged_within`` (every sequence fits the padded length N). The jagged
+  ops emitted check their offsets per ``options.bounds_check`` ("fatal" / "warning" / "ignore").
   Paddings with the same offsets and N form one region (q, k and v padded one by one).
 - attention on histories that come padded (ids ``[B, N]`` with a padding id, as RecBole's SASRec and
   BERT4Rec): ``matmul(softmax(matmul(q, k^T) * scale + mask), v)`` with an additive mask made from the ids or
   the lengths -> ``recompile.padded_softmax_attention``: every row as the padded formula gives it (padded
   rows included), the keys after the last one any query attends to cut off at run time (a check of the
-  mask itself; a mask that hides every key of some row keeps all N: the padded path).
+  mask itself; a mask that hides every key of some row keeps all N: the padded path). Where the outputs are
+  proven to be read at one row per sequence (``gather(h, 1, item_seq_len - 1 ...)``, through row-wise ops and
+  attentions on the same mask: ``recompile.passes.jagged_rows``), the op gets those rows and computes only the
+  query rows they depend on (checked on the mask at run time), 0 in the others.
 A padded node whose users cannot all be proven position-wise keeps its padded computation; a gather
 back that is not reached by a jagged equivalent stays, and the report says why.
 """
@@ -45,6 +49,7 @@ from recompile.passes.jagged_attention import (
 from recompile.passes.jagged_index import (
     IndexGather, index_gather, index_padding, prove_gather, row_slices, sequence_padding,
 )
+from recompile.passes.jagged_rows import hoist, read_rows
 from recompile.passes.utils import arg, eliminate_dead_code, is_call, meta_value, replace_node, tensor_meta
 from recompile.pipeline import Fallback, PassContext, register_pass
 from runtime.fbgemm import fbgemm_ops
@@ -128,7 +133,7 @@ def _pad_source(node: fx.Node) -> tuple[fx.Node, fx.Node, Any] | None:
     """``(values, offsets, N)`` of a ``jagged_to_padded_dense`` call (the padding value never matters:
     padded rows are dropped, and masks are proven to hide padded keys)."""
     if is_call(node, *_fbgemm_targets("jagged_to_padded_dense")):
-        values, offsets, lengths = node.args[0], arg(node, 1, "offsets"), arg(node, 2, "max_lengths")
+        values, offsets, lengths = arg(node, 0, "values"), arg(node, 1, "offsets"), arg(node, 2, "max_lengths")
         if len(offsets) != 1 or len(lengths) != 1:
             return None
         offsets, n = offsets[0], lengths[0]
@@ -151,7 +156,7 @@ def _sink(node: fx.Node) -> tuple[fx.Node, Any] | None:
         if is_call(call, *_fbgemm_targets("dense_to_jagged")):
             offsets = arg(call, 1, "x_offsets")
             if len(offsets) == 1:
-                return call.args[0], offsets[0]
+                return arg(call, 0, "dense"), offsets[0]
     if is_call(node, torch.ops.recompile.dense_to_jagged.default):
         return node.args[0], node.args[1]
     if (gather := index_gather(node)) is not None:
@@ -265,6 +270,9 @@ class Lifter:
         self.batches: dict[tuple[fx.Node, int], PaddedBatch] = {}  # by (offsets, N)
         self.unproven_paddings: list[tuple[fx.Node, str]] = []  # index writes of jagged values, and why
         self.offsets: dict[fx.Node, fx.Node] = {}  # lengths -> the offsets made for them
+        # what the jagged ops emitted do with malformed offsets; a keyword: ``impl`` stays the last argument,
+        # which the autotune race rewrites
+        self.checked = {"bounds_check": ctx.options.bounds_check}
 
     # -- helpers -------------------------------------------------------------------------------
     def emit(self, after: fx.Node, target, args, kwargs=None, method: bool = False) -> fx.Node:
@@ -289,12 +297,14 @@ class Lifter:
 
         return offsets_of
 
-    def emit_padded(self, after: fx.Node, target, *args) -> fx.Node:
-        """A new padded-side call after ``after``, with its example value, lifted like a traced one."""
+    def emit_padded(self, after: fx.Node, target, *args, lift: bool = True) -> fx.Node:
+        """A new padded-side call after ``after``, with its example value, lifted like a traced one (unless
+        ``lift`` is False: k^T, which the attention takes whole)."""
         node = self.emit(after, target, args)
         node.meta["example_value"] = target(*(a.meta["example_value"] if isinstance(a, fx.Node) else a for a in args))
         self.tainted.add(node)
-        self.lift(node)
+        if lift and any(a in self.padded for a in node.all_input_nodes):
+            self.lift(node)
         return node
 
     def operands(self, node: fx.Node) -> list[fx.Node]:
@@ -396,6 +406,8 @@ class Lifter:
                          embed // heads, method=True) for i in range(3))
         attended = chain(torch.ops.recompile.jagged_softmax_attention.default, q, k, v, region.offsets,
                          1.0 / math.sqrt(embed // heads), causal, impl.impl)
+        attended.kwargs = self.checked
+
         out = chain(F.linear, chain("reshape", attended, -1, embed, method=True), match.out_weight, match.out_bias)
         self.attention_regions.append((attended, op, impl, [node]))
         return Padded(region, "nb", out)
@@ -448,14 +460,16 @@ class Lifter:
         if swap_b:
             b = after = self.emit_padded(after, torch.transpose, b, 1, 2)
         if transpose_b:
-            b = after = self.emit_padded(after, torch.transpose, b, -2, -1)
+            b = after = self.emit_padded(after, torch.transpose, b, -2, -1, lift=False)
         out = after = self.emit_padded(after, torch.matmul, a, b)
         if swap_out:
             out = self.emit_padded(after, torch.transpose, out, 1, 2)
         node.replace_all_uses_with(out)
-        if out not in self.padded:
-            raise Unproven(self.blocked.get(out, f"{node.name}: its matmul form is not lifted"))
-        return self.padded[out]
+        if out in self.padded:
+            return self.padded[out]
+        if is_score_product(after):
+            raise Inherited(f"{node.name}: q @ k^T, taken whole by the attention that uses it")
+        raise Inherited(f"{node.name}: its matmul form {after.name} is left padded")
 
     def attention(self, node: fx.Node) -> Padded:
         match = match_attention(node)
@@ -475,7 +489,8 @@ class Lifter:
             op = "recompile::jagged_softmax_attention"
             args = (q, k, v, region.offsets, match.alpha, causal)
         impl = self.ctx.lower(op)
-        twin = self.emit(node, getattr(torch.ops.recompile, op.split("::")[1]).default, (*args, impl.impl))
+        target = getattr(torch.ops.recompile, op.split("::")[1]).default
+        twin = self.emit(node, target, (*args, impl.impl), self.checked)
         self.attention_regions.append((twin, op, impl, list(match.nodes)))
         return Padded(region, "bhn", twin)
 
@@ -509,7 +524,8 @@ class Lifter:
             # node left padded is no reason of its own
             if isinstance(why, Inherited):
                 return
-            if not is_score_product(node) and not all(is_score_product(user) for user in node.users):
+            # (a node the einsum rule just emitted has no users yet: it is blocked unless it is q @ k^T)
+            if not is_score_product(node) and not (node.users and all(map(is_score_product, node.users))):
                 self.blocked[node] = str(why)
 
     # -- driver --------------------------------------------------------------------------------
@@ -517,7 +533,8 @@ class Lifter:
         total = size_hint(tensor_meta(values).shape[0])
         region = self.batches.setdefault((lengths.offsets, n), PaddedBatch(lengths.offsets, n, lengths, total))
         impl = self.ctx.lower("recompile::jagged_within")
-        guarded = self.emit(node, torch.ops.recompile.jagged_within.default, (values, lengths.offsets, n, impl.impl))
+        guarded = self.emit(node, torch.ops.recompile.jagged_within.default, (values, lengths.offsets, n, impl.impl),
+                            self.checked)
         self.padded[node] = Padded(region, layout, guarded)
         region.lifted.append(node)
 
@@ -662,6 +679,7 @@ def _padded_attention(gm: fx.GraphModule, ctx: PassContext) -> None:
     lengths) with an additive mask -> ``recompile.padded_softmax_attention``, which cuts the keys no query
     attends to at run time."""
     op = "recompile::padded_softmax_attention"
+    groups: dict[fx.Node, list[fx.Node]] = {}  # by mask
     for node in list(gm.graph.nodes):
         try:
             match = match_padded_attention(node)
@@ -674,7 +692,23 @@ def _padded_attention(gm: fx.GraphModule, ctx: PassContext) -> None:
                       match.scale, impl.impl)
         ctx.record_region("attention", list(match.nodes), op, impl)
         replace_node(node, fused)
+        groups.setdefault(match.mask, []).append(fused)
     eliminate_dead_code(gm)
+    for group in groups.values():
+        _cut_query_rows(group)
+
+
+def _cut_query_rows(group: list[fx.Node]) -> None:
+    """Give the attentions of one mask the rows their outputs are read at, where ``read_rows`` proves it: they
+    then compute only the query rows those rows depend on (``runtime.padded_attention``). Unproven: every row,
+    which is the padded formula (no fallback to report)."""
+    try:
+        rows = read_rows(group)
+        hoist(rows, group[0])
+    except Unproven:
+        return
+    for fused in group:
+        fused.kwargs = {"rows": rows}  # a keyword: ``impl`` stays the last argument (the race rewrites it)
 
 
 @register_pass("jagged", order=30, regions={"jagged": "#ffd27f", "attention": "#f7b0d0"})

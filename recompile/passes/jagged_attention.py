@@ -59,6 +59,17 @@ CONE_METHODS = {
 SIZE_READS = {torch.ops.aten.sym_size.int, "size"}
 
 
+def buffer_value(node: fx.Node) -> torch.Tensor | None:
+    """The tensor a module buffer placeholder holds (Dynamo keeps the real tensor), read as a constant the way
+    ``passes.utils.constant_value`` reads index buffers; None for inputs, parameters and anything else."""
+    grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
+    example = getattr(grapharg, "example", None)
+    source = getattr(getattr(grapharg, "source", None), "name", "")
+    if "._buffers[" not in source or not isinstance(example, torch.Tensor):
+        return None
+    return None if example.requires_grad else example
+
+
 def is_cone_call(node: fx.Node) -> bool:
     if node.op == "call_function":
         return node.target in CONE_FUNCTIONS
@@ -96,9 +107,11 @@ def evaluate_cone(node: Any, leaves: dict[fx.Node, Any]) -> Any:
             return memo[x]
         if x.op == "placeholder" and isinstance(meta_value(x), torch.SymInt):
             return size_hint(meta_value(x))  # a traced size (the batch): probes use its traced value
-        if x.op == "call_function" and is_cone_call(x):
+        if (buffer := buffer_value(x)) is not None:
+            return buffer  # a module buffer (a causal mask made once): its value is the proof's constant
+        if x.op == "call_function" and (is_cone_call(x) or _moved_from(x) is not None):
             fn: Callable = x.target
-        elif is_cone_call(x):
+        elif is_cone_call(x) or _moved_from(x) is not None:
             def fn(self, *a, _name=x.target, **k):
                 return getattr(self, _name)(*a, **k)
         else:
@@ -255,10 +268,54 @@ def prove_mha_mask(match: MHAMatch, lengths: Lengths, n: int) -> bool:
     return prove_keep(keep, lengths, n)
 
 
+# Calls that only move entries: each output entry is a fixed entry of the one tensor operand, or the padding
+# constant, whatever the values (the other arguments are sizes, dims, slices, pads).
+MOVE_FUNCTIONS = {torch._C._nn.pad, F.pad, torch.reshape, torch.unsqueeze, torch.squeeze, torch.transpose,
+                  torch.flatten, operator.getitem}
+MOVE_METHODS = {"repeat", "view", "reshape", "unsqueeze", "squeeze", "transpose", "expand", "contiguous", "flatten",
+                "__getitem__"}
+
+
+def _moved_from(node: Any) -> fx.Node | None:
+    """The one tensor ``node`` moves entries of (a move call whose other arguments hold no tensor), else None."""
+    moves = (node.op == "call_function" and node.target in MOVE_FUNCTIONS) or (
+        node.op == "call_method" and node.target in MOVE_METHODS)
+    if not moves or not isinstance(node.args[0], fx.Node):
+        return None
+    if is_call(node, torch._C._nn.pad, F.pad) and arg(node, 2, "mode", "constant") != "constant":
+        return None
+    others: list[fx.Node] = []
+    fx.node.map_arg((node.args[1:], node.kwargs), others.append)
+    return None if others else node.args[0]
+
+
+def _table_of_moves(bias: fx.Node, n: int) -> fx.Node:
+    """``w`` when ``bias`` is ``w [2N - 1]`` moved into ``w[N - 1 + j - i]`` by copies only (generative-
+    recommenders writes ``F.pad(w, [0, n]).repeat(n)[:-n].reshape(1, n, 3n - 2)[..., r:-r]``). Moves copy an
+    entry or a constant independently of the values, so two probes, distinct and of opposite signs, that both
+    come out as ``probe[N - 1 + j - i]`` prove it for every ``w``."""
+    chain, table = [], bias
+    while (source := _moved_from(table)) is not None:
+        chain.append(table)
+        table = source
+    meta = tensor_meta(table)
+    if not chain or meta is None or meta.dim() != 1 or size_hint(meta.shape[0]) != 2 * n - 1:
+        raise Unproven(f"the additive score bias {bias.name} is not a table of 2 * N - 1 = {2 * n - 1} relative "
+                       "positions, indexed or moved into place")
+    pos = torch.arange(n)
+    index = n - 1 + pos.view(1, n) - pos.view(n, 1)
+    for probe in (torch.arange(1.0, 2 * n), -0.5 * torch.arange(1.0, 2 * n)):
+        got = torch.as_tensor(evaluate_cone(bias, {table: probe}))
+        if got.numel() != n * n or got.shape[-2:] != (n, n) or not torch.equal(got.reshape(n, n), probe[index]):
+            raise Unproven(f"{bias.name} does not move {table.name} into {table.name}[N - 1 + j - i]")
+    return table
+
+
 def prove_relative_bias(bias: fx.Node, n: int) -> fx.Node:
-    """``w`` when ``bias`` is ``w[n - 1 + j - i]`` over an ``[n, n]`` grid (HSTU's relative position bias)."""
+    """``w`` when ``bias`` is ``w[n - 1 + j - i]`` over an ``[n, n]`` grid (HSTU's relative position bias): read at
+    an index tensor, or moved into place (``_table_of_moves``)."""
     if not is_call(bias, operator.getitem) or not isinstance(bias.args[1], fx.Node):
-        raise Unproven(f"the additive score bias {bias.name} is not a table indexed by relative position")
+        return _table_of_moves(bias, n)
     table, index = bias.args
     meta = tensor_meta(table)
     if meta is None or meta.dim() != 1 or size_hint(meta.shape[0]) != 2 * n - 1:
@@ -313,12 +370,10 @@ def prove_bias(bias: fx.Node, n: int, is_padded: Callable[[fx.Node], bool]) -> S
         raise Unproven(f"the score bias {bias.name} is not [N, N] nor [B, N, N] broadcast over the heads")
     found = ScoreBias()
     for term in _terms(x):
-        if not is_call(term, operator.getitem) or not isinstance(term.args[1], fx.Node):
-            raise Unproven(f"the score bias term {term.name} is not a table read at an index")
-        padded = _padded_leaves(term.args[1], is_padded)
+        padded = _padded_leaves(term, is_padded)
         if not padded and found.rel_bias is None:
             found.rel_bias = prove_relative_bias(term, n)
-        elif len(padded) == 1 and found.time_bias is None:
+        elif len(padded) == 1 and found.time_bias is None and is_call(term, operator.getitem):
             found.timestamps = padded.pop()
             found.time_bias = prove_time_bias(term, found.timestamps, n)
         else:
