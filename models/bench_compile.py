@@ -140,12 +140,13 @@ def run_overhead(rounds: int = 20) -> None:
     """Microseconds per call, eager vs Inductor vs rec_ascend, side by side (interleaved, best round): a one-op
     graph (no rec region: rec_ascend returns Inductor's compile), one cross layer at batch 1 (a rec region: the
     tuner's choice, after its check in place), each zoo model's forward at batch 1."""
-    tiny = {"x + 1 on 8 elements": (lambda t: t + 1, (torch.randn(8),)),
-            "one cross layer at batch 1": (_Cross(), (torch.randn(1, 16),))}
+    # A fresh function or module per backend: Dynamo keeps one cache per code object, not per backend.
+    tiny = {"x + 1 on 8 elements": (lambda: lambda t: t + 1, (torch.randn(8),)),
+            "one cross layer at batch 1": (_Cross, (torch.randn(1, 16),))}
     with torch.no_grad():
-        for what, (fn, args) in tiny.items():
+        for what, (make, args) in tiny.items():
             torch._dynamo.reset()
-            fns = {"eager": fn, **{backend: torch.compile(fn, backend=backend) for backend in COMPILED}}
+            fns = {"eager": make(), **{backend: torch.compile(make(), backend=backend) for backend in COMPILED}}
             steps = {n: functools.partial(f, *args) for n, f in fns.items()}
             _print_per_call(what, {n: ms * 1e3 for n, ms in race_ms(steps, rounds, iters=200, warmup=20).items()})
     for name in sorted(ZOO):
