@@ -1,7 +1,7 @@
 """Compile cost of rec_ascend against Inductor: cold compile time of a step, and the per-call overhead.
 
     python -m models.bench_compile [--models interaction-dlrm interaction-dcn hstu-ml100k deepfm ...]
-                                   [--modes train forward] [--repeats N] [--threads N] [--no-overhead]
+                                   [--modes train forward] [--repeats N] [--threads N] [--no-overhead] [--no-cold]
 
 Cold compile: each (model, mode, backend) runs in a fresh process with empty Inductor and recompile caches
 (``TORCHINDUCTOR_CACHE_DIR``, ``RECOMPILE_CACHE_DIR``); the figure is the first step's time minus a steady
@@ -12,8 +12,9 @@ candidate took to build (Inductor's compile) and the Inductor graphs it left unc
 main job's HSTU on MovieLens-100k (training only, 3 steps of ``models.train``), any other name a zoo model's
 small config.
 
-Per-call overhead: microseconds per call of a one-op graph on an 8-element tensor, and of each zoo model's
-forward at batch 1 (small configs), under eager, Inductor and rec_ascend, timed side by side.
+Per-call overhead: microseconds per call of a one-op graph on an 8-element tensor (no rec region), of one cross
+layer at batch 1 (a rec region, raced), and of each zoo model's forward at batch 1 (small configs), under eager,
+Inductor and rec_ascend, timed side by side, with rec_ascend's over Inductor's.
 """
 from __future__ import annotations
 
@@ -118,22 +119,41 @@ def run_cold(models: list[str], modes: list[str], repeats: int, threads: int) ->
     return rows
 
 
+class _Cross(torch.nn.Module):
+    """One cross layer: the smallest graph with a rec region (the tuner races it)."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x0):
+        return x0 * self.lin(x0) + x0
+
+
+def _print_per_call(what: str, us: dict[str, float]) -> None:
+    ratio = us["rec_ascend"] / us["inductor"]
+    print(f"per call, {what}: " + "  ".join(f"{n} {v:8.1f} us" for n, v in us.items()) +
+          f"  (rec_ascend / inductor {ratio:.3f})", flush=True)
+
+
 def run_overhead(rounds: int = 20) -> None:
-    """Microseconds per call, eager vs Inductor vs rec_ascend, side by side."""
-    torch._dynamo.reset()
-    x = torch.randn(8)
-    fns = {backend: (lambda t: t + 1) if backend == "eager" else torch.compile(lambda t: t + 1, backend=backend)
-           for backend in ("eager", *COMPILED)}
+    """Microseconds per call, eager vs Inductor vs rec_ascend, side by side (interleaved, best round): a one-op
+    graph (no rec region: rec_ascend returns Inductor's compile), one cross layer at batch 1 (a rec region: the
+    tuner's choice, after its check in place), each zoo model's forward at batch 1."""
+    # A fresh function or module per backend: Dynamo keeps one cache per code object, not per backend.
+    tiny = {"x + 1 on 8 elements": (lambda: lambda t: t + 1, (torch.randn(8),)),
+            "one cross layer at batch 1": (_Cross, (torch.randn(1, 16),))}
     with torch.no_grad():
-        us = {name: ms * 1e3 for name, ms in race_ms({n: functools.partial(f, x) for n, f in fns.items()},
-                                                     rounds, iters=200).items()}
-    print("per call, x + 1 on 8 elements: " + "  ".join(f"{n} {v:6.1f} us" for n, v in us.items()), flush=True)
+        for what, (make, args) in tiny.items():
+            torch._dynamo.reset()
+            fns = {"eager": make(), **{backend: torch.compile(make(), backend=backend) for backend in COMPILED}}
+            steps = {n: functools.partial(f, *args) for n, f in fns.items()}
+            _print_per_call(what, {n: ms * 1e3 for n, ms in race_ms(steps, rounds, iters=200, warmup=20).items()})
     for name in sorted(ZOO):
         torch._dynamo.reset()
         steps = {backend: backend_step(name, "small", backend, False, batch=1) for backend in ("eager", *COMPILED)}
-        us = {n: ms * 1e3 for n, ms in race_ms(steps, rounds, iters=20).items()}
-        print(f"per call, {name} forward at batch 1: " + "  ".join(f"{n} {v:8.1f} us" for n, v in us.items()),
-              flush=True)
+        _print_per_call(f"{name} forward at batch 1",
+                        {n: ms * 1e3 for n, ms in race_ms(steps, rounds, iters=20, warmup=20).items()})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -143,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="cold compiles per backend (the median is printed)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
     parser.add_argument("--no-overhead", action="store_true", help="skip the per-call overhead measurements")
+    parser.add_argument("--no-cold", action="store_true", help="skip the cold compiles (per-call overhead only)")
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "BACKEND"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -150,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    run_cold(args.models, args.modes, args.repeats, args.threads)
+    if not args.no_cold:
+        run_cold(args.models, args.modes, args.repeats, args.threads)
     if not args.no_overhead:
         run_overhead()
 

@@ -53,12 +53,18 @@ def _lazy_backend(gm, example_inputs, **kwargs):
 
 def _register_backend_name() -> None:
     """``backend="rec_ascend"``: an installed package registers the name by its entry point; a source checkout on
-    ``sys.path`` registers it here, without importing the backend until a model compiles."""
+    ``sys.path`` registers it here, without importing the backend until a model compiles, but with the backend's
+    tracing settings (its ``backend_ctx_ctor``, and the property through which Dynamo reads it: installed now,
+    before any ``torch.compile`` reads it)."""
     if any(ep.name == "rec_ascend" for ep in importlib.metadata.entry_points(group="torch_dynamo_backends")):
         return
     import torch._dynamo
 
+    from recompile.tracing import TracingConfig, forward_backend_context
+
     if "rec_ascend" not in torch._dynamo.list_backends(exclude_tags=()):
+        _lazy_backend.backend_ctx_ctor = TracingConfig
+        forward_backend_context()
         torch._dynamo.register_backend(_lazy_backend, "rec_ascend")
 
 

@@ -68,7 +68,9 @@ from recompile.lowering.targets import synchronize
 from recompile.passes.utils import input_metas, is_training, meta_value, written
 from recompile.pipeline import PassContext, concrete_inputs, run_pipeline
 
-BUDGET_S = 1.5  # timing budget of one graph (regions, then the whole graph); compiles excluded
+BUDGET_S = 0.6  # timing budget of one graph (regions, then the whole graph); compiles excluded
+# Real calls of each of the kept candidate and the captured graph (alternated) that check an inference choice in place.
+CHECK_CALLS = 3
 # Inductor is compiled only when the nodes it can fuse away take at least this share of a call (see inductor_can_win).
 MIN_FUSABLE_SHARE = 0.05
 # Calls Inductor leaves as they are (library GEMMs, lookups): its gain is bounded by the time of the other nodes.
@@ -76,6 +78,9 @@ LIBRARY_BOUND = frozenset({
     torch._C._nn.linear, torch.nn.functional.linear, torch.addmm, torch.mm, torch.bmm, torch.matmul,
     torch.nn.functional.embedding_bag, torch.nn.functional.embedding,
 })
+# Of those, the calls Inductor runs as library calls whatever surrounds them (it generates its own gather for
+# F.embedding): their eager time bounds an Inductor graph's from below (``inductor_floor_ms``).
+KEPT_BY_INDUCTOR = LIBRARY_BOUND - {torch.nn.functional.embedding}
 MIN_ROUNDS, MAX_ROUNDS = 3, 50
 # A candidate replaces the graph that runs without us (the captured graph, eagerly, then through Inductor) only
 # when faster by more than this share: this machine's run-to-run noise is larger than what is won below it.
@@ -177,6 +182,11 @@ def store(decision: Decision) -> None:
         os.replace(tmp, directory / f"{decision.key}.json")
     except OSError as exc:
         warnings.warn(f"recompile: autotune decision not cached in {directory} ({exc}); it will be measured again")
+
+
+def forget(key: str) -> None:
+    """Drop a cached decision: the next compile of its graph races again."""
+    (cache_dir() / f"{key}.json").unlink(missing_ok=True)
 
 
 def cached_decision(rewritten: fx.GraphModule, target: str) -> dict | None:
@@ -526,11 +536,11 @@ def apply_regions(gm: fx.GraphModule, regions: dict[str, str]) -> None:
 
 
 class _NodeTimer(fx.Interpreter):
-    """Runs the graph eagerly and adds up the wall time of the nodes Inductor leaves alone and of all nodes."""
+    """Runs the graph eagerly and adds up the wall time of all nodes and of those ``fixed`` says Inductor keeps."""
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, fixed: Callable[[fx.Node], bool]):
         super().__init__(gm)
-        self.fixed = self.total = 0.0
+        self.is_fixed, self.fixed, self.total = fixed, 0.0, 0.0
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op in ("placeholder", "output", "get_attr"):
@@ -541,22 +551,39 @@ class _NodeTimer(fx.Interpreter):
         synchronize()
         elapsed = time.perf_counter() - t0
         self.total += elapsed
-        if n.target in LIBRARY_BOUND or _op_name(n) is not None or n.op == "call_module":
+        if self.is_fixed(n):
             self.fixed += elapsed
         return result
 
 
-def inductor_can_win(rewritten: fx.GraphModule, args: Sequence[Any]) -> bool:
+def timed_nodes(gm: fx.GraphModule, sandbox: Sandbox, fixed: Callable[[fx.Node], bool]) -> _NodeTimer:
+    """One eager run of ``gm`` on the sandbox's inputs timed node by node, after a warm-up run."""
+    timer = _NodeTimer(gm, fixed)
+    with torch.no_grad():
+        for _ in range(2):
+            timer.fixed = timer.total = 0.0
+            timer.run(*sandbox.args)
+            sandbox.restore()
+    return timer
+
+
+def _left_alone(node: fx.Node) -> bool:
+    return node.target in LIBRARY_BOUND or _op_name(node) is not None or node.op == "call_module"
+
+
+def inductor_can_win(rewritten: fx.GraphModule, sandbox: Sandbox) -> bool:
     """Whether Inductor is worth compiling for this inference graph: it keeps GEMMs, lookups and our ops as
     they are, so it can save at most the time of the other nodes (pointwise work, copies, per-op dispatch);
     when those take under ``MIN_FUSABLE_SHARE`` of an eager call, it cannot beat running the graph eagerly.
     Training graphs always compile it: Inductor's backward (e.g. of lookups) can win where the forward cannot."""
-    timer = _NodeTimer(rewritten)
-    with torch.no_grad():
-        timer.run(*args)  # warm-up
-        timer.fixed = timer.total = 0.0
-        timer.run(*args)
+    timer = timed_nodes(rewritten, sandbox, _left_alone)
     return timer.total - timer.fixed >= MIN_FUSABLE_SHARE * timer.total
+
+
+def inductor_floor_ms(gm: fx.GraphModule, sandbox: Sandbox) -> float:
+    """A lower bound of the time of ``gm`` compiled by Inductor: the calls it hands to a library whatever
+    surrounds them (``KEPT_BY_INDUCTOR``), timed eagerly."""
+    return 1e3 * timed_nodes(gm, sandbox, lambda node: node.target in KEPT_BY_INDUCTOR).fixed
 
 
 class GraphChooser:
@@ -569,12 +596,12 @@ class GraphChooser:
 
     def __init__(self, candidates: dict[str, Callable], oracle: Callable, decision: Decision, budget_s: float,
                  chosen: Callable | None = None, graphs: dict[str, Callable[[], fx.GraphModule]] | None = None,
-                 incumbents: Sequence[str] = INCUMBENTS):
+                 incumbents: Sequence[str] = INCUMBENTS, eager: Callable | None = None):
         self.candidates, self.oracle, self.decision, self.budget_s = candidates, oracle, decision, budget_s
-        self.graphs, self.incumbents = graphs, incumbents
+        self.graphs, self.incumbents, self.eager, self.stored = graphs, incumbents, eager, False
         # Runs a call that fails, for its error: the rec ops name the table or op at fault.
         self.rec = candidates.get("rec+eager")
-        self.run: Callable = chosen or self.first_call
+        self.run: Callable = self.first_call if chosen is None else self.checked(chosen)
 
     @torch._dynamo.disable
     def first_call(self, *args: Any) -> Any:
@@ -620,7 +647,50 @@ class GraphChooser:
             if self.graphs is not None:
                 decision.regions = graph_regions(self.graphs[graph_of(decision.choice)]())
             store(decision)
-        return self.candidates.get(decision.choice, self.oracle or self.rec)  # none correct: the captured graph
+            self.stored = True
+        if decision.choice not in self.candidates:  # none correct: the captured graph
+            return self.oracle or self.rec
+        return self.checked(self.candidates[decision.choice])
+
+    def checked(self, pick: Callable) -> Callable:
+        """``pick``, after its check in place (``check_call``) when it is an inference graph's choice other than
+        the captured graph run eagerly (``eager``; None where that is no candidate: random graphs, clamped ids)."""
+        if self.eager is None or self.decision.mode == "training" or self.decision.choice == "eager":
+            return pick
+        self.pick, self.check_s = pick, {self.decision.choice: [], "eager": []}
+        return self.check_call
+
+    def check_call(self, *args: Any) -> Any:
+        """One of the first real calls after a choice (raced or cached): the pick and the captured graph run
+        eagerly take turns, each timed as Dynamo calls it, on the caller's inputs (both are correct; an inference
+        call has no backward to time); after ``CHECK_CALLS`` of each, ``settle_check``."""
+        choice, times = self.decision.choice, self.check_s
+        name = choice if len(times[choice]) <= len(times["eager"]) else "eager"
+        synchronize()
+        start = time.perf_counter()
+        out = (self.pick if name == choice else self.eager)(*args)
+        synchronize()
+        times[name].append(time.perf_counter() - start)
+        if len(times["eager"]) == CHECK_CALLS:
+            self.run = self.settle_check()
+        return out
+
+    def settle_check(self) -> Callable:
+        """The pick, unless the captured graph ran faster in place by more than ``MARGIN`` (round by round): then
+        the captured graph, and the decision says why; a cached decision is dropped (raced again at the next
+        compile), a fresh one stored as ``eager``."""
+        decision, choice = self.decision, self.decision.choice
+        decision.timings_ms.update({f"in place:{name}": ms for name, ms in median_ms(self.check_s).items()})
+        if fastest(self.check_s, (choice,), MARGIN) == choice:
+            return self.pick
+        ms = median_ms(self.check_s)
+        decision.rejected[choice] = f"slower in place than eager: {ms[choice]} ms against {ms['eager']} ms a call"
+        decision.choice, decision.regions = "eager", {}
+        if decision.cached:
+            forget(decision.key)
+        elif self.stored:
+            store(decision)
+        return self.eager
 
     def rerun_for_error(self, args: Sequence[Any]) -> Any:
         """After the chosen candidate raised: run the call through the rec ops, whose errors name the table,
@@ -758,14 +828,21 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
                     decision: Decision, training: bool, budget_s: float) -> None:
     """Leave in ``builders`` only the Inductor candidates that can win: Inductor compiles what the graphs share
     alike, so it compiles the graph that ran fastest eagerly (its regions are the fastest); inference graphs
-    also compile the captured graph (the Inductor a user would otherwise get), and skip the fastest one where
-    Inductor has little to fuse around our ops (``inductor_can_win``)."""
+    also compile the captured graph (the Inductor a user would otherwise get) unless its library calls alone
+    (``inductor_floor_ms``) take longer than the fastest graph eagerly, and skip the fastest one where Inductor
+    has little to fuse around our ops (``inductor_can_win``)."""
     fastest = fastest_eagerly(graphs, sandbox, training, decision, budget_s) if len(graphs) > 1 else next(iter(graphs))
     keep = {inductor_of(fastest)}
     why = f"{fastest} ran fastest eagerly"
     if not training and "eager" in graphs:
-        keep.add("inductor-captured")
-        if fastest != "eager" and not inductor_can_win(graphs[fastest](), sandbox.args):
+        best_ms = decision.timings_ms.get(f"eagerly:{fastest}")
+        floor_ms = inductor_floor_ms(graphs["eager"](), sandbox) if fastest != "eager" and best_ms else 0.0
+        if best_ms and floor_ms > best_ms * (1 + MARGIN):
+            decision.rejected["inductor-captured"] = (f"not compiled: its library calls alone take {floor_ms:.3f} ms, "
+                                                      f"{fastest} eagerly {best_ms:.3f} ms")
+        else:
+            keep.add("inductor-captured")
+        if fastest != "eager" and not inductor_can_win(graphs[fastest](), sandbox):
             keep.discard(inductor_of(fastest))
             decision.rejected[inductor_of(fastest)] = (f"not compiled: the nodes it could fuse take under "
                                                        f"{MIN_FUSABLE_SHARE:.0%} of a call")
@@ -790,7 +867,10 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     Inductor): the dropout seeds lifted out (``lift_seeds``) so that every candidate draws the same masks,
     then, with ``options.autotune`` and a graph the race can run invisibly (``tunable``), the cached decision
     or a GraphChooser over the candidates; else Inductor on the rewrite. A graph with random ops other than
-    the lifted seeds is not raced: its candidates would draw other numbers."""
+    the lifted seeds is not raced: its candidates would draw other numbers. A graph without rec regions is the
+    captured graph compiled by Inductor, returned as it is: no race, no second compile, no wrapper on its calls."""
+    if not any(_op_name(node) for node in rewritten.graph.nodes):
+        return compile_inductor(original)  # what backend="inductor" runs: nothing to race, nothing around it
     draws = lift_seeds(rewritten)
     inputs = [*example_inputs, *seed_examples(draws)]
     compile_graph = functools.partial(compile_inductor, inputs=inputs) if draws else compile_inductor
@@ -815,11 +895,12 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
     builders = graph_builders(graphs, compile_inductor, training)
     oracle = eager_forward(rewritten, training) if random else original.forward
     incumbents = ("inductor",) if random else INCUMBENTS
+    eager = original.forward if "eager" in graphs else None  # checks a choice in place
     if cached is not None and cached.choice in builders:
         apply_regions(rewritten, cached.kernels)
         ctx.tuning = cached.to_dict()
         rec = {"rec+eager": rewritten.forward} if "rec+eager" in graphs else {}
-        return compiled_graph(GraphChooser(rec, oracle, cached, 0.0, chosen=builders[cached.choice]()))
+        return compiled_graph(GraphChooser(rec, oracle, cached, 0.0, chosen=builders[cached.choice](), eager=eager))
     decision = Decision("eager", mode="training" if training else "inference", key=key, conditions=conditions())
     start = time.perf_counter()
     with Sandbox(concrete_inputs(inputs)) as sandbox:
@@ -831,4 +912,4 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
     ctx.tuning = decision.to_dict()
     budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
     return compiled_graph(GraphChooser(build(builders, decision), oracle, decision, budget, graphs=graphs,
-                                       incumbents=incumbents))
+                                       incumbents=incumbents, eager=eager))

@@ -1,7 +1,6 @@
 """The ``rec_ascend`` torch.compile backend: rec passes on the Dynamo graph, then Inductor."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 from typing import Any, Mapping, Sequence
@@ -10,7 +9,6 @@ import torch
 import torch.fx as fx
 from torch._inductor.async_compile import maybe_warm_pool
 from torch._inductor.compile_fx import compile_fx
-from torch._dynamo.repro.after_dynamo import WrapBackendDebug
 from torch._inductor.decomposition import select_decomp_table
 
 import recompile.passes  # noqa: F401  (registers the passes)
@@ -19,6 +17,7 @@ from recompile import autotune
 from recompile.lowering import Target, detect_target
 from recompile.options import RecompileOptions
 from recompile.pipeline import PassContext, run_pipeline
+from recompile.tracing import TRACING_CONFIG, TracingConfig, forward_backend_context  # noqa: F401  (TRACING_CONFIG: re-exported)
 
 _graph_ids = itertools.count()
 
@@ -70,51 +69,6 @@ def rec_ascend(
     return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor)
 
 
-# The Dynamo settings rec_ascend traces under, and why (``recompile.report.BREAK_REMEDIES`` names them to
-# users whose graph breaks anyway): they hold only while Dynamo traces for this backend.
-TRACING_CONFIG = {
-    # offsets -> (row, position): repeat_interleave, nonzero, masked_select, boolean-mask indexing
-    "capture_dynamic_output_shape_ops": True,
-    # a max length or a total read with .item() / int(tensor)
-    "capture_scalar_outputs": True,
-    # TorchRec's modules are traced, not skipped, so that their lookups reach the embedding pass
-    "skip_torchrec": False,
-}
-
-
-def tracing_config() -> contextlib.AbstractContextManager:
-    """Dynamo's config patched to ``TRACING_CONFIG`` (the ``backend_ctx_ctor`` of rec_ascend)."""
-    return torch._dynamo.config.patch(TRACING_CONFIG)
-
-
-rec_ascend.backend_ctx_ctor = tracing_config
-
-
-def _backend_ctx_ctor(self: WrapBackendDebug):
-    """The ``backend_ctx_ctor`` of the backend a ``WrapBackendDebug`` wraps, looking through the wrapper
-    ``torch.compile`` puts around a backend given by name or with options (which drops the attribute)."""
-    backend = self._torchdynamo_orig_backend
-    if isinstance(backend, torch._TorchCompileWrapper):
-        backend = backend.compiler_fn
-    ctor = getattr(backend, "backend_ctx_ctor", None)
-    if ctor is None:
-        raise AttributeError("backend_ctx_ctor")
-    return ctor
-
-
-def forward_backend_context() -> None:
-    """Make ``torch.compile(model, backend=...)`` honour the backend's ``backend_ctx_ctor``, as
-    ``torch._dynamo.optimize(backend)`` does: Dynamo reads the attribute on the debug wrapper of
-    ``torch.compile``'s own wrapper, where it is absent. Backends without the attribute are unaffected."""
-    if not hasattr(WrapBackendDebug, "backend_ctx_ctor"):
-        WrapBackendDebug.backend_ctx_ctor = property(_backend_ctx_ctor)
-
-
+rec_ascend.backend_ctx_ctor = TracingConfig
 forward_backend_context()
 
-
-def register_name() -> None:
-    """``backend="rec_ascend"`` from a source checkout too: an installed package registers the name by its
-    entry point, a checkout on ``sys.path`` when ``recompile`` is imported."""
-    if "rec_ascend" not in torch._dynamo.list_backends(exclude_tags=()):
-        torch._dynamo.register_backend(rec_ascend, "rec_ascend")

@@ -8,7 +8,8 @@ import torch
 import torch.fx as fx
 
 from recompile import autotune
-from recompile.backend import detect_target, tracing_config
+from recompile.backend import detect_target
+from recompile.tracing import TracingConfig
 from recompile.options import RecompileOptions
 from recompile.pipeline import PassContext, run_pipeline
 from recompile.report import GraphBreak, GraphReport, Report
@@ -52,6 +53,6 @@ def explain(model, *example_inputs, options: RecompileOptions | Mapping[str, Any
         report.graphs.append(GraphReport(ctx, _graph_break(gm), ctx.modules, list(inputs)))
         return gm.forward
 
-    capture.backend_ctx_ctor = tracing_config  # Dynamo traces as it does for rec_ascend
+    capture.backend_ctx_ctor = TracingConfig  # Dynamo traces as it does for rec_ascend
     torch.compile(model, backend=capture)(*example_inputs)
     return report

@@ -205,12 +205,15 @@ def concrete_inputs(example_inputs: Sequence) -> list:
 def _verify(name: str, before: fx.GraphModule, after: fx.GraphModule, ctx: PassContext) -> None:
     if ctx.example_inputs is None:
         return
-    inputs = concrete_inputs(ctx.example_inputs)
-    with torch.no_grad(), torch.random.fork_rng():
+    from recompile.autotune import Sandbox  # (autotune imports this module)
+
+    # On the call's own tensors: whatever the graphs write into (BatchNorm statistics) is put back after each.
+    with torch.no_grad(), Sandbox(concrete_inputs(ctx.example_inputs)) as sandbox:
         torch.manual_seed(0)
-        expected = before(*inputs)
+        expected = before(*sandbox.args)
+        sandbox.restore()
         torch.manual_seed(0)
-        got = after(*inputs)
+        got = after(*sandbox.args)
     try:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, equal_nan=True)
     except AssertionError as exc:

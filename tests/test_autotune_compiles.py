@@ -62,11 +62,22 @@ def _run(model, x, training):
 
 
 @pytest.mark.parametrize("training", [False, True])
-def test_a_graph_without_rec_regions_compiles_inductor_once(_cache, inductor_graphs, training):
-    _run(Plain(), torch.randn(8, 16, requires_grad=training), training)
-    assert len(inductor_graphs) == 1
-    [decision] = _decisions(_cache)
-    assert "rec+eager" not in decision["timings_ms"] and set(decision["compile_s"]) == {"eager", "inductor-captured"}
+def test_a_graph_without_rec_regions_is_inductors_compile_and_nothing_else(_cache, inductor_graphs, training):
+    """No race, no second compile, no wrapper: Dynamo calls what Inductor compiled from the captured graph."""
+    returned = []
+
+    def backend(gm, example_inputs):
+        returned.append((gm, rec_backend.rec_ascend(gm, example_inputs)))
+        return returned[-1][1]
+
+    torch._dynamo.reset()
+    model, x = Plain(), torch.randn(8, 16, requires_grad=training)
+    with torch.set_grad_enabled(training):
+        torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x), rtol=1e-5, atol=1e-5)
+    [(captured, compiled)] = returned
+    [graph] = inductor_graphs
+    assert graph is captured and compiled == graph.forward
+    assert _decisions(_cache) == []
 
 
 @pytest.mark.parametrize("fastest", ["eager", "rec+eager"])
@@ -143,7 +154,7 @@ def test_decision_is_keyed_by_graph_and_shapes(_cache):
             torch.compile(model, backend="rec_ascend", dynamic=False)(torch.randn(batch, 16))
         assert len(_decisions(_cache)) == 2  # the second batch of 8 used the first's decision
         torch._dynamo.reset()
-        torch.compile(Plain(), backend="rec_ascend", dynamic=False)(torch.randn(8, 16))
+        torch.compile(Cross(8), backend="rec_ascend", dynamic=False)(torch.randn(8, 8))
     assert len(_decisions(_cache)) == 3
     gm = torch.fx.symbolic_trace(lambda x: x * 2)
     for node in gm.graph.find_nodes(op="placeholder"):

@@ -142,7 +142,7 @@ def test_an_eager_rewrite_calls_the_op_functions_for_inference(_cache, monkeypat
         torch.testing.assert_close(torch.compile(model, backend="rec_ascend")(x), model(x), rtol=1e-5, atol=1e-5)
     [chooser] = chosen
     assert chooser.decision.choice == "rec+eager"
-    runs = chooser.run.__self__
+    runs = chooser.candidates["rec+eager"].__self__
     assert bool(_rec_ops(runs)) == training and bool(_rec_ops(chooser.graphs["rec+eager"]()))
     if not training:
         [call] = [node for node in runs.graph.nodes if getattr(node.target, "__name__", "") == "cross_stack"]

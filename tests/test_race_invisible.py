@@ -137,3 +137,28 @@ def test_a_mutating_op_whose_result_is_unused_still_runs_in_order(autotune_on, m
     assert out.shape == (2, 4)
     assert model.count.item() == 4  # (1 * 3) + 1, once
     assert model.seen.table.contains(ids).all() and model.seen.table.size() == 3
+
+
+class CrossBN(nn.Module):
+    """A cross layer (a rec region, which ``verify`` checks) after a BatchNorm that updates its statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn, self.a = nn.BatchNorm1d(16), nn.Linear(16, 16)
+
+    def forward(self, x0):
+        x0 = self.bn(x0)
+        return torch.tanh(x0 * self.a(x0) + x0)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_verify_runs_the_graphs_without_touching_the_callers_tensors(training):
+    """``verify=True`` runs each pass's graphs before and after on the call's inputs: inside the race's sandbox."""
+    torch.manual_seed(0)
+    model, x = CrossBN(), torch.randn(32, 16)
+    ref = copy.deepcopy(model)
+    with torch.set_grad_enabled(training):
+        out = torch.compile(model, backend="rec_ascend", options={"verify": True, "autotune": False})(x)
+        torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-5)
+    assert model.bn.num_batches_tracked.item() == 1
+    torch.testing.assert_close(model.bn.running_mean, ref.bn.running_mean)

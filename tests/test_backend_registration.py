@@ -1,0 +1,85 @@
+"""The backend's name and its tracing settings, whichever way the name is registered: by the installed entry point,
+or by ``import recompile`` from a source checkout (``recompile/__init__.py``'s lazy wrapper), and what the
+settings cost a call (``recompile.tracing.TracingConfig``: Dynamo enters a backend's context on every call)."""
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+
+from recompile.tracing import TRACING_CONFIG, TracingConfig
+
+# A source checkout without the installed entry point: the name comes from ``import recompile``; then an
+# offsets -> repeat_interleave model (data-dependent output shape) must compile as one graph, which it does only
+# under the backend's tracing settings.
+LAZY_PATH = textwrap.dedent("""
+    import importlib.metadata, sys
+    real = importlib.metadata.entry_points
+    def entry_points(**kwargs):
+        found = real(**kwargs)
+        if kwargs.get("group") == "torch_dynamo_backends":
+            return importlib.metadata.EntryPoints(ep for ep in found if ep.name != "rec_ascend")
+        return found
+    importlib.metadata.entry_points = entry_points
+
+    import torch
+    import recompile
+    assert "recompile.backend" not in sys.modules, "the lazy path imported the backend"
+    from torch._dynamo.utils import counters
+
+    class Positions(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, values, offsets):
+            lengths = offsets[1:] - offsets[:-1]
+            pos = torch.arange(values.shape[0]) - torch.repeat_interleave(offsets[:-1], lengths)
+            return self.lin(values) * pos.unsqueeze(1)
+
+    model, values, offsets = Positions(), torch.randn(9, 4), torch.tensor([0, 2, 5, 9])
+    counters.clear()
+    with torch.no_grad():
+        out = torch.compile(model, backend="rec_ascend", options={"autotune": False})(values, offsets)
+        torch.testing.assert_close(out, model(values, offsets))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["graph_break"])
+    assert "recompile.backend" in sys.modules
+    assert not torch._dynamo.config.capture_dynamic_output_shape_ops  # only while rec_ascend traced
+    print("ok")
+""")
+
+
+def test_lazy_registration_traces_under_the_backend_settings(tmp_path):
+    env = {"RECOMPILE_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", LAZY_PATH], capture_output=True, text=True, timeout=600,
+                         env={**__import__("os").environ, **env})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+def test_tracing_config_sets_and_restores_the_settings_and_the_config_hash():
+    config = torch._dynamo.config
+    before, digest = config.get_config_copy(), config.get_hash()
+    with TracingConfig():
+        assert {key: getattr(config, key) for key in TRACING_CONFIG} == TRACING_CONFIG
+        assert {key: config.get_config_copy()[key] for key in TRACING_CONFIG} == TRACING_CONFIG
+        assert config.get_hash() != digest
+        with TracingConfig():  # nests
+            assert config.capture_scalar_outputs
+        assert config.capture_scalar_outputs
+    assert config.get_config_copy() == before and config.get_hash() == digest
+
+
+def test_tracing_config_costs_a_call_a_fraction_of_config_patch():
+    """Entered around every call: it was ``config.patch`` (a class built, six attributes set), 15-30 us a call."""
+    def per_call(ctor, n=2000):
+        start = time.perf_counter()
+        for _ in range(n):
+            with ctor():
+                pass
+        return (time.perf_counter() - start) / n
+
+    cheap = min(per_call(TracingConfig) for _ in range(3))
+    patch = min(per_call(lambda: torch._dynamo.config.patch(TRACING_CONFIG)) for _ in range(3))
+    assert cheap < patch / 3, (cheap, patch)
