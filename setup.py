@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -36,4 +36,9 @@ except ImportError:
              "pip install --no-build-isolation .)")
 
 _require_compiler()
-setup(ext_modules=_native().extensions(), cmdclass={"build_ext": BuildExtension})
+# The model zoo and scripts (models/ in the checkout) install as recompile.models: no top-level "models" package
+# to shadow a user's own. Its modules import each other relatively, so both names work.
+ZOO = ["recompile.models"] + [f"recompile.models.{p}" for p in find_packages(os.path.join(HERE, "models"))]
+setup(packages=find_packages(include=["recompile", "recompile.*", "runtime", "runtime.*", "hkv", "hkv.*"]) + ZOO,
+      package_dir={"recompile.models": "models"},
+      ext_modules=_native().extensions(), cmdclass={"build_ext": BuildExtension})

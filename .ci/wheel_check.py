@@ -24,11 +24,13 @@ target = sys.argv[1]
 import hkv, recompile.distributed, runtime.native
 for module in (hkv, recompile.distributed, runtime):
     assert module.__file__.startswith(target), module.__file__
+import importlib.util
+assert importlib.util.find_spec("models") is None, "the wheel installs a top-level 'models' package"
 assert hkv.cpu.available() and runtime.native.isa() in ("generic", "avx2", "avx512")
 if sys.argv[2] == "imports":
     sys.exit(0)
 import torch, recompile
-from models.zoo import MODELS
+from recompile.models.zoo import MODELS
 torch.manual_seed(0)
 work = MODELS["dlrm"]("small")
 report = recompile.explain(work.model, *work.inputs).to_dict()

@@ -17,9 +17,9 @@ import os
 
 import torch
 
-from models.timing import race_ms
-from models.train import BACKENDS, compile_for, write_json
-from models.zoo import MODELS, SIZES
+from .timing import race_ms
+from .train import BACKENDS, compile_for, write_json
+from .zoo import MODELS, SIZES
 
 
 # rec_ascend slower than the faster of eager and Inductor by more than this share is flagged as a loss

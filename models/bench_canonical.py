@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from models.ctr import CTRConfig, DCNConfig, DCNv2, DeepFM
-from models.dlrm import DLRM, DLRMConfig, synthetic_batch
+from .ctr import CTRConfig, DCNConfig, DCNv2, DeepFM
+from .dlrm import DLRM, DLRMConfig, synthetic_batch
 from recompile.lowering import detect_target
 from recompile.options import RecompileOptions
 from recompile.pipeline import PASS_ORDER, PASSES, PassContext, copy_graph_module

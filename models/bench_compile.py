@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from models.bench import backend_step
-from models.timing import race_ms
-from models.zoo import MODELS as ZOO
+from .bench import backend_step
+from .timing import race_ms
+from .zoo import MODELS as ZOO
 
 COMPILED = ("inductor", "rec_ascend")
 MAIN_JOB = "hstu-ml100k"
@@ -44,7 +44,7 @@ MODES = ("train", "forward")
 
 
 def _interaction_step(name: str, mode: str, backend: str):
-    from models.bench_interaction import make, step_fn, synthetic_batch
+    from .bench_interaction import make, step_fn, synthetic_batch
 
     model, cfg = make(name, True)
     args = synthetic_batch(cfg, 256, torch.Generator().manual_seed(1))
@@ -53,7 +53,7 @@ def _interaction_step(name: str, mode: str, backend: str):
 
 
 def _main_job_compile_s(backend: str) -> float:
-    from models.train import parser, run_training
+    from .train import parser, run_training
 
     args = parser().parse_args(["--model", "hstu", "--data", "ml-100k", "--epochs", "1", "--max-steps", "3",
                                 "--quiet", "--backend", backend])
@@ -85,7 +85,7 @@ def cold_compile(model: str, mode: str, backend: str, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                    RECOMPILE_CACHE_DIR=os.path.join(cache, "recompile"), OMP_NUM_THREADS=str(threads))
-        out = subprocess.run([sys.executable, "-m", "models.bench_compile", "--child", model, mode, backend],
+        out = subprocess.run([sys.executable, "-m", f"{__package__}.bench_compile", "--child", model, mode, backend],
                              env=env, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"cold compile of {model} ({mode}, {backend}) failed:\n{out.stderr[-3000:]}")

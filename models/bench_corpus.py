@@ -35,10 +35,10 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from models.corpus.expected import EXPECTED, graph_breaks
-from models.corpus.harness import CASES, Case, assert_equal, run
-from models.timing import race_ms
-from models.train import write_json
+from .corpus.expected import EXPECTED, graph_breaks
+from .corpus.harness import CASES, Case, assert_equal, run
+from .timing import race_ms
+from .train import write_json
 
 BACKENDS = ("eager", "inductor", "rec_ascend")
 TRAIN_BATCHES, INFER_BATCHES = (128, 2048), (1, 128, 2048)

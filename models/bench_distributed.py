@@ -33,8 +33,8 @@ from typing import Callable
 
 import torch
 
-from models.dlrm import DLRM, DLRMConfig
-from models.zoo import CTR_MODELS
+from .dlrm import DLRM, DLRMConfig
+from .zoo import CTR_MODELS
 from recompile.distributed import (
     STATS, Hardware, TableSpec, compile_lookups, distribute, embedding_tables, init_distributed, plan, table_specs,
     world,
@@ -358,7 +358,7 @@ def context_parallel_main(args) -> dict:
               f"{single_peak[impl] / 2**20:>18.2f}")
     for world in CP_WORLDS:
         outcomes, hung = spawn(cp_measure, world, dim, budget, single["cpu"][0], check_length, rounds,
-                               timeout_s=600, preload=["models.bench_distributed"])
+                               timeout_s=600, preload=[f"{__package__}.bench_distributed"])
         failed = [(r, o.error if o else "no result") for r, o in enumerate(outcomes) if o is None or o.error]
         if hung or failed:
             raise SystemExit(f"bench_distributed --context-parallel: ranks failed: {failed}, did not finish: {hung}")

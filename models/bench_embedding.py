@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from models.dlrm import DLRM, DLRMConfig, synthetic_batch
-from models.timing import race_ms
+from .dlrm import DLRM, DLRMConfig, synthetic_batch
+from .timing import race_ms
 
 CRITEO = DLRMConfig(
     table_rows=[1000 + 1000 * i for i in range(26)],

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 import hkv
-from models.dlrm import DLRM, DLRMConfig, synthetic_batch
+from .dlrm import DLRM, DLRMConfig, synthetic_batch
 
 # The targets on CPU: (dim, load factor, operation) -> the most times a gather it may take.
 TABLE_TARGETS = {(64, 0.5, "find"): 2.0, (64, 0.5, "insert_or_assign"): 4.0}

@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from models.ctr import DCNConfig, DCNv2, MixtureCrossLayer
-from models.dlrm import DLRM, DLRMConfig, synthetic_batch
-from models.timing import race_ms
+from .ctr import DCNConfig, DCNv2, MixtureCrossLayer
+from .dlrm import DLRM, DLRMConfig, synthetic_batch
+from .timing import race_ms
 from recompile.lowering import choose, detect_target
 
 BACKENDS = ("eager", "inductor", "rec_ascend")

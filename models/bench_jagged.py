@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from models.layers_jagged import HSTULayer, jagged_batch, long_tailed_lengths
+from .layers_jagged import HSTULayer, jagged_batch, long_tailed_lengths
 from runtime.jagged_attention import HSTUBucket, HSTUArgs
 from runtime.jagged import jagged_to_padded_dense_reference, dense_to_jagged_reference
 
@@ -166,10 +166,10 @@ def main_job_step(repeats: int, steps: int = 10) -> None:
     """The main job's HSTU training step (``models.main``: ML-100k, last 100 items, batch 32, dim 64, two
     layers, 256 sampled negatives, Adam) on the same batches: eager, Inductor, and rec_ascend's rewrite
     through Inductor (autotune off: the rewrite itself is timed, not the autotuner's choice)."""
-    from models import data as D
-    from models.sequential import NextItemTask
-    from models.train import mark_sequence_dynamic, optimizer_step
-    from models.zoo import sequential_encoder
+    from . import data as D
+    from .sequential import NextItemTask
+    from .train import mark_sequence_dynamic, optimizer_step
+    from .zoo import sequential_encoder
     from recompile.backend import rec_ascend
 
     split = D.leave_one_out(D.load_ratings())

@@ -22,10 +22,10 @@ import platform
 import torch
 import torch.nn as nn
 
-from models.bench_corpus import cold_caches, commit, step_fn, warm_up
-from models.corpus.harness import CASES, Case, assert_equal, run
-from models.timing import race_ms
-from models.train import write_json
+from .bench_corpus import cold_caches, commit, step_fn, warm_up
+from .corpus.harness import CASES, Case, assert_equal, run
+from .timing import race_ms
+from .train import write_json
 
 VARIANTS = {"eager": None, "no_rewrite": {"passes": {"embedding": False}}, "rewrite": {}}
 MODELS = ("recbole/FM", "recbole/DeepFM", "recbole/WideDeep")

@@ -20,8 +20,8 @@ import subprocess
 
 import torch
 
-from models.bench import backend_step
-from models.timing import race_ms
+from .bench import backend_step
+from .timing import race_ms
 from runtime import native
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "benchmarks", "native.json")

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.timing import race_ms
+from .timing import race_ms
 
 BACKENDS = ("eager", "inductor", "rec_ascend")
 ITEMS = 1683

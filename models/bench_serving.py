@@ -32,15 +32,15 @@ import torch
 from torch.export import Dim
 
 import recompile
-from models.data import UserSequences, load_ratings
-from models.layers_jagged import long_tailed_lengths
-from models.retrieval import TwoTower, TwoTowerConfig
-from models.retrieval_serving import ItemIndex, QuantizedItems, blocked_topk, matmul_scores, recall
-from models.sequential import HSTU, HSTUConfig
-from models.serving import (CachedHSTURanker, HSTURanker, RankingServer, Request, compile_step, make_cache,
+from .data import UserSequences, load_ratings
+from .layers_jagged import long_tailed_lengths
+from .retrieval import TwoTower, TwoTowerConfig
+from .retrieval_serving import ItemIndex, QuantizedItems, blocked_topk, matmul_scores, recall
+from .sequential import HSTU, HSTUConfig
+from .serving import (CachedHSTURanker, HSTURanker, RankingServer, Request, compile_step, make_cache,
                             no_cache_inputs, rank_without_cache)
-from models.timing import race_ms
-from models.train import write_json
+from .timing import race_ms
+from .train import write_json
 from recompile.export import load
 
 MODELS = {"quick": dict(num_layers=2, dim=64, num_heads=2, attn_dim=32, linear_dim=32),

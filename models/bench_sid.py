@@ -22,9 +22,9 @@ import subprocess
 
 import torch
 
-from models.sid_gr import SIDGR, BeamResult, CodeTrie, SIDGRConfig, beam_search
-from models.timing import race_ms
-from models.train import compile_for
+from .sid_gr import SIDGR, BeamResult, CodeTrie, SIDGRConfig, beam_search
+from .timing import race_ms
+from .train import compile_for
 
 CONTEXT, BEAMS, LEVELS, CODEBOOK, ITEMS = 1000, 256, 3, 32, 8192
 

@@ -174,7 +174,7 @@ ATTENTION = {"tiny": dict(batch=4, max_len=40, heads=2, dim=16, buckets=16),
 
 def _histories(s, device, dtype, gen):
     """Long-tailed jagged histories: lengths, offsets and q, k, v."""
-    from models.layers_jagged import long_tailed_lengths
+    from .layers_jagged import long_tailed_lengths
 
     lengths = long_tailed_lengths(s["batch"], s["max_len"], torch.Generator().manual_seed(0)).to(device)
     offsets = torch.ops.recompile.complete_cumsum(lengths, "reference")
@@ -386,7 +386,7 @@ def _no_grad(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
 
 def time_case(c: Case, device: torch.device, rounds: int) -> dict:
     """ms of forward (no grad) and forward + backward for eager, Inductor, Triton and the op's other kernels."""
-    from models.timing import race_ms
+    from .timing import race_ms
 
     compiled = torch.compile(c.eager, dynamic=False)
     runs = {"eager": c.eager, "inductor": compiled, "triton": c.triton, **c.others}
@@ -457,9 +457,9 @@ def run_models(names: list[str], size: str, device: torch.device, rounds: int, r
 
 
 def model_row(name: str, size: str, device: torch.device, rounds: int) -> dict:
-    from models.bench import backend_step
-    from models.timing import race_ms
-    from models.train import BACKENDS
+    from .bench import backend_step
+    from .timing import race_ms
+    from .train import BACKENDS
 
     outputs = {b: backend_step(name, size, b, False, device=device)() for b in BACKENDS}
     row = {"error_vs_eager": {b: _error(outputs[b].float(), outputs["eager"].float()) for b in BACKENDS[1:]}}
@@ -473,7 +473,7 @@ def model_row(name: str, size: str, device: torch.device, rounds: int) -> dict:
 def compile_count(name: str, size: str, device: torch.device) -> int:
     """Frames rec_ascend compiles while the batch size changes three times (dynamic dims marked)."""
     from torch._dynamo.testing import CompileCounterWithBackend
-    from models.zoo import MODELS
+    from .zoo import MODELS
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("rec_ascend")

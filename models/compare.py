@@ -20,11 +20,11 @@ from multiprocessing import get_context
 import numpy as np
 import torch
 
-from models import data as D
-from models.main import EPOCHS, popularity_ranks
-from models.metrics import ranking_metrics, user_gains
-from models.train import parser as train_parser
-from models.train import run_training, write_json
+from . import data as D
+from .main import EPOCHS, popularity_ranks
+from .metrics import ranking_metrics, user_gains
+from .train import parser as train_parser
+from .train import run_training, write_json
 
 MODELS = ("hstu", "sasrec", "two_tower_mol", "two_tower")  # longest first: the workers finish together
 LABELS = {"hstu": "HSTU", "sasrec": "SASRec", "two_tower": "two-tower dot", "two_tower_mol": "two-tower MoL",

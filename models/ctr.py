@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from models.dlrm import embedding_bags, mlp
+from .dlrm import embedding_bags, mlp
 
 DCN_STRUCTURES = ("stacked", "parallel")
 

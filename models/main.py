@@ -11,12 +11,12 @@ import argparse
 
 import torch
 
-from models import data as D
-from models.metrics import popularity_scores, ranking_metrics, target_ranks
-from models.timing import race_ms
-from models.train import compile_for, make_optimizer, optimizer_step, sequential_batch, sequential_task
-from models.train import parser as train_parser
-from models.train import run_training, write_json
+from . import data as D
+from .metrics import popularity_scores, ranking_metrics, target_ranks
+from .timing import race_ms
+from .train import compile_for, make_optimizer, optimizer_step, sequential_batch, sequential_task
+from .train import parser as train_parser
+from .train import run_training, write_json
 
 
 # Epochs of the main job and of models.compare: on the validation item both HSTU and SASRec still gain from 8 to

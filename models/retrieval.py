@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.dlrm import mlp
+from .dlrm import mlp
 
 HEADS = ("dot", "mol")
 USER_EMBEDDINGS = 3  # user tower output, user-id embedding, history mean

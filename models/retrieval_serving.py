@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from models.retrieval import DotHead, TwoTower
+from .retrieval import DotHead, TwoTower
 
 ScoreBlock = Callable[[int, int], torch.Tensor]  # (start, stop) -> scores [B, stop - start]
 

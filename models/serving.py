@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import recompile  # noqa: F401  (defines torch.ops.recompile.*)
-from models.sequential import HSTU, STULayer
+from .sequential import HSTU, STULayer
 from recompile.lowering import choose, detect_target
 from recompile.serving import PagedKVCache
 

@@ -27,14 +27,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import runtime  # noqa: F401  (defines torch.ops.recompile.beam_decode_attention)
-from models import data as D
-from models.compare import K, METRICS, MODEL_ARGS, paired, seed_table, train_runs
-from models.main import EPOCHS, popularity_ranks
-from models.metrics import ranking_metrics, user_gains
-from models.semantic_ids import SemanticIds, rq_kmeans
-from models.sequential import SASRecBlock, SASRecConfig, init_embeddings
-from models.train import Progress, Run, compile_for, make_optimizer, optimizer_step, train_sequential, write_json
-from models.train import parser as train_parser
+from . import data as D
+from .compare import K, METRICS, MODEL_ARGS, paired, seed_table, train_runs
+from .main import EPOCHS, popularity_ranks
+from .metrics import ranking_metrics, user_gains
+from .semantic_ids import SemanticIds, rq_kmeans
+from .sequential import SASRecBlock, SASRecConfig, init_embeddings
+from .train import Progress, Run, compile_for, make_optimizer, optimizer_step, train_sequential, write_json
+from .train import parser as train_parser
 
 
 def _at(table: torch.Tensor, level: torch.Tensor) -> torch.Tensor:

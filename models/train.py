@@ -22,12 +22,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from models import data as D
-from models.dlrm import to_kjt
-from models.metrics import auc, log_loss, ranking_metrics, target_ranks
-from models.retrieval import InBatchSoftmaxTask
-from models.sequential import NextItemTask
-from models.zoo import CTR_MODELS, MODELS, SEQUENTIAL, sequential_encoder, two_tower
+from . import data as D
+from .dlrm import to_kjt
+from .metrics import auc, log_loss, ranking_metrics, target_ranks
+from .retrieval import InBatchSoftmaxTask
+from .sequential import NextItemTask
+from .zoo import CTR_MODELS, MODELS, SEQUENTIAL, sequential_encoder, two_tower
 
 BACKENDS = ("eager", "inductor", "rec_ascend")
 DATASETS = ("ml-100k", "ml-1m", "ml-20m", "criteo-synthetic")
@@ -241,7 +241,7 @@ def train_ctr(args, run: Run) -> tuple[nn.Module, dict]:
                               seed=args.seed)
     as_inputs = (lambda b: (b[0], to_kjt(cfg, b[1], b[2]))) if args.model == "dlrm_torchrec" else (lambda b: b[:3])
     distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1  # a worker of --nproc (or of torchrun)
-    from models.bench_distributed import shard_ctr_model
+    from .bench_distributed import shard_ctr_model
     model, rank, world_size = shard_ctr_model(args.model, model, args.batch_size, args.backend) if distributed \
         else (model, 0, 1)
     step_fn = compile_for(model, args.backend)
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # start N workers running this command, wait for them
         from recompile.launch import relaunch
 
-        relaunch(args.nproc, "models.train", sys.argv[1:] if argv is None else argv)
+        relaunch(args.nproc, f"{__package__}.train", sys.argv[1:] if argv is None else argv)
         return {}
     result = run_training(args)
     if int(os.environ.get("RANK", 0)):

@@ -22,9 +22,9 @@ from multiprocessing import get_context
 
 import numpy as np
 
-from models import compare
-from models.train import parser as train_parser
-from models.train import run_training, write_json
+from . import compare
+from .train import parser as train_parser
+from .train import run_training, write_json
 
 # pair -> (models, metric, settings both models share, grid: option -> values; "--epochs" is the shared count)
 PAIRS = {

@@ -13,10 +13,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.ctr import CTRConfig, DCNConfig, DCNv2, DeepFM, WideDeep
-from models.dlrm import DLRM, DLRMConfig, TorchRecDLRM, synthetic_batch, to_kjt
-from models.retrieval import InBatchSoftmaxTask, TwoTower, TwoTowerConfig
-from models.sequential import HSTU, HSTUConfig, NextItemTask, SASRec, SASRecConfig
+from .ctr import CTRConfig, DCNConfig, DCNv2, DeepFM, WideDeep
+from .dlrm import DLRM, DLRMConfig, TorchRecDLRM, synthetic_batch, to_kjt
+from .retrieval import InBatchSoftmaxTask, TwoTower, TwoTowerConfig
+from .sequential import HSTU, HSTUConfig, NextItemTask, SASRec, SASRecConfig
 
 SIZES = ("small", "bench")
 

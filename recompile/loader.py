@@ -21,7 +21,8 @@ import torch
 from recompile.cli import UsageError
 from recompile.passes.utils import meta_value
 
-ZOO_MODULE = "models.zoo"  # its MODELS maps a model name to a factory
+# The model zoo: ``models/`` of a checkout, installed as ``recompile.models``; its MODELS maps a name to a factory.
+ZOO_MODULES = ("models.zoo", "recompile.models.zoo")
 TF_FRONTEND = "recompile.frontends.tensorflow"
 # Size given to a placeholder dimension that is not a concrete number (a symbolic batch).
 UNKNOWN_DIM = 4
@@ -104,14 +105,14 @@ def _optional_module(name: str):
 
 
 def _load_zoo(name: str) -> LoadedModel:
-    zoo = _optional_module(ZOO_MODULE)
+    zoo = next(filter(None, map(_optional_module, ZOO_MODULES)), None)
     if zoo is None:
         raise TargetError(
-            f"{name!r} is not a file, a module:factory or a .pb, and there is no model zoo ({ZOO_MODULE}) to look it up in"
+            f"{name!r} is not a file, a module:factory or a .pb, and there is no model zoo ({' or '.join(ZOO_MODULES)}) to look it up in"
         )
     if name not in zoo.MODELS:
         raise TargetError(f"unknown model {name!r}; the zoo has: {', '.join(sorted(zoo.MODELS))}")
-    return _call_factory(f"{ZOO_MODULE}.MODELS[{name!r}]", zoo.MODELS[name])
+    return _call_factory(f"{zoo.__name__}.MODELS[{name!r}]", zoo.MODELS[name])
 
 
 def _example_tensor(value: Any, placeholder: str) -> torch.Tensor:

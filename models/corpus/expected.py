@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.corpus import gr_hstu, recbole_zoo, torchrec_zoo
+from . import gr_hstu, recbole_zoo, torchrec_zoo
 
 
 CROSS_OPS = ("recompile::cross_layer", "recompile::cross_stack", "recompile::cross_mixture")

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.corpus import gr_hstu, recbole_zoo, torchrec_zoo
+from . import gr_hstu, recbole_zoo, torchrec_zoo
 
 # The batch sizes a check runs, in order: the second makes Dynamo compile a dynamic graph, the third must reuse it.
 BATCHES = (16, 24, 37)

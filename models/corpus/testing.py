@@ -9,8 +9,8 @@ import functools
 
 import pytest
 
-from models.corpus.expected import EXPECTED, graph_breaks
-from models.corpus.harness import CASES, check, found_regions
+from .expected import EXPECTED, graph_breaks
+from .harness import CASES, check, found_regions
 
 
 def cases(prefix: str) -> list:
