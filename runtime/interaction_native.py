@@ -3,7 +3,7 @@
 
 Each function makes one op call (the whole batch, every feature, ``torch.get_num_threads()`` OpenMP threads);
 features are read in place through a table of their row pointers. ``available`` is False where the package was
-built without its native kernels; the ops then keep their torch kernels.
+built without its native kernels; the lowering then chooses their torch kernels.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hkv.native import NativeLibrary, unit_stride_rows
 
 DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})  # the dtypes runtime/csrc/ops.cpp takes
 NATIVE = NativeLibrary("runtime._C", DTYPES)
-available, supports = NATIVE.available, NATIVE.supports
+available = NATIVE.available
 ops = torch.ops.recompile_native
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.jagged import BACKWARD_CHECK, BUCKET_RATIO, Bucket, check_offsets, checked_offsets, length_buckets
-from runtime.kernels import get_kernel, register_kernel
+from runtime.kernels import get_kernel, register_kernel, require
 
 # HSTU's log bucketization of time differences.
 TIME_BUCKET_BASE = 0.301
@@ -265,30 +265,27 @@ for _impl in BUCKET_RATIOS:
     register_kernel("hstu_attention_backward", _impl)(_bwd)
 
 
-def _triton_covers(num_targets, contextual_seq_len, time_bias) -> bool:
-    """The Triton kernels take no targets, contextual prefix or time bias: those run as length buckets of
-    dense torch ops on the device (the "cpu" kernel)."""
-    return num_targets is None and contextual_seq_len == 0 and time_bias is None
+def triton_covers(num_targets=None, contextual_seq_len=0, time_bias=None, **_) -> bool | str:
+    """``supports`` of the Triton kernels: they take no targets, contextual prefix or time bias (the lowering
+    chooses the length buckets of dense torch ops, the "cpu" kernel, for those)."""
+    if num_targets is not None or contextual_seq_len != 0 or time_bias is not None:
+        return "targets, a contextual prefix or a time bias: the Triton kernels take none"
+    return True
 
 
-@register_kernel("hstu_attention", "triton")
+@register_kernel("hstu_attention", "triton", supports=triton_covers)
 def _hstu_attention_triton(q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual_seq_len, rel_bias,
                            timestamps, time_bias):
-    if not _triton_covers(num_targets, contextual_seq_len, time_bias):
-        return get_kernel("hstu_attention", "cpu")(q, k, v, offsets, max_seq_len, alpha, causal, num_targets,
-                                                   contextual_seq_len, rel_bias, timestamps, time_bias)
+    require("hstu_attention", "triton", triton_covers(num_targets, contextual_seq_len, time_bias))
     from runtime.triton_kernels.jagged_attention import hstu_attention_forward
 
     return hstu_attention_forward(q, k, v, offsets, max_seq_len, alpha, causal, rel_bias)
 
 
-@register_kernel("hstu_attention_backward", "triton")
+@register_kernel("hstu_attention_backward", "triton", supports=triton_covers)
 def _hstu_attention_backward_triton(grad, q, k, v, offsets, max_seq_len, alpha, causal, num_targets,
                                     contextual_seq_len, rel_bias, timestamps, time_bias):
-    if not _triton_covers(num_targets, contextual_seq_len, time_bias):
-        return get_kernel("hstu_attention_backward", "cpu")(grad, q, k, v, offsets, max_seq_len, alpha, causal,
-                                                            num_targets, contextual_seq_len, rel_bias, timestamps,
-                                                            time_bias)
+    require("hstu_attention_backward", "triton", triton_covers(num_targets, contextual_seq_len, time_bias))
     from runtime.triton_kernels.jagged_attention import hstu_attention_backward
 
     dq, dk, dv, drel = hstu_attention_backward(grad, q, k, v, offsets, max_seq_len, alpha, causal, rel_bias)

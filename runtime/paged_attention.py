@@ -16,8 +16,8 @@ manager's job (``recompile.serving``), not the op's: the op mutates nothing.
 
 Kernels: ``reference`` rebuilds each whole sequence and runs ``hstu_attention``'s reference on it (the oracle);
 ``cpu`` gathers each user's pages and runs the new rows against them as dense matmuls; ``triton`` runs one
-program per core over (query tile, head) items, reading keys through the page table (no time bias: that
-falls back to ``cpu``, as ``hstu_attention``'s Triton kernel does).
+program per core over (query tile, head) items, reading keys through the page table (no time bias: its
+``supports`` says so, and the lowering chooses ``cpu`` then, as for ``hstu_attention``'s Triton kernel).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from runtime.jagged import check_offsets, jagged_positions
 from runtime.jagged_attention import hstu_attention_reference, time_bucket
-from runtime.kernels import get_kernel, register_kernel
+from runtime.kernels import get_kernel, register_kernel, require
 
 OP = "hstu_paged_attention"
 
@@ -136,12 +136,15 @@ def _own_key_terms(q, k, v, alpha, max_seq_len, rel_bias, timestamps, time_bias)
     return F.silu(own).unsqueeze(-1) * v
 
 
-@register_kernel(OP, "triton")
+def triton_covers(time_bias=None, **_) -> bool | str:
+    """``supports`` of the Triton kernel: it takes no time bias (the lowering chooses the ``cpu`` kernel then)."""
+    return True if time_bias is None else "a time bias: the Triton kernel takes none"
+
+
+@register_kernel(OP, "triton", supports=triton_covers)
 def _triton(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, alpha, num_targets,
             rel_bias, timestamps, ts_cache, time_bias):
-    if time_bias is not None:
-        return _cpu(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, alpha, num_targets,
-                    rel_bias, timestamps, ts_cache, time_bias)
+    require(OP, "triton", triton_covers(time_bias))
     from runtime.triton_kernels.paged_attention import hstu_paged_attention_forward
 
     return hstu_paged_attention_forward(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len,

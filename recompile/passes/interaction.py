@@ -167,7 +167,7 @@ def _replace(match: Match, anchor: fx.Node, op: str, args: tuple, replaced: list
     """Replace ``anchor`` by ``op(*args)`` (or ``f(op(*args), *rest)`` for ``then = (f, *rest)``) and erase the
     ``replaced`` nodes left unused. The pass context is the running pass's (``_CONTEXT``)."""
     ctx = _CONTEXT.get()
-    impl = ctx.lower(op)
+    impl = ctx.lower(op, *args)
     graph = anchor.graph
     with graph.inserting_before(anchor):
         call = new = graph.call_function(getattr(torch.ops.recompile, op.split("::")[1]).default, (*args, impl.impl))
@@ -456,7 +456,7 @@ def stack_cross_layers(gm: fx.GraphModule, ctx: PassContext) -> None:
         x0, x, _, bias, down, _ = first.args
         args = (x0, x, [n.args[2] for n in chain], [] if bias is None else [n.args[3] for n in chain],
                 [] if down is None else [n.args[4] for n in chain], save)
-        impl = ctx.lower("recompile::cross_stack")
+        impl = ctx.lower("recompile::cross_stack", *args)
         graph = gm.graph
         with graph.inserting_before(last):
             stack = graph.call_function(torch.ops.recompile.cross_stack.default, (*args, impl.impl))
