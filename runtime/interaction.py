@@ -116,8 +116,7 @@ def native_reads(**arguments) -> bool | str:
 def _dot_interaction_native(features, prefix, upper, self_interaction):
     """Only the needed pairs, read from the items in place and written after the prefix (csrc/interaction.h)."""
     require("dot_interaction", "native", native_reads(features=features, prefix=prefix))
-    rows, cols = _pair_indices_cpu(num_features(features), upper, self_interaction)
-    return native.dot_interaction(features, prefix, rows, cols)
+    return native.dot_interaction(features, prefix, upper, self_interaction)
 
 
 @register_kernel("dot_interaction", "triton")
@@ -179,8 +178,7 @@ for _impl in ("reference", "cpu", "triton"):
 @register_kernel("dot_interaction_backward", "native", supports=native_reads)
 def _dot_interaction_backward_native(grad, features, k, upper, self_interaction):
     require("dot_interaction_backward", "native", native_reads(grad=grad, features=features))
-    rows, cols = _pair_indices_cpu(num_features(features), upper, self_interaction)
-    return native.dot_interaction_backward(grad, features, k, rows, cols)
+    return native.dot_interaction_backward(grad, features, k, upper, self_interaction)
 
 
 # The backward is an op of its own so that tracing it (aot_autograd, dynamic shapes) never builds the
