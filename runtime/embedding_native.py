@@ -43,9 +43,10 @@ available = NATIVE.available
 ops = torch.ops.recompile_native
 
 
-def _present(t: Tensor) -> bool:
-    n = t.numel()
-    return not isinstance(n, int) or n > 0  # a symbolic size: a real tensor of per-sample weights
+def _present(t: Optional[Tensor]) -> bool:
+    """Per-sample weights are given (None or an empty tensor: none; a symbolic size: a real tensor)."""
+    n = 0 if t is None else t.numel()
+    return not isinstance(n, int) or n > 0
 
 
 def native_reads(weights, per_sample_weights=(), **_) -> bool | str:
@@ -205,8 +206,8 @@ def _features_plan(weights, features, per_sample_weights, pooling, padding_idx, 
     plan = _plan(weights, pooling, padding_idx, [f.include_last_offset for f in features], layout)
     if plan is None:
         return None
-    indices = [(f.ids if f.offsets is not None or f.length == 1 else f.ids.view(f.batch, f.length)).contiguous()
-               for f in features]
+    indices = [(f.ids if f.offsets is not None or (f.length == 1 and mode == NONE) else f.ids.view(f.batch, f.length))
+               .contiguous() for f, mode in zip(features, pooling)]
     offsets = [None if f.offsets is None else f.offsets.contiguous() for f in features]
     psws = [_EMPTY if p is None else p.reshape(i.shape).contiguous() for p, i in zip(per_sample_weights, indices)]
     filled = plan.fill(indices, offsets, psws)

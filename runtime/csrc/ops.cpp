@@ -490,7 +490,8 @@ bool grouped_embedding_bag_native(torch::jit::Stack *stack) {
                               psws = a[3].toTensorVector();
     const auto offsets = a[2].toListRef();
     const std::vector<int64_t> pooling = a[4].toIntVector(), padding = a[5].toIntVector();
-    const std::vector<bool> last = a[6].toBoolVector();
+    const c10::List<bool> flags_last = a[6].toBoolList();
+    std::vector<bool> last(flags_last.begin(), flags_last.end());
     const std::string &layout = a[8].toStringRef();
     const size_t n = weights.size();
     if (n == 0 || indices.size() != n || offsets.size() != n || psws.size() != n || pooling.size() != n ||
