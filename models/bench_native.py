@@ -31,7 +31,13 @@ ops, cpp = torch.ops.recompile, torch.ops.recompile_native
 def per_call(rounds: int) -> dict[str, float]:
     x, seed, v = torch.randn(8), torch.tensor([1, 2]), torch.randn(2, 3, 8)
     pos, neg = torch.randn(4, 1), torch.randn(4, 8)
+    features = [torch.randn(2, 8), torch.randn(2, 3, 8)]
+    tables, ids, offsets = [torch.randn(10, 8) for _ in range(4)], torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2])
+    lookup = ([*tables], [ids] * 4, [offsets] * 4, [torch.empty(0)] * 4, [0] * 4, [-1] * 4, [False] * 4, [False] * 4,
+              "stack", "a,b,c,d", "fatal", "native")
     calls = {
+        "recompile.dot_interaction": lambda: ops.dot_interaction(features, None, True, False, "native"),
+        "recompile.grouped_embedding_bag (4 tables)": lambda: ops.grouped_embedding_bag(*lookup),
         "recompile.dropout": lambda: ops.dropout(x, 0.1, seed, "native"),
         "recompile_native.dropout": lambda: cpp.dropout(x, seed, 0.1),
         "recompile.fm_second_order": lambda: ops.fm_second_order(v, True, "native"),

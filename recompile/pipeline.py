@@ -18,7 +18,8 @@ import torch
 import torch.fx as fx
 
 from recompile import dump
-from recompile.lowering import Impl, Target, choose
+from recompile.lowering import LOWERINGS, Impl, Target, choose
+from recompile.lowering.registry import bind, unsupported
 from recompile.options import RecompileOptions
 
 PassFn = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
@@ -140,9 +141,13 @@ class PassContext:
     current_pass: str = ""
     tuning: dict | None = None  # the autotune decision for this graph (recompile.autotune.Decision)
 
-    def lower(self, op: str) -> Impl:
-        """The implementation of ``op`` the target runs (first in the lowering table it can run)."""
-        return choose(op, self.target)
+    def lower(self, op: str, *args, **kwargs) -> Impl:
+        """The implementation of ``op`` the target runs: the first in the lowering table it can run whose kernel
+        supports the op's arguments ``args``/``kwargs`` (FX nodes or values, as the op's call will get them; their
+        example values are what ``supports`` sees). A pass gives them: ``check_kernels`` rejects a pass whose
+        graph calls a kernel on arguments it does not support."""
+        args, kwargs = fx.node.map_arg((args, kwargs), example_value)
+        return choose(op, self.target, *args, **kwargs)
 
     def record_region(self, kind: str, replaced: Sequence[fx.Node | str], op: str, impl: Impl) -> None:
         kinds = region_colours()
@@ -156,6 +161,39 @@ class PassContext:
         self.stages.append(stage)
         if self.options.dump_dir:
             dump.write_stage(self.options.dump_dir, self.graph_id, len(self.stages) - 1, name, gm)
+
+
+def example_value(node: fx.Node):
+    """The fake value of ``node`` (Dynamo's ``example_value`` or AOT's ``val``); for a node a pass added without one,
+    its target run on its arguments' fake values (and kept)."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    if value is not None or node.op not in ("call_function", "call_method"):
+        return value
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), example_value)
+    fake = next((t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if hasattr(t, "fake_mode")), None)
+    if fake is None:
+        raise ValueError(f"node {node.name} has no example value: no kernel can be chosen for its arguments")
+    with fake.fake_mode:
+        target = getattr(args[0], node.target) if node.op == "call_method" else node.target
+        value = node.meta["example_value"] = target(*args[node.op == "call_method":], **kwargs)
+    return value
+
+
+def check_kernels(gm: fx.GraphModule) -> None:
+    """Every call of a registered op in ``gm`` names a kernel (its ``impl`` argument) that supports the call's
+    arguments, so the kernel the report names is the one that runs; raise naming the node otherwise."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        op = node.target._schema.name
+        if op not in LOWERINGS:
+            continue
+        arguments = bind(op, *fx.node.map_arg((node.args, node.kwargs), example_value))
+        impl = next((i for i in LOWERINGS[op] if i.impl == arguments.get("impl")), None)
+        why = "no such kernel" if impl is None else unsupported(op, impl, arguments)
+        if why is not None:
+            raise ValueError(f"{node.name} calls {op} with kernel {arguments.get('impl')!r}, which does not support "
+                             f"its arguments ({why})")
 
 
 class VerificationError(RuntimeError):
@@ -184,6 +222,7 @@ def _run_pass(spec: PassSpec, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     try:
         result = spec.fn(copy_graph_module(gm), ctx)
         result.graph.lint()
+        check_kernels(result)
         result.recompile()
     except Exception as exc:  # a failing pass must never cost correctness: keep its input graph
         del ctx.regions[num_regions:]

@@ -8,14 +8,14 @@ mask, and the seed comes from ``torch.randint`` on the default generator, so ``t
 The masks are not eager's ``bernoulli_`` draws (nor are Inductor's own).
 
 Kernels: ``reference`` (torch integer ops, any device and dtype) and ``native`` (``csrc/dropout.h``, the C++ op
-``torch.ops.recompile_native.dropout``: float32 on CPU, one OpenMP pass; other tensors take the reference).
+``torch.ops.recompile_native.dropout``: float32 on CPU, one OpenMP pass; the lowering chooses it where ``native_reads`` holds).
 """
 from __future__ import annotations
 
 import torch
 
 from hkv.native import NativeLibrary
-from runtime.kernels import get_kernel, register_kernel
+from runtime.kernels import get_kernel, native_supports, register_kernel, require
 
 OP = "dropout"
 M32 = 0xFFFFFFFF
@@ -57,7 +57,7 @@ register_kernel(OP, "reference")(dropout_reference)
 
 
 NATIVE = NativeLibrary("runtime._C", frozenset({torch.float32}))  # the dtypes runtime/csrc/ops.cpp dropout takes
-available, supports = NATIVE.available, NATIVE.supports
+available = NATIVE.available
 if available():  # the C++ op's fake, so that torch.export and torch.compile can trace a direct call
 
     @torch.library.register_fake("recompile_native::dropout")
@@ -65,10 +65,13 @@ if available():  # the C++ op's fake, so that torch.export and torch.compile can
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@register_kernel(OP, "native")
+def native_reads(x: torch.Tensor, **_) -> bool | str:
+    return native_supports(NATIVE, x)
+
+
+@register_kernel(OP, "native", supports=native_reads)
 def _dropout_native(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
-    if not NATIVE.supports(x):
-        return dropout_reference(x, p, seed)
+    require(OP, "native", native_reads(x))
     return torch.ops.recompile_native.dropout(x, seed, p)
 
 

@@ -5,9 +5,10 @@ One call covers every table of a group: the forward (SUM/MEAN pooling into the `
 ``"stack"`` layout, or the ``"sequence"`` rows of NONE pooling), the backward (dense table gradients,
 or per-id rows for sparse tables, and per-sample weight gradients) and the fused optimizer step (ids
 deduplicated per table, touched rows updated in place). Tables are read through their data pointers,
-never packed. The kernels take fp32, fp16 and bf16 tables with unit column stride (summing in fp32; the
-optimizer step fp32 only); other groups run the ATen/torch kernels (``"cpu"``, ``"reference"``). A package built
-without its native kernels has them unavailable, and the lowering keeps the other kernels. The kernels read the
+never packed. The kernels take fp32, fp16 and bf16 tables of one dtype with unit column stride (summing in fp32;
+the optimizer step fp32 only): ``native_reads`` and ``step_reads`` say so at compile time, and the lowering chooses
+the ATen/torch kernels (``"cpu"``, ``"reference"``) for other groups, or where the package was built without its
+native kernels. Called on inputs they do not read, they raise. The kernels read the
 tables through ``meta``, a table of data pointers and sizes this module writes (one row per table).
 """
 from __future__ import annotations
@@ -19,11 +20,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from hkv.native import NativeLibrary
-from runtime.embedding import BACKWARD_OP, NONE, OP, RAW_KERNELS, checked_lookup, forward_cpu, table_gradients
-from runtime.embedding_optimizer import OPTIMIZERS, STEP_OP, adam_step_size, step_each_table, table_state
-from runtime.kernels import register_kernel
+from runtime.embedding import BACKWARD_OP, NONE, OP, RAW_KERNELS, checked_lookup
+from runtime.embedding_optimizer import OPTIMIZERS, STEP_OP, adam_step_size, table_state
+from runtime.kernels import native_supports, register_kernel, require
 
 # The columns of a table's row in the kernels' meta array, and their number (csrc/embedding.h).
 W_PTR, ROWS, DIM, W_STRIDE, IDS, N_IDS, OFFS, N_OFFS, PSW, POOLING, PAD, OUT_AT, FLAGS, META = range(14)
@@ -39,6 +41,46 @@ STATE_NAMES = {"exact_sgd": (), "exact_adagrad": ("sum",), "exact_rowwise_adagra
 NATIVE = NativeLibrary("runtime._C", frozenset(DTYPES))
 available = NATIVE.available
 ops = torch.ops.recompile_native
+
+
+def _present(t: Optional[Tensor]) -> bool:
+    """Per-sample weights are given (None or an empty tensor: none; a symbolic size: a real tensor)."""
+    n = 0 if t is None else t.numel()
+    return not isinstance(n, int) or n > 0
+
+
+def native_reads(weights, per_sample_weights=(), **_) -> bool | str:
+    """``supports`` of the lookup kernels: CPU tables of one of DTYPES, all alike, with unit column stride; per-sample
+    weights of the tables' dtype."""
+    answer = native_supports(NATIVE, weights)
+    if answer is not True:
+        return answer
+    dtype = weights[0].dtype
+    if any(w.dtype != dtype for w in weights):
+        return f"tables of dtypes {sorted({str(w.dtype) for w in weights})}: the kernels take one dtype per group"
+    if any(w.dim() != 2 or w.stride(1) != 1 for w in weights):
+        return "a table without unit column stride"
+    if any(_present(p) and p.dtype != dtype for p in per_sample_weights):
+        return f"per-sample weights of another dtype than the {dtype} tables"
+    return True
+
+
+def step_reads(weights, **_) -> bool | str:
+    """``supports`` of the optimizer step: float32 tables the lookup kernels read, each a different table (they are
+    updated in parallel)."""
+    answer = native_reads(weights)
+    if answer is True and weights[0].dtype != torch.float32:
+        answer = f"{weights[0].dtype} tables: the optimizer step takes float32"
+    if answer is True and len({id(w) if is_fake(w) else w.data_ptr() for w in weights}) != len(weights):
+        answer = "a table given twice: the step updates tables in parallel"
+    return answer
+
+
+def _reject(op: str, weights, per_sample_weights, answer: bool | str = True) -> None:
+    """Raise ``UnsupportedInputs`` for inputs the kernels do not read, with ``supports``' reason where it has one."""
+    if answer is True:
+        answer = native_reads(weights, per_sample_weights)
+    require(op, "native", "inputs the kernels do not read as given" if answer is True else answer)
 
 
 def _threads(ids: int) -> int:
@@ -164,8 +206,8 @@ def _features_plan(weights, features, per_sample_weights, pooling, padding_idx, 
     plan = _plan(weights, pooling, padding_idx, [f.include_last_offset for f in features], layout)
     if plan is None:
         return None
-    indices = [(f.ids if f.offsets is not None or f.length == 1 else f.ids.view(f.batch, f.length)).contiguous()
-               for f in features]
+    indices = [(f.ids if f.offsets is not None or (f.length == 1 and mode == NONE) else f.ids.view(f.batch, f.length))
+               .contiguous() for f, mode in zip(features, pooling)]
     offsets = [None if f.offsets is None else f.offsets.contiguous() for f in features]
     psws = [_EMPTY if p is None else p.reshape(i.shape).contiguous() for p, i in zip(per_sample_weights, indices)]
     filled = plan.fill(indices, offsets, psws)
@@ -201,11 +243,11 @@ def _run_forward(plan: _Plan, rows: int, looked_up: int) -> Tensor:
     return out
 
 
-@register_kernel(OP, "native")
+@register_kernel(OP, "native", supports=native_reads)
 def forward(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
             bounds_check):
     """Every table in one call; the Python checks run only when the kernel marked an error or the inputs are not
-    what it reads as given (then they raise, or the inputs are made so, or the ATen kernel runs)."""
+    what it reads as given (then they raise, or the inputs are made so)."""
     lookup = (weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
               bounds_check)
     plan = _plan(weights, pooling, padding_idx, include_last_offset, layout)
@@ -214,7 +256,7 @@ def forward(weights, indices, offsets, per_sample_weights, pooling, padding_idx,
         features, psws = checked_lookup(*lookup)
         found = _features_plan(weights, features, psws, pooling, padding_idx, layout)
         if found is None:
-            return forward_cpu(weights, features, psws, pooling, padding_idx, layout)
+            _reject(OP, weights, per_sample_weights)
         plan, rows, alive = found  # alive: the tensors meta points into
         filled = rows, sum(f.ids.numel() for f in features)
     out = _run_forward(plan, *filled)
@@ -234,11 +276,11 @@ def _grad_rows(grad: Tensor, weights, layout: str) -> tuple[Tensor, int]:
     return grad, grad.stride(0)
 
 
-@register_kernel(BACKWARD_OP, "native")
+@register_kernel(BACKWARD_OP, "native", supports=native_reads)
 def backward(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad):
     found = _features_plan(weights, features, per_sample_weights, pooling, padding_idx, layout)
     if found is None or grad.dtype != found[0].dtype:
-        return table_gradients(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse, psw_grad)
+        _reject(BACKWARD_OP, weights, per_sample_weights, True if found is None else f"a {grad.dtype} gradient")
     plan, rows, alive = found  # alive: the tensors meta points into
     grad, stride = _grad_rows(grad, weights, layout)
     tables = [w.new_empty((f.ids.numel(), w.shape[1]) if is_sparse else w.shape)
@@ -265,13 +307,14 @@ def _scratch(name: str, numel: int, dtype: torch.dtype) -> Tensor:
     return buffer
 
 
-@register_kernel(STEP_OP, "native")
+@register_kernel(STEP_OP, "native", supports=step_reads)
 def optimizer_step(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params):
-    distinct = len({w.data_ptr() for w in weights}) == len(weights)  # the kernel updates tables in parallel
     found = _features_plan(weights, features, per_sample_weights, pooling, padding_idx, layout)
-    if found is None or found[0].dtype != torch.float32 or grad.dtype != torch.float32 or not distinct:
-        return step_each_table(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params,
-                               fbgemm=False)
+    answer = step_reads(weights)
+    if answer is True and grad.dtype != torch.float32:
+        answer = f"a {grad.dtype} gradient: the optimizer step takes float32"
+    if found is None or answer is not True:
+        _reject(STEP_OP, weights, per_sample_weights, answer)
     plan, rows, alive = found  # alive: the tensors meta points into
     grad, stride = _grad_rows(grad, weights, layout)
     states, step_sizes = [], []

@@ -23,7 +23,7 @@
   (``reduce``; the flattened TorchRec ``FactorizationMachine`` is ``v = x.unsqueeze(-1)`` with ``reduce``).
 
 Kernels: ``reference`` (plain torch, the oracle), ``cpu`` (torch), ``native`` (C++, ``csrc/interaction.h``
-through ``runtime.interaction_native``; the ``cpu`` kernel where it cannot run), ``triton``. Backward
+through ``runtime.interaction_native``; chosen at compile time where it reads the inputs), ``triton``. Backward
 passes are ops of their own (``dot_interaction_backward``, ``cross_epilogue_backward``,
 ``cross_stack_backward``, ``cross_mixture_backward``, ``vector_cross_backward``, ``fm_second_order_backward``).
 """
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import interaction_native as native
-from runtime.kernels import KERNELS, get_kernel, register_kernel
+from runtime.kernels import get_kernel, native_supports, register_kernel, require
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,13 +110,16 @@ def _dot_interaction_cpu(features, prefix, upper, self_interaction):
     return pairs if prefix is None else torch.cat([prefix, pairs], 1)
 
 
-@register_kernel("dot_interaction", "native")
+def native_reads(**arguments) -> bool | str:
+    """``supports`` of the native kernels: every tensor argument is one the C++ operators read."""
+    return native_supports(native.NATIVE, *arguments.values())
+
+
+@register_kernel("dot_interaction", "native", supports=native_reads)
 def _dot_interaction_native(features, prefix, upper, self_interaction):
     """Only the needed pairs, read from the items in place and written after the prefix (csrc/interaction.h)."""
-    if not native.supports(*features, prefix):
-        return _dot_interaction_cpu(features, prefix, upper, self_interaction)
-    rows, cols = _pair_indices_cpu(num_features(features), upper, self_interaction)
-    return native.dot_interaction(features, prefix, rows, cols)
+    require("dot_interaction", "native", native_reads(features=features, prefix=prefix))
+    return native.dot_interaction(features, prefix, upper, self_interaction)
 
 
 @register_kernel("dot_interaction", "triton")
@@ -169,20 +172,16 @@ def dot_interaction_backward_reference(grad, features, k, upper, self_interactio
     return split_features(torch.bmm(g + g.transpose(1, 2), T), features)
 
 
-register_kernel("dot_interaction_backward", "reference")(dot_interaction_backward_reference)
+# The scatter and one bmm is the torch kernel of the backward on every device: the "cpu" and "triton" forwards'
+# backward (there is no Triton backward kernel; the lowering's descriptions say so).
+for _impl in ("reference", "cpu", "triton"):
+    register_kernel("dot_interaction_backward", _impl)(dot_interaction_backward_reference)
 
 
-@register_kernel("dot_interaction_backward", "native")
+@register_kernel("dot_interaction_backward", "native", supports=native_reads)
 def _dot_interaction_backward_native(grad, features, k, upper, self_interaction):
-    if not native.supports(grad, *features):
-        return dot_interaction_backward_reference(grad, features, k, upper, self_interaction)
-    rows, cols = _pair_indices_cpu(num_features(features), upper, self_interaction)
-    return native.dot_interaction_backward(grad, features, k, rows, cols)
-
-
-def backward_kernel(op: str, impl: str) -> Callable:
-    """The backward kernel of ``op`` paired with forward kernel ``impl``: its own, or the reference."""
-    return get_kernel(op, impl if impl in KERNELS[op] else "reference")
+    require("dot_interaction_backward", "native", native_reads(grad=grad, features=features))
+    return native.dot_interaction_backward(grad, features, k, upper, self_interaction)
 
 
 # The backward is an op of its own so that tracing it (aot_autograd, dynamic shapes) never builds the
@@ -191,7 +190,7 @@ def backward_kernel(op: str, impl: str) -> Callable:
 def dot_interaction_backward(
     grad: torch.Tensor, features: list[torch.Tensor], k: int, upper: bool, self_interaction: bool, impl: str
 ) -> list[torch.Tensor]:
-    kernel = backward_kernel("dot_interaction_backward", impl)
+    kernel = get_kernel("dot_interaction_backward", impl)
     return _unaliased(kernel(grad.contiguous(), features, k, upper, self_interaction))
 
 
@@ -244,11 +243,10 @@ def _cross_layer_cpu(x0, x, weight, bias, down):
     return torch.addcmul(x, x0, h)
 
 
-@register_kernel("cross_layer", "native")
+@register_kernel("cross_layer", "native", supports=native_reads)
 def _cross_layer_native(x0, x, weight, bias, down):
     """The matmul through torch (MKL), then bias, ``x0 *`` and ``+ x`` as one native pass."""
-    if not native.supports(x0, x, weight, bias, down):
-        return _cross_layer_cpu(x0, x, weight, bias, down)
+    require("cross_layer", "native", native_reads(x0=x0, x=x, weight=weight, bias=bias, down=down))
     z = x if down is None else torch.mm(x, down.t())
     return native.cross_epilogue(x0, x, torch.mm(z, weight.t()), bias)
 
@@ -310,7 +308,8 @@ def cross_epilogue_backward(
     grad: torch.Tensor, x0: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None, impl: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_h, grad_x0, grad_bias) of ``x0 * (h + bias) + x``; grad_bias is empty without a bias."""
-    if impl == "native" and native.supports(grad, x0, h, bias):
+    if impl == "native":
+        require("cross_epilogue_backward", impl, native_reads(grad=grad, x0=x0, h=h, bias=bias))
         grad_h, grad_x0, grad_bias = native.cross_epilogue_backward(grad, x0, h, bias)
     else:
         grad_h, grad_x0, grad_bias = _epilogue_grads_torch(grad, x0, h, bias)
@@ -378,10 +377,9 @@ def _cross_stack_reference_kernel(x0, x, weights, biases, downs, save):
 register_kernel("cross_stack", "cpu")(_cross_stack_torch)
 
 
-@register_kernel("cross_stack", "native")
+@register_kernel("cross_stack", "native", supports=native_reads)
 def _cross_stack_native(x0, x, weights, biases, downs, save):
-    if not native.supports(x0, x, *weights, *biases, *downs):
-        return _cross_stack_torch(x0, x, weights, biases, downs, save)
+    require("cross_stack", "native", native_reads(x0=x0, x=x, weights=weights, biases=biases, downs=downs))
     return native.cross_stack(x0, x, weights, biases, downs, save)
 
 
@@ -881,10 +879,11 @@ def _fm_cpu(v, reduce):
     return (out.sum(1, keepdim=True) if reduce else out).to(v.dtype)
 
 
-@register_kernel("fm_second_order", "native")
+@register_kernel("fm_second_order", "native", supports=native_reads)
 def _fm_native(v, reduce):
     """Sum and sum of squares per sample in one pass over the fields (csrc/interaction.h)."""
-    return native.fm_second_order(v, reduce) if native.supports(v) else _fm_cpu(v, reduce)
+    require("fm_second_order", "native", native_reads(v=v))
+    return native.fm_second_order(v, reduce)
 
 
 @register_kernel("fm_second_order", "triton")
@@ -919,7 +918,8 @@ def _fm_setup(ctx, inputs, output):
 @torch.library.custom_op("recompile::fm_second_order_backward", mutates_args=())
 def fm_second_order_backward(grad: torch.Tensor, v: torch.Tensor, reduce: bool, impl: str) -> torch.Tensor:
     """d out_d / d v_fd = sum_f v_fd - v_fd (an op, like the epilogue's: the native kernel reads pointers)."""
-    if impl == "native" and native.supports(grad, v):
+    if impl == "native":
+        require("fm_second_order_backward", impl, native_reads(grad=grad, v=v))
         return native.fm_second_order_backward(grad, v, reduce)
     g = grad.unsqueeze(1)  # [B, 1, D] or [B, 1, 1]
     return g * (v.sum(1, keepdim=True) - v)

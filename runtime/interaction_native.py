@@ -1,74 +1,32 @@
 """The native CPU kernels of the interaction ops (``csrc/interaction.h``, the C++ ops
-``torch.ops.recompile_native.{dot_interaction,cross_epilogue,fm_second_order,vector_cross}_{fwd,bwd}``).
+``torch.ops.recompile_native.dot_interaction[_backward]`` and ``{cross_epilogue,fm_second_order,vector_cross}_{fwd,bwd}``).
 
 Each function makes one op call (the whole batch, every feature, ``torch.get_num_threads()`` OpenMP threads);
-features are read in place through a table of their row pointers. ``available`` is False where the package was
-built without its native kernels; the ops then keep their torch kernels.
+features are read in place through a table of their row pointers that the C++ op builds from the list.
+``available`` is False where the package was built without its native kernels; the lowering then chooses their
+torch kernels.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from hkv.native import NativeLibrary, unit_stride_rows
+from hkv.native import NativeLibrary
 
 DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})  # the dtypes runtime/csrc/ops.cpp takes
 NATIVE = NativeLibrary("runtime._C", DTYPES)
-available, supports = NATIVE.available, NATIVE.supports
+available = NATIVE.available
 ops = torch.ops.recompile_native
 
 
-def feature_rows(items: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pointer of each feature's first row, row stride in elements) for items [B, D] or [B, n, D]."""
-    pointers, strides = [], []
-    for t in items:
-        size = t.element_size()
-        if t.dim() == 2:
-            pointers.append(t.data_ptr())
-            strides.append(t.stride(0))
-        else:
-            pointers.extend(t.data_ptr() + f * t.stride(1) * size for f in range(t.shape[1]))
-            strides.extend([t.stride(0)] * t.shape[1])
-    return torch.tensor(pointers, dtype=torch.int64), torch.tensor(strides, dtype=torch.int64)
+def dot_interaction(items, prefix, upper, self_interaction):
+    """The pairs after the prefix: one op call, which reads the items in place (their row pointers and the pair
+    ranges are built in C++)."""
+    return ops.dot_interaction(items, prefix, upper, self_interaction)
 
 
-@functools.lru_cache(maxsize=64)
-def row_ranges(rows: torch.Tensor, cols: torch.Tensor, num_features: int) -> torch.Tensor:
-    """[3, F] int32 (lo, hi, off): row r's pairs are the columns ``lo[r]:hi[r]``, written from ``off[r]`` on.
-    The pairs must come row by row with consecutive columns, as in each of the four triangle orders."""
-    rows, cols = rows.long(), cols.long()
-    counts = torch.bincount(rows, minlength=num_features)
-    off = torch.cumsum(counts, 0) - counts
-    lo = torch.zeros_like(counts).scatter_reduce_(0, rows, cols, "amin", include_self=False)
-    if not torch.equal(cols, lo[rows] + torch.arange(rows.numel()) - off[rows]):
-        raise ValueError("recompile.dot_interaction: the native kernel takes pairs row by row with consecutive columns")
-    return torch.stack([lo, lo + counts, off]).to(torch.int32)
-
-
-def dot_interaction(items, prefix, rows, cols):
-    items = [unit_stride_rows(t) for t in items]
-    batch, dim = items[0].shape[0], items[0].shape[-1]
-    pointers, strides = feature_rows(items)
-    ranges = row_ranges(rows, cols, pointers.numel())
-    k = 0 if prefix is None else prefix.shape[1]
-    prefix = None if prefix is None else unit_stride_rows(prefix)
-    out = items[0].new_empty(batch, k + rows.numel())
-    ops.dot_interaction_fwd(pointers, strides, batch, dim, prefix, 0 if prefix is None else prefix.stride(0), k,
-                            ranges, rows.numel(), out)
-    return out
-
-
-def dot_interaction_backward(grad, items, k, rows, cols):
+def dot_interaction_backward(grad, items, k, upper, self_interaction):
     """The gradients of the features, one contiguous tensor per item; ``grad`` is [B, k + P]."""
-    items = [unit_stride_rows(t) for t in items]
-    grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in items]
-    pairs = unit_stride_rows(grad[:, k:])
-    pointers, strides = feature_rows(items)
-    out_pointers, out_strides = feature_rows(grads)
-    ops.dot_interaction_bwd(pairs, pairs.stride(0), pointers, strides, out_pointers, out_strides, grad.shape[0],
-                            items[0].shape[-1], row_ranges(rows, cols, pointers.numel()))
-    return grads
+    return ops.dot_interaction_backward(grad, items, k, upper, self_interaction)
 
 
 def cross_epilogue(x0, x, h, bias, out=None, hb=None):

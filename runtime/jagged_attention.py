@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.jagged import BACKWARD_CHECK, BUCKET_RATIO, Bucket, check_offsets, checked_offsets, length_buckets
-from runtime.kernels import get_kernel, register_kernel
+from runtime.kernels import get_kernel, register_kernel, require
 
 # HSTU's log bucketization of time differences.
 TIME_BUCKET_BASE = 0.301

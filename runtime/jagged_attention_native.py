@@ -5,8 +5,8 @@ padding, scores never leave the cache.
 One call per direction for the whole batch, every head, with ``torch.get_num_threads()`` OpenMP threads.
 q, k, v and the gradient are read in place (any row and head strides, as the views of a fused projection
 have); f32, f16 and bf16 storage, float arithmetic. It runs integer timestamps (the time buckets by HSTU's
-bucket bounds, exactly); float timestamps, other dtypes or devices, or a package built without its native
-kernels take the ``cpu`` kernel.
+bucket bounds, exactly); ``supports`` says which inputs it takes (the lowering chooses the ``cpu`` kernel for float
+timestamps, other dtypes or devices, or a package built without its native kernels).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from hkv.native import NativeLibrary, unit_stride_rows
 from runtime.jagged_attention import time_bucket_edges
-from runtime.kernels import get_kernel, register_kernel
+from runtime.kernels import native_supports, register_kernel, require
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes runtime/csrc/ops.cpp hstu_attention takes
 VECTOR = 16  # the kernel's vector width in floats: rel_bias and timestamps carry this much zero padding
@@ -28,10 +28,14 @@ NATIVE = NativeLibrary("runtime._C", frozenset(DTYPES))
 available = NATIVE.available
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, timestamps: Optional[torch.Tensor]) -> bool:
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, timestamps: Optional[torch.Tensor] = None,
+             **_) -> bool | str:
     """CPU tensors of one dtype the kernel is built for, integer timestamps if any, and the library loads."""
-    return (q.dtype == k.dtype == v.dtype and (timestamps is None or not timestamps.is_floating_point())
-            and NATIVE.supports(q, k, v))
+    if not q.dtype == k.dtype == v.dtype:
+        return f"q, k, v of dtypes {q.dtype}, {k.dtype}, {v.dtype}: the kernel takes one dtype"
+    if timestamps is not None and timestamps.is_floating_point():
+        return f"{timestamps.dtype} timestamps: the kernel takes integer timestamps"
+    return native_supports(NATIVE, q, k, v)
 
 
 @functools.cache
@@ -75,17 +79,17 @@ def hstu_attention_backward(grad, q, k, v, offsets, max_seq_len, alpha, causal, 
     return [dq, dk, dv], [None if b is None else g.to(b.dtype) for g, b in ((drel, rel_bias), (dtime, time_bias))]
 
 
-@register_kernel("hstu_attention", "native")
+@register_kernel("hstu_attention", "native", supports=supports)
 def _hstu_attention_native(q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual, rel_bias,
                            timestamps, time_bias):
-    kernel = hstu_attention if supports(q, k, v, timestamps) else get_kernel("hstu_attention", "cpu")
-    return kernel(q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual, rel_bias, timestamps,
-                  time_bias)
+    require("hstu_attention", "native", supports(q, k, v, timestamps))
+    return hstu_attention(q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual, rel_bias, timestamps,
+                          time_bias)
 
 
-@register_kernel("hstu_attention_backward", "native")
+@register_kernel("hstu_attention_backward", "native", supports=supports)
 def _hstu_attention_backward_native(grad, q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual,
                                     rel_bias, timestamps, time_bias):
-    kernel = hstu_attention_backward if supports(q, k, v, timestamps) else get_kernel("hstu_attention_backward", "cpu")
-    return kernel(grad, q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual, rel_bias, timestamps,
-                  time_bias)
+    require("hstu_attention_backward", "native", supports(q, k, v, timestamps))
+    return hstu_attention_backward(grad, q, k, v, offsets, max_seq_len, alpha, causal, num_targets, contextual,
+                                   rel_bias, timestamps, time_bias)

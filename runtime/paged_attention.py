@@ -18,8 +18,8 @@ Kernels: ``reference`` rebuilds each whole sequence and runs ``hstu_attention``'
 ``native`` is the C++ kernel (``runtime/csrc/paged_attention.h``, ``torch.ops.recompile_native.hstu_paged_attention``:
 OpenMP over (user, head, query block), keys and values read tile by tile through the page table, f32 / f16 /
 bf16); ``cpu`` gathers each user's pages and runs the new rows against them as dense matmuls; ``triton`` runs
-one program per core over (query tile, head) items, reading keys through the page table (no time bias: that
-falls back to ``cpu``, as ``hstu_attention``'s Triton kernel does).
+one program per core over (query tile, head) items, reading keys through the page table (no time bias: its
+``supports`` says so, and the lowering chooses ``native`` or ``cpu`` then).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from hkv.native import unit_stride_rows
 from runtime import jagged_attention_native
 from runtime.jagged import check_offsets, jagged_positions
 from runtime.jagged_attention import hstu_attention_reference, time_bucket
-from runtime.kernels import get_kernel, register_kernel
+from runtime.kernels import get_kernel, register_kernel, require
 
 OP = "hstu_paged_attention"
 
@@ -140,24 +140,22 @@ def _own_key_terms(q, k, v, alpha, max_seq_len, rel_bias, timestamps, time_bias)
     return F.silu(own).unsqueeze(-1) * v
 
 
-def native_supports(q, k, v, k_cache, v_cache, timestamps) -> bool:
-    """CPU tensors of one dtype the native kernel is built for, integer timestamps, and the library loads."""
-    return (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
-            and (timestamps is None or not timestamps.is_floating_point())
-            and jagged_attention_native.NATIVE.supports(q, k, v, k_cache, v_cache))
+def native_supports(q, k, v, k_cache, v_cache, timestamps=None, **_) -> bool | str:
+    """``supports`` of the native kernel: CPU tensors of one dtype it is built for (the caches too), integer
+    timestamps, and the library loads."""
+    if not k_cache.dtype == v_cache.dtype == q.dtype:
+        return f"caches of dtypes {k_cache.dtype}, {v_cache.dtype} for {q.dtype} queries: the kernel takes one dtype"
+    return jagged_attention_native.supports(q, k, v, timestamps)
 
 
 def _int64(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.to(torch.int64).contiguous()
 
 
-@register_kernel(OP, "native")
+@register_kernel(OP, "native", supports=native_supports)
 def _native(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, alpha, num_targets,
             rel_bias, timestamps, ts_cache, time_bias):
-    if not native_supports(q, k, v, k_cache, v_cache, timestamps):
-        _check_values(offsets, k_cache, page_table, cached_lengths, max_seq_len, rel_bias)
-        return _cpu(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, alpha, num_targets,
-                    rel_bias, timestamps, ts_cache, time_bias)
+    require(OP, "native", native_supports(q, k, v, k_cache, v_cache, timestamps))
     pad = jagged_attention_native.VECTOR
     return torch.ops.recompile_native.hstu_paged_attention(
         *(unit_stride_rows(t) for t in (q, k, v)), _int64(offsets), k_cache.contiguous(), v_cache.contiguous(),
@@ -167,12 +165,15 @@ def _native(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_
         None if time_bias is None else jagged_attention_native.bucket_bounds(time_bias.numel() - 1))
 
 
-@register_kernel(OP, "triton")
+def triton_covers(time_bias=None, **_) -> bool | str:
+    """``supports`` of the Triton kernel: it takes no time bias (the lowering chooses the ``cpu`` kernel then)."""
+    return True if time_bias is None else "a time bias: the Triton kernel takes none"
+
+
+@register_kernel(OP, "triton", supports=triton_covers)
 def _triton(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, alpha, num_targets,
             rel_bias, timestamps, ts_cache, time_bias):
-    if time_bias is not None:
-        return _cpu(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, alpha, num_targets,
-                    rel_bias, timestamps, ts_cache, time_bias)
+    require(OP, "triton", triton_covers(time_bias))
     from runtime.triton_kernels.paged_attention import hstu_paged_attention_forward
 
     return hstu_paged_attention_forward(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len,

@@ -9,8 +9,8 @@ whose id equals the row's target (an accidental hit, left out). It is
 (``lse`` [N], not differentiable, is what the backward reads).
 
 Kernels: ``reference`` (torch, the spelling above, any device and dtype) and ``native`` (``csrc/sampled_softmax.h``,
-the C++ ops ``torch.ops.recompile_native.sampled_softmax_fwd/bwd``, float32 on CPU: hits found by binary search in the sorted negative ids, each row's passes in cache; other tensors
-take the reference).
+the C++ ops ``torch.ops.recompile_native.sampled_softmax_fwd/bwd``, float32 on CPU: hits found by binary search in the sorted negative ids, each row's passes in cache; the lowering
+chooses it where ``native_reads`` holds).
 """
 from __future__ import annotations
 
@@ -20,11 +20,15 @@ import torch
 from torch import Tensor
 
 from hkv.native import NativeLibrary
-from runtime.kernels import get_kernel, register_kernel
+from runtime.kernels import get_kernel, native_supports, register_kernel, require
 
 OP = "sampled_softmax_loss"
 NATIVE = NativeLibrary("runtime._C", frozenset({torch.float32}))  # the dtypes runtime/csrc/ops.cpp takes
-available, supports = NATIVE.available, NATIVE.supports
+available = NATIVE.available
+
+
+def native_reads(pos, neg, **_) -> bool | str:
+    return native_supports(NATIVE, pos, neg)
 
 
 def _logits(pos, neg, neg_ids, target_ids, scale):
@@ -57,17 +61,15 @@ def _problem(pos, neg, neg_ids, target_ids):
     return pos.contiguous(), neg.contiguous(), sorted_ids, order, target_ids.to(torch.int64).contiguous()
 
 
-@register_kernel(OP, "native")
+@register_kernel(OP, "native", supports=native_reads)
 def _native(pos, neg, neg_ids, target_ids, scale):
-    if not NATIVE.supports(pos, neg):
-        return _reference(pos, neg, neg_ids, target_ids, scale)
+    require(OP, "native", native_reads(pos, neg))
     return torch.ops.recompile_native.sampled_softmax_fwd(*_problem(pos, neg, neg_ids, target_ids), scale)
 
 
-@register_kernel(OP + "_backward", "native")
+@register_kernel(OP + "_backward", "native", supports=native_reads)
 def _native_backward(grad, pos, neg, neg_ids, target_ids, lse, scale):
-    if not NATIVE.supports(grad, pos, neg, lse):
-        return _reference_backward(grad, pos, neg, neg_ids, target_ids, lse, scale)
+    require(OP + "_backward", "native", native_supports(NATIVE, grad, pos, neg, lse))
     pos, neg, sorted_ids, order, targets = _problem(pos, neg, neg_ids, target_ids)
     return torch.ops.recompile_native.sampled_softmax_bwd(grad, pos, neg, sorted_ids, order, targets, lse, scale)
 

@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import recompile
+from recompile.lowering import choose, detect_target
 from runtime.dropout import SEED_BOUND, dropout_reference, keep_mask
+from runtime.kernels import UnsupportedInputs
 
 dropout = torch.ops.recompile.dropout
 
@@ -52,8 +54,12 @@ def test_masks_depend_on_the_seed_only():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_other_dtypes_take_the_reference(dtype):
+    """The lowering chooses the reference for them (the native kernel refuses them, naming the dtype)."""
     x = torch.randn(40, 8).to(dtype)
-    got = dropout(x, 0.25, _seed(), "native")
+    assert choose("recompile::dropout", detect_target("cpu"), x, 0.25, _seed()).impl == "reference"
+    with pytest.raises(UnsupportedInputs, match=f"recompile::dropout: kernel 'native'.*{str(dtype)[6:]}"):
+        dropout(x, 0.25, _seed(), "native")
+    got = dropout(x, 0.25, _seed(), "reference")
     assert got.dtype == dtype and torch.equal(got, dropout_reference(x, 0.25, _seed()))
     kept = keep_mask(x.shape, 0.25, _seed())
     assert torch.equal(got[~kept], torch.zeros_like(got[~kept]))
@@ -76,8 +82,8 @@ def test_the_backward_is_the_same_mask(impl):
     weights = torch.randn(50, 7)
     (dropout(x, 0.4, _seed(), impl) * weights).sum().backward()
     torch.testing.assert_close(x.grad, weights * keep_mask(x.shape, 0.4, _seed()) / 0.6)
-    x64 = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: dropout(t, 0.4, _seed(), impl), (x64,))
+    x64 = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)  # float64: the reference's (native: float32)
+    assert torch.autograd.gradcheck(lambda t: dropout(t, 0.4, _seed(), "reference"), (x64,))
     torch.library.opcheck(dropout.default, (x.detach().requires_grad_(), 0.4, _seed(), impl))
 
 

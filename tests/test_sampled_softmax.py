@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import recompile
+from recompile.lowering import choose, detect_target
+from runtime.kernels import UnsupportedInputs
 
 loss_op = torch.ops.recompile.sampled_softmax_loss
 
@@ -48,9 +50,14 @@ def test_every_negative_a_hit_leaves_the_positive_alone():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_other_dtypes_take_the_reference(dtype):
+    """The lowering chooses the reference for them (the native kernel refuses them, naming the dtype)."""
     pos, neg = torch.randn(5, 1, dtype=dtype), torch.randn(5, 9, dtype=dtype)
     ids, targets = torch.randint(0, 4, (9,)), torch.randint(0, 4, (5,))
-    got = loss_op(pos, neg, ids, targets, 3.0, "native")[0]
+    chosen = choose("recompile::sampled_softmax_loss", detect_target("cpu"), pos, neg, ids, targets, 3.0)
+    assert chosen.impl == "reference"
+    with pytest.raises(UnsupportedInputs, match=f"kernel 'native'.*{str(dtype)[6:]}"):
+        loss_op(pos, neg, ids, targets, 3.0, "native")
+    got = loss_op(pos, neg, ids, targets, 3.0, "reference")[0]
     assert got.dtype == dtype
     tolerance = 1e-7 if dtype == torch.float64 else 2e-2  # the eager loss accumulates half types in float
     torch.testing.assert_close(got, eager_loss(pos, neg, ids, targets, 3.0), rtol=tolerance, atol=tolerance)

@@ -7,9 +7,11 @@ native_runs = native_on_cpu(interaction_native.available)  # runtime/csrc/intera
 
 register_lowering(
     "recompile::dot_interaction",
-    Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.dot_interaction"),
-    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.h: blocked GEMM of the needed pairs, features read in place"),
-    Impl("cpu", "cpu_kernel", on_cpu, "bmm + index_select of the pairs"),
+    Impl("triton", "triton", has_triton, "runtime.triton_kernels.interaction.dot_interaction (backward: the pair "
+                                         "gradients scattered, one bmm, in torch)"),
+    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.h: blocked GEMM of the needed pairs, features read in "
+                                              "place (backward too)"),
+    Impl("cpu", "cpu_kernel", on_cpu, "bmm + index_select of the pairs (backward: scatter + bmm)"),
     reference("runtime.interaction.dot_interaction_reference"),
 )
 register_lowering(

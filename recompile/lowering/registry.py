@@ -1,10 +1,13 @@
-"""The lowering registry: for each custom op, its implementations per target in order of preference, and
-the op's facts.
+"""The kernel registry: for each custom op, its kernels per target in order of preference, and the op's facts.
 
-An entry names a kernel (the op's ``impl`` argument: a name in ``runtime.kernels`` for ``recompile::`` ops, in
-``hkv.kernels`` for ``hkv::`` ops; ``kernel_of`` resolves it), what kind it is, and when a target can run it.
-``choose`` walks the list and takes the first the target can run, so the usual order is: library op, Triton
-kernel, CPU kernel, reference.
+An entry (``register_lowering``) lists an op's implementations, most preferred first, each naming a kernel of the
+op in ``runtime.kernels`` (the one table of kernels, keyed by the op: ``recompile::`` ops register theirs beside
+the op, ``hkv::lookup``'s probe kernels are registered by ``recompile.lowering.hkv``), what kind it is, when a
+target can run it, and what it does. ``choose(op, target, *args)`` walks the list and takes the first
+implementation the target runs whose kernel ``supports`` the op's arguments (fake tensors at compile time): that
+is the kernel recorded in the graph and in the report, and the one that runs (kernels raise on inputs they do not
+support rather than hand the call to another). The usual order: library op, Triton kernel, CPU kernels,
+reference. A backward op runs the kernel of the same name its forward chose.
 
 ``op_facts(op)`` says what the autotuner and ``verify`` must know about an op without reading its name: whether
 it draws random numbers (declared here, or ATen's ``torch.Tag.nondeterministic_seeded``), changes state the graph
@@ -13,18 +16,19 @@ does not own, checks ids against ``options.bounds_check``, or updates parameters
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from recompile.lowering.targets import Target
+from runtime.kernels import get_kernel, why_not
 
 KINDS = ("library", "triton", "cpu_kernel", "aten", "reference")
 
 
 @dataclass(frozen=True)
 class Impl:
-    impl: str  # the kernel's name in runtime.kernels
+    impl: str  # the kernel's name among the op's kernels in runtime.kernels
     kind: str  # one of KINDS
     runs_on: Callable[[Target], bool]
     describe: str  # what runs, for reports: "torch.ops.fbgemm.asynchronous_complete_cumsum"
@@ -90,28 +94,50 @@ def ops_where(fact: str) -> frozenset[str]:
 
 
 def kernel_of(op: str, impl: Impl) -> Callable:
-    """The callable ``impl`` names for ``op``: a ``runtime.kernels`` entry, or ``hkv.kernels``' probe."""
+    """The callable ``impl`` names for ``op`` (its entry in ``runtime.kernels``)."""
+    return get_kernel(op, impl.impl)
+
+
+def overload(op: str) -> torch._ops.OpOverload:
     namespace, name = op.split("::")
-    if namespace == "hkv":
-        from hkv.kernels import LOCATE
-
-        return LOCATE[impl.impl]
-    from runtime.kernels import get_kernel
-
-    return get_kernel(name, impl.impl)
+    return getattr(getattr(torch.ops, namespace), name).default
 
 
-def candidates(op: str, target: Target) -> list[Impl]:
-    """Every implementation of ``op`` the target can run, most preferred first."""
+def bind(op: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``op``'s arguments by their schema names (defaults filled in), from a call's ``args`` and ``kwargs``."""
+    schema = overload(op)._schema.arguments
+    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
+    bound.update(zip((a.name for a in schema), args))
+    bound.update(kwargs)
+    return bound
+
+
+def unsupported(op: str, impl: Impl, arguments: dict[str, Any]) -> str | None:
+    """Why ``impl``'s kernel does not take ``arguments`` (bound by ``bind``), or None when it does."""
+    return why_not(op, impl.impl, **arguments)
+
+
+def candidates(op: str, target: Target, *args: Any, **kwargs: Any) -> list[Impl]:
+    """Every implementation of ``op`` the target can run, most preferred first; given the op's arguments (fake
+    tensors), only those whose kernel supports them."""
     try:
         impls = LOWERINGS[op]
     except KeyError:
         raise KeyError(f"no lowering registered for {op!r}; known: {sorted(LOWERINGS)}") from None
-    return [impl for impl in impls if impl.runs_on(target)]
+    runnable = [impl for impl in impls if impl.runs_on(target)]
+    if not args and not kwargs:
+        return runnable
+    arguments = bind(op, args, kwargs)
+    return [impl for impl in runnable if unsupported(op, impl, arguments) is None]
 
 
-def choose(op: str, target: Target) -> Impl:
-    return candidates(op, target)[0]
+def choose(op: str, target: Target, *args: Any, **kwargs: Any) -> Impl:
+    """The implementation of ``op`` to run on ``target``: the first it can run whose kernel supports the op's
+    arguments ``args``/``kwargs`` (fake tensors at compile time; none given: the target decides alone)."""
+    found = candidates(op, target, *args, **kwargs)
+    if not found:
+        raise ValueError(f"{op}: no kernel on {target.name} supports these arguments (not even the reference)")
+    return found[0]
 
 
 # Predicates the tables share.

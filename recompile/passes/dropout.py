@@ -72,7 +72,12 @@ def dropout(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for node, p in each_match(gm, dropout_rate):
         x = node.args[0]
         with graph.inserting_before(node):
-            out = graph.call_function(torch.ops.recompile.dropout.default, (x, p, _seed(graph, x), impl.impl))
+            seed = _seed(graph, x)
+            impl = ctx.lower("recompile::dropout", x, p, seed)
+            if impl.kind == "reference":  # no kernel of ours reads x: eager's dropout stays
+                graph.erase_node(seed)
+                continue
+            out = graph.call_function(torch.ops.recompile.dropout.default, (x, p, seed, impl.impl))
         ctx.record_region("dropout", [node], "recompile::dropout", impl)
         replace_node(node, out)
     return gm

@@ -73,7 +73,7 @@ def _shareable(lookups, order):
 
 def _lower_table(graph: fx.Graph, table_id: int, train: bool, weight: fx.Node, lookups, on_host: bool,
                  ctx: PassContext) -> None:
-    impl = ctx.lower(OP)
+    impl = ctx.lower(OP, table_id=table_id)
     with graph.inserting_before(lookups[0][0]):
         ids = [args["ids"] for _, args in lookups]
         all_ids = ids[0] if len(ids) == 1 else graph.call_function(torch.cat, (ids,))

@@ -333,18 +333,18 @@ def _grouped_call(gm: fx.GraphModule, ctx: PassContext, run: list[Lookup], layou
                   consumer: fx.Node | None = None) -> fx.Node:
     """One grouped call for ``run``; the region it records replaces the lookups and the ``consumer`` they fed."""
     graph = gm.graph
-    impl = ctx.lower(OP)
     no_weights = _no_weights(graph, run[0].table)
     psw = [x.per_sample_weights or no_weights for x in run]
     names = ",".join(feature_name(x.weight) for x in run)
     lookup = ([x.weight for x in run], [x.indices for x in run], [x.offsets for x in run], psw,
               [x.pooling for x in run], [x.padding_idx for x in run], [x.include_last_offset for x in run])
+    impl = ctx.lower(OP, *lookup)
     optimizer = ctx.options.embedding_optimizer
     if optimizer is None:
         args = (*lookup, [x.sparse for x in run], layout, names, ctx.options.bounds_check, impl.impl)
         grouped = _call(graph, torch.ops.recompile.grouped_embedding_bag.default, args)
     else:
-        step = ctx.lower("recompile::embedding_optimizer_step")
+        step = ctx.lower("recompile::embedding_optimizer_step", weights=lookup[0])
         args = (_trigger(gm, run[0].table), *lookup, layout, names, ctx.options.bounds_check,
                 embedding_optimizer_spec(optimizer), step.impl, impl.impl)
         grouped = _call(graph, torch.ops.recompile.grouped_embedding_bag_fused.default, args)

@@ -182,7 +182,7 @@ def _replace(match: Match, anchor: fx.Node, op: str, args: tuple, replaced: list
     """Replace ``anchor`` by ``op(*args)`` (or ``f(op(*args), *rest)`` for ``then = (f, *rest)``) and erase the
     ``replaced`` nodes left unused. The pass context is the running pass's (``_CONTEXT``)."""
     ctx = _CONTEXT.get()
-    impl = ctx.lower(op)
+    impl = ctx.lower(op, *args)
     graph = anchor.graph
     with graph.inserting_before(anchor):
         call = new = graph.call_function(getattr(torch.ops.recompile, op.split("::")[1]).default, (*args, impl.impl))
@@ -494,7 +494,7 @@ def _replace_chain(gm: fx.GraphModule, ctx: PassContext, chain: list[fx.Node], o
     """Replace ``chain`` by one ``op(*args)`` (its ``output``-th result for a tuple), whose region takes over the
     layers' regions."""
     last = chain[-1]
-    impl = ctx.lower(op)
+    impl = ctx.lower(op, *args)
     graph = gm.graph
     with graph.inserting_before(last):
         call = out = graph.call_function(getattr(torch.ops.recompile, op.split("::")[1]).default, (*args, impl.impl))

@@ -83,7 +83,7 @@ def _rewrite_offsets(gm: fx.GraphModule, ctx: PassContext) -> None:
         lengths = _offsets_source(pad)
         if lengths is None:
             continue
-        impl = ctx.lower(op)
+        impl = ctx.lower(op, lengths)
         cumsum = pad.args[0]
         with gm.graph.inserting_before(pad):
             offsets = gm.graph.call_function(torch.ops.recompile.complete_cumsum.default, (lengths, impl.impl))
@@ -488,7 +488,7 @@ class Lifter:
         else:
             op = "recompile::jagged_softmax_attention"
             args = (q, k, v, region.offsets, match.alpha, causal)
-        impl = self.ctx.lower(op)
+        impl = self.ctx.lower(op, *args)
         target = getattr(torch.ops.recompile, op.split("::")[1]).default
         twin = self.emit(node, target, (*args, impl.impl), self.checked)
         self.attention_regions.append((twin, op, impl, list(match.nodes)))

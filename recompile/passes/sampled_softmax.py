@@ -117,6 +117,9 @@ def sampled_softmax(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     graph = gm.graph
     for node, args in each_match(gm, match):
+        impl = ctx.lower("recompile::sampled_softmax_loss", *args)
+        if impl.kind == "reference":  # no kernel of ours reads these logits: the graph stays
+            continue
         chain = _chain(node, args)
         replaced = [n for n in graph.nodes if n in chain]
         with graph.inserting_before(node):

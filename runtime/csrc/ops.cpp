@@ -5,8 +5,8 @@
  * chosen when the library loaded (kernels.h). The ops are called by runtime/*_native.py, runtime/dropout.py and
  * runtime/sampled_softmax.py, whose Python custom ops (torch.ops.recompile.*) keep their references, fakes and
  * autograd; ``dropout`` and the functional ops here also stand alone (torch.export keeps them as
- * torch.ops.recompile_native.*, callable from C++ once this library is loaded). A few ops (the grouped embedding
- * ones, the interaction backward) read tables of data pointers built by their Python callers, as the kernels do. */
+ * torch.ops.recompile_native.*, callable from C++ once this library is loaded). The grouped embedding ops read
+ * tables of data pointers built by their Python callers; dot_interaction builds its tables here, from its lists. */
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -19,6 +19,8 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <vector>
+#include <algorithm>
 
 #include "kernels.h"
 
@@ -123,26 +125,104 @@ void geb_optimizer_step(int64_t tables, const Tensor &meta, int64_t batch, const
         }                                                                                                      \
     } while (0)
 
-void dot_interaction_fwd(const Tensor &feat, const Tensor &stride, int64_t batch, int64_t dim, const OptTensor &prefix,
-                         int64_t prefix_stride, int64_t k, const Tensor &ranges, int64_t pairs, const Tensor &out) {
-    check(out, "dot_interaction_fwd", "out", FLOATS);
-    check(prefix, "dot_interaction_fwd", "prefix", {out.scalar_type()});
-    check(ranges, "dot_interaction_fwd", "ranges", {I32});
-    const int64_t F = feat.numel();
-    const int32_t *r = ptr<int32_t>(ranges);
-    BY_DTYPE(out.scalar_type(), dot_interaction_fwd, T, ptr<int64_t>(feat), ptr<int64_t>(stride), F, batch, dim,
-             ptr<const T>(prefix), prefix_stride, k, r, r + F, r + 2 * F, pairs, ptr<T>(out), threads());
+/* dot_interaction's argument tables, built here per call (no Python list or tensor per call): each feature's
+ * first-row pointer and row stride (a [B, n, D] item is n features), and the pair ranges of the output order
+ * (row r's pairs are columns [lo[r], hi[r]) written from off[r] on, for triu_indices(F, F, 1) (upper) or
+ * tril_indices(F, F, -1), the diagonal too with self_interaction). */
+bool plain_cpu(const Tensor &t, std::initializer_list<at::ScalarType> dtypes);
+
+struct FeatureRows {
+    std::vector<int64_t> pointer, stride;
+    std::vector<Tensor> alive;  // unit-stride copies the pointers point into
+
+    void add(Tensor t) {
+        if (t.stride(-1) != 1 && t.size(-1) > 1) t = t.contiguous();
+        const int64_t size = t.element_size();
+        const auto base = reinterpret_cast<int64_t>(t.data_ptr());
+        for (int64_t f = 0; f < (t.dim() == 2 ? 1 : t.size(1)); f++) {
+            pointer.push_back(base + (t.dim() == 2 ? 0 : f * t.stride(1) * size));
+            stride.push_back(t.stride(0));
+        }
+        alive.push_back(std::move(t));
+    }
+};
+
+std::vector<int32_t> pair_ranges(int64_t F, bool upper, bool self_interaction) {
+    std::vector<int32_t> r(3 * F);
+    int32_t off = 0;
+    for (int64_t i = 0; i < F; i++) {
+        const int32_t lo = upper ? i + !self_interaction : 0, hi = upper ? F : i + self_interaction;
+        r[i] = lo, r[F + i] = hi, r[2 * F + i] = off;
+        off += std::max(hi - lo, 0);
+    }
+    return r;
 }
 
-void dot_interaction_bwd(const Tensor &grad, int64_t grad_stride, const Tensor &feat, const Tensor &stride,
-                         const Tensor &out, const Tensor &out_stride, int64_t batch, int64_t dim, const Tensor &ranges) {
-    check(grad, "dot_interaction_bwd", "grad", FLOATS);
-    check(ranges, "dot_interaction_bwd", "ranges", {I32});
-    const int64_t F = feat.numel();
-    const int32_t *r = ptr<int32_t>(ranges);
-    BY_DTYPE(grad.scalar_type(), dot_interaction_bwd, T, ptr<const T>(grad), grad_stride, ptr<int64_t>(feat),
-             ptr<int64_t>(stride), ptr<int64_t>(out), ptr<int64_t>(out_stride), F, batch, dim, r, r + F, r + 2 * F,
-             threads());
+int64_t num_pairs(int64_t F, bool self_interaction) { return F * (F + (self_interaction ? 1 : -1)) / 2; }
+
+/* The features' rows; ``plain``: false for anything but plain CPU tensors of one kernel dtype, [B, D] or
+ * [B, n, D], of one B and D (the below-autograd entry then leaves the call to the Python op), else such
+ * tensors are required. */
+bool dot_features(at::ArrayRef<Tensor> items, FeatureRows &rows, bool plain) {
+    TORCH_CHECK_VALUE(plain || !items.empty(), "recompile_native.dot_interaction: no features");
+    if (items.empty()) return false;
+    const Tensor &first = items[0];
+    for (const Tensor &t : items) {
+        const bool ok = (plain ? plain_cpu(t, FLOATS) : t.device().is_cpu()) && t.scalar_type() == first.scalar_type() &&
+                        (t.dim() == 2 || t.dim() == 3) && t.size(0) == first.size(0) && t.size(-1) == first.size(-1);
+        if (plain && !ok) return false;
+        TORCH_CHECK_VALUE(ok, "recompile_native.dot_interaction: features must be CPU [B, D] or [B, n, D] tensors of "
+                              "one B, D and dtype");
+        rows.add(t);
+    }
+    if (!plain) check(first, "dot_interaction", "features", FLOATS);
+    return true;
+}
+
+/* The needed pairs of the features (runtime.interaction.dot_interaction), after the prefix. */
+Tensor dot_interaction(at::ArrayRef<Tensor> items, const OptTensor &prefix_, bool upper, bool self_interaction) {
+    FeatureRows rows;
+    dot_features(items, rows, false);
+    const Tensor &first = rows.alive[0];
+    const int64_t B = first.size(0), D = first.size(-1), F = rows.pointer.size();
+    OptTensor prefix = prefix_ && prefix_->defined() ? prefix_ : std::nullopt;
+    if (prefix) {
+        check(*prefix, "dot_interaction", "prefix", {first.scalar_type()});
+        TORCH_CHECK_VALUE(prefix->dim() == 2 && prefix->size(0) == B, "recompile_native.dot_interaction: prefix must "
+                          "be [B, K] with B = ", B);
+        if (prefix->stride(-1) != 1 && prefix->size(1) > 1) prefix = prefix->contiguous();
+    }
+    const int64_t k = prefix ? prefix->size(1) : 0, pairs = num_pairs(F, self_interaction);
+    const std::vector<int32_t> r = pair_ranges(F, upper, self_interaction);
+    Tensor out = at::empty({B, k + pairs}, first.options());
+    BY_DTYPE(first.scalar_type(), dot_interaction_fwd, T, rows.pointer.data(), rows.stride.data(), F, B, D,
+             ptr<const T>(prefix), prefix ? prefix->stride(0) : 0, k, r.data(), r.data() + F, r.data() + 2 * F, pairs,
+             ptr<T>(out), threads());
+    return out;
+}
+
+/* The features' gradients (contiguous, one per item) from ``grad`` [B, k + P]. */
+std::vector<Tensor> dot_interaction_backward(const Tensor &grad, at::ArrayRef<Tensor> items, int64_t k, bool upper,
+                                             bool self_interaction) {
+    FeatureRows rows, grads;
+    dot_features(items, rows, false);
+    const Tensor &first = rows.alive[0];
+    const int64_t B = first.size(0), D = first.size(-1), F = rows.pointer.size();
+    check(grad, "dot_interaction_backward", "grad", {first.scalar_type()});
+    TORCH_CHECK_VALUE(grad.dim() == 2 && grad.size(0) == B && grad.size(1) == k + num_pairs(F, self_interaction),
+                      "recompile_native.dot_interaction_backward: grad must be [B, k + pairs]");
+    Tensor pair_grads = grad.slice(1, k);
+    if (pair_grads.stride(-1) != 1 && pair_grads.size(1) > 1) pair_grads = pair_grads.contiguous();
+    std::vector<Tensor> out;
+    for (const Tensor &t : rows.alive) {
+        out.push_back(at::empty(t.sizes(), t.options()));
+        grads.add(out.back());
+    }
+    const std::vector<int32_t> r = pair_ranges(F, upper, self_interaction);
+    BY_DTYPE(first.scalar_type(), dot_interaction_bwd, T, ptr<const T>(pair_grads), pair_grads.stride(0),
+             rows.pointer.data(), rows.stride.data(), grads.pointer.data(), grads.stride.data(), F, B, D, r.data(),
+             r.data() + F, r.data() + 2 * F, threads());
+    return out;
 }
 
 void cross_epilogue_fwd(const Tensor &x0, const Tensor &x, const Tensor &h, const OptTensor &bias, const Tensor &out,
@@ -476,6 +556,112 @@ bool vector_cross_backward_native(torch::jit::Stack *stack) {
                     bias ? vector_grads(*grad_bias, biases, D) : std::vector<Tensor>());
 }
 
+/* recompile::dot_interaction(Tensor[] features, Tensor? prefix, bool upper, bool self_interaction, str impl) */
+bool dot_interaction_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 5);
+    const std::vector<Tensor> items = a[0].toTensorVector();
+    FeatureRows rows;
+    if (a[4].toStringRef() != "native" || !dot_features(items, rows, true)) return false;
+    OptTensor prefix = a[1].isNone() ? std::nullopt : OptTensor(a[1].toTensor());
+    if (prefix && (!plain_cpu(*prefix, {items[0].scalar_type()}) || prefix->dim() != 2 ||
+                   prefix->size(0) != items[0].size(0)))
+        return false;
+    return returned(stack, 5, dot_interaction(items, prefix, a[2].toBool(), a[3].toBool()));
+}
+
+/* recompile::dot_interaction_backward(Tensor grad, Tensor[] features, int k, bool upper, bool self_interaction,
+ * str impl) -> Tensor[] */
+bool dot_interaction_backward_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 6);
+    const std::vector<Tensor> items = a[1].toTensorVector();
+    FeatureRows rows;
+    if (a[5].toStringRef() != "native" || !dot_features(items, rows, true)) return false;
+    const Tensor grad = a[0].toTensor();
+    const int64_t k = a[2].toInt(), pairs = num_pairs(rows.pointer.size(), a[4].toBool());
+    if (!plain_cpu(grad, {items[0].scalar_type()}) || grad.dim() != 2 || grad.size(0) != items[0].size(0) ||
+        grad.size(1) != k + pairs)
+        return false;
+    return returned(stack, 6, dot_interaction_backward(grad, items, k, a[3].toBool(), a[4].toBool()));
+}
+
+/* recompile::grouped_embedding_bag(Tensor[] weights, Tensor[] indices, Tensor?[] offsets, Tensor[] per_sample_weights,
+ * int[] pooling, int[] padding_idx, bool[] include_last_offset, bool[] sparse, str layout, str names,
+ * str bounds_check, str impl) -> Tensor: the "native" forward with its table of tables (embedding.h's meta rows,
+ * as runtime/embedding_native.py's _Plan writes them) built here. Anything but plain CPU tensors the kernels read
+ * as given, and any id or offset the kernel marks, goes on to the Python op (its checks raise or warn, naming the
+ * feature; it makes what it can read as given). */
+enum Meta { W_PTR, ROWS, DIM, W_STRIDE, IDS, N_IDS, OFFS, N_OFFS, PSW, POOLING, PAD, OUT_AT, FLAGS, META };
+constexpr int64_t IDS_I64 = 1, OFFS_I64 = 2, LAST_OFFSET = 4, DTYPE_SHIFT = 3, NONE_POOLING = 2, GRAIN = 2048,
+                  STREAM_BYTES = 4 << 20;
+
+bool grouped_embedding_bag_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 12);
+    if (a[11].toStringRef() != "native") return false;
+    const std::vector<Tensor> weights = a[0].toTensorVector(), indices = a[1].toTensorVector(),
+                              psws = a[3].toTensorVector();
+    const auto offsets = a[2].toListRef();
+    const std::vector<int64_t> pooling = a[4].toIntVector(), padding = a[5].toIntVector();
+    const c10::List<bool> flags_last = a[6].toBoolList();
+    std::vector<bool> last(flags_last.begin(), flags_last.end());
+    const std::string &layout = a[8].toStringRef();
+    const size_t n = weights.size();
+    if (n == 0 || indices.size() != n || offsets.size() != n || psws.size() != n || pooling.size() != n ||
+        padding.size() != n || last.size() != n)
+        return false;
+    const at::ScalarType dtype = weights[0].scalar_type();
+    const int64_t type_flags = (dtype == F32 ? 0 : dtype == F16 ? 1 : 2) << DTYPE_SHIFT;
+    const bool sequence = layout == "sequence", stacked = layout == "stack";
+    if (!sequence && !stacked && layout != "concat") return false;
+    std::vector<int64_t> meta(META * n, 0);
+    int64_t batch = -1, looked_up = 0, width = 0;
+    for (size_t t = 0; t < n; t++) {
+        const Tensor &w = weights[t], &ids = indices[t], &psw = psws[t];
+        if (!plain_cpu(w, {dtype}) || w.dim() != 2 || w.stride(1) != 1 || !plain_cpu(ids, {I64, I32}) ||
+            !ids.is_contiguous() || (layout != "concat" && w.size(1) != weights[0].size(1)))
+            return false;
+        int64_t *row = meta.data() + META * t, bags, flags = ids.scalar_type() == I64 ? IDS_I64 : 0;
+        if (offsets[t].isNone()) {
+            if (ids.dim() == 2) bags = ids.size(0), row[N_OFFS] = ids.size(1);
+            else if (ids.dim() == 1 && pooling[t] == NONE_POOLING) bags = ids.size(0), row[N_OFFS] = 1;
+            else return false;
+        } else {
+            const Tensor offs = offsets[t].toTensor();
+            if (!plain_cpu(offs, {I64, I32}) || ids.dim() != 1 || offs.dim() != 1 || !offs.is_contiguous() ||
+                (offs.numel() == 0 && (last[t] || ids.numel())))
+                return false;
+            bags = offs.size(0) - last[t];
+            row[OFFS] = reinterpret_cast<int64_t>(offs.data_ptr()), row[N_OFFS] = offs.size(0);
+            flags |= (offs.scalar_type() == I64 ? OFFS_I64 : 0) | (last[t] ? LAST_OFFSET : 0);
+        }
+        if (batch >= 0 && bags != batch && !sequence) return false;
+        batch = bags;
+        if (psw.numel()) {
+            if (!plain_cpu(psw, {dtype}) || psw.sizes() != ids.sizes() || !psw.is_contiguous()) return false;
+            row[PSW] = reinterpret_cast<int64_t>(psw.data_ptr());
+        }
+        row[W_PTR] = reinterpret_cast<int64_t>(w.data_ptr()), row[ROWS] = w.size(0), row[DIM] = w.size(1);
+        row[W_STRIDE] = w.stride(0), row[POOLING] = pooling[t], row[PAD] = padding[t];
+        row[IDS] = reinterpret_cast<int64_t>(ids.data_ptr()), row[N_IDS] = ids.numel(), row[FLAGS] = flags | type_flags;
+        row[OUT_AT] = sequence ? looked_up : stacked ? t * w.size(1) : width;
+        looked_up += ids.numel(), width += w.size(1);
+    }
+    if (batch < 0) return false;
+    const int64_t dim = weights[0].size(1), rows = sequence ? looked_up : batch;
+    const int64_t stride = stacked ? n * dim : sequence ? dim : width;
+    Tensor out = stacked ? at::empty({rows, (int64_t)n, dim}, weights[0].options())
+                         : at::empty({rows, sequence ? dim : width}, weights[0].options());
+    std::vector<int64_t> err(n, 0);
+    const int nthreads = (int)std::max<int64_t>(1, std::min<int64_t>(threads(), looked_up / GRAIN));
+    if (sequence)
+        kernels().geb_forward_sequence(n, meta.data(), ptr(out), stride, err.data(), nthreads);
+    else
+        kernels().geb_forward_pooled(n, meta.data(), rows, ptr(out), stride, err.data(),
+                                     out.numel() * out.element_size() > STREAM_BYTES, nthreads);
+    for (int64_t e : err)
+        if (e) return false;  // the Python op runs the checks: they raise or warn naming the feature
+    return returned(stack, 12, out);
+}
+
 template <bool (*native)(torch::jit::Stack *)>
 void below_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
     /* a dispatch mode (Python), functionalization or vmap in the keys: the Python implementation */
@@ -506,10 +692,9 @@ TORCH_LIBRARY(recompile_native, m) {
     m.def("geb_optimizer_step(int tables, Tensor meta, int batch, Tensor grad, int grad_stride, int kind, "
           "Tensor hyper, Tensor state, Tensor step_size, Tensor(a!) sums, Tensor(b!) touched, Tensor(c!) slots, "
           "Tensor(d!) err) -> ()");
-    m.def("dot_interaction_fwd(Tensor feat, Tensor stride, int batch, int dim, Tensor? prefix, int prefix_stride, "
-          "int k, Tensor ranges, int pairs, Tensor(a!) out) -> ()");
-    m.def("dot_interaction_bwd(Tensor grad, int grad_stride, Tensor feat, Tensor stride, Tensor out, "
-          "Tensor out_stride, int batch, int dim, Tensor ranges) -> ()");
+    m.def("dot_interaction(Tensor[] features, Tensor? prefix, bool upper, bool self_interaction) -> Tensor");
+    m.def("dot_interaction_backward(Tensor grad, Tensor[] features, int k, bool upper, bool self_interaction) "
+          "-> Tensor[]");
     m.def("cross_epilogue_fwd(Tensor x0, Tensor x, Tensor h, Tensor? bias, Tensor(a!) out, Tensor(b!)? hb) -> ()");
     m.def("cross_epilogue_bwd(Tensor grad, Tensor x0, Tensor h, Tensor? bias, Tensor(a!) grad_h, "
           "Tensor(b!) grad_x0, Tensor(c!)? grad_bias) -> ()");
@@ -536,8 +721,8 @@ TORCH_LIBRARY_IMPL(recompile_native, CPU, m) {
     m.impl("geb_forward_sequence", &geb_forward_sequence);
     m.impl("geb_backward", &geb_backward);
     m.impl("geb_optimizer_step", &geb_optimizer_step);
-    m.impl("dot_interaction_fwd", &dot_interaction_fwd);
-    m.impl("dot_interaction_bwd", &dot_interaction_bwd);
+    m.impl("dot_interaction", &dot_interaction);
+    m.impl("dot_interaction_backward", &dot_interaction_backward);
     m.impl("cross_epilogue_fwd", &cross_epilogue_fwd);
     m.impl("cross_epilogue_bwd", &cross_epilogue_bwd);
     m.impl("vector_cross_fwd", &vector_cross_fwd);
@@ -556,6 +741,11 @@ TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
     m.impl("vector_cross", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&vector_cross_native>>());
     m.impl("vector_cross_backward",
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&vector_cross_backward_native>>());
+    m.impl("dot_interaction", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&dot_interaction_native>>());
+    m.impl("grouped_embedding_bag",
+           torch::CppFunction::makeFromBoxedFunction<&below_autograd<&grouped_embedding_bag_native>>());
+    m.impl("dot_interaction_backward",
+           torch::CppFunction::makeFromBoxedFunction<&below_autograd<&dot_interaction_backward_native>>());
     m.impl("sampled_softmax_loss",
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&sampled_softmax_native>>());
 }
