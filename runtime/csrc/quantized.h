@@ -1,0 +1,116 @@
+/* CPU kernel of recompile::grouped_embedding_bag_quantized (runtime/quantized.py): pooled lookups of row-wise
+ * quantized tables in FBGEMM's fused layouts, every table of a group in one call, rows dequantized in registers
+ * and summed in fp32.
+ *
+ * Included after embedding.h in the same namespace: a group is the same ``meta`` array (one row per table), with
+ * W_PTR the packed uint8 rows, W_STRIDE the packed row's bytes, DIM the dequantized width, FLAGS >> DTYPE_SHIFT
+ * one of QINT8 / QINT4 below, and fp32 sample weights and output. Row layouts:
+ *   QINT8: D codes, then fp32 scale and fp32 bias (fbgemm FloatToFused8BitRowwiseQuantized);
+ *   QINT4: D / 2 bytes of two codes each (low nibble first), then fp16 scale and fp16 bias
+ *          (fbgemm FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf, bit_rate 4).
+ * A value is code * scale + bias; a bag's pooled row is sum_j w_j scale_j codes_j + sum_j w_j bias_j, so the
+ * bias costs one scalar add per id, not a vector one (as FBGEMM's EmbeddingSpMDM).
+ *
+ * Checks as embedding.h: bad offsets mark ERR_OFFSETS (the table's rows are zero), a bad id ERR_IDS (row 0
+ * read instead); Python raises naming the feature. */
+enum { QINT8 = 3, QINT4 = 4 };
+
+typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
+typedef uint8_t u8x8 __attribute__((vector_size(8), aligned(1)));
+
+/* The 16 codes of columns [c, c + 16) as floats (QINT4: c even). */
+static inline __attribute__((always_inline)) v16 codes16(const uint8_t *row, int64_t c, int q) {
+    if (q == QINT8) return __builtin_convertvector(*(const u8x16 *)(row + c), v16);
+    u8x8 packed = *(const u8x8 *)(row + c / 2), lo = packed & 15, hi = packed >> 4;
+    u8x16 codes = __builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    return __builtin_convertvector(codes, v16);
+}
+
+static inline __attribute__((always_inline)) float code1(const uint8_t *row, int64_t c, int q) {
+    return q == QINT8 ? (float)row[c] : (float)((row[c / 2] >> (4 * (c & 1))) & 15);
+}
+
+static inline __attribute__((always_inline)) void scale_bias(const uint8_t *row, int64_t dim, int q, float *sb) {
+    if (q == QINT8) {
+        memcpy(sb, row + dim, 2 * sizeof(float));
+        return;
+    }
+    _Float16 h[2];
+    memcpy(h, row + dim / 2, sizeof h);
+    sb[0] = (float)h[0];
+    sb[1] = (float)h[1];
+}
+
+/* out[c:c + 16 * nb] (over ``divisor``) of the bag [start, end) of table t; ``nb`` and ``q`` constants where this
+ * is inlined. */
+static inline __attribute__((always_inline)) void qpool_block(const table_t *t, int64_t start, int64_t end, int64_t c,
+                                                             int nb, float divisor, float *out, int64_t *err, int q) {
+    v16 acc[4] = {{0}, {0}, {0}, {0}};
+    float bias_sum = 0.f;
+    const float *psw = (const float *)t->psw;
+    for (int64_t j = start; j < end; j++) {
+        if (c == 0) prefetch_row((const char *)t->w, t->stride, t->stride, t->ids, t->ids64, t->n, j + PREFETCH);
+        int64_t id = row_of(t, j, err);
+        if (id == t->pad) continue;
+        const uint8_t *row = (const uint8_t *)t->w + id * t->stride;
+        float sb[2], w = psw ? psw[j] : 1.f;
+        scale_bias(row, t->dim, q, sb);
+        float s = w * sb[0];
+        bias_sum += w * sb[1];
+        for (int k = 0; k < nb; k++) acc[k] += s * codes16(row, c + k * LANES, q);
+    }
+    for (int k = 0; k < nb; k++) *(v16 *)(out + c + k * LANES) = (acc[k] + bias_sum) / divisor;
+}
+
+/* Columns past the last full 16 (fewer than 16). */
+static void qpool_tail(const table_t *t, int64_t start, int64_t end, int64_t c, float divisor, float *out,
+                       int64_t *err, int q) {
+    float acc[LANES] = {0}, bias_sum = 0.f;
+    const float *psw = (const float *)t->psw;
+    for (int64_t j = start; j < end; j++) {
+        int64_t id = row_of(t, j, err);
+        if (id == t->pad) continue;
+        const uint8_t *row = (const uint8_t *)t->w + id * t->stride;
+        float sb[2], w = psw ? psw[j] : 1.f;
+        scale_bias(row, t->dim, q, sb);
+        bias_sum += w * sb[1];
+        for (int64_t k = c; k < t->dim; k++) acc[k - c] += w * sb[0] * code1(row, k, q);
+    }
+    for (int64_t k = c; k < t->dim; k++) out[k] = (acc[k - c] + bias_sum) / divisor;
+}
+
+static inline __attribute__((always_inline)) void qpool_bags(const table_t *t, int64_t first, int64_t last, float *out,
+                                                            int64_t out_stride, int64_t *err, int q) {
+    for (int64_t b = first; b < last; b++) {
+        int64_t start = 0, end = 0, c = 0;
+        float *o = out + b * out_stride + t->at;
+        if (!(*err & ERR_OFFSETS)) bag_range(t, b, &start, &end);
+        float divisor = bag_divisor(t, start, end, err);
+        for (; c + 4 * LANES <= t->dim; c += 4 * LANES) qpool_block(t, start, end, c, 4, divisor, o, err, q);
+        for (; c + LANES <= t->dim; c += LANES) qpool_block(t, start, end, c, 1, divisor, o, err, q);
+        if (c < t->dim) qpool_tail(t, start, end, c, divisor, o, err, q);
+    }
+}
+
+/* out[b, OUT_AT:OUT_AT + D] (row stride ``out_stride`` floats) = the pooled row of table t's bag b. */
+void qeb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, int64_t out_stride, int64_t *err,
+                        int threads) {
+    memset(err, 0, T * sizeof *err);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            table_t tab = table_of(meta + t * META);
+            if (!offsets_ok(&tab)) err[t] |= ERR_OFFSETS;
+        }
+        /* Work items (table, tile of bags), table-major as geb_forward_pooled. */
+        int64_t tiles = (B + TILE - 1) / TILE;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < tiles * T; w++) {
+            int64_t ti = w / tiles, first = w % tiles * TILE, last = first + TILE < B ? first + TILE : B;
+            table_t t = table_of(meta + ti * META);
+            if (t.dt == QINT4) qpool_bags(&t, first, last, out, out_stride, err + ti, QINT4);
+            else qpool_bags(&t, first, last, out, out_stride, err + ti, QINT8);
+        }
+    }
+}
