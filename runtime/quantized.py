@@ -206,7 +206,9 @@ def forward_native(weights, indices, offsets, per_sample_weights, pooling, paddi
         return forward_reference(weights, qdtype, features, psws, pooling, padding_idx, layout)
     rows, looked_up = filled
     native, out = _native(), plan.output(rows)
-    native.ops.qeb_forward_pooled(plan.num, plan.meta_t, rows, out, plan.stride(), plan.err_t, native._threads(looked_up))
+    stream = out.nbytes > native.STREAM_BYTES
+    native.ops.qeb_forward_pooled(plan.num, plan.meta_t, rows, out, plan.stride(), plan.err_t, stream,
+                                  native._threads(looked_up))
     if any(plan.err):
         checked_quantized_lookup(*lookup)
         native._reject_offsets(plan.err, "the checks accept them")

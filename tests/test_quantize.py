@@ -236,3 +236,22 @@ def test_compiled_quantized_dlrm_is_one_grouped_call_equal_to_dequantized_eager(
         args = synthetic_batch(SMALL, batch)
         torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-5, atol=1e-5)
     assert counter.frame_count <= 2
+
+
+@pytest.mark.skipif(not embedding_native.available(), reason="built without the native kernels")
+@pytest.mark.parametrize("qdtype", ["int8", "int4"])
+def test_native_kernel_on_every_instruction_set_and_streamed_output(qdtype):
+    from runtime.native import available_isas, use_isa
+
+    g = torch.Generator().manual_seed(3)
+    tables = [quantize_rows(_table(50, dim, seed=i), qdtype) for i, dim in enumerate((160, 90))]  # 64-blocks, 16s, tail
+    batch = 5000  # a [5000, 250] fp32 output is past embedding_native.STREAM_BYTES: written with streaming stores
+    lengths = [torch.randint(0, 3, (batch,), generator=g) for _ in tables]
+    indices = [torch.randint(0, 50, (int(n.sum()),), generator=g) for n in lengths]
+    offsets = [F.pad(n.cumsum(0), (1, 0))[:-1] for n in lengths]
+    args = (tables, indices, offsets, [torch.rand(i.shape, generator=g) for i in indices], [0, 0], [-1, 3],
+            [False, False], qdtype, "concat", "a,b", "fatal")
+    expected = QOP(*args, "reference")
+    for isa in available_isas():
+        with use_isa(isa):
+            torch.testing.assert_close(QOP(*args, "native"), expected, rtol=1e-5, atol=1e-5, msg=isa)

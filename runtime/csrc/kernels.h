@@ -56,7 +56,7 @@ void geb_optimizer_step(int64_t T, const int64_t *meta, int64_t B, const float *
                         const double *hyper, const int64_t *state, const double *step_size, float *sums_all,
                         int64_t *touched_all, int32_t *slots_all, int64_t *err, int threads);
 void qeb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, int64_t out_stride, int64_t *err,
-                        int threads);
+                        int stream, int threads);
 int sampled_softmax_fwd(sampled_softmax_problem p, float *loss, float *lse, int threads);
 void sampled_softmax_bwd(sampled_softmax_problem p, const float *grad, const float *lse, float *grad_pos,
                          float *grad_neg, int threads);

@@ -15,16 +15,35 @@
  * read instead); Python raises naming the feature. */
 enum { QINT8 = 3, QINT4 = 4 };
 
-typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
-typedef uint8_t u8x8 __attribute__((vector_size(8), aligned(1)));
-
-/* The 16 codes of columns [c, c + 16) as floats (QINT4: c even). */
+/* The 16 codes of columns [c, c + 16) as floats (QINT4: c even; two codes a byte, low nibble first). With AVX2 /
+ * AVX-512 the codes are put one a byte in an SSE register, zero-extended to int32 and converted (GCC's generic
+ * __builtin_convertvector from bytes is scalarised). */
+#if RECOMPILE_AVX512 || RECOMPILE_AVX2
 static inline __attribute__((always_inline)) v16 codes16(const uint8_t *row, int64_t c, int q) {
-    if (q == QINT8) return __builtin_convertvector(*(const u8x16 *)(row + c), v16);
-    u8x8 packed = *(const u8x8 *)(row + c / 2), lo = packed & 15, hi = packed >> 4;
-    u8x16 codes = __builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-    return __builtin_convertvector(codes, v16);
+    __m128i bytes;
+    if (q == QINT8) {
+        bytes = _mm_loadu_si128((const __m128i *)(row + c));
+    } else {
+        __m128i packed = _mm_loadl_epi64((const __m128i *)(row + c / 2)), mask = _mm_set1_epi8(15);
+        bytes = _mm_unpacklo_epi8(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+    }
+#if RECOMPILE_AVX512
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+#else
+    __m256 h[2] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
+                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))};
+    v16 v;
+    memcpy(&v, h, sizeof v);
+    return v;
+#endif
 }
+#else
+static inline v16 codes16(const uint8_t *row, int64_t c, int q) {
+    v16 v;
+    for (int k = 0; k < LANES; k++) v[k] = q == QINT8 ? row[c + k] : (row[(c + k) / 2] >> (4 * (k & 1))) & 15;
+    return v;
+}
+#endif
 
 static inline __attribute__((always_inline)) float code1(const uint8_t *row, int64_t c, int q) {
     return q == QINT8 ? (float)row[c] : (float)((row[c / 2] >> (4 * (c & 1))) & 15);
@@ -42,9 +61,10 @@ static inline __attribute__((always_inline)) void scale_bias(const uint8_t *row,
 }
 
 /* out[c:c + 16 * nb] (over ``divisor``) of the bag [start, end) of table t; ``nb`` and ``q`` constants where this
- * is inlined. */
+ * is inlined; ``stream``: written past the caches where 64-byte aligned (an output larger than the caches). */
 static inline __attribute__((always_inline)) void qpool_block(const table_t *t, int64_t start, int64_t end, int64_t c,
-                                                             int nb, float divisor, float *out, int64_t *err, int q) {
+                                                             int nb, float divisor, float *out, int64_t *err,
+                                                             int stream, int q) {
     v16 acc[4] = {{0}, {0}, {0}, {0}};
     float bias_sum = 0.f;
     const float *psw = (const float *)t->psw;
@@ -59,7 +79,17 @@ static inline __attribute__((always_inline)) void qpool_block(const table_t *t, 
         bias_sum += w * sb[1];
         for (int k = 0; k < nb; k++) acc[k] += s * codes16(row, c + k * LANES, q);
     }
-    for (int k = 0; k < nb; k++) *(v16 *)(out + c + k * LANES) = (acc[k] + bias_sum) / divisor;
+    float inverse = divisor == 1.f ? 1.f : 1.f / divisor;
+    for (int k = 0; k < nb; k++) acc[k] = (acc[k] + bias_sum) * inverse;
+#if RECOMPILE_AVX512 || RECOMPILE_AVX2
+    if (stream && nb == 4 && ((uintptr_t)(out + c) & 63) == 0) {
+        for (int k = 0; k < nb; k++) stream16(out + c + k * LANES, acc[k]);
+        return;
+    }
+#else
+    (void)stream;
+#endif
+    for (int k = 0; k < nb; k++) *(v16 *)(out + c + k * LANES) = acc[k];
 }
 
 /* Columns past the last full 16 (fewer than 16). */
@@ -80,22 +110,23 @@ static void qpool_tail(const table_t *t, int64_t start, int64_t end, int64_t c, 
 }
 
 static inline __attribute__((always_inline)) void qpool_bags(const table_t *t, int64_t first, int64_t last, float *out,
-                                                            int64_t out_stride, int64_t *err, int q) {
+                                                            int64_t out_stride, int64_t *err, int stream, int q) {
     for (int64_t b = first; b < last; b++) {
         int64_t start = 0, end = 0, c = 0;
         float *o = out + b * out_stride + t->at;
         if (!(*err & ERR_OFFSETS)) bag_range(t, b, &start, &end);
         float divisor = bag_divisor(t, start, end, err);
-        for (; c + 4 * LANES <= t->dim; c += 4 * LANES) qpool_block(t, start, end, c, 4, divisor, o, err, q);
-        for (; c + LANES <= t->dim; c += LANES) qpool_block(t, start, end, c, 1, divisor, o, err, q);
+        for (; c + 4 * LANES <= t->dim; c += 4 * LANES) qpool_block(t, start, end, c, 4, divisor, o, err, stream, q);
+        for (; c + LANES <= t->dim; c += LANES) qpool_block(t, start, end, c, 1, divisor, o, err, 0, q);
         if (c < t->dim) qpool_tail(t, start, end, c, divisor, o, err, q);
     }
 }
 
 /* out[b, OUT_AT:OUT_AT + D] (row stride ``out_stride`` floats) = the pooled row of table t's bag b. */
 void qeb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, int64_t out_stride, int64_t *err,
-                        int threads) {
+                        int stream, int threads) {
     memset(err, 0, T * sizeof *err);
+    if (stream) advise_huge(out, B * out_stride * sizeof *out);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -109,8 +140,11 @@ void qeb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, i
         for (int64_t w = 0; w < tiles * T; w++) {
             int64_t ti = w / tiles, first = w % tiles * TILE, last = first + TILE < B ? first + TILE : B;
             table_t t = table_of(meta + ti * META);
-            if (t.dt == QINT4) qpool_bags(&t, first, last, out, out_stride, err + ti, QINT4);
-            else qpool_bags(&t, first, last, out, out_stride, err + ti, QINT8);
+            if (t.dt == QINT4) qpool_bags(&t, first, last, out, out_stride, err + ti, stream, QINT4);
+            else qpool_bags(&t, first, last, out, out_stride, err + ti, stream, QINT8);
         }
+#if RECOMPILE_AVX512 || RECOMPILE_AVX2
+        _mm_sfence(); /* the streamed rows are visible before the region ends */
+#endif
     }
 }
