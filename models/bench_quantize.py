@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import subprocess
+import time
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from models.ctr import DCNConfig, DCNv2
 from models.dlrm import DLRM, DLRMConfig
 from models.metrics import auc, log_loss
 from models.timing import race_ms
+from models.train import write_json
 from runtime.quantized import dequantize_rows, quantize_rows, scale_bias
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks", "quantize.json")
@@ -86,7 +87,8 @@ def _tbe(tables: list[torch.Tensor], dim: int):
     return tbe
 
 
-def speed(num_tables: int, rows: int, dim: int, batch: int, bag: int, rounds: int, seed: int = 0) -> dict:
+def speed(num_tables: int, rows: int, dim: int, batch: int, bag: int, rounds: int, clock=time.perf_counter,
+          seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     floats = [torch.randn(rows, dim, generator=g) for _ in range(num_tables)]
     packed = {q: [quantize_rows(w, q) for w in floats] for q in ("int8", "int4")}
@@ -110,7 +112,7 @@ def speed(num_tables: int, rows: int, dim: int, batch: int, bag: int, rounds: in
     reference = torch.cat([F.embedding_bag(ids, dequantize_rows(w, "int8"), offs, mode="sum", include_last_offset=True)
                            for w, ids, offs in zip(packed["int8"], indices, offsets)], 1)
     errors = {name: float((out - reference).abs().max()) for name, out in outs.items() if "int8" in name}
-    ms = race_ms(steps, rounds)
+    ms = race_ms(steps, rounds, clock=clock)
     fp32, int8 = ms["fp32 grouped (native)"], ms["int8 grouped (native)"]
     memory = {"fp32": sum(w.nbytes for w in floats), **{q: sum(t.nbytes for t in ts) for q, ts in packed.items()},
               "fbgemm_int8_tbe": int(tbe.weights_host.nbytes)}
@@ -128,20 +130,25 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--bag", type=int, default=1, help="mean ids per bag (1: Criteo's one id per feature)")
     parser.add_argument("--note", default="", help="how the machine was loaded, for the JSON")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time by the thread's CPU time (with --threads 1 on a loaded machine), not wall time")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(),
-              "isa": torch.ops.recompile_native.isa(), "note": args.note}
+              "isa": torch.ops.recompile_native.isa(), "note": args.note,
+              "clock": "thread CPU time" if args.cpu_time else "wall"}
     sizes = dict(num_tables=26, rows=2_000 if args.quick else 100_000, dim=64, batch=2048)
     for bag in sorted({1, args.bag}):
         key = f"speed_bag{bag}"
-        result[key] = speed(**sizes, bag=bag, rounds=3 if args.quick else args.rounds)
+        result[key] = speed(**sizes, bag=bag, rounds=3 if args.quick else args.rounds,
+                            clock=time.thread_time if args.cpu_time else time.perf_counter)
         r = result[key]
         print(f"lookup: {r['tables']} tables x {r['rows']} rows x dim {r['dim']}, batch {r['batch']}, "
-              f"~{bag} ids per bag, {result['threads']} threads, ISA {result['isa']} (best of interleaved rounds)")
+              f"~{bag} ids per bag, {result['threads']} threads, ISA {result['isa']} (best of interleaved rounds, "
+              f"{result['clock']})")
         for name, ms in r["ms"].items():
             print(f"  {name:24s} {ms:8.3f} ms")
         print(f"  int8 vs fp32 grouped: {r['int8_speedup_vs_fp32']:.2f}x; int8 vs FBGEMM int8 TBE: "
@@ -157,9 +164,7 @@ def main(argv=None) -> dict:
         print(f"accuracy {name}: " + "; ".join(f"{q} AUC {m['AUC']:.4f} log-loss {m['log_loss']:.4f}"
                                                for q, m in per.items()))
     if not args.quick:
-        os.makedirs(os.path.dirname(OUT), exist_ok=True)
-        with open(OUT, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(OUT, result)
     return result
 
 

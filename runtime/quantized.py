@@ -28,6 +28,7 @@ from runtime.embedding import (
     LOOKUP_SCHEMA, NONE, RAW_KERNELS, _assemble, _check_empty_offsets, _id_scale, _lookup_fake, _scaled, _validate,
     checked_lookup, feature_names, present,
 )
+from runtime import embedding_native as native
 from runtime.kernels import get_kernel, register_kernel
 
 OP = "grouped_embedding_bag_quantized"
@@ -146,34 +147,27 @@ def grouped_embedding_bag_quantized_reference(weights, indices, offsets, per_sam
 # The native kernel (csrc/quantized.h): embedding_native's plan over packed tables.
 
 
-def _native():
-    from runtime import embedding_native
-
-    return embedding_native
-
-
 QDTYPE_CODES = {"int8": 3, "int4": 4}  # FLAGS >> DTYPE_SHIFT in csrc/quantized.h
 _PLANS = threading.local()
 
 
-def _plan(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, qdtype, layout, names,
-          bounds_check):
+def _plan(weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, qdtype, layout,
+          names, bounds_check):
     """The group's plan (cached by the tables' addresses and shapes and the static arguments; the arguments are
     validated when it is made), None where the kernel does not read the group (the "sequence" layout, tables not
     packed contiguous rows on the CPU)."""
-    native = _native()
     key = (qdtype, layout, tuple(pooling), tuple(padding_idx), tuple(include_last_offset),
-           tuple(map(Tensor.data_ptr, weights)), tuple(w.shape for w in weights))
+           tuple(map(Tensor.data_ptr, weights)), tuple(w.shape for w in weights), tuple(map(Tensor.stride, weights)))
     plans = _PLANS.__dict__.setdefault("plans", {})
     plan = plans.get(key, False)
     if plan is False:
-        readable = layout != "sequence" and all(w.is_cpu and w.dtype == torch.uint8 and w.dim() == 2 and w.stride(1) == 1
-                                                 for w in weights)
+        readable = layout != "sequence" and all(
+            w.is_cpu and w.dtype == torch.uint8 and w.dim() == 2 and w.stride(1) == 1 for w in weights)
         if len(plans) >= native.MAX_PLANS:
             plans.clear()
         split = feature_names(names, len(weights))
-        _validate(_standins(weights, qdtype, split), indices, offsets, present(per_sample_weights), pooling, padding_idx,
-                  include_last_offset, layout, split, bounds_check)
+        _validate(_standins(weights, qdtype, split), indices, offsets, present(per_sample_weights), pooling,
+                  padding_idx, include_last_offset, layout, split, bounds_check)
         plan = plans[key] = _quantized_plan(weights, qdtype, pooling, padding_idx, include_last_offset, layout) \
             if readable else None
     return plan
@@ -182,7 +176,6 @@ def _plan(weights, indices, offsets, per_sample_weights, pooling, padding_idx, i
 def _quantized_plan(weights, qdtype, pooling, padding_idx, include_last_offset, layout):
     """embedding_native's plan of the fp32 tables the packed ones stand for (DIM, OUT_AT, fp32 output and sample
     weights), reading the packed rows: W_PTR and W_STRIDE (bytes) theirs, the packed format's code in FLAGS."""
-    native = _native()
     plan = native._Plan(_standins(weights, qdtype, [""] * len(weights)), pooling, padding_idx, include_last_offset,
                         layout)
     plan.type_flags = QDTYPE_CODES[qdtype] << native.DTYPE_SHIFT
@@ -205,7 +198,7 @@ def forward_native(weights, indices, offsets, per_sample_weights, pooling, paddi
         features, psws = checked_quantized_lookup(*lookup)
         return forward_reference(weights, qdtype, features, psws, pooling, padding_idx, layout)
     rows, looked_up = filled
-    native, out = _native(), plan.output(rows)
+    out = plan.output(rows)
     stream = out.nbytes > native.STREAM_BYTES
     native.ops.qeb_forward_pooled(plan.num, plan.meta_t, rows, out, plan.stride(), plan.err_t, stream,
                                   native._threads(looked_up))

@@ -182,8 +182,8 @@ def _runs(items: list, lookups: dict[fx.Node, Lookup]) -> list[tuple[int, int]]:
         end, tables = start, set()
         while end < len(items) and items[end] in lookups:
             lookup = lookups[items[end]]
-            first = lookups[items[start]]
-            if lookup.weight in tables or (tables and (lookup.table.dtype, lookup.qdtype) != (first.table.dtype, first.qdtype)):
+            kind, first = (lookup.table.dtype, lookup.qdtype), lookups[items[start]]
+            if lookup.weight in tables or (tables and kind != (first.table.dtype, first.qdtype)):
                 break
             tables.add(lookup.weight)
             end += 1
