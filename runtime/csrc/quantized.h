@@ -14,6 +14,9 @@
  * Checks as embedding.h: bad offsets mark ERR_OFFSETS (the table's rows are zero), a bad id ERR_IDS (row 0
  * read instead); Python raises naming the feature. */
 enum { QINT8 = 3, QINT4 = 4 };
+/* Ids ahead whose rows are prefetched: packed rows are short (1-2 cache lines), so more are kept in flight than
+ * embedding.h's PREFETCH (cold tables, 8 ids a bag: 1.4x faster at 64 than at 16, measured on an EPYC). */
+#define QPREFETCH 64
 
 /* The 16 codes of columns [c, c + 16) as floats (QINT4: c even; two codes a byte, low nibble first). With AVX2 /
  * AVX-512 the codes are put one a byte in an SSE register, zero-extended to int32 and converted (GCC's generic
@@ -69,7 +72,7 @@ static inline __attribute__((always_inline)) void qpool_block(const table_t *t, 
     float bias_sum = 0.f;
     const float *psw = (const float *)t->psw;
     for (int64_t j = start; j < end; j++) {
-        if (c == 0) prefetch_row((const char *)t->w, t->stride, t->stride, t->ids, t->ids64, t->n, j + PREFETCH);
+        if (c == 0) prefetch_row((const char *)t->w, t->stride, t->stride, t->ids, t->ids64, t->n, j + QPREFETCH);
         int64_t id = row_of(t, j, err);
         if (id == t->pad) continue;
         const uint8_t *row = (const uint8_t *)t->w + id * t->stride;
