@@ -86,7 +86,8 @@ def test_op_facts_are_declared_for_real_ops_and_read_from_the_registry():
     assert op_facts(torch.ops.aten.native_dropout.default).random  # ATen's own tag
     assert op_facts(torch.ops.aten.bernoulli.default).random and not op_facts(torch.ops.aten.mm.default).random
     assert op_facts("recompile::grouped_embedding_bag_fused") == OpFacts(bounds_checked=True, updates_in_backward=True)
-    assert ops_where("bounds_checked") == {"recompile::grouped_embedding_bag", "recompile::grouped_embedding_bag_fused"}
+    assert ops_where("bounds_checked") == {"recompile::grouped_embedding_bag", "recompile::grouped_embedding_bag_fused",
+                                           "recompile::grouped_embedding_bag_quantized"}
     assert op_facts(torch.ops.hkv.lookup).stateful and not op_facts(torch.ops.hkv.unique.default).stateful
     with pytest.raises(ValueError, match="declared twice"):
         declare_facts("recompile::dropout", random=True)
