@@ -13,6 +13,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import recompile
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
+from recompile.quantize import QuantizedEmbedding, QuantizedEmbeddingBag
 from runtime import embedding_native
 from runtime.embedding import grouped_embedding_bag_reference
 from runtime.quantized import SCALE_BIAS, dequantize_rows, quantize_rows, scale_bias
@@ -200,7 +201,7 @@ def test_quantize_modules_equal_their_dequantized_tables():
             KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([3, 14, 7]), torch.tensor([2, 0, 1])))
     for qdtype in ("int8", "int4"):
         quantized = recompile.quantize(model, qdtype)
-        names = [n for n, m in quantized.named_modules() if isinstance(m, recompile.quantize.__globals__["_Quantized"])]
+        names = [n for n, m in quantized.named_modules() if isinstance(m, (QuantizedEmbeddingBag, QuantizedEmbedding))]
         assert names == ["bags.0", "bags.1", "seq", "ebc.embedding_bags.t"]
         floats = Tables().eval()
         floats.load_state_dict({n.removesuffix(".weight") + ".weight": quantized.get_submodule(n.removesuffix(".weight"))
