@@ -17,6 +17,7 @@ _EXPORTS = {
     "explain": "recompile.explain",
     "export": "recompile.export",
     "package": "recompile.export",
+    "quantize": "recompile.quantize",
     "rec_ascend": "recompile.backend",
     "register_pass": "recompile.pipeline",
 }

@@ -12,6 +12,7 @@ from runtime import padded_attention  # noqa: F401  (padded_softmax_attention: p
 from runtime import interaction  # noqa: F401,E402  (dot_interaction, cross_layer, fm_second_order)
 from runtime import embedding_optimizer  # noqa: F401  (defines torch.ops.recompile.embedding_optimizer_step)
 from runtime import embedding_native  # noqa: F401  (the native CPU kernels of the grouped embedding ops)
+from runtime import quantized  # noqa: F401  (defines torch.ops.recompile.grouped_embedding_bag_quantized)
 from runtime import dropout  # noqa: F401  (defines torch.ops.recompile.dropout)
 from runtime import sampled_softmax  # noqa: F401  (defines torch.ops.recompile.sampled_softmax_loss)
 from runtime import beam_decode_attention  # noqa: F401  (defines torch.ops.recompile.beam_decode_attention)

@@ -87,7 +87,8 @@ def test_op_facts_are_declared_for_real_ops_and_read_from_the_registry():
     assert op_facts("recompile::grouped_embedding_bag_fused") == OpFacts(bounds_checked=True, updates_in_backward=True)
     assert ops_where("bounds_checked") == {"recompile::grouped_embedding_bag", "recompile::grouped_embedding_bag_fused",
                                            "recompile::jagged_within", "recompile::hstu_attention",
-                                           "recompile::jagged_softmax_attention"}
+                                           "recompile::jagged_softmax_attention",
+                                           "recompile::grouped_embedding_bag_quantized"}
     assert op_facts(torch.ops.hkv.lookup).stateful and not op_facts(torch.ops.hkv.unique.default).stateful
     with pytest.raises(ValueError, match="declared twice"):
         declare_facts("recompile::dropout", random=True)

@@ -15,6 +15,9 @@ becomes one ``recompile.grouped_embedding_bag`` written in the consumer's layout
 otherwise a stack becomes ``torch.cat([x.unsqueeze(1), grouped, ...], 1)`` (DLRM's
 ``stack([x] + embs, 1)``) and a cat keeps its other items around the grouped output.
 
+Quantized tables (``recompile.quantize``) are grouped the same way: each of their lookups is a one-table
+``recompile.grouped_embedding_bag_quantized`` call, and a run of them (one ``qdtype``) becomes one call of it.
+
 Unpooled lookups ``F.embedding(ids1d, weight)`` (and their no-op ``.float()``: TorchRec's
 ``EmbeddingCollection``) on distinct tables of one dtype and dim become one ``"sequence"`` call
 ``[sum(len(ids)), D]``; each lookup's value is its slice ``torch.narrow(grouped, 0, start, len(ids))``.
@@ -56,6 +59,7 @@ from recompile.pipeline import Fallback, PassContext, register_pass
 from runtime.embedding import MEAN, NONE, POOLING_NAMES, SUM
 
 OP = "recompile::grouped_embedding_bag"
+QUANTIZED_OP = "recompile::grouped_embedding_bag_quantized"
 EMBEDDING_BAG = (F.embedding_bag,)
 EMBEDDING = (F.embedding,)
 BAG_REDUCTIONS = {torch.sum: SUM, torch.mean: MEAN}
@@ -80,6 +84,8 @@ class Lookup:
     include_last_offset: bool
     sparse: bool
     keepdim: Optional[bool] = None  # a masked pooling's reduction kept its dim; None: not a masked pooling
+    qdtype: Optional[str] = None  # a quantized table's format ("int8", "int4"), None for a float one
+    name: Optional[str] = None  # the feature's name where the lookup gives it
 
     @property
     def table(self) -> torch.Tensor:
@@ -143,6 +149,15 @@ def _embedding_then_reduce(node: fx.Node) -> Lookup:
                   bool(a["sparse"]))
 
 
+def _quantized(node: fx.Node) -> Lookup | None:
+    """A one-table pooled quantized lookup (recompile.quantize's QuantizedEmbeddingBag), None for any other call."""
+    weights, indices, offsets, psw, pooling, padding_idx, last, qdtype, layout, names = node.args[:10]
+    if len(weights) != 1 or layout != "concat":
+        return None
+    return Lookup([node], weights[0], indices[0], offsets[0], psw[0], pooling[0], padding_idx[0], last[0], False,
+                  qdtype, names)
+
+
 def _is_noop_cast(node: Any) -> bool:
     """``x.float()`` on a float32 ``x`` (TorchRec's EmbeddingBagCollection casts every pooled lookup)."""
     return (isinstance(node, fx.Node) and node.op == "call_method" and node.target in NOOP_CASTS and len(node.args) == 1
@@ -158,6 +173,8 @@ def _lookup(node: Any) -> Lookup | None:
         return lookup
     if is_call(node, *EMBEDDING_BAG):
         return _embedding_bag(node)
+    if is_call(node, torch.ops.recompile.grouped_embedding_bag_quantized.default):
+        return _quantized(node)
     if is_call(node, *BAG_REDUCTIONS) and is_call(node.args[0], *EMBEDDING):
         return _embedding_then_reduce(node)
     if is_call(node, torch.sum):
@@ -281,7 +298,8 @@ def _runs(items: list, lookups: dict[fx.Node, Lookup]) -> list[tuple[int, int]]:
         end, tables = start, set()
         while end < len(items) and items[end] in lookups:
             lookup = lookups[items[end]]
-            if lookup.weight in tables or (tables and lookup.table.dtype != lookups[items[start]].table.dtype):
+            kind, first = (lookup.table.dtype, lookup.qdtype), lookups[items[start]]
+            if lookup.weight in tables or (tables and kind != (first.table.dtype, first.qdtype)):
                 break
             tables.add(lookup.weight)
             end += 1
@@ -333,14 +351,18 @@ def _grouped_call(gm: fx.GraphModule, ctx: PassContext, run: list[Lookup], layou
                   consumer: fx.Node | None = None) -> fx.Node:
     """One grouped call for ``run``; the region it records replaces the lookups and the ``consumer`` they fed."""
     graph = gm.graph
+    op, qdtype = (OP, None) if run[0].qdtype is None else (QUANTIZED_OP, run[0].qdtype)
     no_weights = _no_weights(graph, run[0].table)
     psw = [x.per_sample_weights or no_weights for x in run]
-    names = ",".join(feature_name(x.weight) for x in run)
+    names = ",".join(x.name or feature_name(x.weight) for x in run)
     lookup = ([x.weight for x in run], [x.indices for x in run], [x.offsets for x in run], psw,
               [x.pooling for x in run], [x.padding_idx for x in run], [x.include_last_offset for x in run])
-    impl = ctx.lower(OP, *lookup)
+    impl = ctx.lower(op, *lookup)
     optimizer = ctx.options.embedding_optimizer
-    if optimizer is None:
+    if qdtype is not None:  # inference tables: no gradients, no optimizer
+        args = (*lookup, qdtype, layout, names, ctx.options.bounds_check, impl.impl)
+        grouped = _call(graph, torch.ops.recompile.grouped_embedding_bag_quantized.default, args)
+    elif optimizer is None:
         args = (*lookup, [x.sparse for x in run], layout, names, ctx.options.bounds_check, impl.impl)
         grouped = _call(graph, torch.ops.recompile.grouped_embedding_bag.default, args)
     else:
@@ -349,7 +371,7 @@ def _grouped_call(gm: fx.GraphModule, ctx: PassContext, run: list[Lookup], layou
                 embedding_optimizer_spec(optimizer), step.impl, impl.impl)
         grouped = _call(graph, torch.ops.recompile.grouped_embedding_bag_fused.default, args)
     replaced = [n for x in run for n in x.erased] + ([consumer] if consumer is not None else [])
-    ctx.record_region("embedding", replaced, OP, impl)
+    ctx.record_region("embedding", replaced, op, impl)
     return grouped
 
 

@@ -1,5 +1,5 @@
 /* The native CPU kernels' interface: every entry point of the kernel bodies (dropout.h, embedding.h,
- * interaction.h, jagged_attention.h, sampled_softmax.h), and the table of them one instruction set offers.
+ * interaction.h, jagged_attention.h, quantized.h, sampled_softmax.h), and the table of them one instruction set offers.
  *
  * The bodies are compiled once per instruction set (isa_generic.cpp, isa_avx2.cpp, isa_avx512.cpp: the same
  * source under a different `#pragma GCC target`), each into its own namespace; ops.cpp picks one table when the
@@ -55,6 +55,8 @@ void geb_backward(int64_t T, const int64_t *meta, int64_t B, const void *grad, i
 void geb_optimizer_step(int64_t T, const int64_t *meta, int64_t B, const float *grad, int64_t grad_stride, int kind,
                         const double *hyper, const int64_t *state, const double *step_size, float *sums_all,
                         int64_t *touched_all, int32_t *slots_all, int64_t *err, int threads);
+void qeb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, int64_t out_stride, int64_t *err,
+                        int stream, int threads);
 int sampled_softmax_fwd(sampled_softmax_problem p, float *loss, float *lse, int threads);
 void sampled_softmax_bwd(sampled_softmax_problem p, const float *grad, const float *lse, float *grad_pos,
                          float *grad_neg, int threads);
@@ -93,7 +95,7 @@ RECOMPILE_INTERACTION_API(bf16, bf16_t)
 #define RECOMPILE_ENTRIES(X)                                                                                   \
     X(dropout, dropout_f32)                                                                                    \
     X(embedding, geb_forward_pooled) X(embedding, geb_forward_sequence) X(embedding, geb_backward)             \
-    X(embedding, geb_optimizer_step)                                                                           \
+    X(embedding, geb_optimizer_step) X(embedding, qeb_forward_pooled)                                          \
     X(sampled_softmax, sampled_softmax_fwd) X(sampled_softmax, sampled_softmax_bwd)                            \
     X(jagged_attention, hstu_attention_fwd) X(jagged_attention, hstu_attention_bwd)                            \
     RECOMPILE_INTERACTION_ENTRIES(X, f32) RECOMPILE_INTERACTION_ENTRIES(X, f16)                                \

@@ -1,0 +1,34 @@
+/* The quantized grouped lookup's native kernel as a torch operator: torch.ops.recompile_native.qeb_forward_pooled
+ * (a fragment of ops.cpp's library; the kernel body is csrc/quantized.h, called through kernels.h's table). */
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+namespace recompile_native {
+namespace {
+
+void qeb_forward_pooled(int64_t tables, const at::Tensor &meta, int64_t batch, const at::Tensor &out,
+                        int64_t out_stride, const at::Tensor &err, bool stream, int64_t nthreads) {
+    for (const at::Tensor *t : {&meta, &out, &err})
+        TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "recompile_native.qeb_forward_pooled: CPU tensors");
+    TORCH_CHECK_TYPE(meta.scalar_type() == at::kLong && err.scalar_type() == at::kLong,
+                     "recompile_native.qeb_forward_pooled: meta and err must be int64");
+    TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "recompile_native.qeb_forward_pooled: out must be float32");
+    TORCH_CHECK_VALUE(meta.numel() >= tables && err.numel() >= tables && out.numel() >= batch * out_stride,
+                      "recompile_native.qeb_forward_pooled: meta, err or out is too small");
+    kernels().qeb_forward_pooled(tables, meta.data_ptr<int64_t>(), batch, out.data_ptr<float>(), out_stride,
+                                 err.data_ptr<int64_t>(), stream, (int)nthreads);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(recompile_native, m) {
+    m.def("qeb_forward_pooled(int tables, Tensor meta, int batch, Tensor(a!) out, int out_stride, Tensor(b!) err, "
+          "bool stream, int threads) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(recompile_native, CPU, m) { m.impl("qeb_forward_pooled", &qeb_forward_pooled); }
+
+}  // namespace recompile_native
