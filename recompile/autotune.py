@@ -869,7 +869,7 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     or a GraphChooser over the candidates; else Inductor on the rewrite. A graph with random ops other than
     the lifted seeds is not raced: its candidates would draw other numbers. A graph without rec regions is the
     captured graph compiled by Inductor, returned as it is: no race, no second compile, no wrapper on its calls."""
-    if not any(_op_name(node) for node in rewritten.graph.nodes):
+    if not ctx.regions:
         return compile_inductor(original)  # what backend="inductor" runs: nothing to race, nothing around it
     draws = lift_seeds(rewritten)
     inputs = [*example_inputs, *seed_examples(draws)]

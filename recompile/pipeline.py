@@ -171,6 +171,9 @@ def example_value(node: fx.Node):
         return value
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), example_value)
     fake = next((t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if hasattr(t, "fake_mode")), None)
+    if fake is None:  # no tensor argument (``torch.tensor(...)``, ``arange``): the graph's own fake mode
+        fake = next((v for n in node.graph.nodes if n.op == "placeholder"
+                     for v in [n.meta.get("example_value", n.meta.get("val"))] if hasattr(v, "fake_mode")), None)
     if fake is None:
         raise ValueError(f"node {node.name} has no example value: no kernel can be chosen for its arguments")
     with fake.fake_mode:

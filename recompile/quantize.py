@@ -20,18 +20,19 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from runtime.embedding import POOLING_NAMES
+from runtime.embedding import LAYOUTS, POOLING_NAMES
 from runtime.quantized import QDTYPES, dequantize_rows, quantize_rows
 
 OP = "recompile::grouped_embedding_bag_quantized"
 
 
 @functools.cache
-def _impl() -> str:
-    """The kernel this machine runs for the quantized lookup (the lowering registry's choice)."""
+def _impl(layout: str) -> str:
+    """The kernel this machine runs for a quantized lookup in ``layout`` (the lowering registry's choice: the
+    native kernel pools, so unpooled lookups take another)."""
     from recompile.lowering import choose, detect_target
 
-    return choose(OP, detect_target()).impl
+    return choose(OP, detect_target(), layout=layout).impl
 
 
 class _Quantized(nn.Module):
@@ -41,7 +42,8 @@ class _Quantized(nn.Module):
         super().__init__()
         self.register_buffer("weight", packed)
         self.embedding_dim, self.num_embeddings, self.qdtype, self.name = dim, packed.shape[0], qdtype, name
-        self.padding_idx, self.impl = padding_idx, _impl()
+        self.padding_idx = padding_idx
+        self.impls = {layout: _impl(layout) for layout in LAYOUTS}  # chosen here: forward is traced
 
     def _lookup(self, ids: Tensor, offsets: Optional[Tensor], psw: Optional[Tensor], pooling: int, last: bool,
                 layout: str) -> Tensor:
@@ -49,7 +51,7 @@ class _Quantized(nn.Module):
         pad = -1 if self.padding_idx is None else self.padding_idx
         return torch.ops.recompile.grouped_embedding_bag_quantized.default(
             [self.weight], [ids], [offsets], [no_weights if psw is None else psw], [pooling], [pad], [last],
-            self.qdtype, layout, self.name, "fatal", self.impl)
+            self.qdtype, layout, self.name, "fatal", self.impls[layout])
 
     def dequantized(self) -> Tensor:
         """The fp32 table the codes stand for."""

@@ -777,19 +777,17 @@ def vector_cross_backward_torch(grad, x0, x, weights, biases):
 register_kernel("vector_cross_backward", "cpu")(vector_cross_backward_torch)
 
 
-@register_kernel("vector_cross", "native")
+@register_kernel("vector_cross", "native", supports=native_reads)
 def _vector_cross_native(x0, x, weights, biases):
     """Per sample, the layers over one row kept in registers and L1 (csrc/interaction.h): x and x0 read once,
     the output written once."""
-    if not native.supports(x0, x, *weights, *biases):
-        return _vector_cross_torch(x0, x, weights, biases)
+    require("vector_cross", "native", native_reads(x0=x0, x=x, weights=weights, biases=biases))
     return native.vector_cross(x0, x, _flat(weights), _flat(biases))
 
 
-@register_kernel("vector_cross_backward", "native")
+@register_kernel("vector_cross_backward", "native", supports=native_reads)
 def _vector_cross_backward_native(grad, x0, x, weights, biases):
-    if not native.supports(grad, x0, x, *weights, *biases):
-        return vector_cross_backward_torch(grad, x0, x, weights, biases)
+    require("vector_cross_backward", "native", native_reads(grad=grad, x0=x0, x=x, weights=weights, biases=biases))
     grad_x0, grad_x, grad_W, grad_B = native.vector_cross_backward(grad, x0, x, _flat(weights), _flat(biases))
     return (grad_x0, grad_x, [g.to(w.dtype).reshape(w.shape) for g, w in zip(grad_W, weights)],
             [g.to(b.dtype).reshape(b.shape) for g, b in zip(grad_B, biases)] if biases else [])
@@ -830,7 +828,7 @@ def vector_cross_backward(
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """(grad_x0, grad_x, grad_weights, grad_biases) of ``vector_cross``, each in its input's shape."""
-    grad_x0, grad_x, grad_weights, grad_biases = backward_kernel("vector_cross_backward", impl)(
+    grad_x0, grad_x, grad_weights, grad_biases = get_kernel("vector_cross_backward", impl)(
         grad, x0, x, weights, biases)
     fresh = functools.partial(torch.clone, memory_format=torch.contiguous_format)  # [D] each: rows of one [L, D]
     return grad_x0.contiguous(), grad_x.contiguous(), [fresh(g) for g in grad_weights], [fresh(g) for g in grad_biases]

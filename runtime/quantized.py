@@ -185,7 +185,7 @@ def _quantized_plan(weights, qdtype, pooling, padding_idx, include_last_offset, 
     return plan
 
 
-def native_reads(weights, layout="concat", **_) -> bool | str:
+def native_reads(weights=(), layout="concat", **_) -> bool | str:
     """``supports`` of the native kernel: packed tables (uint8 rows, unit stride) on the CPU, pooled layouts, and
     the library built."""
     if layout == "sequence":
@@ -201,10 +201,11 @@ def forward_native(weights, indices, offsets, per_sample_weights, pooling, paddi
                    layout, names, bounds_check):
     """Every table in one call; the Python checks run only when the kernel marked an error, or the ids and offsets
     are not what it reads as given (then the reference runs)."""
-    require(OP, "native", native_reads(weights, layout))
     lookup = (weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, qdtype, layout,
               names, bounds_check)
-    plan = _plan(*lookup)
+    plan = _plan(*lookup)  # validates the arguments, naming the table at fault
+    if plan is None:
+        require(OP, "native", native_reads(weights, layout))
     filled = plan.fill(indices, offsets, per_sample_weights) if plan is not None else None
     if filled is None:
         features, psws = checked_quantized_lookup(*lookup)

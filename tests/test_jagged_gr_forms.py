@@ -12,7 +12,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import recompile
 from models.corpus import gr_hstu
-from recompile.backend import rec_ascend, tracing_config
+from recompile.backend import rec_ascend
+from recompile.tracing import TracingConfig
 
 pytest.importorskip("fbgemm_gpu")
 N = gr_hstu.MAX_LEN
@@ -60,7 +61,7 @@ def test_keyword_padding_einsum_attention_becomes_hstu_attention():
 def test_gr_layer_equals_eager_and_compiles_at_most_twice():
     model = Layer()
     counter = CompileCounterWithBackend(functools.partial(rec_ascend, options={"autotune": False}))
-    counter.backend_ctx_ctor = tracing_config  # as rec_ascend traces: one graph through dense_to_jagged
+    counter.backend_ctx_ctor = TracingConfig  # as rec_ascend traces: one graph through dense_to_jagged
     compiled = torch.compile(model, backend=counter)
     for lengths in ([3, 12, 1, 7], [5, 0, 2, 12, 9], [1, 1, 4, 6, 2, 8, 11]):
         x, lengths = batch_of(lengths)

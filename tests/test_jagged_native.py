@@ -12,6 +12,7 @@ from recompile.lowering import choose
 from recompile.lowering.targets import detect_target
 from runtime import jagged_attention_native as native
 from runtime.jagged_attention import time_bucket_edges
+from runtime.kernels import UnsupportedInputs
 from tests.test_jagged_attention import hstu_per_sequence
 
 ops = torch.ops.recompile
@@ -126,8 +127,8 @@ def test_native_threads_agree():
 
 
 def test_native_rows_outside_the_offsets_and_float_timestamps():
-    """Offsets that leave rows outside every sequence are refused by name (issue 22); float timestamps take the
-    cpu kernel."""
+    """Offsets that leave rows outside every sequence are refused by name (issue 22); float timestamps are not the
+    native kernel's (its supports() says so at compile time, and a call with them raises rather than hand off)."""
     q, k, v, good, rel, ts, tb = attention_case([6, 4, 5], 1, 8, 8, True)
     offsets = torch.tensor([2, 8, 12])
     args = (q, k, v, offsets, MAX_LEN, 0.3, True, None, 0, rel, ts, tb)
@@ -135,8 +136,8 @@ def test_native_rows_outside_the_offsets_and_float_timestamps():
         ops.hstu_attention(*args, "native")
     float_ts = ts.double() + 0.25
     args = (q, k, v, good, MAX_LEN, 0.3, True, None, 0, rel, float_ts, tb)
-    torch.testing.assert_close(ops.hstu_attention(*args, "native"), ops.hstu_attention(*args, "reference"),
-                               rtol=1e-4, atol=1e-5)
+    with pytest.raises(UnsupportedInputs, match="integer timestamps"):
+        ops.hstu_attention(*args, "native")
 
 
 def test_native_errors_and_opcheck():

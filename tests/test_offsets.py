@@ -28,7 +28,7 @@ def test_complete_cumsum_rejects_bad_input():
         torch.ops.recompile.complete_cumsum(torch.ones(2, 2, dtype=torch.int64), "cpu")
     with pytest.raises(ValueError, match="int32 or int64"):
         torch.ops.recompile.complete_cumsum(torch.ones(3), "cpu")
-    with pytest.raises(ValueError, match="has no implementation 'nope'"):
+    with pytest.raises(ValueError, match="has no kernel 'nope'"):
         torch.ops.recompile.complete_cumsum(torch.ones(3, dtype=torch.int64), "nope")
 
 

@@ -155,7 +155,7 @@ def _quantized(node: fx.Node) -> Lookup | None:
     if len(weights) != 1 or layout != "concat":
         return None
     return Lookup([node], weights[0], indices[0], offsets[0], psw[0], pooling[0], padding_idx[0], last[0], False,
-                  qdtype, names)
+                  qdtype=qdtype, name=names)
 
 
 def _is_noop_cast(node: Any) -> bool:
@@ -357,7 +357,7 @@ def _grouped_call(gm: fx.GraphModule, ctx: PassContext, run: list[Lookup], layou
     names = ",".join(x.name or feature_name(x.weight) for x in run)
     lookup = ([x.weight for x in run], [x.indices for x in run], [x.offsets for x in run], psw,
               [x.pooling for x in run], [x.padding_idx for x in run], [x.include_last_offset for x in run])
-    impl = ctx.lower(op, *lookup)
+    impl = ctx.lower(op, *lookup, layout=layout)
     optimizer = ctx.options.embedding_optimizer
     if qdtype is not None:  # inference tables: no gradients, no optimizer
         args = (*lookup, qdtype, layout, names, ctx.options.bounds_check, impl.impl)
