@@ -104,7 +104,8 @@ def beam_decode_attention(
     beam_k: torch.Tensor, beam_v: torch.Tensor, beam_lengths: torch.Tensor, scale: float, impl: str = "reference",
 ) -> torch.Tensor:
     _check(q, context_k, context_v, context_lengths, beam_k, beam_v, beam_lengths)
-    return get_kernel(OP, impl)(q, context_k, context_v, context_lengths, beam_k, beam_v, beam_lengths, scale)
+    out = get_kernel(OP, impl)(q, context_k, context_v, context_lengths, beam_k, beam_v, beam_lengths, scale)
+    return out.contiguous()  # the fake's layout, whatever strides the kernel's result has (q's may differ)
 
 
 @beam_decode_attention.register_fake

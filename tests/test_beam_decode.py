@@ -103,3 +103,17 @@ def test_bad_input_names_the_tensor(position, shape, message):
 
 def test_lowering_on_cpu_is_the_cpu_kernel():
     assert choose("recompile::beam_decode_attention", detect_target("cpu")).impl == "cpu"
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu", "triton"])
+def test_output_has_the_fakes_layout_whatever_the_query_strides(impl):
+    """A query cut from a wider projection (as a compiled decode step passes it) still gives a contiguous output,
+    the layout the fake promises: Inductor's compiled code asserts it."""
+    q, *rest = _inputs(2, 4, 2, 16, 16, 9, 2, seed=5)
+    wide = torch.cat([q, torch.randn_like(q)], -1)[..., :16]  # strides of a [.., 32] tensor
+    got = ops.beam_decode_attention(wide, *rest, 0.25, impl)
+    fake = torch._subclasses.FakeTensorMode()
+    with fake:
+        want = ops.beam_decode_attention(*(fake.from_tensor(t) for t in (wide, *rest)), 0.25, impl)
+    assert got.stride() == want.stride() and got.is_contiguous()
+    torch.testing.assert_close(got, beam_decode_attention_reference(q, *rest, 0.25), rtol=1e-5, atol=1e-5)
