@@ -186,6 +186,7 @@ def capture(case: Case, inputs) -> tuple[list[fx.GraphModule], list[float], coll
     from recompile.backend import resolve_target
     from recompile.options import RecompileOptions
     from recompile.pipeline import PassContext, run_pipeline
+    from recompile.tracing import TracingConfig
 
     opts = RecompileOptions()
     graphs, pass_ms, regions = [], [], collections.Counter()
@@ -199,6 +200,7 @@ def capture(case: Case, inputs) -> tuple[list[fx.GraphModule], list[float], coll
         graphs.append(gm)
         return gm.forward
 
+    backend.backend_ctx_ctor = TracingConfig  # Dynamo traces as it does for rec_ascend
     torch._dynamo.reset()
     with torch.set_grad_enabled(case.training):
         torch.compile(case.make(0), backend=backend)(*inputs)
