@@ -163,6 +163,12 @@ class PassContext:
             dump.write_stage(self.options.dump_dir, self.graph_id, len(self.stages) - 1, name, gm)
 
 
+def graph_fake_mode(graph: fx.Graph):
+    """The fake mode of ``graph``'s example values (every node of a graph shares one), None where it has none."""
+    return next((v.fake_mode for n in graph.nodes for v in [n.meta.get("example_value", n.meta.get("val"))]
+                 if hasattr(v, "fake_mode")), None)
+
+
 def example_value(node: fx.Node):
     """The fake value of ``node`` (Dynamo's ``example_value`` or AOT's ``val``); for a node a pass added without one,
     its target run on its arguments' fake values (and kept)."""
@@ -170,13 +176,10 @@ def example_value(node: fx.Node):
     if value is not None or node.op not in ("call_function", "call_method"):
         return value
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), example_value)
-    fake = next((t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if hasattr(t, "fake_mode")), None)
-    if fake is None:  # no tensor argument (``torch.tensor(...)``, ``arange``): the graph's own fake mode
-        fake = next((v for n in node.graph.nodes if n.op == "placeholder"
-                     for v in [n.meta.get("example_value", n.meta.get("val"))] if hasattr(v, "fake_mode")), None)
-    if fake is None:
+    fake_mode = graph_fake_mode(node.graph)
+    if fake_mode is None:
         raise ValueError(f"node {node.name} has no example value: no kernel can be chosen for its arguments")
-    with fake.fake_mode:
+    with fake_mode:
         target = getattr(args[0], node.target) if node.op == "call_method" else node.target
         value = node.meta["example_value"] = target(*args[node.op == "call_method":], **kwargs)
     return value

@@ -50,12 +50,12 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from recompile.options import embedding_optimizer_spec
 from recompile.passes.utils import arg, has_effects, is_call, meta_value, tensor_meta
-from recompile.pipeline import Fallback, PassContext, register_pass
+from recompile.pipeline import Fallback, PassContext, graph_fake_mode, register_pass
 from runtime.embedding import MEAN, NONE, POOLING_NAMES, SUM
 
 OP = "recompile::grouped_embedding_bag"
@@ -318,11 +318,10 @@ def feature_name(weight: fx.Node) -> str:
 
 def _fake_mode(graph: fx.Graph) -> FakeTensorMode:
     """The fake mode of the graph's example values (new nodes get example values in it too)."""
-    for node in graph.nodes:
-        value = meta_value(node)
-        if isinstance(value, FakeTensor):
-            return value.fake_mode
-    raise NotGroupable("the graph carries no fake example values")
+    fake_mode = graph_fake_mode(graph)
+    if fake_mode is None:
+        raise NotGroupable("the graph carries no fake example values")
+    return fake_mode
 
 
 def _call(graph: fx.Graph, target, args, kwargs=None) -> fx.Node:
