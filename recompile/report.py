@@ -31,7 +31,7 @@ _NODE_LINE = re.compile(r"^\s+(\w+)(?:: \"[^\"]*\")? = ")
 
 
 # Graph-break reasons, as Dynamo words them -> the setting or rewrite that removes the break. rec_ascend traces
-# with the settings of ``recompile.backend.TRACING_CONFIG``; the others are rewrites of the user's code.
+# with the settings of ``recompile.tracing.TRACING_CONFIG``; the others are rewrites of the user's code.
 BREAK_REMEDIES = (
     (re.compile(r"Dynamic shape operator|capture_dynamic_output_shape_ops"),
      "an op whose output size depends on the data (repeat_interleave, nonzero, masked_select, a boolean mask "
