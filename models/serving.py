@@ -23,6 +23,8 @@ from typing import Hashable, Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils import _pytree as pytree
 
 import recompile  # noqa: F401  (defines torch.ops.recompile.*)
 from .sequential import HSTU, STULayer
@@ -30,9 +32,14 @@ from recompile.lowering import choose, detect_target
 from recompile.serving import PagedKVCache
 
 
-def fastest(op: str) -> str:
-    """The kernel the lowering registry picks for ``op`` on this machine's default target."""
-    return choose(f"recompile::{op}", detect_target()).impl
+def fastest(op: str, *args, **kwargs) -> str:
+    """The kernel the lowering registry picks for a call of ``op`` on this machine's default target: the first the
+    target runs whose ``supports`` takes the call's arguments (``args``/``kwargs`` as the op gets them; real
+    tensors are read through fake copies, as the compiler's lowering reads its graph's example values)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else mode.from_tensor(t),
+                                        (args, kwargs))
+    return choose(f"recompile::{op}", detect_target(), *args, **kwargs).impl
 
 
 def project(layer: STULayer, x: torch.Tensor):
@@ -50,10 +57,34 @@ def finish(layer: STULayer, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor
 
 
 class RankerBase(nn.Module):
-    def __init__(self, encoder: HSTU):
+    """``impl``: the attention op's kernel; None: the registry's choice (``fastest``) on the op's arguments at the
+    first call (kept: the model's dtype, device and biases decide it, not a batch's sizes). Before compiling or
+    exporting a model whose kernel is not chosen yet, ``choose_kernel(*inputs)`` decides it on fake inputs."""
+
+    op: str
+
+    def __init__(self, encoder: HSTU, impl: Optional[str] = None):
         super().__init__()
         self.encoder = encoder
         self.max_len = encoder.cfg.max_len
+        self.impl = impl
+
+    def kernel(self, *args) -> str:
+        """The kernel of this call of the attention op, whose arguments are ``args``."""
+        if self.impl is None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(f"{type(self).__name__}: no kernel chosen for recompile::{self.op} yet: call "
+                                   "choose_kernel(*inputs) (or the model once) before compiling or exporting it")
+            self.impl = fastest(self.op, *args)
+        return self.impl
+
+    @torch.no_grad()
+    def choose_kernel(self, *inputs) -> str:
+        """Decide the kernel on ``inputs`` without running it: the forward once on fake copies of them."""
+        if self.impl is None:
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                self(*pytree.tree_map_only(torch.Tensor, mode.from_tensor, inputs))
+        return self.impl
 
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         enc = self.encoder
@@ -69,16 +100,15 @@ class HSTURanker(RankerBase):
     ``num_targets[b]`` candidates), every row scored against its own item (candidates' scores are the last
     ``num_targets[b]`` of each sequence)."""
 
-    def __init__(self, encoder: HSTU, impl: Optional[str] = None):
-        super().__init__(encoder)
-        self.impl = impl or fastest("hstu_attention")
+    op = "hstu_attention"
 
     def forward(self, ids, timestamps, positions, offsets, num_targets):
         x = self.embed(ids, positions)
         for layer in self.encoder.layers:
             u, q, k, v = project(layer, x)
-            attn = torch.ops.recompile.hstu_attention(q, k, v, offsets, self.max_len, 1.0, True, num_targets, 0,
-                                                      layer.pos_bias, timestamps, layer.time_bias, self.impl)
+            args = (q, k, v, offsets, self.max_len, 1.0, True, num_targets, 0, layer.pos_bias, timestamps,
+                    layer.time_bias)
+            attn = torch.ops.recompile.hstu_attention(*args, self.kernel(*args))
             x = finish(layer, x, u, attn)
         return self.scores(x, ids)
 
@@ -87,9 +117,7 @@ class CachedHSTURanker(RankerBase):
     """``forward(ids, timestamps, positions, offsets, num_targets, page_table, cached_lengths, k_cache, v_cache,
     ts_cache) -> (scores [T], k_new [layers, T, H, d], v_new [layers, T, H, dv])`` over the new rows."""
 
-    def __init__(self, encoder: HSTU, impl: Optional[str] = None):
-        super().__init__(encoder)
-        self.impl = impl or fastest("hstu_paged_attention")
+    op = "hstu_paged_attention"
 
     def forward(self, ids, timestamps, positions, offsets, num_targets, page_table, cached_lengths, k_cache, v_cache,
                 ts_cache):
@@ -97,9 +125,9 @@ class CachedHSTURanker(RankerBase):
         keys, values = [], []
         for i, layer in enumerate(self.encoder.layers):
             u, q, k, v = project(layer, x)
-            attn = torch.ops.recompile.hstu_paged_attention(
-                q, k, v, offsets, k_cache[i], v_cache[i], page_table, cached_lengths, self.max_len, 1.0, num_targets,
-                layer.pos_bias, timestamps, ts_cache, layer.time_bias, self.impl)
+            args = (q, k, v, offsets, k_cache[i], v_cache[i], page_table, cached_lengths, self.max_len, 1.0,
+                    num_targets, layer.pos_bias, timestamps, ts_cache, layer.time_bias)
+            attn = torch.ops.recompile.hstu_paged_attention(*args, self.kernel(*args))
             keys.append(k)
             values.append(v)
             x = finish(layer, x, u, attn)
@@ -113,6 +141,7 @@ def compile_step(model: nn.Module, backend: str = "rec_ascend"):
     compiled = torch.compile(model, backend=backend, dynamic=True)
 
     def step(*args):
+        model.choose_kernel(*args)
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             return compiled(*args)
 

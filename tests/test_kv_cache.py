@@ -1,7 +1,8 @@
 """HSTU ranking with the paged user KV cache (recompile/serving/kv_cache.py, models/serving.py): scores with
 the cache equal the no-cache ranker on the same histories over random request streams (appends, new users,
 rewritten histories, evictions, host and disk tiers); the no-cache ranker equals models.sequential.HSTU; the
-cache's LRU order, statistics and its refusal of a batch that cannot fit; the cached step exports."""
+cache's LRU order, statistics and its refusal of a batch that cannot fit; the cached step exports; the rankers
+choose their kernel on the attention op's arguments."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,10 +10,13 @@ from hypothesis import strategies as st
 from torch.export import Dim
 
 import recompile
+from models import serving
 from models.sequential import HSTU, HSTUConfig
 from models.serving import (CachedHSTURanker, HSTURanker, RankingServer, Request, compile_step, make_cache,
                             no_cache_inputs, rank_without_cache)
+from recompile.lowering import Target
 from recompile.serving import PagedKVCache
+from runtime.kernels import SUPPORTS
 
 CFG = HSTUConfig(num_items=50, dim=16, num_layers=2, num_heads=2, max_len=64, dropout=0.0, attn_dim=8, linear_dim=8,
                  num_time_buckets=16)
@@ -189,3 +193,37 @@ def test_compiled_step_serves_new_batch_sizes_without_recompiling(encoder):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         compiles.append(counter.frame_count)
     assert compiles[0] >= 1 and compiles[-1] == compiles[0]  # (Dynamo may restart the first trace once)
+
+
+def cuda_with_triton() -> Target:
+    """A CUDA target with Triton (planned only): its first paged-attention kernel, Triton, takes no time bias."""
+    return Target("cuda", False, "planned", 132, frozenset(), "triton")
+
+
+def test_kernel_is_chosen_on_the_call_arguments(encoder, monkeypatch):
+    """On a target whose preferred kernel rejects the call (Triton: no time bias), the cached ranker chooses the
+    next kernel that takes the call's arguments, and runs it: the scores equal the CPU's. The target alone would
+    choose Triton, whose kernel raises UnsupportedInputs on these inputs."""
+    g = torch.Generator().manual_seed(6)
+    requests = [Request(u, *history(g, 6 + u), *history(g, 3)) for u in range(2)]
+    want = rank_without_cache(HSTURanker(encoder, "cpu"), requests)
+    monkeypatch.setattr(serving, "detect_target", cuda_with_triton)
+    assert serving.fastest("hstu_paged_attention") == "triton"
+    server = RankingServer(CachedHSTURanker(encoder), make_cache(encoder, 16, 4))
+    assert server.model.choose_kernel(*server.prepare(requests).args) == "reference"  # on fake inputs: nothing ran
+    assert server.cache.stats.tokens_appended == 0
+    for got, w in zip(server.rank(requests), want):
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6)
+
+
+def test_kernel_choice_reads_the_supports_of_each_kernel(encoder, monkeypatch):
+    """On the CPU, a preferred kernel whose supports rejects the arguments is passed over for the next."""
+    g = torch.Generator().manual_seed(7)
+    requests = [Request(0, *history(g, 5), *history(g, 2))]
+    first = serving.fastest("hstu_attention")
+    monkeypatch.setitem(SUPPORTS["recompile::hstu_attention"], first, lambda time_bias=None, **_: time_bias is None
+                        or "rejects time biases (test)")
+    ranker = HSTURanker(encoder)
+    ranker.choose_kernel(*no_cache_inputs(requests))
+    assert ranker.impl not in (None, first)
+    assert serving.fastest("hstu_attention") == first  # without the arguments nothing rejects it
