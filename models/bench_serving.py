@@ -2,7 +2,9 @@
 
 1. HSTU block: the layers over one user's 4,096-token history (3,968 cached, 128 new) with 256 candidates, and
    without candidates: ``CachedHSTURanker`` (paged attention over the cache) against ``HSTURanker``
-   recomputing the whole sequence (the native HSTU attention kernel).
+   recomputing the whole sequence (the native HSTU attention kernel); at this run's model and at the issue's
+   anchor block (one layer of dim 1024), each beside its work-ratio ceiling (FLOPs recomputing over FLOPs of
+   the cached step, linear layers and attention).
 2. End to end, ranking requests replayed per user (ML-100k histories, and synthetic long-tailed histories up
    to 4,096), each request 8 new actions and 256 candidates, batch 1 to 8: with the cache (every timed
    request appends its 8 actions to a warm cache; the cache is rolled back between rounds) and without,
@@ -44,7 +46,9 @@ from .train import write_json
 from recompile.export import load
 
 MODELS = {"quick": dict(num_layers=2, dim=64, num_heads=2, attn_dim=32, linear_dim=32),
-          "full": dict(num_layers=4, dim=256, num_heads=4, attn_dim=64, linear_dim=64)}
+          "full": dict(num_layers=4, dim=256, num_heads=4, attn_dim=64, linear_dim=64),
+          # the issue's anchor block (dim 1024; 4 heads of 256 as generative-recommenders' HSTU at that width)
+          "anchor": dict(num_layers=1, dim=1024, num_heads=4, attn_dim=256, linear_dim=256)}
 HISTORY, CACHED, CANDIDATES, NEW_ACTIONS = 4096, 3968, 256, 8
 NUM_ITEMS = 10_000
 TARGETS = {"block_with_candidates": 8.0, "block_without_candidates": 20.0, "end_to_end_batch1": 2.6,
@@ -59,9 +63,9 @@ def environment(threads: int) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit}
 
 
-def make_encoder(size: str) -> HSTU:
+def make_encoder(model: dict) -> HSTU:
     torch.manual_seed(0)
-    cfg = HSTUConfig(num_items=NUM_ITEMS, max_len=HISTORY + CANDIDATES, dropout=0.0, **MODELS[size])
+    cfg = HSTUConfig(num_items=NUM_ITEMS, max_len=HISTORY + CANDIDATES, dropout=0.0, **model)
     return HSTU(cfg).eval()
 
 
@@ -80,23 +84,34 @@ def request(user, ids, ts, g, candidates=CANDIDATES) -> Request:
 # 1. the HSTU block
 
 
-def attention_work_ratio(history: int, cached: int, candidates: int) -> float:
-    """Score entries (query, key) recomputing the whole sequence over those of the cached step: the speedup of
-    the attention at equal speed per entry. A history row at position i sees i + 1 keys, a candidate the history
-    and itself; the cached step computes only the rows past ``cached``."""
-    def entries(first_row: int) -> int:
-        return sum(i + 1 for i in range(first_row, history)) + candidates * (history + 1)
+def work(model: dict, history: int, first_row: int, candidates: int) -> dict:
+    """FLOPs of one HSTU step computing the history rows from ``first_row`` on and ``candidates`` (the rows before
+    ``first_row`` cached): the linear layers (``uvqk`` and ``out``, per token) and the attention (``q.k`` and
+    ``w.v``, per (query, key) entry: a history row at position i sees i + 1 keys, a candidate the history and
+    itself). Layer norms, SiLU and biases are left out (linear in the tokens, a few percent)."""
+    dim, heads, d, dv = model["dim"], model["num_heads"], model["attn_dim"], model["linear_dim"]
+    tokens = history - first_row + candidates
+    entries = (history * (history + 1) - first_row * (first_row + 1)) // 2 + candidates * (history + 1)
+    linear = 2 * tokens * (dim * heads * (2 * d + 2 * dv) + heads * dv * dim)
+    attention = 2 * entries * heads * (d + dv)
+    return {"linear_flops": linear * model["num_layers"], "attention_flops": attention * model["num_layers"]}
 
-    return entries(0) / entries(cached)
+
+def work_ratio(model: dict, history: int, cached: int, candidates: int) -> float:
+    """FLOPs recomputing the whole sequence over FLOPs of the cached step: the speedup the cache can give at
+    equal speed per FLOP (the ceiling of the measured ratio)."""
+    full, step = work(model, history, 0, candidates), work(model, history, cached, candidates)
+    return sum(full.values()) / sum(step.values())
 
 
-def bench_block(encoder: HSTU, rounds: int) -> dict:
+def bench_block(model: dict, rounds: int, warmup: int = 3) -> dict:
+    encoder = make_encoder(model)
     g = torch.Generator().manual_seed(1)
     ids, ts = random_history(g, HISTORY)
     cache = make_cache(encoder, num_pages=HISTORY // 32 + 8, page_size=32)
     server = RankingServer(CachedHSTURanker(encoder), cache)
     server.rank([Request(0, ids[:CACHED], ts[:CACHED], ids[:0], ts[:0])])  # the cached prefix
-    recompute, result = HSTURanker(encoder), {}
+    recompute, result = HSTURanker(encoder), {"model": model}
     for name, candidates in (("with_candidates", CANDIDATES), ("without_candidates", 0)):
         req = request(0, ids, ts, torch.Generator().manual_seed(2), candidates)
         step = server.prepare([req])
@@ -104,13 +119,19 @@ def bench_block(encoder: HSTU, rounds: int) -> dict:
         with torch.no_grad():
             torch.testing.assert_close(server.model(*step.args)[0][-max(candidates, 1):],
                                        recompute(*full)[-max(candidates, 1):], rtol=1e-4, atol=1e-4)
-            ms = race_ms({"cached": lambda: server.model(*step.args), "recompute": lambda: recompute(*full)}, rounds)
+            ms = race_ms({"cached": lambda: server.model(*step.args), "recompute": lambda: recompute(*full)}, rounds,
+                         warmup=warmup)
+        cached_work = work(model, HISTORY, CACHED, candidates)
         result[name] = {**ms, "speedup": ms["recompute"] / ms["cached"], "cached_tokens": CACHED,
                         "new_tokens": HISTORY - CACHED, "candidates": candidates,
-                        "attention_work_ratio": attention_work_ratio(HISTORY, CACHED, candidates)}
-        print(f"block {name}: cached {ms['cached']:.1f} ms, recompute {ms['recompute']:.1f} ms, "
-              f"(attention work ratio {result[name]['attention_work_ratio']:.1f}x) "
-              f"{result[name]['speedup']:.1f}x")
+                        "work_ratio": work_ratio(model, HISTORY, CACHED, candidates),
+                        "cached_gflops_per_s": sum(cached_work.values()) / ms["cached"] / 1e6,
+                        "recompute_gflops_per_s": sum(work(model, HISTORY, 0, candidates).values()) / ms["recompute"] / 1e6}
+        r = result[name]
+        print(f"block dim {model['dim']} x {model['num_layers']} layers {name}: cached {ms['cached']:.1f} ms "
+              f"({r['cached_gflops_per_s']:.0f} GFLOP/s), recompute {ms['recompute']:.1f} ms "
+              f"({r['recompute_gflops_per_s']:.0f} GFLOP/s): {r['speedup']:.1f}x (work-ratio ceiling "
+              f"{r['work_ratio']:.1f}x)")
     return result
 
 
@@ -132,6 +153,7 @@ def synthetic_histories(count: int, max_len: int) -> list[tuple[torch.Tensor, to
 
 
 def packaged(model, example_args, dims, folder: str, name: str):
+    model.choose_kernel(*example_args)
     return load(recompile.package(model, example_args, os.path.join(folder, f"{name}.pt2"), dynamic_shapes=dims))
 
 
@@ -266,12 +288,15 @@ def bench_retrieval(items: int, dim: int, k: int, rounds: int, mol_items: int) -
 
 def summarize(result: dict) -> dict:
     """Each target of TARGETS against what was measured (None where its part did not run)."""
-    block, e2e, retrieval = result.get("block"), result.get("end_to_end", {}), result.get("retrieval")
+    blocks, e2e, retrieval = result.get("block", {}), result.get("end_to_end", {}), result.get("retrieval")
+
+    def block(name: str) -> dict:
+        return {shape: {"speedup": b[name]["speedup"], "work_ratio_ceiling": b[name]["work_ratio"]}
+                for shape, b in blocks.items()}
+
     measured = {
-        "block_with_candidates": block and block["with_candidates"]["speedup"],
-        "block_without_candidates": block and block["without_candidates"]["speedup"],
-        "block_attention_work_ratio": block and {n: block[n]["attention_work_ratio"] for n in ("with_candidates",
-                                                                                                "without_candidates")},
+        "block_with_candidates": block("with_candidates"),
+        "block_without_candidates": block("without_candidates"),
         "end_to_end_batch1": {data: rows["batch1"]["cache_speedup"] for data, rows in e2e.items() if "batch1" in rows},
         "package_vs_compiled_max_slowdown": {
             f"{data} {batch} {mode}": row[mode]["package"]["mean_ms"] / row[mode]["inductor"]["mean_ms"]
@@ -288,6 +313,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--variants", nargs="+", default=["eager", "inductor", "rec_ascend", "package"])
     p.add_argument("--parts", nargs="+", default=["block", "end_to_end", "retrieval"])
+    p.add_argument("--no-anchor", dest="anchor", action="store_false",
+                   help="skip the anchor block (dim 1024, one layer: a couple of minutes on one core)")
     p.add_argument("--json", default=os.path.join("docs", "benchmarks", "serving.json"))
     return p
 
@@ -297,11 +324,13 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     size = "quick" if args.quick else "full"
     rounds = 3 if args.quick else 10
-    encoder = make_encoder(size)
     result = {"environment": environment(args.threads), "quick": args.quick, "model": MODELS[size],
               "targets": TARGETS}
-    if "block" in args.parts:
-        result["block"] = bench_block(encoder, rounds)
+    if "block" in args.parts:  # this run's model, then the issue's anchor block (few rounds: ~1 s a recompute)
+        result["block"] = {size: bench_block(MODELS[size], rounds)}
+        if args.anchor:
+            result["block"]["anchor"] = bench_block(MODELS["anchor"], rounds=2, warmup=1)
+    encoder = make_encoder(MODELS[size])
     if "end_to_end" in args.parts:
         users = 8 if args.quick else 64
         datasets = {"ml-100k": ml100k_histories(users),

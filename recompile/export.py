@@ -11,6 +11,10 @@ dims (a batch, a jagged total) are declared with ``dynamic_shapes`` as ``torch.e
 import, only the operator library: ``import runtime`` (which defines ``torch.ops.recompile.*`` and loads
 fbgemm) before ``torch._inductor.aoti_load_package`` (``load`` below does both). The custom ops are Python
 ops, so the process that runs the package needs Python with ``runtime`` importable.
+
+hkv tables: a graph names a table by this process's table id; ``export`` rewrites its lookups into ops on a
+table bound by name (its module path in the model, ``recompile.lowering.hkv``), and the serving process binds
+each name to a table object (``load(path, tables={...})``).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from recompile.backend import resolve_target
+from recompile.lowering.hkv import name_tables, table_names
 from recompile.options import RecompileOptions
 from recompile.pipeline import PassContext, run_pipeline
 
@@ -44,11 +49,14 @@ def export(model: nn.Module, example_inputs: Sequence[Any], dynamic_shapes=None,
     """A ``torch.export`` program of ``model`` whose rec regions are ``torch.ops.recompile.*`` calls.
 
     ``dynamic_shapes`` as ``torch.export.export`` takes it (e.g. ``({0: Dim("total")}, {0: Dim("batch")})``);
-    the program records what the pipeline did under ``program.graph_module.meta["recompile_regions"]``.
+    the program records what the pipeline did under ``program.graph_module.meta["recompile_regions"]``, and the
+    hkv tables it looks up, by name (their module paths), under ``meta["hkv_tables"]``.
     """
     rewritten, ctx = rewrite(model, example_inputs, dynamic_shapes, options)
+    tables = name_tables(rewritten, table_names(model))
     program = torch.export.export(rewritten, tuple(example_inputs), dynamic_shapes=dynamic_shapes)
     program.graph_module.meta["recompile_regions"] = [r.to_dict() for r in ctx.regions]
+    program.graph_module.meta["hkv_tables"] = tables
     return program
 
 
@@ -63,8 +71,15 @@ def package(model_or_program: nn.Module | torch.export.ExportedProgram, example_
     return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=inductor_configs)
 
 
-def load(path: str):
-    """A package from ``package``, ready to call: defines the ops it calls (``import runtime``), then loads it."""
+def load(path: str, tables: Optional[Mapping[str, Any]] = None):
+    """A package from ``package``, ready to call: defines the ops it calls (``import runtime``), binds each hkv
+    table it looks up by name (``tables``: name -> ``hkv`` table or embedding module, e.g. restored from its
+    checkpoint), then loads it."""
     import runtime  # noqa: F401  (torch.ops.recompile.*, torch.ops.fbgemm.*)
 
+    if tables:
+        from recompile.lowering.hkv import serve_table
+
+        for name, table in tables.items():
+            serve_table(name, table)
     return torch._inductor.aoti_load_package(path)

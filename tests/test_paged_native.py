@@ -1,6 +1,6 @@
 """The native CPU kernel of recompile.hstu_paged_attention (runtime/csrc/paged_attention.h) on every instruction
 set this CPU runs: equal to the reference over tiles wider than one block (long prefixes across many pages,
-partial last pages, candidate blocks past 32 rows, zero new rows), strided q/k/v as a fused projection's views
+partial last pages, candidate blocks past 32 rows, blocks of up to 128 rows, zero new rows), strided q/k/v as a fused projection's views
 give them; the lowering registry picks it on CPU; bad pages are named. And the blocked top-k over int8-quantized
 items (runtime/csrc/item_topk.h): exact against torch.topk of the full score matrix."""
 import pytest
@@ -42,6 +42,21 @@ def test_strided_rows_as_a_fused_projection_gives_them(isa):
     assert not views[1].is_contiguous()
     want = ops.hstu_paged_attention(*args, impl="reference")
     torch.testing.assert_close(ops.hstu_paged_attention(*views, *args[3:], impl="native"), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tall_blocks_equal_the_reference(isa, threads):
+    """Blocks of up to 128 query rows (one thread: every block as tall as it goes; two: halved), history and
+    candidate blocks past one tall block, partial last blocks."""
+    args, _ = make_case([150, 3], [300, 140], [170, 7], 16, seed=threads, max_len=500)
+    want = ops.hstu_paged_attention(*args, impl="reference")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = ops.hstu_paged_attention(*args, impl="native")
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_registry_picks_native_on_cpu():

@@ -6,11 +6,16 @@
  * prefix and new actions) plus itself when it is a candidate; weights silu(alpha q_i.k_j + bias_ij) / N, biases
  * as hstu_attention (rel_bias[N - 1 + j - i], time_bias[bucket(|ts_i - ts_j|)]).
  *
- * Work items are (user, head, block of up to BM query rows), blocks never straddling the history / candidate
+ * Work items are (user, head, block of up to PBM query rows), blocks never straddling the history / candidate
  * boundary, largest first over OpenMP threads. An item packs its query rows once, then for each tile of BN keys
  * packs the keys (transposed) and values of its head from pages or new rows into cache, builds the mask and bias
- * and runs jagged_attention.h's register-tiled GEMMs: scores, SiLU, weights times values. A candidate's own key
+ * and runs jagged_attention.h's register-tiled GEMMs: scores, SiLU, weights times values. The tile's packing
+ * (a transposed scatter of BN x D) costs as much as the GEMMs of a few dozen rows, so blocks are as tall as the
+ * thread count allows (two items per thread at least, 32 to PBM rows): the new rows of a request (new actions,
+ * hundreds of candidates) share each packed tile. A candidate's own key
  * is one more term. Included by serving_isa.inc after jagged_attention.h (whose helpers it uses). */
+
+static const int64_t PBM = 128; /* the tallest block of query rows */
 
 typedef struct {
     int64_t user, head, r0, m, key_end, cost; /* new rows [r0, r0 + m) of user; keys [0, key_end) */
@@ -23,15 +28,15 @@ static int paged_by_cost_desc(const void *a, const void *b) {
 }
 
 typedef struct {
-    float *q, *kt, *v, *s, *scale, *bias, *o; /* [BM, D], [D, BN], [BN, Dvp], [BM, BN] x 3, [BM, Dvp] */
+    float *q, *kt, *v, *s, *scale, *bias, *o; /* [PBM, D], [D, BN], [BN, Dvp], [PBM, BN] x 3, [PBM, Dvp] */
     float *time_row;                          /* [BN]: the time bias of the current row's timestamp */
     int64_t *ts;                              /* [BN + VL]: the tile's key timestamps */
 } paged_space;
 
 static int paged_space_init(const paged_problem *p, paged_space *w) {
     const int64_t D = p->dim, Dvp = round_up(p->dim_v, VL);
-    w->q = alloc(BM * D), w->kt = alloc(D * BN), w->v = alloc(BN * Dvp), w->s = alloc(BM * BN);
-    w->scale = alloc(BM * BN), w->bias = alloc(BM * BN), w->o = alloc(BM * Dvp), w->ts = alloc(2 * (BN + VL));
+    w->q = alloc(PBM * D), w->kt = alloc(D * BN), w->v = alloc(BN * Dvp), w->s = alloc(PBM * BN);
+    w->scale = alloc(PBM * BN), w->bias = alloc(PBM * BN), w->o = alloc(PBM * Dvp), w->ts = alloc(2 * (BN + VL));
     w->time_row = alloc(BN);
     return w->q && w->kt && w->v && w->s && w->scale && w->bias && w->o && w->ts && w->time_row;
 }
@@ -75,7 +80,7 @@ static void paged_item_run(const paged_problem *p, const paged_item *it, paged_s
     const float inv_n = 1.0f / (float)N;
     const int64_t out_stride[2] = {p->heads * Dv, Dv};
     pack(p->dtype, p->q, p->q_stride, start + it->r0, m, h, D, 0, w->q, D);
-    memset(w->o, 0, sizeof(float) * BM * Dvp);
+    memset(w->o, 0, sizeof(float) * m * Dvp);
     vi lane;
     for (int l = 0; l < VL; l++) lane[l] = l;
     for (int64_t j0 = 0; j0 < it->key_end; j0 += BN) {
@@ -138,15 +143,15 @@ static void paged_item_run(const paged_problem *p, const paged_item *it, paged_s
     }
 }
 
-/* The items of every user and head: blocks of history rows, then blocks of candidates. */
-static int64_t paged_items(const paged_problem *p, paged_item *items) {
+/* The items of every user and head: blocks of up to bm history rows, then blocks of candidates. */
+static int64_t paged_items(const paged_problem *p, int64_t bm, paged_item *items) {
     int64_t count = 0;
     for (int64_t b = 0; b < p->batch; b++) {
         const int64_t n = p->offsets[b + 1] - p->offsets[b], cached = p->cached_lengths[b];
         const int64_t history = n - (p->num_targets ? p->num_targets[b] : 0);
         for (int64_t r0 = 0; r0 < n;) {
             const int32_t candidates = r0 >= history;
-            const int64_t m = min64(BM, (candidates ? n : history) - r0);
+            const int64_t m = min64(bm, (candidates ? n : history) - r0);
             const int64_t key_end = candidates ? cached + history : cached + r0 + m;
             for (int64_t h = 0; h < p->heads; h++)
                 items[count++] = (paged_item){b, h, r0, m, key_end, m * key_end, candidates};
@@ -160,9 +165,11 @@ static int64_t paged_items(const paged_problem *p, paged_item *items) {
 int hstu_paged_attention_fwd(const paged_problem *p) {
     int64_t blocks = 0;
     for (int64_t b = 0; b < p->batch; b++) blocks += (p->offsets[b + 1] - p->offsets[b]) / BM + 2;
+    const int64_t rows = p->offsets[p->batch] - p->offsets[0], threads = max64(p->threads, 1);
+    const int64_t bm = min64(PBM, max64(BM, round_up(rows * p->heads / (2 * threads) + 1, MR)));
     paged_item *items = (paged_item *)malloc(sizeof(paged_item) * max64(blocks * p->heads, 1));
     if (!items) return HSTU_NO_MEMORY;
-    const int64_t count = paged_items(p, items);
+    const int64_t count = paged_items(p, bm, items);
     int failed = 0;
 #pragma omp parallel num_threads(max64(min64(p->threads, count), 1)) reduction(| : failed)
     {
