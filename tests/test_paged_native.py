@@ -1,7 +1,7 @@
 """The native CPU kernel of recompile.hstu_paged_attention (runtime/csrc/paged_attention.h) on every instruction
 set this CPU runs: equal to the reference over tiles wider than one block (long prefixes across many pages,
-partial last pages, candidate blocks past 32 rows, blocks of up to 128 rows, zero new rows), strided q/k/v as a fused projection's views
-give them; the lowering registry picks it on CPU; bad pages are named. And the blocked top-k over int8-quantized
+partial last pages, candidate blocks past 32 rows, blocks of up to 128 rows, heads in groups, zero new
+rows), strided q/k/v as a fused projection's views give them; the lowering registry picks it on CPU; bad pages are named. And the blocked top-k over int8-quantized
 items (runtime/csrc/item_topk.h): exact against torch.topk of the full score matrix."""
 import pytest
 import torch
@@ -44,11 +44,13 @@ def test_strided_rows_as_a_fused_projection_gives_them(isa):
     torch.testing.assert_close(ops.hstu_paged_attention(*views, *args[3:], impl="native"), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_tall_blocks_equal_the_reference(isa, threads):
-    """Blocks of up to 128 query rows (one thread: every block as tall as it goes; two: halved), history and
-    candidate blocks past one tall block, partial last blocks."""
-    args, _ = make_case([150, 3], [300, 140], [170, 7], 16, seed=threads, max_len=500)
+@pytest.mark.parametrize("threads, cached, new, targets", [
+    (1, [150, 3], [300, 140], [170, 7]),  # blocks of 128 rows, history and candidates past one block
+    (2, [150, 3], [300, 140], [170, 7]),  # blocks halved for two threads
+    (4, [40], [20], [5]),  # fewer blocks than two per thread: heads split into groups
+])
+def test_tall_blocks_and_head_groups_equal_the_reference(isa, threads, cached, new, targets):
+    args, _ = make_case(cached, new, targets, 16, seed=threads, max_len=500)
     want = ops.hstu_paged_attention(*args, impl="reference")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
