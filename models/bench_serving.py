@@ -167,8 +167,18 @@ def percentiles(samples: list[float]) -> dict:
             "mean_ms": statistics.fmean(samples)}
 
 
-def bench_end_to_end(encoder: HSTU, datasets: dict, batches: list[int], rounds: int, variants: list[str],
-                     folder: str) -> dict:
+def dataset_work_ratio(model: dict, histories: list) -> float:
+    """The work-ratio ceiling of a dataset's requests (each history, its last NEW_ACTIONS new, CANDIDATES
+    candidates): their FLOPs without the cache over those with it. Short histories leave it near 1: the candidates'
+    attention to the history and their linear layers are computed either way."""
+    def flops(first_new) -> int:
+        return sum(sum(work(model, len(ids), first_new(len(ids)), CANDIDATES).values()) for ids, _ in histories)
+
+    return flops(lambda n: 0) / flops(lambda n: n - NEW_ACTIONS)
+
+
+def bench_end_to_end(encoder: HSTU, model: dict, datasets: dict, batches: list[int], rounds: int,
+                     variants: list[str], folder: str) -> dict:
     g = torch.Generator().manual_seed(4)
     plain, cached_model = HSTURanker(encoder), CachedHSTURanker(encoder)
     total_tokens = sum(int(ids.numel()) for hs in datasets.values() for ids, _ in hs)
@@ -233,12 +243,13 @@ def bench_end_to_end(encoder: HSTU, datasets: dict, batches: list[int], rounds: 
                 stats["requests_per_s"] = b / stats["mean_ms"] * 1e3
                 result.setdefault(data, {}).setdefault(f"batch{b}", {}).setdefault(mode, {})[variant] = stats
             row = result[data][f"batch{b}"]
+            row["work_ratio"] = dataset_work_ratio(model, datasets[data])
             for variant in variants:
                 row.setdefault("cache_speedup", {})[variant] = (row["no_cache"][variant]["mean_ms"]
                                                                 / row["cache"][variant]["mean_ms"])
             print(f"{data} batch {b}: " + "  ".join(
                 f"{v} p50 {row['no_cache'][v]['p50_ms']:.1f} -> {row['cache'][v]['p50_ms']:.1f} ms "
-                f"({row['cache_speedup'][v]:.1f}x)" for v in variants))
+                f"({row['cache_speedup'][v]:.1f}x)" for v in variants) + f"  (work-ratio ceiling {row['work_ratio']:.2f}x)")
     return result
 
 
@@ -297,7 +308,9 @@ def summarize(result: dict) -> dict:
     measured = {
         "block_with_candidates": block("with_candidates"),
         "block_without_candidates": block("without_candidates"),
-        "end_to_end_batch1": {data: rows["batch1"]["cache_speedup"] for data, rows in e2e.items() if "batch1" in rows},
+        "end_to_end_batch1": {data: {"speedup": rows["batch1"]["cache_speedup"],
+                                     "work_ratio_ceiling": rows["batch1"]["work_ratio"]}
+                              for data, rows in e2e.items() if "batch1" in rows},
         "package_vs_compiled_max_slowdown": {
             f"{data} {batch} {mode}": row[mode]["package"]["mean_ms"] / row[mode]["inductor"]["mean_ms"]
             for data, rows in e2e.items() for batch, row in rows.items() for mode in ("no_cache", "cache")
@@ -337,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "synthetic": synthetic_histories(users, 2048 if args.quick else HISTORY)}
         batches = [1, 8] if args.quick else [1, 2, 4, 8]
         with tempfile.TemporaryDirectory() as folder:
-            result["end_to_end"] = bench_end_to_end(encoder, datasets, batches, rounds,
+            result["end_to_end"] = bench_end_to_end(encoder, MODELS[size], datasets, batches, rounds,
                                                     args.variants, folder)
     if "retrieval" in args.parts:
         result["retrieval"] = bench_retrieval(1_000_000, 64, 100, rounds, 20_000 if args.quick else 100_000)
