@@ -191,8 +191,9 @@ int hstu_paged_attention_fwd(const paged_problem *p) {
         const int64_t n = p->offsets[b + 1] - p->offsets[b], targets = p->num_targets ? p->num_targets[b] : 0;
         blocks += (n - targets + bm - 1) / bm + (targets + bm - 1) / bm;
     }
-    /* heads per item: all of them, unless the blocks are fewer than two per thread */
-    const int64_t groups = min64(p->heads, max64(1, (2 * threads + blocks - 1) / max64(blocks, 1)));
+    /* heads per item: all of them, unless the blocks are fewer than two per thread (one thread: all) */
+    const int64_t want = threads > 1 ? 2 * threads : 1;
+    const int64_t groups = min64(p->heads, max64(1, (want + blocks - 1) / max64(blocks, 1)));
     const int64_t hg = (p->heads + groups - 1) / groups;
     paged_item *items = (paged_item *)malloc(sizeof(paged_item) * max64(blocks * p->heads, 1));
     if (!items) return HSTU_NO_MEMORY;
