@@ -5,6 +5,8 @@ hkv (usable without recompile) keeps its probe kernels by name in ``hkv.kernels`
 they are registered here as ``hkv::lookup``'s kernels in the one kernel table (``runtime.kernels``), each
 supporting the tables on the devices where ``hkv.kernels.runs_on`` says it runs.
 """
+import weakref
+
 import torch
 
 from hkv import kernels
@@ -55,7 +57,8 @@ for op in ("hkv::lookup", "hkv::embedding_lookup", "hkv::update"):
 # impl)`` (inference: never inserts). The serving process binds each name to a table object (a restored
 # checkpoint, or the live module) with ``serve_table`` before it runs the program.
 
-SERVED_TABLES: dict[str, object] = {}  # name -> hkv.embedding.DynamicTable
+# name -> hkv.embedding.DynamicTable; weak, as hkv's own registry: a binding does not keep a dropped table alive
+SERVED_TABLES: "weakref.WeakValueDictionary[str, DynamicTable]" = weakref.WeakValueDictionary()
 
 
 def serve_table(name: str, table) -> None:
