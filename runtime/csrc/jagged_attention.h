@@ -165,8 +165,11 @@ static const micro_fn MICRO[2][4] = { /* [a full MR-row tile or one row][vectors
 
 static void gemm(int64_t M, int64_t N, int64_t K, const float *A, int64_t sam, int64_t sak, const float *B,
                  int64_t ldb, float *C, int64_t ldc, int accumulate) {
-    for (int64_t n0 = 0; n0 < N; n0 += NR * VL) {
-        const int nv = (int)min64(NR, (N - n0) / VL);
+    const int64_t vectors = N / VL, passes = (vectors + NR - 1) / NR;
+    for (int64_t pass = 0, v0 = 0; pass < passes; pass++) { /* even passes: 4 vectors as 2 + 2, not 3 + 1 */
+        const int nv = (int)((vectors - v0) / (passes - pass));
+        const int64_t n0 = v0 * VL;
+        v0 += nv;
         int64_t m0 = 0;
         for (; m0 + MR <= M; m0 += MR)
             MICRO[1][nv - 1](K, A + m0 * sam, sam, sak, B + n0, ldb, C + m0 * ldc + n0, ldc, accumulate);
