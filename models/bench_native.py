@@ -65,8 +65,8 @@ def _training(fn, *leaves):
 
 
 def workloads(batch: int, hstu_step: bool) -> dict[str, tuple]:
-    """name -> (step, whether it runs without autograd): each native op at a working size, the zoo's DLRM forward,
-    and (``hstu_step``) the headline HSTU training step of ``make run`` compiled with rec_ascend."""
+    """name -> (step, whether it runs without autograd): each native op at a working size (``other_tracks``
+    too), the zoo's DLRM forward, and (``hstu_step``) make run's HSTU training step under eager and rec_ascend."""
     g = torch.Generator().manual_seed(0)
     features = [torch.randn(batch, 64, generator=g), torch.randn(batch, 26, 64, generator=g)]
     q, k, v = (torch.randn(4096, 2, 64, generator=g, requires_grad=True) for _ in range(3))
@@ -86,6 +86,7 @@ def workloads(batch: int, hstu_step: bool) -> dict[str, tuple]:
         "sampled_softmax 3200 x 1024 fwd+bwd": (
             _training(lambda p, n: ops.sampled_softmax_loss(p, n, None, None, 20.0, "native"), pos, neg), False),
     }
+    work.update(other_tracks(g))
     if hstu_step:
         from .main import training_steps
         from .train import parser
@@ -95,11 +96,52 @@ def workloads(batch: int, hstu_step: bool) -> dict[str, tuple]:
     return work
 
 
-def by_isa(rounds: int, batch: int, hstu_step: bool, clock) -> dict[str, dict[str, float]]:
-    """Milliseconds per call of each workload on each instruction set, interleaved round by round."""
-    isas = native.available_isas()
+def other_tracks(g: torch.Generator, tables: int = 8, rows: int = 20_000, dim: int = 64, batch: int = 2048,
+                 bag: int = 20) -> dict[str, tuple]:
+    """The grouped embedding (fp32 forward, forward+backward; int8 forward) and the interaction kernels at
+    training sizes: name -> (step, whether it runs without autograd)."""
+    from runtime.quantized import quantize_rows
+
+    weights = [torch.randn(rows, dim, generator=g, requires_grad=True) for _ in range(tables)]
+    int8 = [quantize_rows(w.detach(), "int8") for w in weights]
+    lengths = [torch.randint(1, 2 * bag, (batch,), generator=g) for _ in weights]
+    lookup = ([torch.randint(0, rows, (int(n.sum()),), generator=g) for n in lengths],
+              [torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)]) for n in lengths],
+              [torch.empty(0)] * tables, [0] * tables, [-1] * tables, [True] * tables)
+    names = ",".join(f"t{i}" for i in range(tables))
+    x0, x = (torch.randn(batch, 256, generator=g, requires_grad=True) for _ in range(2))
+    weight, bias = torch.randn(256, 256, generator=g, requires_grad=True), torch.randn(256, generator=g, requires_grad=True)
+    v = torch.randn(batch, 27, 64, generator=g, requires_grad=True)
+    features = [torch.randn(batch, 64, generator=g, requires_grad=True),
+                torch.randn(batch, 26, 64, generator=g, requires_grad=True)]
+
+    def embedding(*w):
+        return ops.grouped_embedding_bag(list(w), *lookup, [False] * tables, "concat", names, "fatal", "native")
+
+    size = f"{tables} x {rows // 1000}k x {dim}, batch {batch}"
+    return {
+        f"grouped_embedding_bag {size}": (lambda: embedding(*weights), True),
+        f"grouped_embedding_bag {size} fwd+bwd": (_training(embedding, *weights), False),
+        f"grouped_embedding_bag int8 {size}": (lambda: ops.grouped_embedding_bag_quantized(
+            int8, *lookup, "int8", "concat", names, "fatal", "native"), True),
+        f"dot_interaction 27 x 64, batch {batch} fwd+bwd": (
+            _training(lambda *f: ops.dot_interaction(list(f), None, True, False, "native"), *features), False),
+        f"fm_second_order 27 x 64, batch {batch} fwd+bwd": (
+            _training(lambda v: ops.fm_second_order(v, True, "native"), v), False),
+        f"cross_layer 256, batch {batch} fwd+bwd": (
+            _training(lambda *a: ops.cross_layer(*a, None, "native"), x0, x, weight, bias), False),
+    }
+
+
+def by_isa(rounds: int, batch: int, hstu_step: bool, clock, isas: list[str] | None = None, only: str = "") -> dict:
+    """Milliseconds per call of each workload (those whose name contains ``only``) on each instruction set
+    (``isas``, of those this CPU runs), interleaved round by round: {workload: {isa: ms}}."""
+    isas = [isa for isa in native.available_isas() if isas is None or isa in isas]
     steps = {}
+    hstu_step = hstu_step and any(only in f"{HSTU_STEP}, {backend}" for backend in ("eager", "rec_ascend"))
     for name, (fn, no_grad) in workloads(batch, hstu_step).items():
+        if only not in name:
+            continue
         for isa in isas:
             def step(fn=fn, isa=isa, no_grad=no_grad):
                 with native.use_isa(isa), torch.set_grad_enabled(not no_grad):
@@ -119,6 +161,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quick", action="store_true", help="3 rounds (checks the script runs)")
     parser.add_argument("--no-hstu-step", action="store_true", help="leave out make run's HSTU training step")
+    parser.add_argument("--isas", nargs="+", choices=native.ISAS, help="these instruction sets only (of those the "
+                        "CPU runs)")
+    parser.add_argument("--only", default="", help="the workloads whose name contains this")
+    parser.add_argument("--out", default=OUT, help="the JSON file written (not with --quick)")
     args = parser.parse_args(argv)
     rounds = 3 if args.quick else args.rounds
     torch.set_num_threads(args.threads)
@@ -130,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     calls = per_call(rounds)
     for name, us in calls.items():
         print(f"per call [{native.isa()}] {name:40s} {us:8.2f} us")
-    isas = by_isa(rounds, args.batch, not args.no_hstu_step, clock)
+    isas = by_isa(rounds, args.batch, not args.no_hstu_step, clock, args.isas, args.only)
     for name, row in isas.items():
         base = row.get("avx512")
         print(f"{name:36s} " + "  ".join(
@@ -145,10 +191,10 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
               "isa": native.isa(), "aten_isa": torch.backends.cpu.get_cpu_capability(),
-              "clock": clock.__name__, "rounds": rounds, "per_call_us": calls, "ms_by_isa": isas}
+              "clock": clock.__name__, "load_average": os.getloadavg(), "rounds": rounds, "per_call_us": calls, "ms_by_isa": isas}
     if not args.quick:
-        os.makedirs(os.path.dirname(OUT), exist_ok=True)
-        with open(OUT, "w") as f:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     return result
 
