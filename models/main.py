@@ -31,15 +31,15 @@ def popularity_ranks(split: D.LeaveOneOut, which: str) -> torch.Tensor:
     return target_ranks(scores, torch.from_numpy(targets))
 
 
-def interleaved_step_ms(settings, rounds: int, num_batches: int = 8) -> dict[str, float]:
-    """Milliseconds per HSTU training step (the best round) under eager and rec_ascend: two copies of the model
-    (same initial weights) step through the same batches, timed one step each in turn, round by round."""
+def training_steps(settings, backends=("eager", "rec_ascend"), num_batches: int = 8) -> dict:
+    """One HSTU training step per backend, as callables: copies of the model (same initial weights) stepping
+    through the same ``num_batches`` batches in turn."""
     split = D.leave_one_out(D.load_ratings(settings.data, settings.data_path))
     windows = D.training_windows(split.train, settings.max_len)
     g = torch.Generator().manual_seed(settings.seed)
     rows = list(D.batches(len(windows), settings.batch_size, g))[:num_batches]
     steps = {}
-    for backend in ("eager", "rec_ascend"):
+    for backend in backends:
         torch.manual_seed(settings.seed)
         task = sequential_task(settings, split.num_items)
         fmt = task.encoder.input_format
@@ -50,7 +50,13 @@ def interleaved_step_ms(settings, rounds: int, num_batches: int = 8) -> dict[str
         calls = iter(range(10**9))
         steps[backend] = lambda step_fn=step_fn, optimizer=optimizer, batches=batches, calls=calls: optimizer_step(
             optimizer, lambda: step_fn(*batches[next(calls) % len(batches)]))
-    return race_ms(steps, rounds)
+    return steps
+
+
+def interleaved_step_ms(settings, rounds: int, num_batches: int = 8) -> dict[str, float]:
+    """Milliseconds per HSTU training step (the best round) under eager and rec_ascend (``training_steps``),
+    timed one step each in turn, round by round."""
+    return race_ms(training_steps(settings, num_batches=num_batches), rounds)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -46,8 +46,11 @@ def test_isa_names_and_forcing():
 
 
 def test_dropout(isa):
-    x, seed = torch.randn(3, 1000), torch.tensor([12345, 678])
-    assert torch.equal(ops.dropout(x, 0.3, seed, "native"), ops.dropout(x, 0.3, seed, "reference"))
+    """Whole vectors and a tail (3003 elements), NaN and inf kept or dropped as eager does (inf * 0 is NaN)."""
+    x, seed = torch.randn(3, 1001), torch.tensor([12345, 678])
+    x[0, :40:2], x[1, :40:2] = float("nan"), float("inf")
+    torch.testing.assert_close(ops.dropout(x, 0.3, seed, "native"), ops.dropout(x, 0.3, seed, "reference"),
+                               rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
@@ -71,9 +74,11 @@ def test_sampled_softmax(isa):
     _same(lambda p, n, impl: ops.sampled_softmax_loss(p, n, neg_ids, targets, 0.7, impl), [pos, neg])
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.float16, 1e-2)])
-def test_hstu_attention(isa, dtype, tol):
-    q, k, v, offsets, rel, ts, tb = attention_case([0, 5, 70, 33], 2, 24, 20, True, dtype=dtype, fused=True)
+@pytest.mark.parametrize("dtype, tol, d, dv", [(torch.float32, 2e-5, 24, 20), (torch.float16, 1e-2, 24, 20),
+                                                (torch.float32, 2e-5, 32, 40)])
+def test_hstu_attention(isa, dtype, tol, d, dv):
+    """Head sizes whose rows are 3, 4 (two register tiles of 2) and 5 AVX2 vectors."""
+    q, k, v, offsets, rel, ts, tb = attention_case([0, 5, 70, 33], 2, d, dv, True, dtype=dtype, fused=True)
 
     def attention(q, k, v, rel, tb, impl):
         return ops.hstu_attention(q, k, v, offsets, 70, 0.3, True, None, 0, rel, ts, tb, impl)

@@ -12,7 +12,7 @@
  *   largest first, over OpenMP threads;
  * - backward: one item per sequence (it owns the sequence's dq, dk, dv): every tile recomputes its
  *   scores and adds to dv, dk and dq; bias gradients are per-thread arrays summed at the end.
- * Products are C += A.B with B's rows vectorised (16 floats): register tiles of 4 rows x 64 columns.
+ * Products are C += A.B with B's rows vectorised (VL floats): register tiles of MR rows x NR vectors.
  */
 #include <math.h>
 #include <omp.h>
@@ -24,7 +24,9 @@
 
 typedef uint16_t bf16_t;
 
-enum { BM = 32, BN = 64, MR = 4, NR = 4, SPREAD = 8 };
+/* Register tiles of MR rows x NR vectors: MR * NR accumulators, NR vectors of B and one broadcast of A fit the
+   register file (AVX-512: 16 + 4 + 1 of 32; AVX2: 12 + 3 + 1 of 16, where 4 x 4 spilled and ran 1.3x slower). */
+enum { BM = 32, BN = 64, MR = 4, NR = VL == 16 ? 4 : 3, SPREAD = 8 };
 typedef int64_t vl __attribute__((vector_size(VL * sizeof(int64_t))));
 
 enum { DTYPE_F32 = 0, DTYPE_F16 = 1, DTYPE_BF16 = 2 };
@@ -118,9 +120,12 @@ static inline vf gather(const float *table, vi index) {
 #endif
 }
 
-static inline vf reciprocal(vf x) { /* to float precision: one Newton step after the 14-bit estimate */
+static inline vf reciprocal(vf x) { /* one Newton step after the hardware's 14-bit (AVX2: 12-bit) estimate */
 #if RECOMPILE_AVX512
     vf r = (vf)_mm512_rcp14_ps((__m512)x);
+    return r * (2.0f - x * r);
+#elif RECOMPILE_AVX2
+    vf r = (vf)_mm256_rcp_ps((__m256)x);
     return r * (2.0f - x * r);
 #else
     return 1.0f / x;
@@ -133,37 +138,38 @@ static inline vf vsigmoid(vf s) { return reciprocal(1.0f + vexp(-s)); }
 /* C[M, N] (+)= A[M, K] B[K, N]: A read as scalars A[m * sam + k * sak], B rows of N floats (N a multiple of
    VL, 64-byte aligned rows), C rows of N floats (aligned). Register tiles of up to MR rows x NR vectors. */
 
-#define MICRO_KERNEL(ROWS, VECS)                                                                               \
-static void micro_##ROWS##_##VECS(int64_t K, const float *A, int64_t sam, int64_t sak, const float *B,        \
-                                  int64_t ldb, float *C, int64_t ldc, int accumulate) {                       \
-    vf acc[ROWS][VECS];                                                                                        \
-    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++)                                                     \
-        _Pragma("GCC unroll 4") for (int v = 0; v < VECS; v++)                                                 \
-            acc[r][v] = accumulate ? *(const vf *)(C + r * ldc + v * VL) : (vf){0};                            \
-    for (int64_t k = 0; k < K; k++) {                                                                          \
-        vf b[VECS];                                                                                            \
-        _Pragma("GCC unroll 4") for (int v = 0; v < VECS; v++) b[v] = *(const vf *)(B + k * ldb + v * VL);     \
-        _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {                                               \
-            const float a = A[r * sam + k * sak];                                                              \
-            _Pragma("GCC unroll 4") for (int v = 0; v < VECS; v++) acc[r][v] += a * b[v];                      \
-        }                                                                                                      \
-    }                                                                                                          \
-    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++)                                                     \
-        _Pragma("GCC unroll 4") for (int v = 0; v < VECS; v++) *(vf *)(C + r * ldc + v * VL) = acc[r][v];      \
+template <int ROWS, int VECS>
+static void micro(int64_t K, const float *A, int64_t sam, int64_t sak, const float *B, int64_t ldb, float *C,
+                  int64_t ldc, int accumulate) {
+    vf acc[ROWS][VECS];
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++)
+        _Pragma("GCC unroll 8") for (int v = 0; v < VECS; v++)
+            acc[r][v] = accumulate ? *(const vf *)(C + r * ldc + v * VL) : (vf){0};
+    for (int64_t k = 0; k < K; k++) {
+        vf b[VECS];
+        _Pragma("GCC unroll 8") for (int v = 0; v < VECS; v++) b[v] = *(const vf *)(B + k * ldb + v * VL);
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {
+            const float a = A[r * sam + k * sak];
+            _Pragma("GCC unroll 8") for (int v = 0; v < VECS; v++) acc[r][v] += a * b[v];
+        }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++)
+        _Pragma("GCC unroll 8") for (int v = 0; v < VECS; v++) *(vf *)(C + r * ldc + v * VL) = acc[r][v];
 }
-MICRO_KERNEL(4, 1) MICRO_KERNEL(4, 2) MICRO_KERNEL(4, 3) MICRO_KERNEL(4, 4)
-MICRO_KERNEL(1, 1) MICRO_KERNEL(1, 2) MICRO_KERNEL(1, 3) MICRO_KERNEL(1, 4)
 
 typedef void (*micro_fn)(int64_t, const float *, int64_t, int64_t, const float *, int64_t, float *, int64_t, int);
-static const micro_fn MICRO[2][NR] = {
-    {micro_1_1, micro_1_2, micro_1_3, micro_1_4},
-    {micro_4_1, micro_4_2, micro_4_3, micro_4_4},
+static const micro_fn MICRO[2][4] = { /* [a full MR-row tile or one row][vectors - 1], up to NR vectors */
+    {micro<1, 1>, micro<1, 2>, micro<1, 3>, micro<1, 4>},
+    {micro<MR, 1>, micro<MR, 2>, micro<MR, 3>, micro<MR, 4>},
 };
 
 static void gemm(int64_t M, int64_t N, int64_t K, const float *A, int64_t sam, int64_t sak, const float *B,
                  int64_t ldb, float *C, int64_t ldc, int accumulate) {
-    for (int64_t n0 = 0; n0 < N; n0 += NR * VL) {
-        const int nv = (int)min64(NR, (N - n0) / VL);
+    const int64_t vectors = N / VL, passes = (vectors + NR - 1) / NR;
+    for (int64_t pass = 0, v0 = 0; pass < passes; pass++) { /* even passes: 4 vectors as 2 + 2, not 3 + 1 */
+        const int nv = (int)((vectors - v0) / (passes - pass));
+        const int64_t n0 = v0 * VL;
+        v0 += nv;
         int64_t m0 = 0;
         for (; m0 + MR <= M; m0 += MR)
             MICRO[1][nv - 1](K, A + m0 * sam, sam, sak, B + n0, ldb, C + m0 * ldc + n0, ldc, accumulate);

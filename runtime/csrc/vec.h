@@ -17,11 +17,21 @@ typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
 
 static inline vf splat(float x) { return (vf){0} + x; }
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+/* max(x, lo), min(x, hi): one instruction each on AVX2 / AVX-512; NaN stays NaN */
+static inline vf vclamp(vf x, float lo, float hi) {
+#if RECOMPILE_AVX512
+    return (vf)_mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), (__m512)x));
+#elif RECOMPILE_AVX2
+    return (vf)_mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), (__m256)x));
+#else
+    x = vselect(x < splat(lo), splat(lo), x);
+    return vselect(x > splat(hi), splat(hi), x);
+#endif
+}
 
 /* exp(x), Cephes' single-precision polynomial after x = n ln2 + r (about 1 ulp); inputs clamped to [-87, 88] */
 static inline vf vexp(vf x) {
-    x = vselect(x < splat(-87.0f), splat(-87.0f), x);
-    x = vselect(x > splat(88.0f), splat(88.0f), x);
+    x = vclamp(x, -87.0f, 88.0f);
     const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
     vf n = (x * 1.44269504088896341f + magic) - magic;
     vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
