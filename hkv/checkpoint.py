@@ -148,7 +148,8 @@ STRATEGIES = ("lru", "lfu", "epoch_lru", "epoch_lfu", "customized")  # hkv.table
 # Every header field and what it must be (checked before anything is allocated).
 HEADER = {
     "dim": (_integer(0, 1 << 24), "an integer in [0, 2**24]"),
-    "dtype": (lambda v: isinstance(v, str) and (v in DTYPES or v in QDTYPES), f"one of {sorted(DTYPES) + list(QDTYPES)}"),
+    "dtype": (lambda v: isinstance(v, str) and (v in DTYPES or v in QDTYPES),
+              f"one of {sorted(DTYPES) + list(QDTYPES)}"),
     "size": (_integer(0), "a non-negative integer"),
     "capacity": (_integer(1, 1 << 62), "an integer in [1, 2**62]"),
     "max_capacity": (_integer(1, 1 << 62), "an integer in [1, 2**62]"),

@@ -1,15 +1,9 @@
 """Row-wise quantized embedding tables and the grouped lookup over them:
 ``torch.ops.recompile.grouped_embedding_bag_quantized``.
 
-Tables are stored in FBGEMM's fused row-wise layouts (uint8 ``[rows, width]``, each row its codes then its scale and
-bias; a value is ``code * scale + bias``):
-
-- ``"int8"``: ``D`` codes, then fp32 scale and fp32 bias (``width = D + 8``), byte for byte
-  ``torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized``: scale = (max - min) / 255, bias = min,
-  code = round((x - min) * 255 / (max - min + 1e-8));
-- ``"int4"``: ``D / 2`` bytes of two codes each (low nibble first), then fp16 scale and fp16 bias
-  (``width = D / 2 + 4``), byte for byte ``torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(x, 4)``:
-  bias = fp16(min), scale = fp16((max - bias) / 15) (1 where that is 0), code = clamp(round((x - bias) / scale), 0, 15).
+Tables are stored in FBGEMM's fused row-wise layouts, "int8" (``D + 8`` bytes a row) and "int4" (``D / 2 + 4``):
+uint8 ``[rows, width]``, each row its codes then its scale and bias, a value ``code * scale + bias``; the format,
+and its quantize / dequantize helpers re-exported here, live in hkv/rowwise.py (hkv tables store it too).
 
 The lookup takes ``grouped_embedding_bag``'s arguments (runtime/embedding.py: SUM / MEAN pooling into the
 ``"concat"`` or ``"stack"`` layout, NONE pooling into ``"sequence"``, fp32 per-sample weights, padding, bounds
@@ -31,7 +25,9 @@ from runtime.embedding import (
 from runtime import embedding_native as native
 from runtime.kernels import get_kernel, native_supports, register_kernel, require
 # The packed format is hkv's (hkv/rowwise.py): hkv tables store rows in it too, and hkv sits below the runtime.
-from hkv.rowwise import LEVELS, QDTYPES, SCALE_BIAS, dequantize_rows, packed_width, quantize_rows, scale_bias  # noqa: F401
+from hkv.rowwise import (  # noqa: F401
+    LEVELS, QDTYPES, SCALE_BIAS, dequantize_rows, packed_width, quantize_rows, scale_bias,
+)
 
 OP = "grouped_embedding_bag_quantized"
 

@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hkv
 import recompile
@@ -57,6 +59,33 @@ def test_find_equals_dequantized_reference(qdtype, id_dtype, kernel):
     k, packed, _ = stored(t)
     assert packed.shape == (200, packed_width(DIM, qdtype)) and packed.dtype == torch.uint8
     assert torch.equal(packed, quantize_rows(values[torch.argsort(keys.long())], qdtype))
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["insert", "find_or_insert", "assign", "erase"]),
+                         st.lists(st.integers(0, len(POOL) - 1), max_size=8), st.integers(0, 2**31)), max_size=8)
+
+
+@settings(max_examples=20, deadline=None)
+@given(qdtype=st.sampled_from(QDTYPES), kernel=st.sampled_from([k for k in KERNELS if k != "triton"]), ops=OPS)
+def test_any_op_sequence_reads_what_a_float_table_reads_quantized(qdtype, kernel, ops):
+    """Duplicates in a batch, erases, inserts of present keys, a tiny table that grows: the quantized table's
+    reads are always the float table's, round-tripped through the format (the interpreted Triton probe is checked
+    above: too slow here)."""
+    q, f = (table(d, kernel=kernel, init_capacity=4) for d in (qdtype, torch.float32))
+    for op, picks, seed in ops:
+        keys, values = POOL[picks], rows(len(picks), seed)
+        for t in (q, f):
+            if op == "insert":
+                t.insert_or_assign(keys, values)
+            elif op == "find_or_insert":
+                t.find_or_insert(keys, init=values)
+            elif op == "assign":
+                t.assign(keys, values)
+            else:
+                t.erase(keys)
+        (qv, qf), (fv, ff) = q.find(POOL), f.find(POOL)
+        assert torch.equal(qf, ff) and q.size() == f.size()
+        assert torch.equal(qv, roundtrip(fv, qdtype))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
