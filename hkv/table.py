@@ -397,8 +397,9 @@ class HashTable:
         return self._relayout(capacity, self._keys[occupied], self._values.gather(occupied), self._scores[occupied])
 
     def _relayout(self, capacity: int, keys, values, scores, accept: Callable[[int], None] = lambda lost: None) -> int:
-        """Replace the entries by ``keys, values, scores`` (``values``: rows as stored) in a new layout of ``capacity``
-        slots (growing as they need); returns how many did not fit, after ``accept(lost)`` (which may refuse by raising).
+        """Replace the entries by ``keys, values, scores`` (``values``: rows as stored) in a new layout of
+        ``capacity`` slots (growing as they need); returns how many did not fit, after ``accept(lost)`` (which may
+        refuse by raising).
 
         The layout is built on a staging copy beside the table and swapped in only when complete: on any
         failure the table stays exactly as it was, and a StorageError names the tier and path that failed.

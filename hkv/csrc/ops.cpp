@@ -42,8 +42,9 @@ int threads() { return at::get_num_threads(); }
 kernels::row_format format_of(const Tensor &values, int64_t kind, int64_t dim, const char *op) {
     const int64_t stored = values.size(1) * values.element_size();
     if (kind == kernels::ROW_RAW) return {kernels::ROW_RAW, stored, stored, values.size(1)};
-    TORCH_CHECK_VALUE(kind == kernels::ROW_INT8 || kind == kernels::ROW_INT4, "hkv_native.", op, ": row_format must be ",
-                      kernels::ROW_RAW, ", ", kernels::ROW_INT8, " or ", kernels::ROW_INT4, ", got ", kind);
+    TORCH_CHECK_VALUE(kind == kernels::ROW_INT8 || kind == kernels::ROW_INT4, "hkv_native.", op,
+                      ": row_format must be ", kernels::ROW_RAW, ", ", kernels::ROW_INT8, " or ", kernels::ROW_INT4,
+                      ", got ", kind);
     TORCH_CHECK_TYPE(values.scalar_type() == at::kByte, "hkv_native.", op, ": quantized rows must be uint8, got ",
                      values.scalar_type());
     const int64_t packed = kind == kernels::ROW_INT8 ? dim + 8 : dim / 2 + 4;

@@ -229,7 +229,8 @@ static void claim_range(void *p, int64_t begin, int64_t end) {
  * the bucket is full (the caller evicts). */
 void hkv_claim(int64_t *table_keys, int64_t *table_scores, int64_t num_buckets, int64_t bucket_size,
                const int64_t *keys, const int64_t *scores, int64_t n, int64_t *slots, int threads) {
-    struct probe_args a = {table_keys, table_scores, num_buckets, bucket_size, NULL, {}, keys, scores, NULL, NULL, slots};
+    struct probe_args a = {table_keys, table_scores, num_buckets, bucket_size, NULL, {}, keys, scores, NULL, NULL,
+                           slots};
     parallel_for(n, threads, claim_range, &a);
 }
 
@@ -342,8 +343,8 @@ static void upsert_part(void *p, int64_t t, int64_t T) {
 }
 
 /* Insert or assign ``keys`` (``insert`` 0: assign only), writing ``in_values`` rows (or NULL, stored as they
- * are) and reading the stored rows of keys found out to ``out`` by ``fmt`` (or NULL); status[i]: UPSERT_*, slots[i]: the
- * slot or -1, counts[c]: keys with status c. ``fresh``: zeroed scratch of one byte per slot, zeroed
+ * are) and reading the stored rows of keys found out to ``out`` by ``fmt`` (or NULL); status[i]: UPSERT_*,
+ * slots[i]: the slot or -1, counts[c]: keys with status c. ``fresh``: zeroed scratch of one byte per slot, zeroed
  * again on return. */
 void hkv_upsert(int64_t *table_keys, int64_t *table_scores, int64_t num_buckets, int64_t bucket_size, char *values,
                 struct row_format fmt, const int64_t *keys, int64_t n, const char *in_values, const int64_t *given,
