@@ -9,7 +9,7 @@
   by side and interleaved round by round: the int8 and int4 quantized lookups (native kernel), the fp32 grouped
   lookup (native kernel), and FBGEMM's CPU int8 TBE (``IntNBitTableBatchedEmbeddingBagsCodegen``) on the same codes;
 - memory: the bytes of the tables in each format, with the scale/bias overhead;
-- ``--accuracy`` (only the accuracy, no timing): the CTR accuracy above, and ranking accuracy on ML-100k: the zoo's
+- ``--accuracy [all|ctr|ranking]`` (only the accuracy, no timing): the CTR accuracy above, and / or ranking accuracy on ML-100k: the zoo's
   HSTU trained in fp32 with a fixed seed, then its item and position tables served fp32, int8 and int4: HR@10 and
   NDCG@10 of every user's held-out item ranked among all items (``ranking_accuracy``).
 
@@ -183,9 +183,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--note", default="", help="how the machine was loaded, for the JSON")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time by the thread's CPU time (with --threads 1 on a loaded machine), not wall time")
-    parser.add_argument("--accuracy", action="store_true",
-                        help="only the accuracy: CTR AUC / log-loss and ML-100k ranking (HSTU: HR@10, NDCG@10), each "
-                             "fp32 / int8 / int4; no timing")
+    parser.add_argument("--accuracy", nargs="?", const="all", choices=("all", "ctr", "ranking"),
+                        help="only the accuracy, no timing: CTR AUC / log-loss and / or ML-100k ranking (HSTU: HR@10, "
+                             "NDCG@10), each fp32 / int8 / int4")
     parser.add_argument("--ranking-epochs", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -232,19 +232,26 @@ def _ctr_accuracy(args) -> dict:
 
 
 def _accuracy_main(args, header: dict) -> dict:
-    """``--accuracy``: the CTR and ML-100k ranking accuracy, printed, merged into the JSON ("accuracy",
-    "ranking_accuracy", with the run's date and commit in "accuracy_run"); the timing keys are left as they are."""
-    ctr = _ctr_accuracy(args)
+    """``--accuracy``: the CTR and / or ML-100k ranking accuracy, printed, merged into the JSON ("accuracy",
+    "ranking_accuracy", each with its run's date and commit in "<key>_run"); the timing keys are left as they are."""
+    run = {k: header[k] for k in ("date", "commit", "threads", "machine", "note")}
+    result = {}
+    if args.accuracy in ("all", "ctr"):
+        result.update(accuracy=_ctr_accuracy(args), accuracy_run=run)
+    if args.accuracy in ("all", "ranking"):
+        result.update(ranking_accuracy=_ranking_accuracy(args), ranking_accuracy_run=run)
+    if not args.quick:
+        write_json(OUT, _merged(OUT, result))
+    return result
+
+
+def _ranking_accuracy(args) -> dict:
     ranking = ranking_accuracy(1 if args.quick else args.ranking_epochs, args.seed)
     print(f"ranking accuracy, {ranking['model']} on {ranking['data']} ({ranking['users']} users, "
           f"{ranking['epochs']} epochs, seed {ranking['seed']}): "
           + "; ".join(f"{q} HR@{RANKING_K} {ranking[q][f'HR@{RANKING_K}']:.4f} NDCG@{RANKING_K} "
                       f"{ranking[q][f'NDCG@{RANKING_K}']:.4f}" for q in ("fp32", "int8", "int4")))
-    result = {"accuracy": ctr, "ranking_accuracy": ranking,
-              "accuracy_run": {k: header[k] for k in ("date", "commit", "threads", "machine", "note")}}
-    if not args.quick:
-        write_json(OUT, _merged(OUT, result))
-    return result
+    return ranking
 
 
 if __name__ == "__main__":
