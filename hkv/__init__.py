@@ -2,7 +2,8 @@
 
 - ``hkv.HashTable``: HierarchicalKV's hash table API (insert_or_assign, find, find_or_insert,
   insert_and_evict, erase_if, export_batch, save/load, ...) with its eviction strategies.
-- Storage tiers (device memory, host memory, a disk file) and admission filters.
+- Storage tiers (device memory, host memory, a disk file) and admission filters; rows stored as a float dtype
+  or row-wise quantized (``dtype="int8" | "int4"``, ``hkv.rowwise``: FBGEMM's fused layouts).
 - ``hkv.DynamicEmbedding`` / ``hkv.DynamicEmbeddingBag``: modules over raw int64 ids with fused
   row-wise optimizers, calling ``torch.ops.hkv.*`` (``hkv.ops``); ``hkv.Prefetcher`` overlaps the
   next batch's table inserts with the current step.

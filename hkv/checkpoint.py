@@ -5,7 +5,8 @@ Layout of a file::
     MAGIC (8 bytes) | version (u32 LE) | header length (u32 LE) | header (UTF-8 JSON) | payload | SHA-256 (32 bytes)
 
 The header holds the table's settings and the payload's arrays (name, dtype, shape), in order;
-the payload holds them raw (little-endian): keys (int64), scores (int64), values (size x dim).
+the payload holds them raw (little-endian): keys (int64), values (size x dim), scores (int64). A table of
+quantized rows (header dtype "int8" / "int4") stores its packed rows (size x packed width, uint8) byte for byte.
 The digest covers every byte before it. ``save`` writes ``<path>.tmp-<pid>``, fsyncs it and renames
 it over ``path``, so a crash mid-save leaves the previous checkpoint as it was (the next save removes
 temp files of savers no longer alive); it refuses a table whose exported entries do not number ``size()``.
@@ -27,6 +28,8 @@ import struct
 from typing import BinaryIO
 
 import torch
+
+from hkv.rowwise import QDTYPES, stored_row
 
 MAGIC = b"HKVCKPT\x00"
 VERSION = 1
@@ -52,7 +55,7 @@ def _to_bytes(t: torch.Tensor) -> bytes:
 def _header(table) -> dict:
     return {
         "dim": table.dim,
-        "dtype": str(table.dtype).removeprefix("torch."),
+        "dtype": table.qdtype or str(table.dtype).removeprefix("torch."),
         "size": table.size(),
         "capacity": table.capacity(),
         "max_capacity": table.max_capacity,
@@ -66,7 +69,8 @@ def _header(table) -> dict:
 
 def write(table, f: BinaryIO) -> None:
     """Stream ``table`` into ``f`` in the checkpoint format (refused when its entries do not number its size)."""
-    chunks = [table.export_batch(EXPORT_CHUNK, offset) for offset in range(0, table.capacity(), EXPORT_CHUNK)]
+    chunks = [table.export_batch(EXPORT_CHUNK, offset, stored=True)
+              for offset in range(0, table.capacity(), EXPORT_CHUNK)]
     exported = sum(chunk[0].numel() for chunk in chunks)
     if exported != table.size():
         raise CheckpointError(f"{table.name}: refusing to save: the table exports {exported} entries but its size "
@@ -144,7 +148,8 @@ STRATEGIES = ("lru", "lfu", "epoch_lru", "epoch_lfu", "customized")  # hkv.table
 # Every header field and what it must be (checked before anything is allocated).
 HEADER = {
     "dim": (_integer(0, 1 << 24), "an integer in [0, 2**24]"),
-    "dtype": (lambda v: isinstance(v, str) and v in DTYPES, f"one of {sorted(DTYPES)}"),
+    "dtype": (lambda v: isinstance(v, str) and (v in DTYPES or v in QDTYPES),
+              f"one of {sorted(DTYPES) + list(QDTYPES)}"),
     "size": (_integer(0), "a non-negative integer"),
     "capacity": (_integer(1, 1 << 62), "an integer in [1, 2**62]"),
     "max_capacity": (_integer(1, 1 << 62), "an integer in [1, 2**62]"),
@@ -164,6 +169,8 @@ def _check_header(header, source: str) -> None:
             raise CheckpointError(f"{source}: its header has no {name!r}")
         if not ok(header[name]):
             raise CheckpointError(f"{source}: header {name!r} must be {rule}, got {header[name]!r}")
+    if header["dtype"] in QDTYPES and (header["dim"] < 1 or header["dtype"] == "int4" and header["dim"] % 2):
+        raise CheckpointError(f"{source}: header dim {header['dim']} cannot be packed as {header['dtype']}")
     if header["max_capacity"] < header["capacity"]:
         raise CheckpointError(f"{source}: header capacity {header['capacity']} exceeds its max_capacity "
                               f"{header['max_capacity']}")
@@ -203,19 +210,25 @@ def parse(data: bytes, source: str = "checkpoint"):
         raise CheckpointError(f"{source}: its header is not valid JSON ({exc})") from None
     _check_header(header, source)
     offset = start + header_len
-    n, dim, dtype = header["size"], header["dim"], DTYPES[header["dtype"]]
-    row_bytes = 16 + dim * dtype.itemsize
+    n = header["size"]
+    width, dtype = _stored_row(header)
+    row_bytes = 16 + width * dtype.itemsize
     if n * row_bytes != len(body) - offset:
         raise CheckpointError(f"{source}: the payload has {len(body) - offset} bytes, its header says {n} entries "
                               f"of {row_bytes} bytes")
     arrays = []
-    for dt, shape in ((torch.int64, (n,)), (dtype, (n, dim)), (torch.int64, (n,))):
+    for dt, shape in ((torch.int64, (n,)), (dtype, (n, width)), (torch.int64, (n,))):
         nbytes = dt.itemsize * n * (shape[1] if len(shape) > 1 else 1)
         raw = bytearray(body[offset:offset + nbytes])
         arrays.append(torch.frombuffer(raw, dtype=dt).view(shape) if nbytes else torch.empty(shape, dtype=dt))
         offset += nbytes
     _check_keys(arrays[0], source)
     return header, *arrays
+
+
+def _stored_row(header: dict) -> tuple[int, torch.dtype]:
+    """(width, dtype) of the header's stored rows."""
+    return stored_row(header["dim"], DTYPES.get(header["dtype"], header["dtype"]))
 
 
 def read(path: str) -> bytes:
@@ -226,7 +239,8 @@ def read(path: str) -> bytes:
 def _slot_limit(header: dict, file_bytes: int, source: str) -> int:
     """The most slots restoring the checkpoint may allocate: its header capacity is refused beyond that, and
     the restore grows no further (entries that need more do not fit)."""
-    slot_bytes = SLOT_BYTES + header["dim"] * DTYPES[header["dtype"]].itemsize
+    width, dtype = _stored_row(header)
+    slot_bytes = SLOT_BYTES + width * dtype.itemsize
     limit = max(RESTORE_BYTES, 64 * file_bytes)
     if header["capacity"] * slot_bytes > limit:
         raise CheckpointError(f"{source}: header capacity {header['capacity']} would allocate "
@@ -248,7 +262,7 @@ def build(header: dict, keys, values, scores, allow_eviction: bool = False, allo
         "max_load_factor": header["max_load_factor"],
         "bucket_size": header["bucket_size"],
         "evict_strategy": EvictStrategy(header["evict_strategy"]),
-        "dtype": DTYPES[header["dtype"]],
+        "dtype": DTYPES.get(header["dtype"], header["dtype"]),
     }
     settings.update(overrides)
     if "init_capacity" in overrides and "max_capacity" not in overrides:
@@ -269,6 +283,10 @@ def restore(table, header: dict, keys, values, scores, allow_eviction: bool = Fa
     is an error unless ``allow_eviction``. On any error the table is left as it was."""
     if header["dim"] != table.dim:
         raise CheckpointError(f"{table.name}: checkpoint has dim {header['dim']}, the table has dim {table.dim}")
+    if (header["dtype"] in QDTYPES or table.qdtype) and header["dtype"] != table.qdtype:
+        raise CheckpointError(f"{table.name}: checkpoint stores {header['dtype']} rows, the table "
+                              f"{table.qdtype or str(table.dtype).removeprefix('torch.')} rows; a quantized table "
+                              f"restores only its own format (HashTable.quantized converts a float table)")
     if header["evict_strategy"] != table.evict_strategy.value and not allow_strategy_change:
         raise CheckpointError(f"{table.name}: the checkpoint's scores are of evict_strategy "
                               f"{header['evict_strategy']!r}, the table's {table.evict_strategy.value!r}; pass "
@@ -281,7 +299,8 @@ def restore(table, header: dict, keys, values, scores, allow_eviction: bool = Fa
                                   f"ones that fit")
 
     with table._lock:
-        lost = table._relayout(table.capacity(), keys.to(table.device), values.to(table.device, table.dtype),
+        stored_dtype = torch.uint8 if table.qdtype else table.dtype
+        lost = table._relayout(table.capacity(), keys.to(table.device), values.to(table.device, stored_dtype),
                                scores.to(table.device), refuse_drops)
         table.global_epoch = header["global_epoch"]
         table._clock = header["clock"]

@@ -10,6 +10,8 @@ from hkv.native import NativeLibrary
 
 # hkv_upsert's per-key outcome (csrc/probe.h UPSERT_*).
 FOUND, INSERTED, FULL, ABSENT, FOUND_NEW, OUTCOMES = range(6)
+# How the kernels read a table's stored rows out, by its qdtype (csrc/probe.h ROW_*): copied, or dequantized to fp32.
+ROW_FORMATS = {None: 0, "int8": 1, "int4": 2}
 
 NATIVE = NativeLibrary("hkv._C")
 available = NATIVE.available
@@ -20,9 +22,11 @@ def locate(table_keys: torch.Tensor, num_buckets: int, bucket_size: int, keys: t
     return ops.locate(table_keys, num_buckets, bucket_size, keys)
 
 
-def find(table_keys: torch.Tensor, num_buckets: int, bucket_size: int, values: torch.Tensor, keys: torch.Tensor):
-    """(rows, found, slots): the value rows of ``keys`` (zero where absent), in one pass."""
-    return ops.find(table_keys, num_buckets, bucket_size, values, keys)
+def find(table_keys: torch.Tensor, num_buckets: int, bucket_size: int, values: torch.Tensor, keys: torch.Tensor,
+         row_format: int = 0, dim: int = 0):
+    """(rows, found, slots): the value rows of ``keys`` (zero where absent), in one pass; ``row_format``
+    (ROW_FORMATS) 1 or 2: ``values`` holds int8 / int4 packed rows of width ``dim``, read out as fp32."""
+    return ops.find(table_keys, num_buckets, bucket_size, values, keys, row_format, dim)
 
 
 def claim(table_keys: torch.Tensor, table_scores: torch.Tensor, num_buckets: int, bucket_size: int,
@@ -34,15 +38,16 @@ def claim(table_keys: torch.Tensor, table_scores: torch.Tensor, num_buckets: int
 def upsert(table_keys: torch.Tensor, table_scores: torch.Tensor, num_buckets: int, bucket_size: int,
            values: torch.Tensor, keys: torch.Tensor, new_values: torch.Tensor | None, given: torch.Tensor,
            strategy: int, insert: bool, clock_score: int, epoch: int, copy_out: bool, grouped: bool,
-           fresh: torch.Tensor):
+           fresh: torch.Tensor, row_format: int = 0, dim: int = 0):
     """One pass of insert_or_assign / find_or_insert / assign over ``keys`` (see csrc/probe.h hkv_upsert).
 
     Returns (slots, status, counts, out): ``counts[c]`` the number of keys of status ``c``, ``out`` the
-    stored rows of keys found (``copy_out``), else None.
+    stored rows of keys found (``copy_out``; dequantized as ``find`` reads them), else None. ``new_values``
+    are rows as stored.
     """
     slots, status, counts, out = ops.upsert(table_keys, table_scores, num_buckets, bucket_size, values, keys,
                                             new_values, given, strategy, insert, clock_score, epoch, copy_out,
-                                            grouped, fresh)
+                                            grouped, fresh, row_format, dim)
     return slots, status, counts.tolist(), out if copy_out else None
 
 

@@ -6,10 +6,16 @@ forward inserts unseen ids (initialised by ``initializer_args``), the backward s
 unique id and applies the optimizer to the rows in place; the module's only parameter is an empty
 ``weight`` that carries autograd to that update. In eval mode lookups never insert: unseen ids get
 ``eval_initializer_args`` (zeros by default). Config names follow DynamicEmb's DynamicEmbTableOptions.
+
+Inference tables may store their rows row-wise quantized: ``embedding_dtype="int8"`` or ``"int4"`` (FBGEMM's fused
+layouts, ``hkv.rowwise``), or ``DynamicEmbeddingBag.quantize_(qdtype)`` on a trained table (``recompile.quantize``
+calls it). Lookups return fp32 dequantized in the probe kernel; inserts (a training-mode lookup, ``prefetch``)
+quantize the new rows; the optimizer step is refused (a quantized row holds no optimizer state).
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import itertools
 import weakref
@@ -72,7 +78,7 @@ class DynamicEmbTableOptions:
     max_load_factor: float = 0.5
     bucket_capacity: int = 128
     evict_strategy: EvictStrategy = EvictStrategy.LRU
-    embedding_dtype: torch.dtype = torch.float32
+    embedding_dtype: torch.dtype | str = torch.float32  # or "int8" / "int4": rows stored quantized (inference)
     device: torch.device | str | None = None
     initializer_args: DynamicEmbInitializerArgs = field(default_factory=DynamicEmbInitializerArgs)
     eval_initializer_args: DynamicEmbInitializerArgs = field(default_factory=_zeros)
@@ -95,8 +101,9 @@ class DynamicTable:
         self.optimizer = optimizer if optimizer is not None else SGD()
         self.dim = options.dim
         self.name = name
+        quantized = isinstance(options.embedding_dtype, str)  # rows hold the embedding only: no optimizer state
         self.table = HashTable(
-            options.dim + self.optimizer.state_dim(options.dim),
+            options.dim + (0 if quantized else self.optimizer.state_dim(options.dim)),
             options.init_capacity or options.max_capacity,
             options.max_capacity,
             max_load_factor=options.max_load_factor,
@@ -155,9 +162,18 @@ class DynamicTable:
                 scores = None if table.evict_strategy in CLOCK_STRATEGIES else torch.zeros_like(new)
                 table.find_or_insert(new, init=self._init_rows, scores=scores, grouping=grouping)
 
+    def quantize_(self, qdtype: str) -> None:
+        """Store the table's embeddings row-wise quantized as ``qdtype`` from now on (their optimizer state is
+        dropped): keys, scores and settings kept; a disk tier is not carried over."""
+        self.table = self.table.quantized(qdtype, dim=self.dim)
+        self.options = dataclasses.replace(self.options, embedding_dtype=qdtype, disk_path=None)
+
     def update(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
         """One optimizer step on the rows of ``unique_ids`` with their summed gradients (ids refused by
         admission or evicted since the lookup have no row and are skipped)."""
+        if self.table.qdtype:
+            raise RuntimeError(f"{self.table.name}: stores {self.table.qdtype} rows: a quantized table is for "
+                               "inference and takes no optimizer step; train it in float, then quantize it")
         with self.table._lock:
             self.step += 1
             step = self.step
@@ -229,6 +245,11 @@ class DynamicEmbeddingBag(nn.Module):
         parsed = checkpoint.parse(data.numpy().tobytes(), source=f"state_dict[{prefix + 'table'!r}]")
         checkpoint.restore(self.table, *parsed, allow_eviction=self.restore_allows_eviction)
         self.runtime.step = int(step) if step is not None else 0
+
+    def quantize_(self, qdtype: str) -> "DynamicEmbeddingBag":
+        """Store the table's rows row-wise quantized (``DynamicTable.quantize_``); returns self."""
+        self.runtime.quantize_(qdtype)
+        return self
 
     def extra_repr(self) -> str:
         return f"dim={self.runtime.dim}, mode={self.mode!r}, table={self.table!r}"

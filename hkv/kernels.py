@@ -1,7 +1,8 @@
 """Kernels that probe a table, by name; a table's ``kernel`` (or an op's ``impl`` argument) picks one.
 
 - ``reference``: the vectorised torch probing of ``hkv.table`` (any device).
-- ``cpu``: the C kernel of ``hkv.cpu`` (CPU tables; one pass per key: hash, probe, copy the row).
+- ``cpu``: the C kernel of ``hkv.cpu`` (CPU tables; one pass per key: hash, probe, copy the row, dequantizing a
+  quantized table's packed row into fp32 on the way).
 - ``triton``: the Triton kernels of ``hkv.triton_kernels`` (CUDA, Ascend; the interpreter on CPU).
 
 ``LOCATE[name](table, keys) -> slots``, ``FIND[name](table, keys) -> (values, found)`` and
@@ -25,7 +26,8 @@ def _locate_cpu(table, keys):
 def _find_cpu(table, keys):
     if not isinstance(table._values, DenseValues):  # tiers: locate here, gather from each tier
         return _find_by_locate(table, keys)
-    values, found, _ = cpu.find(table._keys, table._num_buckets, table.bucket_size, table._values.data, keys)
+    values, found, _ = cpu.find(table._keys, table._num_buckets, table.bucket_size, table._values.data, keys,
+                                table._row_format, table.dim)
     return values, found
 
 

@@ -10,6 +10,11 @@ Every batched method is vectorised: probing advances all keys of a batch one slo
 conflicts inside a batch are resolved deterministically (two new keys claiming one free slot: the
 later in the batch wins the slot, the other probes on; duplicate keys: the last occurrence's value
 is stored, as if the batch were applied in order; LFU increments of duplicates add up).
+
+Rows may be stored row-wise quantized (``dtype="int8"`` or ``"int4"``: FBGEMM's fused layouts, ``hkv.rowwise``):
+values go in and come out as fp32 (``dtype`` is then float32), inserts and assigns quantize the rows they store,
+reads dequantize them (the CPU kernel while it copies the row out), and growth, tiers, eviction and checkpoints
+move the packed bytes as they are. ``qdtype`` names the format (None: rows stored as ``dtype``).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from typing import Callable
 import torch
 
 from hkv import cpu, kernels
+from hkv.rowwise import check_qdtype, dequantize_rows, quantize_rows, stored_row
 from hkv.storage import DenseValues, StorageError, TierLimits, allocate, make_values
 
 # HierarchicalKV's reserved keys (as uint64: 0xFFFFFFFFFFFFFFFF, ...FE, ...FD): never stored.
@@ -92,7 +98,7 @@ class HashTable:
         max_load_factor: float = 0.5,
         bucket_size: int = 128,
         evict_strategy: EvictStrategy = EvictStrategy.LRU,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         device: torch.device | str | None = None,
         device_memory_bytes: int | None = None,
         host_memory_bytes: int | None = None,
@@ -111,7 +117,10 @@ class HashTable:
             raise ValueError(f"{name}: need 1 <= init_capacity <= max_capacity, got {init_capacity}, {max_capacity}")
         self.name = name
         self.dim = dim
-        self.dtype = dtype
+        # "int8" / "int4": rows stored quantized, read and written as fp32
+        self.qdtype = check_qdtype(dtype, dim, name) if isinstance(dtype, str) else None
+        self.dtype = torch.float32 if self.qdtype else dtype
+        self._row_format = cpu.ROW_FORMATS[self.qdtype]
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.evict_strategy = EvictStrategy(evict_strategy)
         self.max_load_factor = float(max_load_factor)
@@ -142,7 +151,8 @@ class HashTable:
             torch.full((capacity,), -1, dtype=torch.int64, device=self.device)))
         self._fresh = (allocate("host", capacity, 1, lambda: torch.zeros(capacity, dtype=torch.uint8))
                        if self.device.type == "cpu" else None)  # for cpu.upsert
-        self._values = make_values(capacity, self.dim, self.dtype, self.device, self.tier_limits, self._staging)
+        width, dtype = stored_row(self.dim, self.qdtype or self.dtype)
+        self._values = make_values(capacity, width, dtype, self.device, self.tier_limits, self._staging)
         self._size = 0
 
     def _last_per_slot(self, slots: torch.Tensor, batch_pos: torch.Tensor) -> torch.Tensor:
@@ -160,6 +170,30 @@ class HashTable:
 
     def _occupied(self) -> torch.Tensor:
         return (self._keys != EMPTY_KEY) & (self._keys != RECLAIM_KEY)
+
+    # ---------------------------------------------------------------- stored rows
+    def _encode(self, values: torch.Tensor) -> torch.Tensor:
+        """Rows as stored: packed (quantized tables), else as they are."""
+        return quantize_rows(values, self.qdtype, self.name) if self.qdtype else values
+
+    def _decode(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows as values: dequantized to fp32 (quantized tables), else as they are."""
+        return dequantize_rows(rows, self.qdtype) if self.qdtype else rows
+
+    def _read(self, slots: torch.Tensor) -> torch.Tensor:
+        return self._decode(self._values.gather(slots))
+
+    def _store(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self._values.scatter(slots, self._encode(values))
+
+    def _add_rows(self, slots: torch.Tensor, deltas: torch.Tensor) -> None:
+        """values[slot] += delta (duplicate slots add up); quantized rows are requantized once per slot."""
+        if not self.qdtype:
+            self._values.add(slots, deltas)
+            return
+        unique, inverse = torch.unique(slots, return_inverse=True)
+        summed = torch.zeros(unique.numel(), self.dim, device=self.device).index_add_(0, inverse, deltas.float())
+        self._store(unique, self._read(unique) + summed)
 
     # ---------------------------------------------------------------- checks
     def _check_keys(self, keys: torch.Tensor, what: str = "keys") -> torch.Tensor:
@@ -320,7 +354,7 @@ class HashTable:
         placed = (slot >= 0).nonzero().squeeze(1)
         displaced = placed[torch.isin(slot[placed], target)]
         old = target[~torch.isin(target, slot[displaced])]
-        evicted = (self._keys[old], self._values.gather(old), self._scores[old])
+        evicted = (self._keys[old], self._read(old), self._scores[old])
         slot[displaced] = -1
         self._keys[target] = keys[won]
         self._scores[target] = scores[won]
@@ -363,8 +397,9 @@ class HashTable:
         return self._relayout(capacity, self._keys[occupied], self._values.gather(occupied), self._scores[occupied])
 
     def _relayout(self, capacity: int, keys, values, scores, accept: Callable[[int], None] = lambda lost: None) -> int:
-        """Replace the entries by ``keys, values, scores`` in a new layout of ``capacity`` slots (growing as
-        they need); returns how many did not fit, after ``accept(lost)`` (which may refuse by raising).
+        """Replace the entries by ``keys, values, scores`` (``values``: rows as stored) in a new layout of
+        ``capacity`` slots (growing as they need); returns how many did not fit, after ``accept(lost)`` (which may
+        refuse by raising).
 
         The layout is built on a staging copy beside the table and swapped in only when complete: on any
         failure the table stays exactly as it was, and a StorageError names the tier and path that failed.
@@ -446,20 +481,20 @@ class HashTable:
     def _upsert_native(self, keys, values, given, insert: bool, grouped: bool):
         """``_upsert`` by ``cpu.upsert`` (probe, claim, score and value in one pass); keys of full buckets
         are then placed by ``_upsert_rounds`` (growth or eviction)."""
-        new_rows = values if isinstance(values, torch.Tensor) else None
+        new_rows = self._encode(values) if isinstance(values, torch.Tensor) else None
         copy_out = callable(values)
         slot, status, counts, out = cpu.upsert(
             self._keys, self._scores, self._num_buckets, self.bucket_size, self._values.data, keys, new_rows, given,
             KERNEL_SCORING[self.evict_strategy], insert, self._clock_score(), self.global_epoch, copy_out, grouped,
-            self._fresh)
+            self._fresh, self._row_format, self.dim)
         self._size += counts[cpu.INSERTED]
         missing = (status == cpu.INSERTED).nonzero().squeeze(1) if counts[cpu.INSERTED] else keys[:0]
         if copy_out and counts[cpu.INSERTED]:  # new keys: the last occurrence's initial value, read by every one
             pending = ((status == cpu.INSERTED) | (status == cpu.FOUND_NEW)).nonzero().squeeze(1)
             ps = slot[pending]
             winners = pending[self._last_per_slot(ps, pending) == pending]
-            self._values.scatter(slot[winners], values(winners))
-            out[pending] = self._values.gather(ps)
+            self._store(slot[winners], values(winners))
+            out[pending] = self._read(ps)
         evicted, refused = self._no_rows(), keys[:0]
         capacity = self._capacity
         if counts[cpu.FULL]:
@@ -530,11 +565,11 @@ class HashTable:
         winners = valid if distinct else valid[last == valid]
         win_slots = vs if distinct else slot[winners]
         if isinstance(values, torch.Tensor):
-            self._values.scatter(win_slots, values if everything and distinct else values[winners])
+            self._store(win_slots, values if everything and distinct else values[winners])
         elif missing.numel():
             new_winners = winners[is_new[winners]]
             if new_winners.numel():
-                self._values.scatter(slot[new_winners], values(new_winners))
+                self._store(slot[new_winners], values(new_winners))
         old = winners if not missing.numel() else winners[~is_new[winners]]
         if old.numel():
             os_ = win_slots if not missing.numel() else slot[old]
@@ -572,7 +607,7 @@ class HashTable:
         return kernels.FIND[self.kernel](self, keys)
 
     def _gather(self, slot: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
-        values = self._values.gather(slot.clamp(min=0))
+        values = self._read(slot.clamp(min=0))
         missing = (~found).nonzero().squeeze(1)
         if missing.numel():
             values[missing] = 0
@@ -660,7 +695,7 @@ class HashTable:
             stored = slot >= 0
             applied[acc] = stored & (present_before | (first_assign[group[acc]] < acc))
             adds = stored & (acc > last_assign[group[acc]])  # deltas after the last assign of their key
-            self._values.add(slot[adds], values[acc[adds]])
+            self._add_rows(slot[adds], values[acc[adds]])
         return applied
 
     @_locked
@@ -671,11 +706,11 @@ class HashTable:
         slot = self._locate(self._check_keys(keys))
         found = slot >= 0
         if bool(found.all()):  # the common case: no subset to build
-            self._values.scatter(slot, fn(self._values.gather(slot), None))
+            self._store(slot, fn(self._read(slot), None))
             return found
         hit = found.nonzero().squeeze(1)
         s = slot[hit]
-        self._values.scatter(s, fn(self._values.gather(s), hit))
+        self._store(s, fn(self._read(s), hit))
         return found
 
     @_locked
@@ -717,20 +752,40 @@ class HashTable:
         self._size = 0
 
     @_locked
-    def export_batch(self, n: int, offset: int = 0):
-        """(keys, values, scores) of the entries in slots ``[offset, offset + n)``."""
+    def export_batch(self, n: int, offset: int = 0, stored: bool = False):
+        """(keys, values, scores) of the entries in slots ``[offset, offset + n)``; ``stored``: the rows as stored
+        (a quantized table's packed uint8 rows) instead of their values."""
         slots = torch.arange(offset, min(offset + n, self._capacity), device=self.device)
-        slots = slots[self._occupied()[slots]]
-        return self._keys[slots], self._values.gather(slots), self._scores[slots]
+        return self._export(slots[self._occupied()[slots]], stored)
 
     @_locked
-    def export_batch_if(self, predicate_or_score_threshold, n: int | None = None, offset: int = 0):
+    def export_batch_if(self, predicate_or_score_threshold, n: int | None = None, offset: int = 0,
+                        stored: bool = False):
         """Entries in slots ``[offset, offset + n)`` with score >= threshold (or where ``predicate`` holds)."""
         end = self._capacity if n is None else min(offset + n, self._capacity)
         slots = torch.arange(offset, end, device=self.device)
         slots = slots[self._occupied()[slots]]
-        slots = slots[self._select(predicate_or_score_threshold, slots, below=False)]
-        return self._keys[slots], self._values.gather(slots), self._scores[slots]
+        return self._export(slots[self._select(predicate_or_score_threshold, slots, below=False)], stored)
+
+    def _export(self, slots: torch.Tensor, stored: bool):
+        rows = self._values.gather(slots)
+        return self._keys[slots], rows if stored else self._decode(rows), self._scores[slots]
+
+    @_locked
+    def quantized(self, qdtype: str, dim: int | None = None, disk_path: str | None = None) -> "HashTable":
+        """A new table holding this one's entries (keys, scores, clock, settings) with their first ``dim`` columns
+        (default all; fewer drop an optimizer's state) stored row-wise quantized as ``qdtype``. Its tiers keep
+        this table's memory limits; a disk tier needs its own ``disk_path``."""
+        dim = self.dim if dim is None else dim
+        limits = self.tier_limits
+        new = HashTable(dim, self._capacity, self.max_capacity, self.max_load_factor, self.bucket_size,
+                        self.evict_strategy, qdtype, self.device, limits.device_memory_bytes,
+                        limits.host_memory_bytes, disk_path, copy.deepcopy(self.admission), self.name, self.kernel)
+        occupied = self._occupied().nonzero().squeeze(1)
+        rows = new._encode(self._read(occupied)[:, :dim])
+        new._relayout(self._capacity, self._keys[occupied], rows, self._scores[occupied])
+        new.global_epoch, new._clock = self.global_epoch, self._clock
+        return new
 
     def size(self) -> int:
         return self._size
@@ -796,4 +851,4 @@ class HashTable:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(dim={self.dim}, size={self._size}, capacity={self._capacity}, "
-                f"evict_strategy={self.evict_strategy.name}, dtype={self.dtype}, device={self.device})")
+                f"evict_strategy={self.evict_strategy.name}, dtype={self.qdtype or self.dtype}, device={self.device})")

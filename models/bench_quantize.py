@@ -8,14 +8,20 @@
 - speed: the grouped lookup of 26 tables at batch 2048 (the zoo's "bench" CTR size: 100k rows, dim 64), timed side
   by side and interleaved round by round: the int8 and int4 quantized lookups (native kernel), the fp32 grouped
   lookup (native kernel), and FBGEMM's CPU int8 TBE (``IntNBitTableBatchedEmbeddingBagsCodegen``) on the same codes;
-- memory: the bytes of the tables in each format, with the scale/bias overhead.
+- memory: the bytes of the tables in each format, with the scale/bias overhead;
+- ``--accuracy [all|ctr|ranking]`` (only the accuracy, no timing): the CTR accuracy above, and / or ranking accuracy on ML-100k: the zoo's
+  HSTU trained in fp32 with a fixed seed, then its item and position tables served fp32, int8 and int4: HR@10 and
+  NDCG@10 of every user's held-out item ranked among all items (``ranking_accuracy``).
 
-Writes docs/benchmarks/quantize.json (machine, threads, date, commit), except with --quick.
+The accuracy models include DLRM over hkv hash tables (``dlrm_hkv``: its tables quantized inside the hash table).
+Writes docs/benchmarks/quantize.json (machine, threads, date, commit; keys merged into what is there), except with
+--quick.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -29,7 +35,7 @@ import recompile
 from models import data as D
 from models.ctr import DCNConfig, DCNv2
 from models.dlrm import DLRM, DLRMConfig
-from models.metrics import auc, log_loss
+from models.metrics import auc, log_loss, ranking_metrics
 from models.timing import race_ms
 from models.train import write_json
 from runtime.quantized import dequantize_rows, quantize_rows, scale_bias
@@ -40,7 +46,9 @@ QOP = torch.ops.recompile.grouped_embedding_bag_quantized.default
 
 def _models(table_rows: list[int], dim: int) -> dict:
     return {"dlrm": DLRM(DLRMConfig(table_rows=table_rows, dim=dim, bottom=[64, dim], top=[64, 32, 1])),
-            "dcn_v2": DCNv2(DCNConfig(table_rows=table_rows, dim=dim, deep=[64, 32]))}
+            "dcn_v2": DCNv2(DCNConfig(table_rows=table_rows, dim=dim, deep=[64, 32])),
+            "dlrm_hkv": DLRM(DLRMConfig(table_rows=table_rows, dim=dim, bottom=[64, dim], top=[64, 32, 1],
+                                        dynamic_embeddings=True))}
 
 
 def accuracy(rows: int, steps_per_epoch_rows: int, epochs: int, batch: int, seed: int = 0) -> dict:
@@ -69,6 +77,49 @@ def accuracy(rows: int, steps_per_epoch_rows: int, epochs: int, batch: int, seed
         for qdtype in ("int8", "int4"):
             result[name][qdtype]["AUC_delta"] = result[name][qdtype]["AUC"] - result[name]["fp32"]["AUC"]
     return result
+
+
+RANKING_K = 10
+
+
+def _served_ranker(task, qdtype: str):
+    """A copy of the next-item ``task`` with its encoder's tables quantized; items are scored against the
+    dequantized item table (what a retrieval index built from the served table holds)."""
+    served = recompile.quantize(task, qdtype)
+    served.item_embeddings = lambda: F.normalize(served.encoder.item_emb.dequantized()[1:], dim=-1)
+    return served
+
+
+def ranking_accuracy(epochs: int, seed: int = 0, model: str = "hstu") -> dict:
+    """HR@10 / NDCG@10 on ML-100k's held-out test item of the zoo's ``model`` trained in fp32 (eager, ``seed``),
+    with its tables fp32, int8 and int4 (``recompile.quantize``); every user's item ranked among all items."""
+    from models.train import Run, parser, sequential_ranks, train_sequential
+
+    args = parser().parse_args(["--model", model, "--backend", "eager", "--epochs", str(epochs), "--seed", str(seed),
+                                "--batch-size", "256", "--max-len", "20", "--quiet"])
+    split = D.leave_one_out(D.load_ratings(D.ML100K))
+    torch.manual_seed(seed)
+    task, _ = train_sequential(args, split, Run())
+    task.eval().requires_grad_(False)
+    ranks = {q: sequential_ranks(task if q == "fp32" else _served_ranker(task, q), split,
+                                 task.encoder.input_format, args.max_len)
+             for q in ("fp32", "int8", "int4")}
+    result = {"model": model, "data": "ml-100k, leave-one-out, test item", "epochs": epochs, "seed": seed,
+              "dim": args.dim, "max_len": args.max_len, "users": len(ranks["fp32"])}
+    for q, r in ranks.items():
+        result[q] = ranking_metrics(r, (RANKING_K,))
+        if q != "fp32":
+            result[q].update({f"{m}_delta": result[q][m] - result["fp32"][m] for m in list(result[q])})
+            result[q]["users_rank_changed"] = float((r != ranks["fp32"]).float().mean())
+    return result
+
+
+def _merged(path: str, result: dict) -> dict:
+    """``result`` over the keys already in the JSON at ``path`` (each part of the benchmark writes its own)."""
+    if not os.path.exists(path):
+        return result
+    with open(path) as f:
+        return {**json.load(f), **result}
 
 
 def _tbe(tables: list[torch.Tensor], dim: int):
@@ -132,6 +183,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--note", default="", help="how the machine was loaded, for the JSON")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time by the thread's CPU time (with --threads 1 on a loaded machine), not wall time")
+    parser.add_argument("--accuracy", nargs="?", const="all", choices=("all", "ctr", "ranking"),
+                        help="only the accuracy, no timing: CTR AUC / log-loss and / or ML-100k ranking (HSTU: HR@10, "
+                             "NDCG@10), each fp32 / int8 / int4")
+    parser.add_argument("--ranking-epochs", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
@@ -140,6 +196,8 @@ def main(argv=None) -> dict:
                                        text=True).stdout.strip(),
               "isa": torch.ops.recompile_native.isa(), "note": args.note,
               "clock": "thread CPU time" if args.cpu_time else "wall"}
+    if args.accuracy:
+        return _accuracy_main(args, result)
     sizes = dict(num_tables=26, rows=2_000 if args.quick else 100_000, dim=64, batch=2048)
     for bag in sorted({1, args.bag}):
         key = f"speed_bag{bag}"
@@ -158,14 +216,42 @@ def main(argv=None) -> dict:
     print("memory: " + ", ".join(f"{q} {b / 2**20:.1f} MiB ({memory['bytes_ratio_to_fp32'][q]:.3f} of fp32)"
                                  for q, b in memory["bytes"].items())
           + "; scale+bias per row: int8 8 B (fp32 pair), int4 4 B (fp16 pair), TBE 4 B (+ row alignment)")
-    result["accuracy"] = accuracy(rows=4_000 if args.quick else 200_000, steps_per_epoch_rows=4_000 if args.quick
-                                  else 200_000, epochs=1 if args.quick else 2, batch=512)
-    for name, per in result["accuracy"].items():
+    result["accuracy"] = _ctr_accuracy(args)
+    if not args.quick:
+        write_json(OUT, _merged(OUT, result))
+    return result
+
+
+def _ctr_accuracy(args) -> dict:
+    result = accuracy(rows=4_000 if args.quick else 200_000, steps_per_epoch_rows=4_000 if args.quick else 200_000,
+                      epochs=1 if args.quick else 2, batch=512)
+    for name, per in result.items():
         print(f"accuracy {name}: " + "; ".join(f"{q} AUC {m['AUC']:.4f} log-loss {m['log_loss']:.4f}"
                                                for q, m in per.items()))
-    if not args.quick:
-        write_json(OUT, result)
     return result
+
+
+def _accuracy_main(args, header: dict) -> dict:
+    """``--accuracy``: the CTR and / or ML-100k ranking accuracy, printed, merged into the JSON ("accuracy",
+    "ranking_accuracy", each with its run's date and commit in "<key>_run"); the timing keys are left as they are."""
+    run = {k: header[k] for k in ("date", "commit", "threads", "machine", "note")}
+    result = {}
+    if args.accuracy in ("all", "ctr"):
+        result.update(accuracy=_ctr_accuracy(args), accuracy_run=run)
+    if args.accuracy in ("all", "ranking"):
+        result.update(ranking_accuracy=_ranking_accuracy(args), ranking_accuracy_run=run)
+    if not args.quick:
+        write_json(OUT, _merged(OUT, result))
+    return result
+
+
+def _ranking_accuracy(args) -> dict:
+    ranking = ranking_accuracy(1 if args.quick else args.ranking_epochs, args.seed)
+    print(f"ranking accuracy, {ranking['model']} on {ranking['data']} ({ranking['users']} users, "
+          f"{ranking['epochs']} epochs, seed {ranking['seed']}): "
+          + "; ".join(f"{q} HR@{RANKING_K} {ranking[q][f'HR@{RANKING_K}']:.4f} NDCG@{RANKING_K} "
+                      f"{ranking[q][f'NDCG@{RANKING_K}']:.4f}" for q in ("fp32", "int8", "int4")))
+    return ranking
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ layout (runtime/quantized.py: per-row scale and bias; int8 is 1/4 of fp32 plus 8
 that looks up through ``torch.ops.recompile.grouped_embedding_bag_quantized``. Under
 ``torch.compile(backend="rec_ascend")`` the embedding pass groups these lookups like float ones: one call of the
 quantized op for all tables feeding a stack / cat, whose native CPU kernel dequantizes in registers and sums in fp32.
+hkv tables (``hkv.DynamicEmbeddingBag`` / ``DynamicEmbedding``) are converted in place of their copy: the hash table
+then stores the same keys with packed rows (``DynamicEmbeddingBag.quantize_``), and its probe kernel dequantizes.
 
 Quantizing is for inference: a model in training mode, or a table whose weight requires grad, is refused with an
 error naming it unless ``force=True`` (its gradients would be lost silently otherwise).
@@ -20,8 +22,10 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from hkv import DynamicEmbeddingBag
 from runtime.embedding import LAYOUTS, POOLING_NAMES
 from runtime.quantized import QDTYPES, dequantize_rows, quantize_rows
+from hkv.rowwise import check_qdtype
 
 OP = "recompile::grouped_embedding_bag_quantized"
 
@@ -89,8 +93,14 @@ def _refuse(name: str, module: nn.Module, force: bool) -> None:
                          "call model.requires_grad_(False) first, or pass force=True")
 
 
-def _quantized(name: str, module: nn.Module, qdtype: str, force: bool) -> Optional[_Quantized]:
-    """The quantized replacement of ``module``, None when it is not a table."""
+def _quantized(name: str, module: nn.Module, qdtype: str, force: bool) -> Optional[nn.Module]:
+    """The quantized replacement of ``module`` (an hkv table: itself, checked, converted by ``_convert``), None when
+    it is not a table."""
+    where = f"recompile.quantize: table {name!r}"
+    if isinstance(module, DynamicEmbeddingBag):
+        _refuse(name, module, force)
+        check_qdtype(qdtype, module.runtime.dim, where)
+        return module
     if isinstance(module, nn.EmbeddingBag):
         if module.mode not in ("sum", "mean"):
             raise ValueError(f"recompile.quantize: table {name!r} pools by {module.mode!r}; only sum and mean are "
@@ -104,14 +114,20 @@ def _quantized(name: str, module: nn.Module, qdtype: str, force: bool) -> Option
     _refuse(name, module, force)
     if module.max_norm is not None:
         raise ValueError(f"recompile.quantize: table {name!r} has max_norm (it renormalises rows in place)")
-    packed = quantize_rows(module.weight, qdtype)
+    packed = quantize_rows(module.weight, qdtype, where)
     return kind(packed, module.embedding_dim, qdtype, name, padding_idx=module.padding_idx)
+
+
+def _convert(new: nn.Module, qdtype: str) -> nn.Module:
+    """``new`` as it replaces its table: an hkv table converts its storage now, once every table was checked."""
+    return new.quantize_(qdtype) if isinstance(new, DynamicEmbeddingBag) else new
 
 
 def quantize(model: nn.Module, dtype: str = "int8", *, inplace: bool = False, force: bool = False) -> nn.Module:
     """``model`` with every embedding table stored row-wise quantized as ``dtype`` ("int8" or "int4").
 
-    A copy unless ``inplace``. Refuses (ValueError naming the table) a model in training mode or a table that
+    A copy unless ``inplace``; hkv tables (``hkv.DynamicEmbeddingBag``) keep their keys and store packed rows.
+    Refuses (ValueError naming the table) a model in training mode or a table that
     requires grad unless ``force``; raises for tables it cannot quantize (max pooling, max_norm, an odd dim in int4).
     """
     if dtype not in QDTYPES:
@@ -122,15 +138,15 @@ def quantize(model: nn.Module, dtype: str = "int8", *, inplace: bool = False, fo
     model = model if inplace else copy.deepcopy(model)
     replacements = []
     for name, module in model.named_modules():
-        if isinstance(module, _Quantized):
+        if isinstance(module, (_Quantized, DynamicEmbeddingBag)):
             continue
         for child_name, child in module.named_children():
             full = f"{name}.{child_name}" if name else child_name
             new = _quantized(full, child, dtype, force)
             if new is not None:
                 replacements.append((module, child_name, new))
-    if isinstance(model, (nn.Embedding, nn.EmbeddingBag)):
-        return _quantized("", model, dtype, force)
+    if isinstance(model, (nn.Embedding, nn.EmbeddingBag, DynamicEmbeddingBag)):
+        return _convert(_quantized("", model, dtype, force), dtype)
     for parent, child_name, new in replacements:
-        setattr(parent, child_name, new)
+        setattr(parent, child_name, _convert(new, dtype))
     return model

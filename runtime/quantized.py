@@ -1,15 +1,9 @@
 """Row-wise quantized embedding tables and the grouped lookup over them:
 ``torch.ops.recompile.grouped_embedding_bag_quantized``.
 
-Tables are stored in FBGEMM's fused row-wise layouts (uint8 ``[rows, width]``, each row its codes then its scale and
-bias; a value is ``code * scale + bias``):
-
-- ``"int8"``: ``D`` codes, then fp32 scale and fp32 bias (``width = D + 8``), byte for byte
-  ``torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized``: scale = (max - min) / 255, bias = min,
-  code = round((x - min) * 255 / (max - min + 1e-8));
-- ``"int4"``: ``D / 2`` bytes of two codes each (low nibble first), then fp16 scale and fp16 bias
-  (``width = D / 2 + 4``), byte for byte ``torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(x, 4)``:
-  bias = fp16(min), scale = fp16((max - bias) / 15) (1 where that is 0), code = clamp(round((x - bias) / scale), 0, 15).
+Tables are stored in FBGEMM's fused row-wise layouts, "int8" (``D + 8`` bytes a row) and "int4" (``D / 2 + 4``):
+uint8 ``[rows, width]``, each row its codes then its scale and bias, a value ``code * scale + bias``; the format,
+and its quantize / dequantize helpers re-exported here, live in hkv/rowwise.py (hkv tables store it too).
 
 The lookup takes ``grouped_embedding_bag``'s arguments (runtime/embedding.py: SUM / MEAN pooling into the
 ``"concat"`` or ``"stack"`` layout, NONE pooling into ``"sequence"``, fp32 per-sample weights, padding, bounds
@@ -30,17 +24,12 @@ from runtime.embedding import (
 )
 from runtime import embedding_native as native
 from runtime.kernels import get_kernel, native_supports, register_kernel, require
+# The packed format is hkv's (hkv/rowwise.py): hkv tables store rows in it too, and hkv sits below the runtime.
+from hkv.rowwise import (  # noqa: F401
+    LEVELS, QDTYPES, SCALE_BIAS, dequantize_rows, packed_width, quantize_rows, scale_bias,
+)
 
 OP = "grouped_embedding_bag_quantized"
-QDTYPES = ("int8", "int4")
-SCALE_BIAS = {"int8": torch.float32, "int4": torch.float16}  # the dtype of each row's scale and bias
-LEVELS = {"int8": 255, "int4": 15}
-
-
-def packed_width(dim: int, qdtype: str) -> int:
-    """Bytes per packed row of a table of width ``dim``."""
-    codes = dim if qdtype == "int8" else (dim + 1) // 2
-    return codes + 2 * SCALE_BIAS[qdtype].itemsize
 
 
 def unpacked_dim(packed: Tensor, qdtype: str, name: str = "table") -> int:
@@ -54,46 +43,6 @@ def unpacked_dim(packed: Tensor, qdtype: str, name: str = "table") -> int:
     if codes <= 0:
         raise ValueError(f"{where}: {packed.shape[1]} bytes per row leave no codes for {qdtype}")
     return codes if qdtype == "int8" else 2 * codes
-
-
-def quantize_rows(weight: Tensor, qdtype: str) -> Tensor:
-    """``weight`` [rows, D] (fp32 / fp16 / bf16) in the fused layout of ``qdtype`` (FBGEMM's bytes exactly)."""
-    if qdtype not in QDTYPES:
-        raise ValueError(f"recompile.quantize: dtype {qdtype!r} is not one of {QDTYPES}")
-    x = weight.detach().float()
-    if qdtype == "int4" and x.shape[1] % 2:
-        raise ValueError(f"recompile.quantize: int4 packs two columns per byte; the table's dim {x.shape[1]} is odd")
-    low, high = x.aminmax(dim=1, keepdim=True) if x.numel() else (x[:, :1], x[:, :1])
-    if qdtype == "int8":
-        scale, bias = (high - low) / 255.0, low
-        inverse = torch.div(255.0, high - low + 1e-8)  # a true division (Tensor.__rtruediv__ multiplies by 1 / x)
-    else:
-        bias = low.half().float()
-        scale = torch.where(high == bias, 1.0, (high - bias) / 15.0).half().float()
-        scale = torch.where(scale == 0, 1.0, scale)
-        inverse = torch.div(1.0, scale)
-        scale, inverse = (torch.where(inverse.isinf(), 1.0, v) for v in (scale, inverse))
-    codes = torch.round((x - bias) * inverse).clamp_(0, LEVELS[qdtype]).to(torch.uint8)
-    if qdtype == "int4":
-        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    scale_bias = torch.cat([scale, bias], 1).to(SCALE_BIAS[qdtype]).view(torch.uint8)
-    return torch.cat([codes, scale_bias], 1)
-
-
-def scale_bias(packed: Tensor, qdtype: str) -> Tensor:
-    """Each packed row's scale and bias, ``[rows, 2]`` in their stored dtype (fp32 for int8, fp16 for int4)."""
-    tail = packed[:, packed.shape[1] - 2 * SCALE_BIAS[qdtype].itemsize:]
-    return tail.clone(memory_format=torch.contiguous_format).view(SCALE_BIAS[qdtype])
-
-
-def dequantize_rows(packed: Tensor, qdtype: str) -> Tensor:
-    """The fp32 rows ``[rows, D]`` of packed rows (``code * scale + bias``)."""
-    dim = unpacked_dim(packed, qdtype)
-    codes = packed[:, :packed.shape[1] - 2 * SCALE_BIAS[qdtype].itemsize]
-    if qdtype == "int4":
-        codes = torch.stack([codes & 15, codes >> 4], 2).reshape(packed.shape[0], dim)
-    scale, bias = scale_bias(packed, qdtype).float().unbind(1)
-    return codes.float() * scale[:, None] + bias[:, None]
 
 
 def _standins(weights: Sequence[Tensor], qdtype: str, names: Sequence[str]) -> list[Tensor]:

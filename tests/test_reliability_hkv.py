@@ -1,9 +1,13 @@
 """hkv under failure: a growth that cannot allocate leaves the table as it was, saves export exactly what the
-table holds, stale temp files of dead savers are removed, accum_or_assign applies a batch in order."""
+table holds, stale temp files of dead savers are removed, accum_or_assign applies a batch in order, quantized rows
+on disk tiers survive growth and checkpoints, crafted quantized headers are refused."""
 from __future__ import annotations
 
 import builtins
+import hashlib
+import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -164,3 +168,37 @@ def test_accum_or_assign_applies_a_batch_in_order():
     values, found = t.find(torch.tensor([1, 2, 3]))
     assert found.tolist() == [True, True, False]
     torch.testing.assert_close(values[:2], torch.stack([rows[1] + rows[6], rows[3] + rows[4]]))
+
+
+@pytest.mark.parametrize("qdtype", ["int8", "int4"])
+def test_quantized_tables_on_disk_tiers_and_crafted_quantized_checkpoints(tmp_path, qdtype):
+    from hkv.rowwise import dequantize_rows, packed_width, quantize_rows
+
+    width = packed_width(DIM, qdtype)
+    t = HashTable(DIM, init_capacity=64, max_capacity=1024, bucket_size=16, dtype=qdtype,
+                  device_memory_bytes=8 * width, host_memory_bytes=8 * width, disk_path=str(tmp_path / "q.bin"))
+    keys, values = torch.arange(1, 101) * 7919, torch.randn(100, DIM, generator=torch.Generator().manual_seed(1))
+    t.insert_or_assign(keys, values)  # grows past 64 slots; rows on all three tiers
+    assert t.tier_rows()["disk"] > 0 and t.capacity() > 64
+    expected = dequantize_rows(quantize_rows(values, qdtype), qdtype)
+    assert torch.equal(t.find(keys)[0], expected)
+    path = str(tmp_path / "q.hkv")
+    t.save(path)
+    back = HashTable.load(path, disk_path=str(tmp_path / "back.bin"))
+    assert back.qdtype == qdtype and torch.equal(back.find(keys)[0], expected)
+    data = checkpoint.read(path)
+    header, *arrays = checkpoint.parse(data)
+    assert arrays[1].dtype == torch.uint8 and arrays[1].shape == (100, width)
+    # A header claiming float rows over a packed payload, or an int4 table of odd dim, is refused.
+    with pytest.raises(checkpoint.CheckpointError, match="the payload has .* bytes, its header says 100 entries"):
+        checkpoint.parse(_resealed(data, header | {"dtype": "float32"}))
+    with pytest.raises(checkpoint.CheckpointError, match="header dim 3 cannot be packed as int4"):
+        checkpoint.parse(_resealed(data, header | {"dtype": "int4", "dim": 3}))
+
+
+def _resealed(data: bytes, header: dict) -> bytes:
+    """``data`` with another header and a valid checksum."""
+    header_len = struct.unpack_from("<I", data, 12)[0]
+    raw = json.dumps(header).encode()
+    body = data[:12] + struct.pack("<I", len(raw)) + raw + data[16 + header_len:-32]
+    return body + hashlib.sha256(body).digest()

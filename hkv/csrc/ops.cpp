@@ -38,6 +38,28 @@ void check_rows(const Tensor &t, const char *op, const char *name) {
 
 int threads() { return at::get_num_threads(); }
 
+/* How ``values``' rows are read out (probe.h ROW_*): as stored, or dequantized from packed rows of width ``dim``. */
+kernels::row_format format_of(const Tensor &values, int64_t kind, int64_t dim, const char *op) {
+    const int64_t stored = values.size(1) * values.element_size();
+    if (kind == kernels::ROW_RAW) return {kernels::ROW_RAW, stored, stored, values.size(1)};
+    TORCH_CHECK_VALUE(kind == kernels::ROW_INT8 || kind == kernels::ROW_INT4, "hkv_native.", op,
+                      ": row_format must be ", kernels::ROW_RAW, ", ", kernels::ROW_INT8, " or ", kernels::ROW_INT4,
+                      ", got ", kind);
+    TORCH_CHECK_TYPE(values.scalar_type() == at::kByte, "hkv_native.", op, ": quantized rows must be uint8, got ",
+                     values.scalar_type());
+    const int64_t packed = kind == kernels::ROW_INT8 ? dim + 8 : dim / 2 + 4;
+    TORCH_CHECK_VALUE(dim > 0 && (kind == kernels::ROW_INT8 || dim % 2 == 0) && stored == packed, "hkv_native.", op,
+                      ": rows of ", stored, " bytes are not ", kind == kernels::ROW_INT8 ? "int8" : "int4",
+                      " rows of dim ", dim);
+    return {static_cast<int>(kind), stored, dim * 4, dim};
+}
+
+/* n rows as ``fmt`` reads them out: the stored dtype and width, or fp32 ``dim``. */
+Tensor out_rows(const Tensor &values, const kernels::row_format &fmt, int64_t n) {
+    if (fmt.kind == kernels::ROW_RAW) return at::empty({n, values.size(1)}, values.options());
+    return at::empty({n, fmt.dim}, values.options().dtype(at::kFloat));
+}
+
 template <class T>
 T *ptr(const Tensor &t) {
     return static_cast<T *>(t.data_ptr());
@@ -54,17 +76,17 @@ Tensor locate(const Tensor &table_keys, int64_t num_buckets, int64_t bucket_size
 }
 
 std::tuple<Tensor, Tensor, Tensor> find(const Tensor &table_keys, int64_t num_buckets, int64_t bucket_size,
-                                        const Tensor &values, const Tensor &keys_) {
+                                        const Tensor &values, const Tensor &keys_, int64_t row_format, int64_t dim) {
     check(table_keys, "find", "table_keys", at::kLong);
     check_rows(values, "find", "values");
+    const kernels::row_format fmt = format_of(values, row_format, dim, "find");
     const Tensor keys = keys_.contiguous();
     check(keys, "find", "keys", at::kLong);
     const int64_t n = keys.numel();
-    Tensor out = at::empty({n, values.size(1)}, values.options()), found = at::empty({n}, keys.options().dtype(at::kBool));
+    Tensor out = out_rows(values, fmt, n), found = at::empty({n}, keys.options().dtype(at::kBool));
     Tensor slots = at::empty_like(keys);
-    kernels::hkv_find(ptr<int64_t>(table_keys), num_buckets, bucket_size, ptr<const char>(values),
-                      values.size(1) * values.element_size(), ptr<int64_t>(keys), n, ptr<char>(out),
-                      ptr<uint8_t>(found), ptr<int64_t>(slots), threads());
+    kernels::hkv_find(ptr<int64_t>(table_keys), num_buckets, bucket_size, ptr<const char>(values), fmt,
+                      ptr<int64_t>(keys), n, ptr<char>(out), ptr<uint8_t>(found), ptr<int64_t>(slots), threads());
     return {out, found, slots};
 }
 
@@ -81,16 +103,18 @@ Tensor claim(const Tensor &table_keys, const Tensor &table_scores, int64_t num_b
     return slots;
 }
 
-/* (slots, status, counts [6], out): out the stored rows of found keys when copy_out, else empty. */
+/* (slots, status, counts [6], out): out the stored rows of found keys read out by ``row_format`` when copy_out,
+ * else empty; new_values are stored rows. */
 std::tuple<Tensor, Tensor, Tensor, Tensor> upsert(const Tensor &table_keys, const Tensor &table_scores,
                                                   int64_t num_buckets, int64_t bucket_size, const Tensor &values,
                                                   const Tensor &keys_, const std::optional<Tensor> &new_values_,
                                                   const Tensor &given_, int64_t strategy, bool insert,
                                                   int64_t clock_score, int64_t epoch, bool copy_out, bool grouped,
-                                                  const Tensor &fresh) {
+                                                  const Tensor &fresh, int64_t row_format, int64_t dim) {
     check(table_keys, "upsert", "table_keys", at::kLong);
     check(table_scores, "upsert", "table_scores", at::kLong);
     check_rows(values, "upsert", "values");
+    const kernels::row_format fmt = format_of(values, row_format, dim, "upsert");
     check(fresh, "upsert", "fresh", at::kByte);
     const Tensor keys = keys_.contiguous(), given = given_.contiguous();
     check(keys, "upsert", "keys", at::kLong);
@@ -103,11 +127,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> upsert(const Tensor &table_keys, cons
                           "hold one row per key");
     }
     const int64_t n = keys.numel();
-    Tensor out = at::empty({copy_out ? n : 0, values.size(1)}, values.options());
+    Tensor out = out_rows(values, fmt, copy_out ? n : 0);
     Tensor slots = at::empty_like(keys), status = at::empty({n}, keys.options().dtype(at::kChar));
     Tensor counts = at::zeros({6}, keys.options());
     kernels::hkv_upsert(ptr<int64_t>(table_keys), ptr<int64_t>(table_scores), num_buckets, bucket_size,
-                        ptr<char>(values), values.size(1) * values.element_size(), ptr<int64_t>(keys), n,
+                        ptr<char>(values), fmt, ptr<int64_t>(keys), n,
                         new_values.defined() ? ptr<const char>(new_values) : nullptr, ptr<int64_t>(given),
                         (int)strategy, insert, clock_score, epoch, copy_out ? ptr<char>(out) : nullptr, grouped,
                         ptr<uint8_t>(fresh), ptr<int64_t>(slots), ptr<int8_t>(status), ptr<int64_t>(counts),
@@ -143,13 +167,13 @@ Tensor pool_backward(const Tensor &grad_, const Tensor &offsets_, const Tensor &
 
 TORCH_LIBRARY(hkv_native, m) {
     m.def("locate(Tensor table_keys, int num_buckets, int bucket_size, Tensor keys) -> Tensor");
-    m.def("find(Tensor table_keys, int num_buckets, int bucket_size, Tensor values, Tensor keys) "
-          "-> (Tensor, Tensor, Tensor)");
+    m.def("find(Tensor table_keys, int num_buckets, int bucket_size, Tensor values, Tensor keys, int row_format=0, "
+          "int dim=0) -> (Tensor, Tensor, Tensor)");
     m.def("claim(Tensor(a!) table_keys, Tensor(b!) table_scores, int num_buckets, int bucket_size, Tensor keys, "
           "Tensor scores) -> Tensor");
     m.def("upsert(Tensor(a!) table_keys, Tensor(b!) table_scores, int num_buckets, int bucket_size, "
           "Tensor(c!) values, Tensor keys, Tensor? new_values, Tensor given, int strategy, bool insert, "
-          "int clock_score, int epoch, bool copy_out, bool grouped, Tensor(d!) fresh) "
+          "int clock_score, int epoch, bool copy_out, bool grouped, Tensor(d!) fresh, int row_format=0, int dim=0) "
           "-> (Tensor, Tensor, Tensor, Tensor)");
     m.def("unique(Tensor ids, int num_buckets) -> (Tensor, Tensor)");
     m.def("pool_backward(Tensor grad, Tensor offsets, Tensor inverse, bool mean, int num_rows) -> Tensor");

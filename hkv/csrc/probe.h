@@ -12,6 +12,8 @@
  * ``hkv_unique`` deduplicates ids with an open-addressing set (first-occurrence order, O(n)) and can
  * order the unique ids by table bucket: the host-side half of a partially offloaded lookup.
  * ``hkv_pool_backward`` sums pooled gradients per unique row (the backward of hkv.ops.pool).
+ * Rows read out (``hkv_find``, ``hkv_upsert``'s copy-out) go through ``read_row``: copied as stored, or, for a
+ * table of row-wise quantized rows (hkv/rowwise.py), dequantized into fp32 on the way.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -82,6 +84,39 @@ static void parallel_for(int64_t n, int threads, range_fn fn, void *args) {
 #define EMPTY_KEY ((int64_t)-1)
 #define RECLAIM_KEY ((int64_t)-2)
 
+/* How a stored row is read out (hkv.cpu.ROW_FORMATS): ROW_RAW copied as it is; ROW_INT8 / ROW_INT4 packed in
+ * FBGEMM's fused layouts (hkv/rowwise.py: codes, then scale and bias, fp32 for int8, fp16 for int4; int4 two codes
+ * a byte, low nibble first) and written as ``dim`` fp32 values code * scale + bias. */
+enum { ROW_RAW = 0, ROW_INT8 = 1, ROW_INT4 = 2 };
+
+struct row_format {
+    int kind;
+    int64_t stored_bytes, out_bytes, dim; /* out_bytes: stored_bytes (raw) or 4 * dim */
+};
+
+static inline void read_row(const struct row_format *f, char *dst, const char *src) {
+    if (f->kind == ROW_RAW) {
+        memcpy(dst, src, (size_t)f->stored_bytes);
+        return;
+    }
+    const uint8_t *codes = (const uint8_t *)src;
+    float *out = (float *)dst, scale, bias;
+    if (f->kind == ROW_INT8) {
+        memcpy(&scale, codes + f->dim, sizeof scale);
+        memcpy(&bias, codes + f->dim + sizeof scale, sizeof bias);
+        for (int64_t d = 0; d < f->dim; ++d) out[d] = (float)codes[d] * scale + bias;
+        return;
+    }
+    _Float16 sb[2];
+    memcpy(sb, codes + f->dim / 2, sizeof sb);
+    scale = (float)sb[0];
+    bias = (float)sb[1];
+    for (int64_t d = 0; d < f->dim / 2; ++d) {
+        out[2 * d] = (float)(codes[d] & 15) * scale + bias;
+        out[2 * d + 1] = (float)(codes[d] >> 4) * scale + bias;
+    }
+}
+
 static inline uint64_t mix64(uint64_t k) {
     k ^= k >> 33;
     k *= 0xff51afd7ed558ccdULL;
@@ -123,7 +158,7 @@ struct probe_args {
     int64_t *table_keys, *table_scores;
     int64_t num_buckets, bucket_size;
     const char *values;
-    int64_t row_bytes;
+    struct row_format fmt;
     const int64_t *keys, *scores;
     char *out;
     uint8_t *found;
@@ -141,7 +176,7 @@ static void locate_range(void *p, int64_t begin, int64_t end) {
 /* slots[i]: the slot holding keys[i], or -1. */
 void hkv_locate(int64_t *table_keys, int64_t num_buckets, int64_t bucket_size, const int64_t *keys, int64_t n,
                 int64_t *slots, int threads) {
-    struct probe_args a = {table_keys, NULL, num_buckets, bucket_size, NULL, 0, keys, NULL, NULL, NULL, slots};
+    struct probe_args a = {table_keys, NULL, num_buckets, bucket_size, NULL, {}, keys, NULL, NULL, NULL, slots};
     parallel_for(n, threads, locate_range, &a);
 }
 
@@ -152,17 +187,19 @@ static void find_range(void *p, int64_t begin, int64_t end) {
         int64_t s = probe(a->table_keys, a->num_buckets, a->bucket_size, a->keys[i]);
         a->slots[i] = s;
         a->found[i] = s >= 0;
+        char *dst = a->out + i * a->fmt.out_bytes;
         if (s >= 0)
-            memcpy(a->out + i * a->row_bytes, a->values + s * a->row_bytes, (size_t)a->row_bytes);
+            read_row(&a->fmt, dst, a->values + s * a->fmt.stored_bytes);
         else
-            memset(a->out + i * a->row_bytes, 0, (size_t)a->row_bytes);
+            memset(dst, 0, (size_t)a->fmt.out_bytes);
     }
 }
 
-/* out[i] = values[slot of keys[i]] (row_bytes each), zero where absent; found[i] = present. */
-void hkv_find(int64_t *table_keys, int64_t num_buckets, int64_t bucket_size, const char *values, int64_t row_bytes,
-              const int64_t *keys, int64_t n, char *out, uint8_t *found, int64_t *slots, int threads) {
-    struct probe_args a = {table_keys, NULL, num_buckets, bucket_size, values, row_bytes, keys, NULL, out, found, slots};
+/* out[i] = values[slot of keys[i]] read out by ``fmt``, zero where absent; found[i] = present. */
+void hkv_find(int64_t *table_keys, int64_t num_buckets, int64_t bucket_size, const char *values,
+              struct row_format fmt, const int64_t *keys, int64_t n, char *out, uint8_t *found, int64_t *slots,
+              int threads) {
+    struct probe_args a = {table_keys, NULL, num_buckets, bucket_size, values, fmt, keys, NULL, out, found, slots};
     parallel_for(n, threads, find_range, &a);
 }
 
@@ -192,7 +229,8 @@ static void claim_range(void *p, int64_t begin, int64_t end) {
  * the bucket is full (the caller evicts). */
 void hkv_claim(int64_t *table_keys, int64_t *table_scores, int64_t num_buckets, int64_t bucket_size,
                const int64_t *keys, const int64_t *scores, int64_t n, int64_t *slots, int threads) {
-    struct probe_args a = {table_keys, table_scores, num_buckets, bucket_size, NULL, 0, keys, scores, NULL, NULL, slots};
+    struct probe_args a = {table_keys, table_scores, num_buckets, bucket_size, NULL, {}, keys, scores, NULL, NULL,
+                           slots};
     parallel_for(n, threads, claim_range, &a);
 }
 
@@ -206,7 +244,7 @@ struct upsert_args {
     int64_t *table_keys, *table_scores;
     int64_t num_buckets, bucket_size;
     char *values;
-    int64_t row_bytes;
+    struct row_format fmt; /* in_values rows are stored_bytes each, out rows out_bytes */
     const int64_t *keys;
     int64_t n;
     const char *in_values; /* n rows to write, or NULL */
@@ -268,13 +306,14 @@ static int8_t upsert_one(struct upsert_args *a, int64_t i, int64_t bucket) {
     }
     a->slots[i] = slot;
     a->status[i] = status;
-    size_t rb = (size_t)a->row_bytes;
-    if (slot >= 0 && a->in_values) memcpy(a->values + slot * a->row_bytes, a->in_values + i * a->row_bytes, rb);
+    int64_t rb = a->fmt.stored_bytes;
+    if (slot >= 0 && a->in_values) memcpy(a->values + slot * rb, a->in_values + i * rb, (size_t)rb);
     if (a->out) {
+        char *dst = a->out + i * a->fmt.out_bytes;
         if (status == UPSERT_FOUND)
-            memcpy(a->out + i * a->row_bytes, a->values + slot * a->row_bytes, rb);
+            read_row(&a->fmt, dst, a->values + slot * rb);
         else
-            memset(a->out + i * a->row_bytes, 0, rb);
+            memset(dst, 0, (size_t)a->fmt.out_bytes);
     }
     return status;
 }
@@ -303,15 +342,15 @@ static void upsert_part(void *p, int64_t t, int64_t T) {
     for (int c = 0; c < UPSERT_OUTCOMES; ++c) __atomic_add_fetch(&a->counts[c], counts[c], __ATOMIC_RELAXED);
 }
 
-/* Insert or assign ``keys`` (``insert`` 0: assign only), writing ``in_values`` rows (or NULL) and
- * copying the stored rows of keys found to ``out`` (or NULL); status[i]: UPSERT_*, slots[i]: the
- * slot or -1, counts[c]: keys with status c. ``fresh``: zeroed scratch of one byte per slot, zeroed
+/* Insert or assign ``keys`` (``insert`` 0: assign only), writing ``in_values`` rows (or NULL, stored as they
+ * are) and reading the stored rows of keys found out to ``out`` by ``fmt`` (or NULL); status[i]: UPSERT_*,
+ * slots[i]: the slot or -1, counts[c]: keys with status c. ``fresh``: zeroed scratch of one byte per slot, zeroed
  * again on return. */
 void hkv_upsert(int64_t *table_keys, int64_t *table_scores, int64_t num_buckets, int64_t bucket_size, char *values,
-                int64_t row_bytes, const int64_t *keys, int64_t n, const char *in_values, const int64_t *given,
+                struct row_format fmt, const int64_t *keys, int64_t n, const char *in_values, const int64_t *given,
                 int strategy, int insert, int64_t clock_score, int64_t epoch, char *out, int grouped,
                 uint8_t *fresh, int64_t *slots, int8_t *status, int64_t *counts, int threads) {
-    struct upsert_args a = {table_keys, table_scores, num_buckets, bucket_size, values,  row_bytes, keys,
+    struct upsert_args a = {table_keys, table_scores, num_buckets, bucket_size, values,  fmt,       keys,
                             n,          in_values,    given,       strategy,    insert,  clock_score,
                             epoch,      out,          grouped,     fresh,       slots,   status, counts};
     for (int c = 0; c < UPSERT_OUTCOMES; ++c) counts[c] = 0;

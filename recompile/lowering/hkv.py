@@ -38,8 +38,9 @@ register_lowering(
     "hkv::lookup",
     Impl("triton", "triton", has_triton, "hkv.triton_kernels.locate (probe) + gather"),
     Impl("cpu", "cpu_kernel", cpu_kernel_runs,
-         "hkv/csrc/probe.h: one pass per key (hash, probe, claim, score, row), threads over bucket ranges"),
-    reference("hkv.table: vectorised torch probing (any device)"),
+         "hkv/csrc/probe.h: one pass per key (hash, probe, claim, score, row; int8 / int4 rows dequantized to fp32 "
+         "as they are copied out), threads over bucket ranges"),
+    reference("hkv.table: vectorised torch probing (any device; quantized rows dequantized after the gather)"),
 )
 # Lookups insert missing ids and their backward applies the optimizer to the table: all change the table.
 for op in ("hkv::lookup", "hkv::embedding_lookup", "hkv::update"):
