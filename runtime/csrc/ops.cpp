@@ -11,8 +11,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_sparse_coo_tensor_unsafe.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -668,6 +671,92 @@ void below_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, tor
     if (keys.has_any(WRAPPED) || !native(stack)) op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
 }
 
+/* recompile::grouped_embedding_bag's autograd in C++ (the AutogradCPU key: it comes before the Python formula that
+ * runtime/embedding.py registers for the Autograd alias, which stays for the fused op and other devices), so that a
+ * call runs no Python: without a gradient to record it goes below autograd (the native forward, else the op's
+ * Python implementation); with one, GroupedEmbeddingBag records a node whose backward calls
+ * recompile::grouped_embedding_bag_backward and builds the tables' and sample weights' gradients as
+ * runtime/embedding.py's _backward does. */
+enum GebArgument { WEIGHTS, INDICES, OFFSETS, PSWS, POOLING_ARG, PADDING_IDX, LAST_OFFSETS, SPARSE, LAYOUT, NAMES,
+                   BOUNDS_CHECK, IMPL, GEB_ARGS };
+/* The arguments the backward takes again, by their schema names. */
+constexpr std::pair<GebArgument, const char *> GEB_SAVED[] = {
+    {POOLING_ARG, "pooling"}, {PADDING_IDX, "padding_idx"}, {LAST_OFFSETS, "include_last_offset"}, {SPARSE, "sparse"},
+    {LAYOUT, "layout"}, {NAMES, "names"}, {BOUNDS_CHECK, "bounds_check"}, {IMPL, "impl"}};
+
+struct BelowAutograd {
+    const c10::OperatorHandle &op;
+    c10::DispatchKeySet keys;
+    torch::jit::Stack *stack;
+
+    void operator()() const {
+        at::AutoDispatchBelowADInplaceOrView guard;
+        below_autograd<&grouped_embedding_bag_native>(op, keys, stack);
+    }
+};
+
+bool requires_grad(const std::vector<Tensor> &tensors) {
+    return std::any_of(tensors.begin(), tensors.end(), [](const Tensor &t) { return t.requires_grad(); });
+}
+
+struct GroupedEmbeddingBag : torch::autograd::Function<GroupedEmbeddingBag> {
+    /* The differentiable inputs are the tables and the sample weights; the call itself is on ``below``'s stack. */
+    static Tensor forward(torch::autograd::AutogradContext *ctx, at::TensorList weights, at::TensorList psws,
+                          const BelowAutograd &below) {
+        const auto a = torch::jit::last(*below.stack, GEB_ARGS);
+        std::vector<Tensor> saved(weights.begin(), weights.end());
+        for (const Tensor &ids : a[INDICES].toTensorVector()) saved.push_back(ids);
+        for (const c10::IValue &offs : a[OFFSETS].toListRef()) saved.push_back(offs.isNone() ? Tensor() : offs.toTensor());
+        saved.insert(saved.end(), psws.begin(), psws.end());
+        ctx->save_for_backward(saved);
+        for (const auto &[i, name] : GEB_SAVED) ctx->saved_data[name] = a[i];
+        below();
+        return below.stack->back().toTensor();
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        const size_t n = saved.size() / 4;
+        const std::vector<Tensor> weights(saved.begin(), saved.begin() + n), indices(saved.begin() + n, saved.begin() + 2 * n),
+            psws(saved.begin() + 3 * n, saved.end());
+        c10::List<std::optional<Tensor>> offsets;
+        for (size_t t = 0; t < n; t++) offsets.push_back(saved[2 * n + t].defined() ? OptTensor(saved[2 * n + t]) : std::nullopt);
+        c10::List<bool> psw_grad;
+        for (size_t t = 0; t < n; t++) psw_grad.push_back(psws[t].sym_numel() != 0 && ctx->needs_input_grad(n + t));
+        auto &d = ctx->saved_data;
+        static const c10::OperatorHandle op =
+            c10::Dispatcher::singleton().findSchemaOrThrow("recompile::grouped_embedding_bag_backward", "");
+        torch::jit::Stack stack{grads[0], weights, indices, offsets, psws, d["pooling"], d["padding_idx"],
+                                d["include_last_offset"], d["sparse"], psw_grad, d["layout"], d["names"],
+                                d["bounds_check"], d["impl"]};
+        op.callBoxed(&stack);
+        const std::vector<Tensor> out = stack.back().toTensorVector();
+        const c10::List<bool> sparse = d["sparse"].toBoolList();
+        const bool fatal = d["bounds_check"].toStringRef() == "fatal";
+        torch::autograd::variable_list result(2 * n + 1);  // the tables', the sample weights', none for ``below``
+        for (size_t t = 0; t < n; t++) {
+            result[t] = out[t];
+            if (!sparse[t]) continue;
+            Tensor ids = indices[t].reshape(-1);  // the ids the forward looked up (bad ones read row 0 unless fatal)
+            if (!fatal) ids = ids.masked_fill(ids.lt(0).logical_or(ids.ge(weights[t].sym_size(0))), 0);
+            result[t] = at::_sparse_coo_tensor_unsafe_symint(ids.to(I64).unsqueeze(0), out[t], weights[t].sym_sizes());
+        }
+        for (size_t t = 0; t < n; t++)  // an empty tensor is "no weights", yet gets its (empty) gradient when asked
+            result[n + t] = psw_grad[t] ? out[n + t] : ctx->needs_input_grad(n + t) ? at::zeros_like(psws[t]) : Tensor();
+        return result;
+    }
+};
+
+void grouped_embedding_bag_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, GEB_ARGS);
+    const std::vector<Tensor> weights = a[WEIGHTS].toTensorVector(), psws = a[PSWS].toTensorVector();
+    const BelowAutograd below{op, keys, stack};
+    if (!at::GradMode::is_enabled() || !(requires_grad(weights) || requires_grad(psws))) return below();
+    Tensor out = GroupedEmbeddingBag::apply(at::TensorList(weights), at::TensorList(psws), below);
+    stack->back() = std::move(out);
+}
+
 std::string isa() { return kernels().isa; }
 std::string set_isa(const std::string &name) {
     TORCH_CHECK_VALUE(has_isa(name.c_str()), "recompile_native.set_isa: ", name,
@@ -748,6 +837,10 @@ TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&dot_interaction_backward_native>>());
     m.impl("sampled_softmax_loss",
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&sampled_softmax_native>>());
+}
+
+TORCH_LIBRARY_IMPL(recompile, AutogradCPU, m) {
+    m.impl("grouped_embedding_bag", torch::CppFunction::makeFromBoxedFunction<&grouped_embedding_bag_autograd>());
 }
 
 /* The instruction set ops take no tensor: they are registered for every key. */
