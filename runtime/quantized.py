@@ -77,13 +77,13 @@ def quantize_rows(weight: Tensor, qdtype: str) -> Tensor:
     if qdtype == "int4":
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
     scale_bias = torch.cat([scale, bias], 1).to(SCALE_BIAS[qdtype]).view(torch.uint8)
-    return torch.cat([codes, scale_bias], 1, out=_row_storage(codes.shape[0], codes.shape[1] + scale_bias.shape[1]))
+    return torch.cat([codes, scale_bias], 1, out=row_storage(codes.shape[0], codes.shape[1] + scale_bias.shape[1]))
 
 
 HUGE_PAGE = 2 << 20
 
 
-def _row_storage(rows: int, width: int) -> Tensor:
+def row_storage(rows: int, width: int) -> Tensor:
     """An uninitialised uint8 [rows, width] for a packed table; one of at least a huge page lies on whole 2 MiB pages
     backed by transparent huge pages where the kernel has them (``recompile_native.advise_huge_pages``): the lookup
     reads rows at random, and on 4 KiB pages nearly every row costs a TLB miss (int8 at batch 2048, 26 tables of
