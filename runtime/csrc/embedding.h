@@ -264,7 +264,7 @@ static inline void forward_pooled(int64_t T, const int64_t *meta, int64_t B, voi
                                   int64_t *err, int stream, int threads, Pool pool) {
     memset(err, 0, T * sizeof *err);
     if (stream) advise_huge(out, out_bytes);
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (threads > 1) /* one thread: no team to start */
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {

@@ -600,41 +600,41 @@ constexpr int64_t IDS_I64 = 1, OFFS_I64 = 2, LAST_OFFSET = 4, DTYPE_SHIFT = 3, N
 bool grouped_embedding_bag_native(torch::jit::Stack *stack) {
     const auto a = torch::jit::last(*stack, 12);
     if (a[11].toStringRef() != "native") return false;
-    const std::vector<Tensor> weights = a[0].toTensorVector(), indices = a[1].toTensorVector(),
-                              psws = a[3].toTensorVector();
-    const auto offsets = a[2].toListRef();
-    const std::vector<int64_t> pooling = a[4].toIntVector(), padding = a[5].toIntVector();
-    const c10::List<bool> flags_last = a[6].toBoolList();
-    std::vector<bool> last(flags_last.begin(), flags_last.end());
+    /* the lists read in place (no vector of them per call) */
+    const auto weights = a[0].toListRef(), indices = a[1].toListRef(), offsets = a[2].toListRef(),
+               psws = a[3].toListRef(), pooling = a[4].toListRef(), padding = a[5].toListRef(), last = a[6].toListRef();
     const std::string &layout = a[8].toStringRef();
     const size_t n = weights.size();
     if (n == 0 || indices.size() != n || offsets.size() != n || psws.size() != n || pooling.size() != n ||
         padding.size() != n || last.size() != n)
         return false;
-    const at::ScalarType dtype = weights[0].scalar_type();
+    const Tensor &first = weights[0].toTensor();
+    const at::ScalarType dtype = first.scalar_type();
     const int64_t type_flags = (dtype == F32 ? 0 : dtype == F16 ? 1 : 2) << DTYPE_SHIFT;
     const bool sequence = layout == "sequence", stacked = layout == "stack";
     if (!sequence && !stacked && layout != "concat") return false;
     std::vector<int64_t> meta(META * n, 0);
     int64_t batch = -1, looked_up = 0, width = 0;
     for (size_t t = 0; t < n; t++) {
-        const Tensor &w = weights[t], &ids = indices[t], &psw = psws[t];
+        const Tensor &w = weights[t].toTensor(), &ids = indices[t].toTensor(), &psw = psws[t].toTensor();
+        const int64_t mode = pooling[t].toInt();
+        const bool with_last = last[t].toBool();
         if (!plain_cpu(w, {dtype}) || w.dim() != 2 || w.stride(1) != 1 || !plain_cpu(ids, {I64, I32}) ||
-            !ids.is_contiguous() || (layout != "concat" && w.size(1) != weights[0].size(1)))
+            !ids.is_contiguous() || (layout != "concat" && w.size(1) != first.size(1)))
             return false;
         int64_t *row = meta.data() + META * t, bags, flags = ids.scalar_type() == I64 ? IDS_I64 : 0;
         if (offsets[t].isNone()) {
             if (ids.dim() == 2) bags = ids.size(0), row[N_OFFS] = ids.size(1);
-            else if (ids.dim() == 1 && pooling[t] == NONE_POOLING) bags = ids.size(0), row[N_OFFS] = 1;
+            else if (ids.dim() == 1 && mode == NONE_POOLING) bags = ids.size(0), row[N_OFFS] = 1;
             else return false;
         } else {
-            const Tensor offs = offsets[t].toTensor();
+            const Tensor &offs = offsets[t].toTensor();
             if (!plain_cpu(offs, {I64, I32}) || ids.dim() != 1 || offs.dim() != 1 || !offs.is_contiguous() ||
-                (offs.numel() == 0 && (last[t] || ids.numel())))
+                (offs.numel() == 0 && (with_last || ids.numel())))
                 return false;
-            bags = offs.size(0) - last[t];
+            bags = offs.size(0) - with_last;
             row[OFFS] = reinterpret_cast<int64_t>(offs.data_ptr()), row[N_OFFS] = offs.size(0);
-            flags |= (offs.scalar_type() == I64 ? OFFS_I64 : 0) | (last[t] ? LAST_OFFSET : 0);
+            flags |= (offs.scalar_type() == I64 ? OFFS_I64 : 0) | (with_last ? LAST_OFFSET : 0);
         }
         if (batch >= 0 && bags != batch && !sequence) return false;
         batch = bags;
@@ -643,16 +643,16 @@ bool grouped_embedding_bag_native(torch::jit::Stack *stack) {
             row[PSW] = reinterpret_cast<int64_t>(psw.data_ptr());
         }
         row[W_PTR] = reinterpret_cast<int64_t>(w.data_ptr()), row[ROWS] = w.size(0), row[DIM] = w.size(1);
-        row[W_STRIDE] = w.stride(0), row[POOLING] = pooling[t], row[PAD] = padding[t];
+        row[W_STRIDE] = w.stride(0), row[POOLING] = mode, row[PAD] = padding[t].toInt();
         row[IDS] = reinterpret_cast<int64_t>(ids.data_ptr()), row[N_IDS] = ids.numel(), row[FLAGS] = flags | type_flags;
         row[OUT_AT] = sequence ? looked_up : stacked ? t * w.size(1) : width;
         looked_up += ids.numel(), width += w.size(1);
     }
     if (batch < 0) return false;
-    const int64_t dim = weights[0].size(1), rows = sequence ? looked_up : batch;
+    const int64_t dim = first.size(1), rows = sequence ? looked_up : batch;
     const int64_t stride = stacked ? n * dim : sequence ? dim : width;
-    Tensor out = stacked ? at::empty({rows, (int64_t)n, dim}, weights[0].options())
-                         : at::empty({rows, sequence ? dim : width}, weights[0].options());
+    Tensor out = stacked ? at::empty({rows, (int64_t)n, dim}, first.options())
+                         : at::empty({rows, sequence ? dim : width}, first.options());
     std::vector<int64_t> err(n, 0);
     const int nthreads = (int)std::max<int64_t>(1, std::min<int64_t>(threads(), looked_up / GRAIN));
     if (sequence)
@@ -695,8 +695,9 @@ struct BelowAutograd {
     }
 };
 
-bool requires_grad(const std::vector<Tensor> &tensors) {
-    return std::any_of(tensors.begin(), tensors.end(), [](const Tensor &t) { return t.requires_grad(); });
+bool requires_grad(const c10::IValue &tensors) {
+    const auto list = tensors.toListRef();
+    return std::any_of(list.begin(), list.end(), [](const c10::IValue &t) { return t.toTensor().requires_grad(); });
 }
 
 struct GroupedEmbeddingBag : torch::autograd::Function<GroupedEmbeddingBag> {
@@ -750,9 +751,9 @@ struct GroupedEmbeddingBag : torch::autograd::Function<GroupedEmbeddingBag> {
 
 void grouped_embedding_bag_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
     const auto a = torch::jit::last(*stack, GEB_ARGS);
-    const std::vector<Tensor> weights = a[WEIGHTS].toTensorVector(), psws = a[PSWS].toTensorVector();
     const BelowAutograd below{op, keys, stack};
-    if (!at::GradMode::is_enabled() || !(requires_grad(weights) || requires_grad(psws))) return below();
+    if (!at::GradMode::is_enabled() || !(requires_grad(a[WEIGHTS]) || requires_grad(a[PSWS]))) return below();
+    const std::vector<Tensor> weights = a[WEIGHTS].toTensorVector(), psws = a[PSWS].toTensorVector();
     Tensor out = GroupedEmbeddingBag::apply(at::TensorList(weights), at::TensorList(psws), below);
     stack->back() = std::move(out);
 }
