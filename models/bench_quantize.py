@@ -34,7 +34,7 @@ from models.dlrm import DLRM, DLRMConfig
 from models.metrics import auc, log_loss
 from models.timing import race_ms
 from models.train import write_json
-from runtime.quantized import dequantize_rows, quantize_rows, row_storage, scale_bias
+from runtime.quantized import dequantize_rows, on_huge_pages, quantize_rows, row_storage, scale_bias
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks", "quantize.json")
 QOP = torch.ops.recompile.grouped_embedding_bag_quantized.default
@@ -92,7 +92,7 @@ def _tbe(tables: list[torch.Tensor], dim: int):
 def _on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` in storage like the packed tables' (runtime.quantized: on transparent huge pages), so that
     FBGEMM's kernel can be timed on the same pages as ours."""
-    return row_storage(1, t.numel()).view(t.shape).copy_(t)
+    return on_huge_pages(row_storage(1, t.numel()).view(t.shape).copy_(t))
 
 
 def _huge_page_bytes() -> int:
@@ -110,7 +110,7 @@ def speed(num_tables: int, rows: int, dim: int, batch: int, bag: int, rounds: in
     floats = [torch.randn(rows, dim, generator=g) for _ in range(num_tables)]
     before = _huge_page_bytes()
     packed = {q: [quantize_rows(w, q) for w in floats] for q in ("int8", "int4")}
-    on_huge_pages = (_huge_page_bytes() - before) / sum(t.nbytes for ts in packed.values() for t in ts)
+    on_huge_pages = min(1.0, (_huge_page_bytes() - before) / sum(t.nbytes for ts in packed.values() for t in ts))
     lengths = [torch.randint(1, 2 * bag, (batch,), generator=g) if bag > 1 else torch.ones(batch, dtype=torch.long)
                for _ in floats]
     indices = [torch.randint(0, rows, (int(n.sum()),), generator=g) for n in lengths]
