@@ -38,9 +38,9 @@ def check_qdtype(qdtype, dim: int, where: str) -> str:
     return qdtype
 
 
-def quantize_rows(weight: Tensor, qdtype: str, where: str = "recompile.quantize") -> Tensor:
+def quantize_rows(weight: Tensor, qdtype: str, where: str = "recompile.quantize", out=None) -> Tensor:
     """``weight`` [rows, D] (fp32 / fp16 / bf16) in the fused layout of ``qdtype`` (FBGEMM's bytes exactly); errors
-    start with ``where``."""
+    start with ``where``; ``out(rows, width)``, if given, allocates the packed uint8 rows."""
     check_qdtype(qdtype, weight.shape[1], where)
     x = weight.detach().float()
     low, high = x.aminmax(dim=1, keepdim=True) if x.numel() else (x[:, :1], x[:, :1])
@@ -57,7 +57,9 @@ def quantize_rows(weight: Tensor, qdtype: str, where: str = "recompile.quantize"
     if qdtype == "int4":
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
     scale_bias = torch.cat([scale, bias], 1).to(SCALE_BIAS[qdtype]).view(torch.uint8)
-    return torch.cat([codes, scale_bias], 1)
+    if out is None:
+        return torch.cat([codes, scale_bias], 1)
+    return torch.cat([codes, scale_bias], 1, out=out(codes.shape[0], codes.shape[1] + scale_bias.shape[1]))
 
 
 def scale_bias(packed: Tensor, qdtype: str) -> Tensor:

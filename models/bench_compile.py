@@ -13,8 +13,9 @@ main job's HSTU on MovieLens-100k (training only, 3 steps of ``models.train``), 
 small config.
 
 Per-call overhead: microseconds per call of a one-op graph on an 8-element tensor (no rec region), of one cross
-layer at batch 1 (a rec region, raced), and of each zoo model's forward at batch 1 (small configs), under eager,
-Inductor and rec_ascend, timed side by side, with rec_ascend's over Inductor's.
+layer at batch 1 (a rec region, raced), of four embedding bags at batch 2 (one grouped lookup: the custom op's
+own cost), and of each zoo model's forward at batch 1 (small configs), under eager, Inductor and rec_ascend, timed
+side by side, with rec_ascend's over Inductor's.
 """
 from __future__ import annotations
 
@@ -130,6 +131,18 @@ class _Cross(torch.nn.Module):
         return x0 * self.lin(x0) + x0
 
 
+class _Bags(torch.nn.Module):
+    """Four embedding bags at batch 2: the smallest graph with a grouped lookup (one recompile.grouped_embedding_bag
+    call under rec_ascend)."""
+
+    def __init__(self, tables: int = 4, rows: int = 10, dim: int = 8):
+        super().__init__()
+        self.bags = torch.nn.ModuleList(torch.nn.EmbeddingBag(rows, dim, mode="sum") for _ in range(tables))
+
+    def forward(self, ids, offsets):
+        return torch.cat([bag(ids, offsets) for bag in self.bags], 1)
+
+
 def _print_per_call(what: str, us: dict[str, float]) -> None:
     ratio = us["rec_ascend"] / us["inductor"]
     print(f"per call, {what}: " + "  ".join(f"{n} {v:8.1f} us" for n, v in us.items()) +
@@ -139,10 +152,12 @@ def _print_per_call(what: str, us: dict[str, float]) -> None:
 def run_overhead(rounds: int = 20) -> None:
     """Microseconds per call, eager vs Inductor vs rec_ascend, side by side (interleaved, best round): a one-op
     graph (no rec region: rec_ascend returns Inductor's compile), one cross layer at batch 1 (a rec region: the
-    tuner's choice, after its check in place), each zoo model's forward at batch 1."""
+    tuner's choice, after its check in place), four embedding bags at batch 2 (one grouped lookup), each zoo model's
+    forward at batch 1."""
     # A fresh function or module per backend: Dynamo keeps one cache per code object, not per backend.
     tiny = {"x + 1 on 8 elements": (lambda: lambda t: t + 1, (torch.randn(8),)),
-            "one cross layer at batch 1": (_Cross, (torch.randn(1, 16),))}
+            "one cross layer at batch 1": (_Cross, (torch.randn(1, 16),)),
+            "grouped lookup of 4 tables at batch 2": (_Bags, (torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2])))}
     with torch.no_grad():
         for what, (make, args) in tiny.items():
             torch._dynamo.reset()

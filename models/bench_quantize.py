@@ -7,7 +7,9 @@
   AUC and log-loss;
 - speed: the grouped lookup of 26 tables at batch 2048 (the zoo's "bench" CTR size: 100k rows, dim 64), timed side
   by side and interleaved round by round: the int8 and int4 quantized lookups (native kernel), the fp32 grouped
-  lookup (native kernel), and FBGEMM's CPU int8 TBE (``IntNBitTableBatchedEmbeddingBagsCodegen``) on the same codes;
+  lookup (native kernel), and FBGEMM's CPU int8 TBE (``IntNBitTableBatchedEmbeddingBagsCodegen``) on the same codes,
+  in its own storage and copied onto transparent huge pages as ``recompile.quantize`` stores tables (the kernels
+  compared on the same pages);
 - memory: the bytes of the tables in each format, with the scale/bias overhead;
 - ``--accuracy [all|ctr|ranking]`` (only the accuracy, no timing): the CTR accuracy above, and / or ranking accuracy on ML-100k: the zoo's
   HSTU trained in fp32 with a fixed seed, then its item and position tables served fp32, int8 and int4: HR@10 and
@@ -38,7 +40,7 @@ from models.dlrm import DLRM, DLRMConfig
 from models.metrics import auc, log_loss, ranking_metrics
 from models.timing import race_ms
 from models.train import write_json
-from runtime.quantized import dequantize_rows, quantize_rows, scale_bias
+from runtime.quantized import dequantize_rows, on_huge_pages, quantize_rows, row_storage, scale_bias
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks", "quantize.json")
 QOP = torch.ops.recompile.grouped_embedding_bag_quantized.default
@@ -138,11 +140,28 @@ def _tbe(tables: list[torch.Tensor], dim: int):
     return tbe
 
 
+def _on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in storage like the packed tables' (runtime.quantized: on transparent huge pages), so that
+    FBGEMM's kernel can be timed on the same pages as ours."""
+    return on_huge_pages(row_storage(1, t.numel()).view(t.shape).copy_(t))
+
+
+def _huge_page_bytes() -> int:
+    """This process's anonymous memory on transparent huge pages (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("AnonHugePages:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def speed(num_tables: int, rows: int, dim: int, batch: int, bag: int, rounds: int, clock=time.perf_counter,
           seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     floats = [torch.randn(rows, dim, generator=g) for _ in range(num_tables)]
+    before = _huge_page_bytes()
     packed = {q: [quantize_rows(w, q) for w in floats] for q in ("int8", "int4")}
+    on_huge_pages = min(1.0, (_huge_page_bytes() - before) / sum(t.nbytes for ts in packed.values() for t in ts))
     lengths = [torch.randint(1, 2 * bag, (batch,), generator=g) if bag > 1 else torch.ones(batch, dtype=torch.long)
                for _ in floats]
     indices = [torch.randint(0, rows, (int(n.sum()),), generator=g) for n in lengths]
@@ -150,7 +169,8 @@ def speed(num_tables: int, rows: int, dim: int, batch: int, bag: int, rounds: in
     lookup = (indices, offsets, [torch.empty(0)] * num_tables, [0] * num_tables, [-1] * num_tables,
               [True] * num_tables)
     names = ",".join(f"t{i}" for i in range(num_tables))
-    tbe = _tbe(packed["int8"], dim)
+    tbe, tbe_huge = _tbe(packed["int8"], dim), _tbe(packed["int8"], dim)
+    tbe_huge.weights_host = _on_huge_pages(tbe_huge.weights_host)
     tbe_ids, tbe_offsets = torch.cat(indices).int(), F.pad(torch.cat(lengths).cumsum(0), (1, 0)).int()
     steps = {
         "fp32 grouped (native)": lambda: torch.ops.recompile.grouped_embedding_bag(
@@ -158,6 +178,7 @@ def speed(num_tables: int, rows: int, dim: int, batch: int, bag: int, rounds: in
         "int8 grouped (native)": lambda: QOP(packed["int8"], *lookup, "int8", "concat", names, "fatal", "native"),
         "int4 grouped (native)": lambda: QOP(packed["int4"], *lookup, "int4", "concat", names, "fatal", "native"),
         "fbgemm int8 TBE (CPU)": lambda: tbe(tbe_ids, tbe_offsets),
+        "fbgemm int8 TBE (CPU), huge pages": lambda: tbe_huge(tbe_ids, tbe_offsets),
     }
     outs = {name: step() for name, step in steps.items()}
     reference = torch.cat([F.embedding_bag(ids, dequantize_rows(w, "int8"), offs, mode="sum", include_last_offset=True)
@@ -169,6 +190,8 @@ def speed(num_tables: int, rows: int, dim: int, batch: int, bag: int, rounds: in
               "fbgemm_int8_tbe": int(tbe.weights_host.nbytes)}
     return {"tables": num_tables, "rows": rows, "dim": dim, "batch": batch, "mean_ids_per_bag": bag, "ms": ms,
             "int8_speedup_vs_fp32": fp32 / int8, "int8_speedup_vs_fbgemm_tbe": ms["fbgemm int8 TBE (CPU)"] / int8,
+            "int8_speedup_vs_fbgemm_tbe_on_huge_pages": ms["fbgemm int8 TBE (CPU), huge pages"] / int8,
+            "packed_tables_on_huge_pages": on_huge_pages,
             "max_abs_error_vs_dequantized_reference": errors, "bytes": memory,
             "bytes_ratio_to_fp32": {q: b / memory["fp32"] for q, b in memory.items()},
             "scale_bias_bytes_per_row": {"int8": 8, "int4": 4, "fbgemm_int8_tbe": 4}}
@@ -210,7 +233,9 @@ def main(argv=None) -> dict:
         for name, ms in r["ms"].items():
             print(f"  {name:24s} {ms:8.3f} ms")
         print(f"  int8 vs fp32 grouped: {r['int8_speedup_vs_fp32']:.2f}x; int8 vs FBGEMM int8 TBE: "
-              f"{r['int8_speedup_vs_fbgemm_tbe']:.2f}x; max |error| vs dequantized reference "
+              f"{r['int8_speedup_vs_fbgemm_tbe']:.2f}x (its own storage), "
+              f"{r['int8_speedup_vs_fbgemm_tbe_on_huge_pages']:.2f}x (on huge pages as ours; "
+              f"{r['packed_tables_on_huge_pages']:.0%} of the packed bytes are); max |error| vs dequantized reference "
               f"{r['max_abs_error_vs_dequantized_reference']}")
     memory = result["speed_bag1"]
     print("memory: " + ", ".join(f"{q} {b / 2**20:.1f} MiB ({memory['bytes_ratio_to_fp32'][q]:.3f} of fp32)"

@@ -25,9 +25,8 @@ from runtime.embedding import (
 from runtime import embedding_native as native
 from runtime.kernels import get_kernel, native_supports, register_kernel, require
 # The packed format is hkv's (hkv/rowwise.py): hkv tables store rows in it too, and hkv sits below the runtime.
-from hkv.rowwise import (  # noqa: F401
-    LEVELS, QDTYPES, SCALE_BIAS, dequantize_rows, packed_width, quantize_rows, scale_bias,
-)
+from hkv import rowwise
+from hkv.rowwise import LEVELS, QDTYPES, SCALE_BIAS, dequantize_rows, packed_width, scale_bias  # noqa: F401
 
 OP = "grouped_embedding_bag_quantized"
 
@@ -43,6 +42,36 @@ def unpacked_dim(packed: Tensor, qdtype: str, name: str = "table") -> int:
     if codes <= 0:
         raise ValueError(f"{where}: {packed.shape[1]} bytes per row leave no codes for {qdtype}")
     return codes if qdtype == "int8" else 2 * codes
+
+
+def quantize_rows(weight: Tensor, qdtype: str, where: str = "recompile.quantize") -> Tensor:
+    """hkv.rowwise's ``quantize_rows`` (FBGEMM's bytes exactly) into storage on huge pages (``on_huge_pages``): the
+    packed tables a lookup reads at random."""
+    return on_huge_pages(rowwise.quantize_rows(weight, qdtype, where, out=row_storage))
+
+
+HUGE_PAGE = 2 << 20
+
+
+def row_storage(rows: int, width: int) -> Tensor:
+    """An uninitialised uint8 [rows, width] for a packed table; one of at least a huge page starts on a 2 MiB
+    boundary and its storage runs to the end of its last 2 MiB page (up to two huge pages longer than its bytes), so
+    that ``on_huge_pages`` can put it all there."""
+    nbytes = rows * width
+    if nbytes < HUGE_PAGE:
+        return torch.empty(rows, width, dtype=torch.uint8)
+    buffer = torch.empty(-(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE, dtype=torch.uint8)
+    start = -buffer.data_ptr() % HUGE_PAGE
+    return buffer[start:start + nbytes].view(rows, width)
+
+
+def on_huge_pages(table: Tensor) -> Tensor:
+    """``table`` with its whole 2 MiB pages moved onto transparent huge pages where the machine has them
+    (``recompile_native.advise_huge_pages``): the lookup reads rows at random, and on 4 KiB pages nearly every row
+    costs a TLB miss (int8 at batch 2048, 26 tables of 100k rows, one id per bag: 1.6-1.7x faster, under load)."""
+    if table.nbytes >= HUGE_PAGE and native.available():
+        torch.ops.recompile_native.advise_huge_pages(table)
+    return table
 
 
 def _standins(weights: Sequence[Tensor], qdtype: str, names: Sequence[str]) -> list[Tensor]:

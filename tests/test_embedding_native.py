@@ -203,3 +203,34 @@ def test_strided_output_gradient_read_in_place(layout):
         args = (grad, weights, features, psws, pooling, pads, layout, [False, True, False], [True] * 3)
         for g, w in zip(embedding_native.backward(*args), table_gradients(*args)):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # one patch for all
+@given(sparse=st.lists(st.booleans(), min_size=3, max_size=3), impl=st.sampled_from(["native", "reference"]),
+       bounds_check=st.sampled_from(["fatal", "ignore"]), **GROUPS)
+def test_autograd_runs_in_cpp(monkeypatch, sparse, impl, bounds_check, **group):
+    """On the CPU the op's autograd is the C++ kernel (runtime/csrc/ops.cpp), whatever the kernel: with the Python
+    formula made to raise, eager forward and backward give the reference's table gradients (dense, or sparse COO
+    where ``sparse``) and per-sample weight gradients, an empty weight tensor its empty gradient."""
+    from runtime import embedding
+
+    def python_formula(*_, **__):
+        raise AssertionError("the Python autograd formula ran")
+
+    monkeypatch.setattr(embedding.grouped_embedding_bag, "_backward_fn", python_formula)
+    monkeypatch.setattr(embedding.grouped_embedding_bag, "_setup_context_fn", python_formula)
+    weights, features, psws, pooling, pads, layout, grad = _group(**group)
+    num = len(weights)
+    tables = [w.clone().requires_grad_() for w in weights]
+    given_psws = [(torch.empty(0) if p is None else p.clone()).requires_grad_() for p in psws]
+    out = torch.ops.recompile.grouped_embedding_bag(
+        tables, [f.ids for f in features], [f.offsets for f in features], given_psws, pooling, pads, [False] * num,
+        sparse[:num], layout, ",".join(f"f{t}" for t in range(num)), bounds_check, impl)
+    got = torch.autograd.grad(out, tables + given_psws, grad)
+    want = table_gradients(grad, weights, features, psws, pooling, pads, layout, [False] * num,
+                           [p is not None for p in psws])
+    for t in range(num):
+        assert got[t].is_sparse == sparse[t]
+        torch.testing.assert_close(got[t].to_dense(), want[t], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[num + t], want[num + t] if psws[t] is not None else torch.zeros(0))

@@ -256,3 +256,19 @@ def test_native_kernel_on_every_instruction_set_and_streamed_output(qdtype):
     for isa in available_isas():
         with use_isa(isa):
             torch.testing.assert_close(QOP(*args, "native"), expected, rtol=1e-5, atol=1e-5, msg=isa)
+
+
+@pytest.mark.parametrize("qdtype", ["int8", "int4"])
+def test_large_tables_start_on_a_huge_page_with_fbgemm_bytes(qdtype):
+    """A packed table of at least 2 MiB starts on a 2 MiB boundary, its storage covers its last 2 MiB page (so all of
+    it can be put on transparent huge pages), and its bytes are still FBGEMM's."""
+    from runtime.quantized import HUGE_PAGE
+
+    w = torch.randn(50_000 if qdtype == "int8" else 120_000, 64, generator=torch.Generator().manual_seed(2))
+    ours = quantize_rows(w, qdtype)
+    theirs = (torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized(w) if qdtype == "int8" else
+              torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(w, 4))
+    assert ours.nbytes >= HUGE_PAGE and ours.data_ptr() % HUGE_PAGE == 0 and ours.is_contiguous()
+    end = ours.untyped_storage().data_ptr() + ours.untyped_storage().nbytes()
+    assert end >= ours.data_ptr() + -(-ours.nbytes // HUGE_PAGE) * HUGE_PAGE
+    assert torch.equal(ours, theirs)

@@ -255,33 +255,44 @@ static inline __attribute__((always_inline)) void pool_bags(const table_t *t, in
     }
 }
 
-/* Pooled forward: out[b, OUT_AT + k] (row stride ``out_stride`` elements) = the pooled row of table t's bag b. */
-void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, void *out, int64_t out_stride, int64_t *err,
-                        int stream, int threads) {
+/* The pooled forwards' driver (this one's and quantized.h's): table t's offsets checked (bad ones mark ERR_OFFSETS),
+ * then ``pool(t, first, last, err + t)`` for each work item, a tile of TILE bags of one table, table-major: a
+ * table's rows stay in the caches while its bags are pooled (tile-major ordering reads all tables at once and is
+ * ~1.3x slower at batch 2048). ``out_bytes``: the output's size, streamed when ``stream``. */
+template <class Pool>
+static inline void forward_pooled(int64_t T, const int64_t *meta, int64_t B, void *out, size_t out_bytes,
+                                  int64_t *err, int stream, int threads, Pool pool) {
     memset(err, 0, T * sizeof *err);
-    if (stream) advise_huge(out, B * out_stride * ELEMENT_SIZE[table_of(meta).dt]);
-#pragma omp parallel num_threads(threads)
+    if (stream) advise_huge(out, out_bytes);
+#pragma omp parallel num_threads(threads) if (threads > 1) /* one thread: no team to start */
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             table_t tab = table_of(meta + t * META);
             if (!offsets_ok(&tab)) err[t] |= ERR_OFFSETS;
         }
-        /* Work items: (table, tile of TILE bags), table-major: a table's rows stay in the caches while its bags are
-         * pooled (tile-major ordering reads all tables at once and is ~1.3x slower at batch 2048). */
         int64_t tiles = (B + TILE - 1) / TILE;
 #pragma omp for schedule(dynamic, 1) /* a descheduled thread (a busy machine) holds up one work item only */
         for (int64_t w = 0; w < tiles * T; w++) {
             int64_t ti = w / tiles, first = w % tiles * TILE, last = first + TILE < B ? first + TILE : B;
             table_t t = table_of(meta + ti * META);
-            if (t.dt == F16) pool_bags(&t, first, last, out, out_stride, err + ti, stream, F16);
-            else if (t.dt == BF16) pool_bags(&t, first, last, out, out_stride, err + ti, stream, BF16);
-            else pool_bags(&t, first, last, out, out_stride, err + ti, stream, F32);
+            pool(&t, first, last, err + ti);
         }
 #if RECOMPILE_AVX512 || RECOMPILE_AVX2
         _mm_sfence(); /* the streamed rows are visible before the region ends */
 #endif
     }
+}
+
+/* Pooled forward: out[b, OUT_AT + k] (row stride ``out_stride`` elements) = the pooled row of table t's bag b. */
+void geb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, void *out, int64_t out_stride, int64_t *err,
+                        int stream, int threads) {
+    forward_pooled(T, meta, B, out, B * out_stride * ELEMENT_SIZE[table_of(meta).dt], err, stream, threads,
+                   [=](const table_t *t, int64_t first, int64_t last, int64_t *e) {
+                       if (t->dt == F16) pool_bags(t, first, last, out, out_stride, e, stream, F16);
+                       else if (t->dt == BF16) pool_bags(t, first, last, out, out_stride, e, stream, BF16);
+                       else pool_bags(t, first, last, out, out_stride, e, stream, F32);
+                   });
 }
 
 /* Unpooled forward ("sequence" layout): out[OUT_AT + j] = table t's row of id j. */

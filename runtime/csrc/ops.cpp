@@ -11,8 +11,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_sparse_coo_tensor_unsafe.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -597,41 +600,41 @@ constexpr int64_t IDS_I64 = 1, OFFS_I64 = 2, LAST_OFFSET = 4, DTYPE_SHIFT = 3, N
 bool grouped_embedding_bag_native(torch::jit::Stack *stack) {
     const auto a = torch::jit::last(*stack, 12);
     if (a[11].toStringRef() != "native") return false;
-    const std::vector<Tensor> weights = a[0].toTensorVector(), indices = a[1].toTensorVector(),
-                              psws = a[3].toTensorVector();
-    const auto offsets = a[2].toListRef();
-    const std::vector<int64_t> pooling = a[4].toIntVector(), padding = a[5].toIntVector();
-    const c10::List<bool> flags_last = a[6].toBoolList();
-    std::vector<bool> last(flags_last.begin(), flags_last.end());
+    /* the lists read in place (no vector of them per call) */
+    const auto weights = a[0].toListRef(), indices = a[1].toListRef(), offsets = a[2].toListRef(),
+               psws = a[3].toListRef(), pooling = a[4].toListRef(), padding = a[5].toListRef(), last = a[6].toListRef();
     const std::string &layout = a[8].toStringRef();
     const size_t n = weights.size();
     if (n == 0 || indices.size() != n || offsets.size() != n || psws.size() != n || pooling.size() != n ||
         padding.size() != n || last.size() != n)
         return false;
-    const at::ScalarType dtype = weights[0].scalar_type();
+    const Tensor &first = weights[0].toTensor();
+    const at::ScalarType dtype = first.scalar_type();
     const int64_t type_flags = (dtype == F32 ? 0 : dtype == F16 ? 1 : 2) << DTYPE_SHIFT;
     const bool sequence = layout == "sequence", stacked = layout == "stack";
     if (!sequence && !stacked && layout != "concat") return false;
     std::vector<int64_t> meta(META * n, 0);
     int64_t batch = -1, looked_up = 0, width = 0;
     for (size_t t = 0; t < n; t++) {
-        const Tensor &w = weights[t], &ids = indices[t], &psw = psws[t];
+        const Tensor &w = weights[t].toTensor(), &ids = indices[t].toTensor(), &psw = psws[t].toTensor();
+        const int64_t mode = pooling[t].toInt();
+        const bool with_last = last[t].toBool();
         if (!plain_cpu(w, {dtype}) || w.dim() != 2 || w.stride(1) != 1 || !plain_cpu(ids, {I64, I32}) ||
-            !ids.is_contiguous() || (layout != "concat" && w.size(1) != weights[0].size(1)))
+            !ids.is_contiguous() || (layout != "concat" && w.size(1) != first.size(1)))
             return false;
         int64_t *row = meta.data() + META * t, bags, flags = ids.scalar_type() == I64 ? IDS_I64 : 0;
         if (offsets[t].isNone()) {
             if (ids.dim() == 2) bags = ids.size(0), row[N_OFFS] = ids.size(1);
-            else if (ids.dim() == 1 && pooling[t] == NONE_POOLING) bags = ids.size(0), row[N_OFFS] = 1;
+            else if (ids.dim() == 1 && mode == NONE_POOLING) bags = ids.size(0), row[N_OFFS] = 1;
             else return false;
         } else {
-            const Tensor offs = offsets[t].toTensor();
+            const Tensor &offs = offsets[t].toTensor();
             if (!plain_cpu(offs, {I64, I32}) || ids.dim() != 1 || offs.dim() != 1 || !offs.is_contiguous() ||
-                (offs.numel() == 0 && (last[t] || ids.numel())))
+                (offs.numel() == 0 && (with_last || ids.numel())))
                 return false;
-            bags = offs.size(0) - last[t];
+            bags = offs.size(0) - with_last;
             row[OFFS] = reinterpret_cast<int64_t>(offs.data_ptr()), row[N_OFFS] = offs.size(0);
-            flags |= (offs.scalar_type() == I64 ? OFFS_I64 : 0) | (last[t] ? LAST_OFFSET : 0);
+            flags |= (offs.scalar_type() == I64 ? OFFS_I64 : 0) | (with_last ? LAST_OFFSET : 0);
         }
         if (batch >= 0 && bags != batch && !sequence) return false;
         batch = bags;
@@ -640,16 +643,16 @@ bool grouped_embedding_bag_native(torch::jit::Stack *stack) {
             row[PSW] = reinterpret_cast<int64_t>(psw.data_ptr());
         }
         row[W_PTR] = reinterpret_cast<int64_t>(w.data_ptr()), row[ROWS] = w.size(0), row[DIM] = w.size(1);
-        row[W_STRIDE] = w.stride(0), row[POOLING] = pooling[t], row[PAD] = padding[t];
+        row[W_STRIDE] = w.stride(0), row[POOLING] = mode, row[PAD] = padding[t].toInt();
         row[IDS] = reinterpret_cast<int64_t>(ids.data_ptr()), row[N_IDS] = ids.numel(), row[FLAGS] = flags | type_flags;
         row[OUT_AT] = sequence ? looked_up : stacked ? t * w.size(1) : width;
         looked_up += ids.numel(), width += w.size(1);
     }
     if (batch < 0) return false;
-    const int64_t dim = weights[0].size(1), rows = sequence ? looked_up : batch;
+    const int64_t dim = first.size(1), rows = sequence ? looked_up : batch;
     const int64_t stride = stacked ? n * dim : sequence ? dim : width;
-    Tensor out = stacked ? at::empty({rows, (int64_t)n, dim}, weights[0].options())
-                         : at::empty({rows, sequence ? dim : width}, weights[0].options());
+    Tensor out = stacked ? at::empty({rows, (int64_t)n, dim}, first.options())
+                         : at::empty({rows, sequence ? dim : width}, first.options());
     std::vector<int64_t> err(n, 0);
     const int nthreads = (int)std::max<int64_t>(1, std::min<int64_t>(threads(), looked_up / GRAIN));
     if (sequence)
@@ -666,6 +669,93 @@ template <bool (*native)(torch::jit::Stack *)>
 void below_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
     /* a dispatch mode (Python), functionalization or vmap in the keys: the Python implementation */
     if (keys.has_any(WRAPPED) || !native(stack)) op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+}
+
+/* recompile::grouped_embedding_bag's autograd in C++ (the AutogradCPU key: it comes before the Python formula that
+ * runtime/embedding.py registers for the Autograd alias, which stays for the fused op and other devices), so that a
+ * call runs no Python: without a gradient to record it goes below autograd (the native forward, else the op's
+ * Python implementation); with one, GroupedEmbeddingBag records a node whose backward calls
+ * recompile::grouped_embedding_bag_backward and builds the tables' and sample weights' gradients as
+ * runtime/embedding.py's _backward does. */
+enum GebArgument { WEIGHTS, INDICES, OFFSETS, PSWS, POOLING_ARG, PADDING_IDX, LAST_OFFSETS, SPARSE, LAYOUT, NAMES,
+                   BOUNDS_CHECK, IMPL, GEB_ARGS };
+/* The arguments the backward takes again, by their schema names. */
+constexpr std::pair<GebArgument, const char *> GEB_SAVED[] = {
+    {POOLING_ARG, "pooling"}, {PADDING_IDX, "padding_idx"}, {LAST_OFFSETS, "include_last_offset"}, {SPARSE, "sparse"},
+    {LAYOUT, "layout"}, {NAMES, "names"}, {BOUNDS_CHECK, "bounds_check"}, {IMPL, "impl"}};
+
+struct BelowAutograd {
+    const c10::OperatorHandle &op;
+    c10::DispatchKeySet keys;
+    torch::jit::Stack *stack;
+
+    void operator()() const {
+        at::AutoDispatchBelowADInplaceOrView guard;
+        below_autograd<&grouped_embedding_bag_native>(op, keys, stack);
+    }
+};
+
+bool requires_grad(const c10::IValue &tensors) {
+    const auto list = tensors.toListRef();
+    return std::any_of(list.begin(), list.end(), [](const c10::IValue &t) { return t.toTensor().requires_grad(); });
+}
+
+struct GroupedEmbeddingBag : torch::autograd::Function<GroupedEmbeddingBag> {
+    /* The differentiable inputs are the tables and the sample weights; the call itself is on ``below``'s stack. */
+    static Tensor forward(torch::autograd::AutogradContext *ctx, at::TensorList weights, at::TensorList psws,
+                          const BelowAutograd &below) {
+        const auto a = torch::jit::last(*below.stack, GEB_ARGS);
+        std::vector<Tensor> saved(weights.begin(), weights.end());
+        for (const Tensor &ids : a[INDICES].toTensorVector()) saved.push_back(ids);
+        for (const c10::IValue &offs : a[OFFSETS].toListRef()) saved.push_back(offs.isNone() ? Tensor() : offs.toTensor());
+        saved.insert(saved.end(), psws.begin(), psws.end());
+        ctx->save_for_backward(saved);
+        for (const auto &[i, name] : GEB_SAVED) ctx->saved_data[name] = a[i];
+        below();
+        return below.stack->back().toTensor();
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        const size_t n = saved.size() / 4;
+        const std::vector<Tensor> weights(saved.begin(), saved.begin() + n), indices(saved.begin() + n, saved.begin() + 2 * n),
+            psws(saved.begin() + 3 * n, saved.end());
+        c10::List<std::optional<Tensor>> offsets;
+        for (size_t t = 0; t < n; t++) offsets.push_back(saved[2 * n + t].defined() ? OptTensor(saved[2 * n + t]) : std::nullopt);
+        c10::List<bool> psw_grad;
+        for (size_t t = 0; t < n; t++) psw_grad.push_back(psws[t].sym_numel() != 0 && ctx->needs_input_grad(n + t));
+        auto &d = ctx->saved_data;
+        static const c10::OperatorHandle op =
+            c10::Dispatcher::singleton().findSchemaOrThrow("recompile::grouped_embedding_bag_backward", "");
+        torch::jit::Stack stack{grads[0], weights, indices, offsets, psws, d["pooling"], d["padding_idx"],
+                                d["include_last_offset"], d["sparse"], psw_grad, d["layout"], d["names"],
+                                d["bounds_check"], d["impl"]};
+        op.callBoxed(&stack);
+        const std::vector<Tensor> out = stack.back().toTensorVector();
+        const c10::List<bool> sparse = d["sparse"].toBoolList();
+        const bool fatal = d["bounds_check"].toStringRef() == "fatal";
+        torch::autograd::variable_list result(2 * n + 1);  // the tables', the sample weights', none for ``below``
+        for (size_t t = 0; t < n; t++) {
+            result[t] = out[t];
+            if (!sparse[t]) continue;
+            Tensor ids = indices[t].reshape(-1);  // the ids the forward looked up (bad ones read row 0 unless fatal)
+            if (!fatal) ids = ids.masked_fill(ids.lt(0).logical_or(ids.ge(weights[t].sym_size(0))), 0);
+            result[t] = at::_sparse_coo_tensor_unsafe_symint(ids.to(I64).unsqueeze(0), out[t], weights[t].sym_sizes());
+        }
+        for (size_t t = 0; t < n; t++)  // an empty tensor is "no weights", yet gets its (empty) gradient when asked
+            result[n + t] = psw_grad[t] ? out[n + t] : ctx->needs_input_grad(n + t) ? at::zeros_like(psws[t]) : Tensor();
+        return result;
+    }
+};
+
+void grouped_embedding_bag_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, GEB_ARGS);
+    const BelowAutograd below{op, keys, stack};
+    if (!at::GradMode::is_enabled() || !(requires_grad(a[WEIGHTS]) || requires_grad(a[PSWS]))) return below();
+    const std::vector<Tensor> weights = a[WEIGHTS].toTensorVector(), psws = a[PSWS].toTensorVector();
+    Tensor out = GroupedEmbeddingBag::apply(at::TensorList(weights), at::TensorList(psws), below);
+    stack->back() = std::move(out);
 }
 
 std::string isa() { return kernels().isa; }
@@ -748,6 +838,10 @@ TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&dot_interaction_backward_native>>());
     m.impl("sampled_softmax_loss",
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&sampled_softmax_native>>());
+}
+
+TORCH_LIBRARY_IMPL(recompile, AutogradCPU, m) {
+    m.impl("grouped_embedding_bag", torch::CppFunction::makeFromBoxedFunction<&grouped_embedding_bag_autograd>());
 }
 
 /* The instruction set ops take no tensor: they are registered for every key. */

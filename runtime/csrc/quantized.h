@@ -133,26 +133,9 @@ static inline __attribute__((always_inline)) void qpool_bags(const table_t *t, i
 /* out[b, OUT_AT:OUT_AT + D] (row stride ``out_stride`` floats) = the pooled row of table t's bag b. */
 void qeb_forward_pooled(int64_t T, const int64_t *meta, int64_t B, float *out, int64_t out_stride, int64_t *err,
                         int stream, int threads) {
-    memset(err, 0, T * sizeof *err);
-    if (stream) advise_huge(out, B * out_stride * sizeof *out);
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            table_t tab = table_of(meta + t * META);
-            if (!offsets_ok(&tab)) err[t] |= ERR_OFFSETS;
-        }
-        /* Work items (table, tile of bags), table-major as geb_forward_pooled. */
-        int64_t tiles = (B + TILE - 1) / TILE;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < tiles * T; w++) {
-            int64_t ti = w / tiles, first = w % tiles * TILE, last = first + TILE < B ? first + TILE : B;
-            table_t t = table_of(meta + ti * META);
-            if (t.dt == QINT4) qpool_bags(&t, first, last, out, out_stride, err + ti, stream, QINT4);
-            else qpool_bags(&t, first, last, out, out_stride, err + ti, stream, QINT8);
-        }
-#if RECOMPILE_AVX512 || RECOMPILE_AVX2
-        _mm_sfence(); /* the streamed rows are visible before the region ends */
-#endif
-    }
+    forward_pooled(T, meta, B, out, B * out_stride * sizeof *out, err, stream, threads,
+                   [=](const table_t *t, int64_t first, int64_t last, int64_t *e) {
+                       if (t->dt == QINT4) qpool_bags(t, first, last, out, out_stride, e, stream, QINT4);
+                       else qpool_bags(t, first, last, out, out_stride, e, stream, QINT8);
+                   });
 }
