@@ -86,7 +86,9 @@ MIN_ROUNDS, MAX_ROUNDS = 3, 50
 # when faster by more than this share: this machine's run-to-run noise is larger than what is won below it.
 MARGIN = 0.04
 INCUMBENTS = ("eager", "inductor-captured")
-CACHE_VERSION = 3
+CACHE_VERSION = 4
+# Size buckets a graph with symbolic sizes races in at most; a call in a further bucket runs the nearest one's choice.
+MAX_BUCKETS = 8
 # Ops whose results are random (matched on the op's base name: in-place ``_`` and ``_like`` forms stripped).
 RANDOM_OPS = frozenset({
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
@@ -161,6 +163,21 @@ def graph_key(gm: fx.GraphModule, target: str, training: bool) -> str:
     blob = json.dumps([CACHE_VERSION, torch.__version__, target, training, gm.code, inputs, conditions()],
                       default=str, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def bucket_key(key: str, size_bucket: int | None) -> str:
+    """The cache key of a graph's decision in one size bucket (None: a graph with static sizes has one)."""
+    return key if size_bucket is None else f"{key}-{size_bucket}"
+
+
+def cached_buckets(key: str) -> dict[int, Decision]:
+    """Every size bucket of graph ``key`` decided earlier, with its decision."""
+    decisions = {}
+    for path in cache_dir().glob(f"{key}-*.json"):
+        decision = load(path.stem)
+        if decision is not None and path.stem.rsplit("-", 1)[1].isdigit():
+            decisions[int(path.stem.rsplit("-", 1)[1])] = decision
+    return decisions
 
 
 def load(key: str) -> Decision | None:
@@ -596,11 +613,11 @@ class GraphChooser:
 
     def __init__(self, candidates: dict[str, Callable], oracle: Callable, decision: Decision, budget_s: float,
                  chosen: Callable | None = None, graphs: dict[str, Callable[[], fx.GraphModule]] | None = None,
-                 incumbents: Sequence[str] = INCUMBENTS, eager: Callable | None = None):
+                 incumbents: Sequence[str] = INCUMBENTS, eager: Callable | None = None, rec: Callable | None = None):
         self.candidates, self.oracle, self.decision, self.budget_s = candidates, oracle, decision, budget_s
         self.graphs, self.incumbents, self.eager, self.stored = graphs, incumbents, eager, False
         # Runs a call that fails, for its error: the rec ops name the table or op at fault.
-        self.rec = candidates.get("rec+eager")
+        self.rec = rec or candidates.get("rec+eager")
         self.run: Callable = self.first_call if chosen is None else self.checked(chosen)
 
     @torch._dynamo.disable
@@ -709,16 +726,72 @@ def settled(samples: dict[str, list[float]], choice: str, safe: str) -> bool:
     return sum(r > 1 + MARGIN for r in ratios) <= len(ratios) / 4
 
 
-def compiled_graph(chooser: GraphChooser) -> Callable:
-    """What Dynamo calls: the chooser's current ``run`` (the candidate once chosen), and the rec ops on error."""
+def size_slots(gm: fx.GraphModule) -> list[tuple[int, int | None]]:
+    """Where a call carries each of the graph's symbolic sizes: (input, dim) of a tensor input, or (input, None)
+    for a size Dynamo passes as an int; one place per symbol. Empty for a graph with static sizes."""
+    slots, seen = [], set()
+    for i, value in enumerate(input_metas(gm)):
+        if isinstance(value, torch.SymInt):
+            sizes = [(None, value)]
+        else:
+            sizes = list(enumerate(value.shape)) if isinstance(value, torch.Tensor) else []
+        for dim, size in sizes:
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            if expr is not None and expr.is_Symbol and expr not in seen:
+                seen.add(expr)
+                slots.append((i, dim))
+    return slots
 
-    def call(*args: Any) -> Any:
-        try:
-            return chooser.run(*args)
-        except Exception:
-            return chooser.rerun_for_error(args)
 
-    call.chooser = chooser  # for reports and tests
+def size_bucket(slots: Sequence[tuple[int, int | None]], args: Sequence[Any]) -> int:
+    """The call's size bucket: the power of two of the product of its symbolic sizes (the work it carries, to a
+    factor of two: batch 128 and 200 share one, 2048 has its own)."""
+    n = 1
+    for i, dim in slots:
+        n *= args[i] if dim is None else args[i].shape[dim]
+    return int(n).bit_length()
+
+
+class Buckets:
+    """The GraphChooser of each size bucket of a graph with symbolic sizes (Dynamo compiles a stream of batches
+    once with a dynamic batch): every bucket races the candidates compiled for the graph on its own first call
+    (``make``), so that a choice taken on small batches is not applied to large ones, and dispatches to its
+    choice afterwards. Past ``MAX_BUCKETS`` a bucket takes the nearest decided bucket's choice."""
+
+    def __init__(self, slots: Sequence[tuple[int, int | None]], first: int, chooser: GraphChooser,
+                 make: Callable[[int], GraphChooser]):
+        self.slots, self.make, self.choosers = tuple(slots), make, {first: chooser}
+
+    def __call__(self, args: Sequence[Any]) -> GraphChooser:
+        bucket = size_bucket(self.slots, args)
+        chooser = self.choosers.get(bucket)
+        if chooser is None:
+            if len(self.choosers) < MAX_BUCKETS:
+                chooser = self.make(bucket)
+            else:
+                chooser = self.choosers[min(self.choosers, key=lambda b: abs(b - bucket))]
+            self.choosers[bucket] = chooser
+        return chooser
+
+
+def compiled_graph(chooser: GraphChooser, buckets: Buckets | None = None) -> Callable:
+    """What Dynamo calls: the chooser's current ``run`` (the candidate once chosen), and the rec ops on error;
+    with ``buckets`` (a graph with symbolic sizes), the chooser of the call's size bucket."""
+    if buckets is None:
+        def call(*args: Any) -> Any:
+            try:
+                return chooser.run(*args)
+            except Exception:
+                return chooser.rerun_for_error(args)
+    else:
+        def call(*args: Any) -> Any:
+            bucket = buckets(args)
+            try:
+                return bucket.run(*args)
+            except Exception:
+                return bucket.rerun_for_error(args)
+
+    call.chooser, call.buckets = chooser, buckets  # for reports and tests
     return call
 
 
@@ -882,14 +955,17 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
 
 def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Sequence[Any], ctx,
                  compile_inductor: Callable[[fx.GraphModule], Callable], random: bool) -> Callable:
-    """The cached decision (taken under these ``conditions``), or a GraphChooser over the candidates.
+    """The cached decision (taken under these ``conditions``), or a GraphChooser over the candidates; for a graph
+    with symbolic sizes, one per size bucket (``Buckets``), the first for the bucket of the compile's inputs.
 
     ``random``: the rewrite draws dropout masks from its lifted seeds, which the captured graph does not: the
     candidates are the rewrite's alone (eagerly and through Inductor, which is then the incumbent), with no
     ablations."""
     training = is_training(rewritten)
     key = graph_key(rewritten, ctx.target.name, training)
-    cached = load(key)
+    slots = size_slots(rewritten)
+    first = size_bucket(slots, concrete_inputs(inputs)) if slots else None
+    cached = load(bucket_key(key, first))
     graphs = candidate_graphs(original, rewritten, ctx, None if random else (cached.kernels if cached else {}),
                               captured=not random)
     builders = graph_builders(graphs, compile_inductor, training)
@@ -899,17 +975,43 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
     if cached is not None and cached.choice in builders:
         apply_regions(rewritten, cached.kernels)
         ctx.tuning = cached.to_dict()
-        rec = {"rec+eager": rewritten.forward} if "rec+eager" in graphs else {}
-        return compiled_graph(GraphChooser(rec, oracle, cached, 0.0, chosen=builders[cached.choice](), eager=eager))
-    decision = Decision("eager", mode="training" if training else "inference", key=key, conditions=conditions())
-    start = time.perf_counter()
-    with Sandbox(concrete_inputs(inputs)) as sandbox:
-        tune_regions(rewritten, sandbox, ctx.target, training, decision, start + BUDGET_S / 2)
-        if not random:
-            graphs = candidate_graphs(original, rewritten, ctx, decision.kernels)
-            builders = graph_builders(graphs, compile_inductor, training)
-        choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8)
-    ctx.tuning = decision.to_dict()
-    budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
-    return compiled_graph(GraphChooser(build(builders, decision), oracle, decision, budget, graphs=graphs,
-                                       incumbents=incumbents, eager=eager))
+        # The choices of the graph's other buckets decided earlier, and the candidates built without a compile.
+        names = {cached.choice}
+        if slots:
+            names |= {d.choice for d in cached_buckets(key).values()} | {"rec+eager", "eager"}
+        built = {name: builders[name]() for name in builders if name in names}
+        chooser = GraphChooser(built, oracle, cached, 0.0, chosen=built[cached.choice], eager=eager,
+                               rec=rewritten.forward if "rec+eager" in graphs else None)
+        budget = BUDGET_S / 2
+    else:
+        decision = Decision("eager", mode="training" if training else "inference", key=bucket_key(key, first),
+                            conditions=conditions())
+        start = time.perf_counter()
+        with Sandbox(concrete_inputs(inputs)) as sandbox:
+            tune_regions(rewritten, sandbox, ctx.target, training, decision, start + BUDGET_S / 2)
+            if not random:
+                graphs = candidate_graphs(original, rewritten, ctx, decision.kernels)
+                builders = graph_builders(graphs, compile_inductor, training)
+            choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8)
+        ctx.tuning = decision.to_dict()
+        budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
+        built = build(builders, decision)
+        cached = decision
+        chooser = GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager)
+    if not slots:
+        return compiled_graph(chooser)
+
+    def make(bucket: int) -> GraphChooser:
+        """The chooser of a size bucket first called now: its cached decision if what it chose is built, else a
+        race of the built candidates on this call."""
+        decision = load(bucket_key(key, bucket))
+        if decision is not None and decision.choice in built:
+            return GraphChooser(built, oracle, decision, 0.0, chosen=built[decision.choice], eager=eager,
+                                rec=chooser.rec)
+        decision = Decision("eager", mode=cached.mode, key=bucket_key(key, bucket), conditions=conditions(),
+                            kernels=dict(cached.kernels), compile_s=dict(cached.compile_s),
+                            rejected={k: v for k, v in cached.rejected.items() if v.startswith("not compiled")})
+        return GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager,
+                            rec=chooser.rec)
+
+    return compiled_graph(chooser, Buckets(slots, first, chooser, make))
