@@ -670,37 +670,75 @@ class GraphChooser:
         return self.checked(self.candidates[decision.choice])
 
     def checked(self, pick: Callable) -> Callable:
-        """``pick``, after its check in place (``check_call``) when it is an inference graph's choice other than
-        the captured graph run eagerly (``eager``; None where that is no candidate: random graphs, clamped ids)."""
-        if self.eager is None or self.decision.mode == "training" or self.decision.choice == "eager":
+        """``pick``, after its check in place (``check_call``) when it is a choice other than the captured graph run
+        eagerly (``eager``; None where that is no candidate: random graphs, clamped ids)."""
+        if self.eager is None or self.decision.choice == "eager":
             return pick
-        self.pick, self.check_s = pick, {self.decision.choice: [], "eager": []}
+        self.pick, self.check_s, self.check_calls, self.pending = pick, {self.decision.choice: [], "eager": []}, 0, []
         return self.check_call
 
     def check_call(self, *args: Any) -> Any:
         """One of the first real calls after a choice (raced or cached): the pick and the captured graph run
-        eagerly take turns, each timed as Dynamo calls it, on the caller's inputs (both are correct; an inference
-        call has no backward to time); after ``CHECK_CALLS`` of each, ``settle_check``."""
+        eagerly take turns on the caller's inputs (both are correct), each timed as Dynamo calls it, a training
+        call until its backward has computed the gradients of the call's inputs (``time_backward``); once each
+        has ``CHECK_CALLS`` times, or after ``4 * CHECK_CALLS`` calls (a backward that does not come), ``settle_check``."""
         choice, times = self.decision.choice, self.check_s
-        name = choice if len(times[choice]) <= len(times["eager"]) else "eager"
+        name = choice if self.check_calls % 2 == 0 else "eager"
+        self.check_calls += 1
         synchronize()
         start = time.perf_counter()
         out = (self.pick if name == choice else self.eager)(*args)
         synchronize()
-        times[name].append(time.perf_counter() - start)
-        if len(times["eager"]) == CHECK_CALLS:
-            self.run = self.settle_check()
+        forward_s = time.perf_counter() - start
+        if self.decision.mode != "training" or not self.time_backward(name, out, args, forward_s):
+            times[name].append(forward_s)
+        self.settle_when_checked()
         return out
+
+    def settle_when_checked(self) -> None:
+        if self.check_s and (min(map(len, self.check_s.values())) >= CHECK_CALLS or self.check_calls >= 4 * CHECK_CALLS):
+            self.run = self.settle_check()
+
+    def time_backward(self, name: str, out: Any, args: Sequence[Any], forward_s: float) -> bool:
+        """Add to ``check_s[name]`` the call's forward and, when the caller's backward runs, its part in it: from
+        the first gradient of the call's outputs to the last of its inputs' (autograd hooks, removed once they
+        fired or at ``settle_check``). False when the call has no backward."""
+        outs = [o for o in _outputs(out) if o.requires_grad]
+        ins = [a for a in _tensors(args) if a.requires_grad]
+        if not outs or not ins:
+            return False
+        began: list[float] = []
+
+        def begin(grad: torch.Tensor) -> None:
+            if not began:
+                synchronize()
+                began.append(time.perf_counter())
+
+        def end(grads: Sequence[Any]) -> None:
+            synchronize()
+            for handle in handles:
+                handle.remove()
+            if began and name in self.check_s:
+                self.check_s[name].append(forward_s + time.perf_counter() - began[0])
+                self.settle_when_checked()
+
+        handles = [o.register_hook(begin) for o in outs]
+        handles.append(torch.autograd.graph.register_multi_grad_hook(ins, end, mode="all"))
+        self.pending.extend(handles)
+        return True
 
     def settle_check(self) -> Callable:
         """The pick, unless the captured graph ran faster in place by more than ``MARGIN`` (round by round): then
         the captured graph, and the decision says why; a cached decision is dropped (raced again at the next
         compile), a fresh one stored as ``eager``."""
         decision, choice = self.decision, self.decision.choice
-        decision.timings_ms.update({f"in place:{name}": ms for name, ms in median_ms(self.check_s).items()})
-        if fastest(self.check_s, (choice,), MARGIN) == choice:
+        for handle in self.pending:  # a training call whose backward has not come
+            handle.remove()
+        samples, self.check_s = self.check_s, {}
+        decision.timings_ms.update({f"in place:{name}": ms for name, ms in median_ms(samples).items()})
+        if not all(samples.values()) or fastest(samples, (choice,), MARGIN) == choice:
             return self.pick
-        ms = median_ms(self.check_s)
+        ms = median_ms(samples)
         decision.rejected[choice] = f"slower in place than eager: {ms[choice]} ms against {ms['eager']} ms a call"
         decision.choice, decision.regions = "eager", {}
         if decision.cached:
@@ -898,12 +936,12 @@ def fastest_eagerly(graphs: dict[str, Callable[[], fx.GraphModule]], sandbox: Sa
 
 
 def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: dict, sandbox: Sandbox,
-                    decision: Decision, training: bool, budget_s: float) -> None:
+                    decision: Decision, training: bool, budget_s: float) -> str:
     """Leave in ``builders`` only the Inductor candidates that can win: Inductor compiles what the graphs share
     alike, so it compiles the graph that ran fastest eagerly (its regions are the fastest); inference graphs
     also compile the captured graph (the Inductor a user would otherwise get) unless its library calls alone
     (``inductor_floor_ms``) take longer than the fastest graph eagerly, and skip the fastest one where Inductor
-    has little to fuse around our ops (``inductor_can_win``)."""
+    has little to fuse around our ops (``inductor_can_win``). Returns the graph that ran fastest eagerly."""
     fastest = fastest_eagerly(graphs, sandbox, training, decision, budget_s) if len(graphs) > 1 else next(iter(graphs))
     keep = {inductor_of(fastest)}
     why = f"{fastest} ran fastest eagerly"
@@ -922,6 +960,45 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
     for name in {inductor_of(name) for name in graphs} - keep:
         del builders[name]
         decision.rejected.setdefault(name, f"not compiled: {why}")
+    return fastest
+
+
+def build_inference(builders: dict[str, Callable[[], Callable]], fastest: str, sandbox: Sandbox, decision: Decision,
+                    budget_s: float) -> dict[str, Callable]:
+    """The candidates of an inference graph, built, Inductor on the captured graph last and only when needed: where
+    Inductor on the graph that ran fastest eagerly runs ahead of that graph eagerly by more than ``MARGIN`` (timed
+    here, after its first call), Inductor on the captured graph, which differs from it only in regions that ran
+    slower eagerly, is not compiled (one Inductor compile, as plain Inductor's)."""
+    first = inductor_of(fastest)
+    deferred = first != "inductor-captured" and first in builders and "inductor-captured" in builders
+    captured = builders.pop("inductor-captured") if deferred else None
+    built = build(builders, decision)
+    if captured is None:
+        return built
+    if inductor_ahead(built[first], built[fastest], sandbox, decision, budget_s):
+        decision.rejected["inductor-captured"] = (f"not compiled: {first} ran ahead of {fastest} eagerly by more than "
+                                                  f"{MARGIN:.0%}")
+        return built
+    return {**built, **build({"inductor-captured": captured}, decision)}
+
+
+def inductor_ahead(compiled: Callable, eager: Callable, sandbox: Sandbox, decision: Decision, budget_s: float) -> bool:
+    """Whether ``compiled`` (an inference graph through Inductor) gives ``eager``'s results and runs faster than it by
+    more than ``MARGIN``, round by round, on the sandbox's inputs after a first untimed call of each."""
+    steps = {"eager": functools.partial(run_step, eager, sandbox.args, False),
+             "inductor": functools.partial(run_step, compiled, sandbox.args, False)}
+    try:
+        results = []
+        for step in steps.values():
+            results.append(step())
+            sandbox.restore()
+    except Exception:  # the race rejects it, with its error
+        return False
+    if matches(results[1], results[0]) is not None:
+        return False
+    samples = race(steps, budget_s, reset=sandbox.restore)
+    decision.timings_ms.update({f"before compiling inductor-captured:{name}": ms for name, ms in median_ms(samples).items()})
+    return fastest(samples, ("eager",), MARGIN) == "inductor"
 
 
 def build(builders: dict[str, Callable[[], Callable]], decision: Decision) -> dict[str, Callable]:
@@ -992,10 +1069,13 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
             if not random:
                 graphs = candidate_graphs(original, rewritten, ctx, decision.kernels)
                 builders = graph_builders(graphs, compile_inductor, training)
-            choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8)
+            fastest_graph = choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8)
+            budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
+            if training:
+                built = build(builders, decision)
+            else:
+                built = build_inference(builders, fastest_graph, sandbox, decision, BUDGET_S / 8)
         ctx.tuning = decision.to_dict()
-        budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
-        built = build(builders, decision)
         cached = decision
         chooser = GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager)
     if not slots:
