@@ -12,9 +12,9 @@ example inputs and within ``BUDGET_S`` seconds:
    ``inductor-captured`` (the Inductor a user would otherwise get), ``inductor-<pass>``. Inductor's compile
    is most of a cold compile, so only the Inductor graphs that can win are compiled (``choose_compiles``):
    the graphs differ only in their rec regions, so Inductor compiles the one whose regions ran fastest
-   eagerly (one compile for training graphs); inference graphs also compile the captured graph, and skip
-   the fastest one where Inductor has little to fuse around our ops (``inductor_can_win``). Without rec
-   regions the rewrite is the captured graph: one Inductor compile.
+   eagerly (one compile for training graphs); inference graphs also compile the captured graph unless Inductor
+   on the fastest one runs clearly ahead of it eagerly (``build_inference``), and skip the fastest one where
+   Inductor has little to fuse around our ops (``inductor_can_win``). Without rec regions: Inductor alone.
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
@@ -36,9 +36,14 @@ candidate, and Inductor with autotune off, draws the same masks; the captured gr
 candidate. A graph with other random ops, or that writes into an input requiring grad, is not raced: it runs
 through Inductor.
 
+A choice other than the captured graph is checked in place on the caller's first calls after it (alternating
+with the captured graph; a training call timed with its part of the caller's backward) and gives way when it loses
+there. A graph with symbolic sizes takes one decision per size bucket (``Buckets``): the first call in a new bucket
+races the candidates compiled for the graph on that call.
+
 The decision is cached on disk (``$RECOMPILE_CACHE_DIR`` or ``~/.cache/recompile``), keyed by the
 rewritten graph's code, the input shapes/dtypes, grad mode, target, torch version and the ``conditions`` it
-is measured under (CPU model and ISA flags, threads, whether the machine is busy); a cached decision is
+is measured under (CPU model and ISA flags, threads, whether the machine is busy), and the size bucket; a cached decision is
 applied without timing (and without compiling candidates it did not keep). It records the seconds each
 candidate took to build (``compile_s``).
 """
