@@ -1,10 +1,14 @@
 """Choices per size bucket: a graph Dynamo compiled with a dynamic batch races its compiled candidates again on the
 first call of each power-of-two size bucket (in the race's sandbox), caches each bucket's decision and dispatches
 by bucket afterwards, with no recompile; timings are injected (no timed test)."""
+import copy
+
 import pytest
 import torch
 
 from recompile import autotune
+from recompile import backend as rec_backend
+from tests import race_checks
 from tests.test_autotune_compiles import _cache, _decisions, inductor_graphs  # noqa: F401  (fixtures)
 from tests.test_interaction_autotune import Cross
 
@@ -116,3 +120,48 @@ def test_the_bucket_is_the_power_of_two_of_the_symbolic_sizes():
     assert autotune.size_bucket(slots, args) == (128 * 50).bit_length()
     args[0], args[1] = 200, torch.empty(200, 50)
     assert autotune.size_bucket(slots, args) == (128 * 50).bit_length() + 1
+
+
+class BatchNormCross(Cross):
+    """A cross layer (a rec region, so the graph is raced) after a BatchNorm that updates its statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(16)
+
+    def forward(self, x0):
+        return super().forward(self.bn(x0))
+
+
+def test_a_race_in_a_new_bucket_is_invisible(_cache, monkeypatch):
+    """A training stream whose batches land in new buckets: each bucket's race runs in the sandbox, so the statistics
+    count one step per call, the gradients are eager's and the caller's random stream is where eager leaves it."""
+    race_checks.inductor_draws_its_own_numbers(monkeypatch)
+    monkeypatch.setattr(autotune, "BUDGET_S", 0.05)
+    monkeypatch.setattr(autotune, "MIN_ROUNDS", 1)
+    monkeypatch.setattr(autotune, "MAX_ROUNDS", 2)
+    torch.manual_seed(0)
+    model = BatchNormCross()
+    ref = copy.deepcopy(model)
+    returned = []
+
+    def backend(gm, example_inputs):
+        returned.append(rec_backend.rec_ascend(gm, example_inputs))
+        return returned[-1]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    for batch in (8, 9, 40, 12, 600):
+        x = torch.randn(batch, 16)
+        torch.manual_seed(batch)
+        compiled(x).pow(2).sum().backward()
+        after = torch.rand(1)
+        torch.manual_seed(batch)
+        ref(x).pow(2).sum().backward()
+        assert torch.equal(after, torch.rand(1)), f"batch {batch}: the race drew from the caller's random stream"
+    assert set(returned[-1].buckets.choosers) == {4, 6, 10}
+    assert model.bn.num_batches_tracked.item() == 5
+    for name, buffer in ref.named_buffers():
+        torch.testing.assert_close(dict(model.named_buffers())[name], buffer, rtol=1e-5, atol=1e-6, msg=name)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
