@@ -12,9 +12,9 @@ example inputs and within ``BUDGET_S`` seconds:
    ``inductor-captured`` (the Inductor a user would otherwise get), ``inductor-<pass>``. Inductor's compile
    is most of a cold compile, so only the Inductor graphs that can win are compiled (``choose_compiles``):
    the graphs differ only in their rec regions, so Inductor compiles the one whose regions ran fastest
-   eagerly (one compile for training graphs); inference graphs also compile the captured graph, and skip
-   the fastest one where Inductor has little to fuse around our ops (``inductor_can_win``). Without rec
-   regions the rewrite is the captured graph: one Inductor compile.
+   eagerly (one compile for training graphs); inference graphs also compile the captured graph unless Inductor
+   on the fastest one runs clearly ahead of it eagerly (``build_inference``), and skip the fastest one where
+   Inductor has little to fuse around our ops (``inductor_can_win``). Without rec regions: Inductor alone.
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
@@ -36,9 +36,14 @@ candidate, and Inductor with autotune off, draws the same masks; the captured gr
 candidate. A graph with other random ops, or that writes into an input requiring grad, is not raced: it runs
 through Inductor.
 
+A choice other than the captured graph is checked in place on the caller's first calls after it (alternating
+with the captured graph; a training call timed with its part of the caller's backward) and gives way when it loses
+there. A graph with symbolic sizes takes one decision per size bucket (``Buckets``): the first call in a new bucket
+races the candidates compiled for the graph on that call.
+
 The decision is cached on disk (``$RECOMPILE_CACHE_DIR`` or ``~/.cache/recompile``), keyed by the
 rewritten graph's code, the input shapes/dtypes, grad mode, target, torch version and the ``conditions`` it
-is measured under (CPU model and ISA flags, threads, whether the machine is busy); a cached decision is
+is measured under (CPU model and ISA flags, threads, whether the machine is busy), and the size bucket; a cached decision is
 applied without timing (and without compiling candidates it did not keep). It records the seconds each
 candidate took to build (``compile_s``).
 """
@@ -86,7 +91,9 @@ MIN_ROUNDS, MAX_ROUNDS = 3, 50
 # when faster by more than this share: this machine's run-to-run noise is larger than what is won below it.
 MARGIN = 0.04
 INCUMBENTS = ("eager", "inductor-captured")
-CACHE_VERSION = 3
+CACHE_VERSION = 4
+# Size buckets a graph with symbolic sizes races in at most; a call in a further bucket runs the nearest one's choice.
+MAX_BUCKETS = 8
 # Ops whose results are random (matched on the op's base name: in-place ``_`` and ``_like`` forms stripped).
 RANDOM_OPS = frozenset({
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
@@ -161,6 +168,21 @@ def graph_key(gm: fx.GraphModule, target: str, training: bool) -> str:
     blob = json.dumps([CACHE_VERSION, torch.__version__, target, training, gm.code, inputs, conditions()],
                       default=str, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def bucket_key(key: str, size_bucket: int | None) -> str:
+    """The cache key of a graph's decision in one size bucket (None: a graph with static sizes has one)."""
+    return key if size_bucket is None else f"{key}-{size_bucket}"
+
+
+def cached_buckets(key: str) -> dict[int, Decision]:
+    """Every size bucket of graph ``key`` decided earlier, with its decision."""
+    decisions = {}
+    for path in cache_dir().glob(f"{key}-*.json"):
+        decision = load(path.stem)
+        if decision is not None and path.stem.rsplit("-", 1)[1].isdigit():
+            decisions[int(path.stem.rsplit("-", 1)[1])] = decision
+    return decisions
 
 
 def load(key: str) -> Decision | None:
@@ -596,11 +618,11 @@ class GraphChooser:
 
     def __init__(self, candidates: dict[str, Callable], oracle: Callable, decision: Decision, budget_s: float,
                  chosen: Callable | None = None, graphs: dict[str, Callable[[], fx.GraphModule]] | None = None,
-                 incumbents: Sequence[str] = INCUMBENTS, eager: Callable | None = None):
+                 incumbents: Sequence[str] = INCUMBENTS, eager: Callable | None = None, rec: Callable | None = None):
         self.candidates, self.oracle, self.decision, self.budget_s = candidates, oracle, decision, budget_s
         self.graphs, self.incumbents, self.eager, self.stored = graphs, incumbents, eager, False
         # Runs a call that fails, for its error: the rec ops name the table or op at fault.
-        self.rec = candidates.get("rec+eager")
+        self.rec = rec or candidates.get("rec+eager")
         self.run: Callable = self.first_call if chosen is None else self.checked(chosen)
 
     @torch._dynamo.disable
@@ -653,37 +675,75 @@ class GraphChooser:
         return self.checked(self.candidates[decision.choice])
 
     def checked(self, pick: Callable) -> Callable:
-        """``pick``, after its check in place (``check_call``) when it is an inference graph's choice other than
-        the captured graph run eagerly (``eager``; None where that is no candidate: random graphs, clamped ids)."""
-        if self.eager is None or self.decision.mode == "training" or self.decision.choice == "eager":
+        """``pick``, after its check in place (``check_call``) when it is a choice other than the captured graph run
+        eagerly (``eager``; None where that is no candidate: random graphs, clamped ids)."""
+        if self.eager is None or self.decision.choice == "eager":
             return pick
-        self.pick, self.check_s = pick, {self.decision.choice: [], "eager": []}
+        self.pick, self.check_s, self.check_calls, self.pending = pick, {self.decision.choice: [], "eager": []}, 0, []
         return self.check_call
 
     def check_call(self, *args: Any) -> Any:
         """One of the first real calls after a choice (raced or cached): the pick and the captured graph run
-        eagerly take turns, each timed as Dynamo calls it, on the caller's inputs (both are correct; an inference
-        call has no backward to time); after ``CHECK_CALLS`` of each, ``settle_check``."""
+        eagerly take turns on the caller's inputs (both are correct), each timed as Dynamo calls it, a training
+        call until its backward has computed the gradients of the call's inputs (``time_backward``); once each
+        has ``CHECK_CALLS`` times, or after ``4 * CHECK_CALLS`` calls (a backward that does not come), ``settle_check``."""
         choice, times = self.decision.choice, self.check_s
-        name = choice if len(times[choice]) <= len(times["eager"]) else "eager"
+        name = choice if self.check_calls % 2 == 0 else "eager"
+        self.check_calls += 1
         synchronize()
         start = time.perf_counter()
         out = (self.pick if name == choice else self.eager)(*args)
         synchronize()
-        times[name].append(time.perf_counter() - start)
-        if len(times["eager"]) == CHECK_CALLS:
-            self.run = self.settle_check()
+        forward_s = time.perf_counter() - start
+        if self.decision.mode != "training" or not self.time_backward(name, out, args, forward_s):
+            times[name].append(forward_s)
+        self.settle_when_checked()
         return out
+
+    def settle_when_checked(self) -> None:
+        if self.check_s and (min(map(len, self.check_s.values())) >= CHECK_CALLS or self.check_calls >= 4 * CHECK_CALLS):
+            self.run = self.settle_check()
+
+    def time_backward(self, name: str, out: Any, args: Sequence[Any], forward_s: float) -> bool:
+        """Add to ``check_s[name]`` the call's forward and, when the caller's backward runs, its part in it: from
+        the first gradient of the call's outputs to the last of its inputs' (autograd hooks, removed once they
+        fired or at ``settle_check``). False when the call has no backward."""
+        outs = [o for o in _outputs(out) if o.requires_grad]
+        ins = [a for a in _tensors(args) if a.requires_grad]
+        if not outs or not ins:
+            return False
+        began: list[float] = []
+
+        def begin(grad: torch.Tensor) -> None:
+            if not began:
+                synchronize()
+                began.append(time.perf_counter())
+
+        def end(grads: Sequence[Any]) -> None:
+            synchronize()
+            for handle in handles:
+                handle.remove()
+            if began and name in self.check_s:
+                self.check_s[name].append(forward_s + time.perf_counter() - began[0])
+                self.settle_when_checked()
+
+        handles = [o.register_hook(begin) for o in outs]
+        handles.append(torch.autograd.graph.register_multi_grad_hook(ins, end, mode="all"))
+        self.pending.extend(handles)
+        return True
 
     def settle_check(self) -> Callable:
         """The pick, unless the captured graph ran faster in place by more than ``MARGIN`` (round by round): then
         the captured graph, and the decision says why; a cached decision is dropped (raced again at the next
         compile), a fresh one stored as ``eager``."""
         decision, choice = self.decision, self.decision.choice
-        decision.timings_ms.update({f"in place:{name}": ms for name, ms in median_ms(self.check_s).items()})
-        if fastest(self.check_s, (choice,), MARGIN) == choice:
+        for handle in self.pending:  # a training call whose backward has not come
+            handle.remove()
+        samples, self.check_s = self.check_s, {}
+        decision.timings_ms.update({f"in place:{name}": ms for name, ms in median_ms(samples).items()})
+        if not all(samples.values()) or fastest(samples, (choice,), MARGIN) == choice:
             return self.pick
-        ms = median_ms(self.check_s)
+        ms = median_ms(samples)
         decision.rejected[choice] = f"slower in place than eager: {ms[choice]} ms against {ms['eager']} ms a call"
         decision.choice, decision.regions = "eager", {}
         if decision.cached:
@@ -709,16 +769,72 @@ def settled(samples: dict[str, list[float]], choice: str, safe: str) -> bool:
     return sum(r > 1 + MARGIN for r in ratios) <= len(ratios) / 4
 
 
-def compiled_graph(chooser: GraphChooser) -> Callable:
-    """What Dynamo calls: the chooser's current ``run`` (the candidate once chosen), and the rec ops on error."""
+def size_slots(gm: fx.GraphModule) -> list[tuple[int, int | None]]:
+    """Where a call carries each of the graph's symbolic sizes: (input, dim) of a tensor input, or (input, None)
+    for a size Dynamo passes as an int; one place per symbol. Empty for a graph with static sizes."""
+    slots, seen = [], set()
+    for i, value in enumerate(input_metas(gm)):
+        if isinstance(value, torch.SymInt):
+            sizes = [(None, value)]
+        else:
+            sizes = list(enumerate(value.shape)) if isinstance(value, torch.Tensor) else []
+        for dim, size in sizes:
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            if expr is not None and expr.is_Symbol and expr not in seen:
+                seen.add(expr)
+                slots.append((i, dim))
+    return slots
 
-    def call(*args: Any) -> Any:
-        try:
-            return chooser.run(*args)
-        except Exception:
-            return chooser.rerun_for_error(args)
 
-    call.chooser = chooser  # for reports and tests
+def size_bucket(slots: Sequence[tuple[int, int | None]], args: Sequence[Any]) -> int:
+    """The call's size bucket: the power of two of the product of its symbolic sizes (the work it carries, to a
+    factor of two: batch 128 and 200 share one, 2048 has its own)."""
+    n = 1
+    for i, dim in slots:
+        n *= args[i] if dim is None else args[i].shape[dim]
+    return int(n).bit_length()
+
+
+class Buckets:
+    """The GraphChooser of each size bucket of a graph with symbolic sizes (Dynamo compiles a stream of batches
+    once with a dynamic batch): every bucket races the candidates compiled for the graph on its own first call
+    (``make``), so that a choice taken on small batches is not applied to large ones, and dispatches to its
+    choice afterwards. Past ``MAX_BUCKETS`` a bucket takes the nearest decided bucket's choice."""
+
+    def __init__(self, slots: Sequence[tuple[int, int | None]], first: int, chooser: GraphChooser,
+                 make: Callable[[int], GraphChooser]):
+        self.slots, self.make, self.choosers = tuple(slots), make, {first: chooser}
+
+    def __call__(self, args: Sequence[Any]) -> GraphChooser:
+        bucket = size_bucket(self.slots, args)
+        chooser = self.choosers.get(bucket)
+        if chooser is None:
+            if len(self.choosers) < MAX_BUCKETS:
+                chooser = self.make(bucket)
+            else:
+                chooser = self.choosers[min(self.choosers, key=lambda b: abs(b - bucket))]
+            self.choosers[bucket] = chooser
+        return chooser
+
+
+def compiled_graph(chooser: GraphChooser, buckets: Buckets | None = None) -> Callable:
+    """What Dynamo calls: the chooser's current ``run`` (the candidate once chosen), and the rec ops on error;
+    with ``buckets`` (a graph with symbolic sizes), the chooser of the call's size bucket."""
+    if buckets is None:
+        def call(*args: Any) -> Any:
+            try:
+                return chooser.run(*args)
+            except Exception:
+                return chooser.rerun_for_error(args)
+    else:
+        def call(*args: Any) -> Any:
+            bucket = buckets(args)
+            try:
+                return bucket.run(*args)
+            except Exception:
+                return bucket.rerun_for_error(args)
+
+    call.chooser, call.buckets = chooser, buckets  # for reports and tests
     return call
 
 
@@ -825,12 +941,12 @@ def fastest_eagerly(graphs: dict[str, Callable[[], fx.GraphModule]], sandbox: Sa
 
 
 def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: dict, sandbox: Sandbox,
-                    decision: Decision, training: bool, budget_s: float) -> None:
+                    decision: Decision, training: bool, budget_s: float) -> str:
     """Leave in ``builders`` only the Inductor candidates that can win: Inductor compiles what the graphs share
     alike, so it compiles the graph that ran fastest eagerly (its regions are the fastest); inference graphs
     also compile the captured graph (the Inductor a user would otherwise get) unless its library calls alone
     (``inductor_floor_ms``) take longer than the fastest graph eagerly, and skip the fastest one where Inductor
-    has little to fuse around our ops (``inductor_can_win``)."""
+    has little to fuse around our ops (``inductor_can_win``). Returns the graph that ran fastest eagerly."""
     fastest = fastest_eagerly(graphs, sandbox, training, decision, budget_s) if len(graphs) > 1 else next(iter(graphs))
     keep = {inductor_of(fastest)}
     why = f"{fastest} ran fastest eagerly"
@@ -849,6 +965,45 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
     for name in {inductor_of(name) for name in graphs} - keep:
         del builders[name]
         decision.rejected.setdefault(name, f"not compiled: {why}")
+    return fastest
+
+
+def build_inference(builders: dict[str, Callable[[], Callable]], fastest: str, sandbox: Sandbox, decision: Decision,
+                    budget_s: float) -> dict[str, Callable]:
+    """The candidates of an inference graph, built, Inductor on the captured graph last and only when needed: where
+    Inductor on the graph that ran fastest eagerly runs ahead of that graph eagerly by more than ``MARGIN`` (timed
+    here, after its first call), Inductor on the captured graph, which differs from it only in regions that ran
+    slower eagerly, is not compiled (one Inductor compile, as plain Inductor's)."""
+    first = inductor_of(fastest)
+    deferred = first != "inductor-captured" and first in builders and "inductor-captured" in builders
+    captured = builders.pop("inductor-captured") if deferred else None
+    built = build(builders, decision)
+    if captured is None:
+        return built
+    if inductor_ahead(built[first], built[fastest], sandbox, decision, budget_s):
+        decision.rejected["inductor-captured"] = (f"not compiled: {first} ran ahead of {fastest} eagerly by more than "
+                                                  f"{MARGIN:.0%}")
+        return built
+    return {**built, **build({"inductor-captured": captured}, decision)}
+
+
+def inductor_ahead(compiled: Callable, eager: Callable, sandbox: Sandbox, decision: Decision, budget_s: float) -> bool:
+    """Whether ``compiled`` (an inference graph through Inductor) gives ``eager``'s results and runs faster than it by
+    more than ``MARGIN``, round by round, on the sandbox's inputs after a first untimed call of each."""
+    steps = {"eager": functools.partial(run_step, eager, sandbox.args, False),
+             "inductor": functools.partial(run_step, compiled, sandbox.args, False)}
+    try:
+        results = []
+        for step in steps.values():
+            results.append(step())
+            sandbox.restore()
+    except Exception:  # the race rejects it, with its error
+        return False
+    if matches(results[1], results[0]) is not None:
+        return False
+    samples = race(steps, budget_s, reset=sandbox.restore)
+    decision.timings_ms.update({f"before compiling inductor-captured:{name}": ms for name, ms in median_ms(samples).items()})
+    return fastest(samples, ("eager",), MARGIN) == "inductor"
 
 
 def build(builders: dict[str, Callable[[], Callable]], decision: Decision) -> dict[str, Callable]:
@@ -882,14 +1037,17 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
 
 def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Sequence[Any], ctx,
                  compile_inductor: Callable[[fx.GraphModule], Callable], random: bool) -> Callable:
-    """The cached decision (taken under these ``conditions``), or a GraphChooser over the candidates.
+    """The cached decision (taken under these ``conditions``), or a GraphChooser over the candidates; for a graph
+    with symbolic sizes, one per size bucket (``Buckets``), the first for the bucket of the compile's inputs.
 
     ``random``: the rewrite draws dropout masks from its lifted seeds, which the captured graph does not: the
     candidates are the rewrite's alone (eagerly and through Inductor, which is then the incumbent), with no
     ablations."""
     training = is_training(rewritten)
     key = graph_key(rewritten, ctx.target.name, training)
-    cached = load(key)
+    slots = size_slots(rewritten)
+    first = size_bucket(slots, concrete_inputs(inputs)) if slots else None
+    cached = load(bucket_key(key, first))
     graphs = candidate_graphs(original, rewritten, ctx, None if random else (cached.kernels if cached else {}),
                               captured=not random)
     builders = graph_builders(graphs, compile_inductor, training)
@@ -899,17 +1057,46 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
     if cached is not None and cached.choice in builders:
         apply_regions(rewritten, cached.kernels)
         ctx.tuning = cached.to_dict()
-        rec = {"rec+eager": rewritten.forward} if "rec+eager" in graphs else {}
-        return compiled_graph(GraphChooser(rec, oracle, cached, 0.0, chosen=builders[cached.choice](), eager=eager))
-    decision = Decision("eager", mode="training" if training else "inference", key=key, conditions=conditions())
-    start = time.perf_counter()
-    with Sandbox(concrete_inputs(inputs)) as sandbox:
-        tune_regions(rewritten, sandbox, ctx.target, training, decision, start + BUDGET_S / 2)
-        if not random:
-            graphs = candidate_graphs(original, rewritten, ctx, decision.kernels)
-            builders = graph_builders(graphs, compile_inductor, training)
-        choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8)
-    ctx.tuning = decision.to_dict()
-    budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
-    return compiled_graph(GraphChooser(build(builders, decision), oracle, decision, budget, graphs=graphs,
-                                       incumbents=incumbents, eager=eager))
+        # The choices of the graph's other buckets decided earlier, and the candidates built without a compile.
+        names = {cached.choice}
+        if slots:
+            names |= {d.choice for d in cached_buckets(key).values()} | {"rec+eager", "eager"}
+        built = {name: builders[name]() for name in builders if name in names}
+        chooser = GraphChooser(built, oracle, cached, 0.0, chosen=built[cached.choice], eager=eager,
+                               rec=rewritten.forward if "rec+eager" in graphs else None)
+        budget = BUDGET_S / 2
+    else:
+        decision = Decision("eager", mode="training" if training else "inference", key=bucket_key(key, first),
+                            conditions=conditions())
+        start = time.perf_counter()
+        with Sandbox(concrete_inputs(inputs)) as sandbox:
+            tune_regions(rewritten, sandbox, ctx.target, training, decision, start + BUDGET_S / 2)
+            if not random:
+                graphs = candidate_graphs(original, rewritten, ctx, decision.kernels)
+                builders = graph_builders(graphs, compile_inductor, training)
+            fastest_graph = choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8)
+            budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
+            if training:
+                built = build(builders, decision)
+            else:
+                built = build_inference(builders, fastest_graph, sandbox, decision, BUDGET_S / 8)
+        ctx.tuning = decision.to_dict()
+        cached = decision
+        chooser = GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager)
+    if not slots:
+        return compiled_graph(chooser)
+
+    def make(bucket: int) -> GraphChooser:
+        """The chooser of a size bucket first called now: its cached decision if what it chose is built, else a
+        race of the built candidates on this call."""
+        decision = load(bucket_key(key, bucket))
+        if decision is not None and decision.choice in built:
+            return GraphChooser(built, oracle, decision, 0.0, chosen=built[decision.choice], eager=eager,
+                                rec=chooser.rec)
+        decision = Decision("eager", mode=cached.mode, key=bucket_key(key, bucket), conditions=conditions(),
+                            kernels=dict(cached.kernels), compile_s=dict(cached.compile_s),
+                            rejected={k: v for k, v in cached.rejected.items() if v.startswith("not compiled")})
+        return GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager,
+                            rec=chooser.rec)
+
+    return compiled_graph(chooser, Buckets(slots, first, chooser, make))

@@ -91,18 +91,37 @@ def test_training_compiles_inductor_once_on_the_graph_fastest_eagerly(_cache, in
     assert decision["rejected"][other] == f"not compiled: {fastest} ran fastest eagerly"
 
 
-@pytest.mark.parametrize("fastest, can_win, compiled", [
-    ("eager", True, {"inductor-captured"}),
-    ("rec+eager", True, {"inductor", "inductor-captured"}),
-    ("rec+eager", False, {"inductor-captured"}),
+@pytest.mark.parametrize("fastest, can_win, ahead, compiled", [
+    ("eager", True, False, {"inductor-captured"}),
+    ("rec+eager", True, False, {"inductor", "inductor-captured"}),
+    ("rec+eager", True, True, {"inductor"}),
+    ("rec+eager", False, False, {"inductor-captured"}),
 ])
-def test_inference_always_compiles_the_captured_graph(_cache, inductor_graphs, monkeypatch, fastest, can_win, compiled):
+def test_inference_compiles_the_captured_graph_unless_inductor_on_the_rewrite_runs_ahead(
+        _cache, inductor_graphs, monkeypatch, fastest, can_win, ahead, compiled):
+    """Inductor on the graph fastest eagerly is compiled first; on the captured graph only when the first is not
+    clearly ahead of running its graph eagerly (one Inductor compile where it is)."""
     monkeypatch.setattr(autotune, "fastest_eagerly", lambda *args: fastest)
     monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: can_win)
+    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda *args: 0.0)
+    monkeypatch.setattr(autotune, "inductor_ahead", lambda *args: ahead)
     _run(Cross(), torch.randn(8, 16), False)
     [decision] = _decisions(_cache)
     assert decision["compile_s"].keys() & {"inductor", "inductor-captured"} == compiled
     assert len(inductor_graphs) == len(compiled)
+    if ahead:
+        assert decision["rejected"]["inductor-captured"].startswith("not compiled: inductor ran ahead of rec+eager")
+
+
+def test_inductor_ahead_needs_equal_results_and_a_win_beyond_the_margin(monkeypatch):
+    sandbox = autotune.Sandbox([torch.randn(8)])
+    monkeypatch.setattr(autotune, "race", lambda steps, budget_s, **kwargs: {"eager": [1.0] * 3, "inductor": [0.5] * 3})
+    decision = autotune.Decision("eager")
+    assert autotune.inductor_ahead(lambda x: x * 2, lambda x: x * 2, sandbox, decision, 0.0)
+    assert decision.timings_ms["before compiling inductor-captured:inductor"] == 500.0
+    assert not autotune.inductor_ahead(lambda x: x * 3, lambda x: x * 2, sandbox, decision, 0.0)  # wrong
+    monkeypatch.setattr(autotune, "race", lambda steps, budget_s, **kwargs: {"eager": [1.0] * 3, "inductor": [0.98] * 3})
+    assert not autotune.inductor_ahead(lambda x: x * 2, lambda x: x * 2, sandbox, decision, 0.0)
 
 
 def test_fastest_eagerly_times_every_graph_and_returns_the_fastest():

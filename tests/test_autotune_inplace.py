@@ -1,6 +1,6 @@
-"""What the race keeps is checked where it runs: an inference choice against the captured graph run eagerly, on
-the first real calls after the choice (raced or cached), timed as Dynamo calls it; a choice that loses there gives
-way to the captured graph (a cached one is dropped, to be raced again). And Inductor does not compile the
+"""What the race keeps is checked where it runs: a choice against the captured graph run eagerly, on the first real
+calls after the choice (raced or cached), timed as Dynamo calls it (a training call with its part of the caller's
+backward); a choice that loses there gives way to the captured graph (a cached one is dropped, to be raced again). And Inductor does not compile the
 captured graph when its library calls alone take longer than the fastest graph eagerly."""
 import time
 
@@ -57,10 +57,68 @@ def test_a_choice_that_holds_in_place_is_then_called_directly(_cache):
     assert {"in place:inductor", "in place:eager"} <= set(chooser.decision.timings_ms)
 
 
-def test_training_and_eager_choices_are_not_checked_in_place(_cache):
-    for mode, choice in (("training", "inductor"), ("inference", "eager")):
-        decision = autotune.Decision(choice, mode=mode)
+def test_an_eager_choice_is_not_checked_in_place(_cache):
+    for mode in ("training", "inference"):
+        decision = autotune.Decision("eager", mode=mode)
         assert autotune.GraphChooser({}, _fast, decision, 0.0, chosen=_slow, eager=_fast).run is _slow
+
+
+class SlowBackward(torch.autograd.Function):
+    """x * 2, whose backward sleeps: a forward as fast as the other candidate's, a slower training step."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.004)
+        return grad * 2
+
+
+def _steps(chooser, n, backward=True):
+    """Training calls as a caller makes them: the graph's forward on a leaf, then the loss's backward."""
+    x = torch.randn(4, requires_grad=True)
+    for _ in range(n):
+        out = chooser.run(x)
+        torch.testing.assert_close(out, x.detach() * 2)
+        if backward:
+            (out * 3).sum().backward()
+    return x
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_training_choice_whose_backward_is_slower_in_place_gives_way(_cache, cached):
+    """The forwards take as long; the pick's backward, timed by autograd hooks in the caller's own steps, is slower."""
+    decision = autotune.Decision("inductor", mode="training", cached=cached, key="t" * 32)
+    autotune.store(decision)
+    chooser = autotune.GraphChooser({"inductor": SlowBackward.apply}, _fast, decision, 0.0, chosen=SlowBackward.apply,
+                                    eager=_fast)
+    chooser.stored = True
+    x = _steps(chooser, 2 * autotune.CHECK_CALLS)
+    assert chooser.run is _fast and chooser.decision.choice == "eager"
+    assert chooser.decision.timings_ms["in place:inductor"] > 4
+    assert chooser.decision.rejected["inductor"].startswith("slower in place than eager")
+    assert [d["choice"] for d in _decisions(_cache)] == ([] if cached else ["eager"])
+    assert not x._backward_hooks  # every hook removed
+
+
+def test_a_training_choice_that_holds_in_place_is_kept(_cache):
+    decision = autotune.Decision("inductor", mode="training", key="t" * 32)
+    chooser = autotune.GraphChooser({"inductor": _fast}, _fast, decision, 0.0, chosen=_fast, eager=SlowBackward.apply)
+    x = _steps(chooser, 2 * autotune.CHECK_CALLS)
+    assert chooser.run is _fast and chooser.decision.choice == "inductor"
+    assert chooser.decision.timings_ms["in place:eager"] > 4 > chooser.decision.timings_ms["in place:inductor"]
+    assert not x._backward_hooks
+
+
+def test_a_training_check_without_backward_keeps_the_pick_and_its_hooks_go(_cache):
+    """Calls under grad mode whose backward never comes: after 4 * CHECK_CALLS the pick stays, no hook is left."""
+    decision = autotune.Decision("inductor", mode="training", key="t" * 32)
+    chooser = autotune.GraphChooser({"inductor": _fast}, _fast, decision, 0.0, chosen=_fast, eager=SlowBackward.apply)
+    x = _steps(chooser, 4 * autotune.CHECK_CALLS, backward=False)
+    assert chooser.run is _fast and chooser.decision.choice == "inductor"
+    assert not x._backward_hooks
 
 
 def test_the_captured_graph_is_not_compiled_when_its_library_calls_cannot_win(_cache, inductor_graphs, monkeypatch):
