@@ -39,6 +39,31 @@ static inline vf vexp(vf x) {
 /* vload_<S>(p): VL floats from VL elements of float, _Float16 or bfloat16 storage (unaligned); vload_n_<S>(p, n):
    the first n of them (0 <= n <= VL), the rest zero, read through a zeroed buffer. vtranspose(r): r[k] <- column k
    of the VL x VL matrix whose rows are r[0..VL), in registers where the instruction set has the shuffles. */
+#if RECOMPILE_AVX512 || RECOMPILE_AVX2
+#if RECOMPILE_AVX512
+typedef __m512 vreg;
+#define VREG(op) _mm512_##op
+#else
+typedef __m256 vreg;
+#define VREG(op) _mm256_##op
+#endif
+/* Within each 128-bit lane: r[4j .. 4j + 4) <- the 4 x 4 transposes of their lanes (the first two stages of
+   vtranspose, the same shuffles at either width). */
+static inline void vtranspose_lanes(vreg *r) {
+    vreg t[VL];
+    for (int i = 0; i < VL; i += 2) {
+        t[i] = VREG(unpacklo_ps)(r[i], r[i + 1]);
+        t[i + 1] = VREG(unpackhi_ps)(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < VL; i += 4) {
+        r[i] = VREG(shuffle_ps)(t[i], t[i + 2], 0x44);
+        r[i + 1] = VREG(shuffle_ps)(t[i], t[i + 2], 0xEE);
+        r[i + 2] = VREG(shuffle_ps)(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = VREG(shuffle_ps)(t[i + 1], t[i + 3], 0xEE);
+    }
+}
+#undef VREG
+#endif
 #if RECOMPILE_AVX512
 static inline vf vload_f32(const float *p) { return (vf)_mm512_loadu_ps(p); }
 /* the maskz forms: GCC 12 warns of the plain forms' undefined pass-through operand */
@@ -49,18 +74,9 @@ static inline vf vload_bf16(const bf16_t *p) {
     const __m512i h = _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_loadu_si256((const __m256i *)p));
     return (vf)_mm512_maskz_slli_epi32(0xFFFF, h, 16);
 }
-static inline void vtranspose(vf r_[VL]) { /* 64 shuffles */
+static inline void vtranspose(vf r_[VL]) { /* 64 shuffles: the lanes', then 128-bit blocks across registers */
     __m512 *r = (__m512 *)r_, t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
+    vtranspose_lanes(r);
     for (int h = 0; h < 16; h += 8)
         for (int i = 0; i < 4; i++) {
             t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
@@ -77,21 +93,14 @@ static inline vf vload_f16(const _Float16 *p) { return (vf)_mm256_cvtph_ps(_mm_l
 static inline vf vload_bf16(const bf16_t *p) {
     return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
 }
-static inline void vtranspose(vf r_[VL]) { /* 24 shuffles */
-    __m256 *r = (__m256 *)r_, t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
+static inline void vtranspose(vf r_[VL]) { /* 24 shuffles: the lanes', then the halves across registers */
+    __m256 *r = (__m256 *)r_;
+    vtranspose_lanes(r);
     for (int i = 0; i < 4; i++) {
-        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+        const __m256 lo = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+        const __m256 hi = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+        r[i] = lo;
+        r[i + 4] = hi;
     }
 }
 #else
