@@ -39,8 +39,10 @@ def cross_epilogue(x0, x, h, bias, out=None, hb=None):
 
 
 # Width the inference cross stack pads its rows to: MKL's GEMM on [256, 333] x [333, 333] runs 10% slower
-# than on the padded [256, 336] x [336, 336] (64-byte rows of fp32), which does more work.
-ROW_ALIGN = 16
+# than on the padded [256, 336] x [336, 336] (64-byte rows of fp32), which does more work. Narrower rows are not
+# padded: there the copies in and out cost more than the GEMMs gain (TorchRec's DLRM_DCN, D = 40, rank 4: the
+# padded stack took twice eager's time at batch 1 and 128).
+ROW_ALIGN, PAD_MIN_WIDTH = 16, 256
 # Zero-padded copies of the weights an inference stack multiplies by, made once per weight and version.
 _padded = torch.utils.weak.WeakIdKeyDictionary()
 
@@ -81,10 +83,10 @@ def _cross_stack_padded(x0, x, weights, biases, downs, width):
 def cross_stack(x0, x, weights, biases, downs, save):
     """(x_L, saved) of ``runtime.interaction.cross_stack``: per layer the matmul (MKL, no bias: addmm would copy
     the bias into the output first), then bias, ``x0 *`` and ``+ x`` in one C pass. An inference call writes
-    x_{l+1} over h_l (no allocation), on rows padded to ``ROW_ALIGN`` elements (cached padded weights); a saving
-    one keeps h_l + b_l in h_l's buffer and x_{l+1} apart."""
+    x_{l+1} over h_l (no allocation), rows of ``PAD_MIN_WIDTH`` or more padded to ``ROW_ALIGN`` elements (cached
+    padded weights); a saving one keeps h_l + b_l in h_l's buffer and x_{l+1} apart."""
     width = -(-x0.shape[1] // ROW_ALIGN) * ROW_ALIGN
-    if not save and width != x0.shape[1]:
+    if not save and width != x0.shape[1] >= PAD_MIN_WIDTH:
         return _cross_stack_padded(x0, x, weights, biases, downs, width), []
     x0, x = x0.contiguous(), x.contiguous()
     hbs, inputs = [], []

@@ -1,5 +1,7 @@
 """recompile::cross_stack and cross_mixture: every kernel against the reference, forward and backward, and the
 pass finding the stacked and the mixture-of-experts cross layers as practitioners write them."""
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn as nn
@@ -65,14 +67,16 @@ def test_cross_stack_kernels_forward_and_backward(b, d, layers, rank, bias, impl
 @settings(max_examples=25, deadline=None)
 @given(b=st.integers(0, 9), d=st.integers(1, 40), layers=st.integers(1, 3), rank=st.sampled_from([None, 1, 3]),
        bias=st.booleans(), same=st.booleans(), impl=st.sampled_from(["cpu", "native", "reference"]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-def test_cross_stack_inference_kernels(b, d, layers, rank, bias, same, impl, dtype):
-    """Inference calls (save=False): the native kernel pads rows to 16 elements unless d is a multiple of 16,
-    and must return the [B, D] contiguous result its fake promises, also when x is x0."""
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), pad=st.booleans())
+def test_cross_stack_inference_kernels(b, d, layers, rank, bias, same, impl, dtype, pad):
+    """Inference calls (save=False): the native kernel pads rows to 16 elements unless d is a multiple of 16
+    (``pad``: from any width, else from its PAD_MIN_WIDTH), and must return the [B, D] contiguous result its fake
+    promises, also when x is x0."""
     args, sizes = _stack_args(b, d, layers, rank, bias, dtype)
     if same:
         args[1] = args[0]
-    with torch.no_grad():
+    pad_from = 1 if pad else interaction_native.PAD_MIN_WIDTH
+    with torch.no_grad(), mock.patch.object(interaction_native, "PAD_MIN_WIDTH", pad_from):
         out = _stack_fn(lambda *a: torch.ops.recompile.cross_stack(*a, False, impl), sizes)(*args)
         want = _stack_fn(cross_stack_reference, sizes)(*[a.float() for a in args])
     assert out.shape == (b, d) and out.dtype == dtype and out.is_contiguous()
@@ -81,8 +85,9 @@ def test_cross_stack_inference_kernels(b, d, layers, rank, bias, same, impl, dty
 
 
 @pytest.mark.skipif(not interaction_native.available(), reason="no C compiler: no native kernel")
-def test_native_stack_sees_weight_updates():
+def test_native_stack_sees_weight_updates(monkeypatch):
     """The padded weight copies are remade after an in-place update and after ``.data`` is replaced."""
+    monkeypatch.setattr(interaction_native, "PAD_MIN_WIDTH", 1)
     args, sizes = _stack_args(4, 10, 2, None, True)
     x0, x, *params = args
     weights, biases = params[:2], params[2:]

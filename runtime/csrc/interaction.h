@@ -9,16 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint16_t bf16_t;
-
-/* VL: floats in one vector register (AVX-512: 16, else 8); forward tile rows (FR accumulators + 2 fit the
-   registers of either); backward tile */
-#if RECOMPILE_AVX512
-enum { VL = 16, FR = 12, BR = 6, BV = 4 };
-#else
-enum { VL = 8, FR = 12, BR = 6, BV = 4 };
-#endif
-typedef float vf __attribute__((vector_size(VL * sizeof(float)))); /* GCC lowers it to the machine's vectors */
+/* Forward tile rows (FR accumulators + 2 fit the registers of either vector width); backward tile. VL, vf and the
+   vector loads are vec.h's. */
+static const int FR = 12, BR = 6, BV = 4;
 
 /* fn(args..., n) with n a compile-time constant in each case (register tiles of n rows or vectors). */
 #define SWITCH_4(n, fn, ...)                                                                                   \
@@ -58,130 +51,23 @@ static inline void store_bf16(bf16_t *p, float v) { /* round to nearest even */
     *p = (bf16_t)(bits >> 16);
 }
 
-#define DEFINE_LOADV(S, T)                                                                                     \
-static inline vf loadv_##S(const T *p) {                                                                       \
-    float t[VL];                                                                                               \
-    for (int i = 0; i < VL; i++) t[i] = load_##S(p + i);                                                       \
-    vf v;                                                                                                      \
-    memcpy(&v, t, sizeof v);                                                                                   \
-    return v;                                                                                                  \
-}
-DEFINE_LOADV(f32, float)
-DEFINE_LOADV(f16, _Float16)
-DEFINE_LOADV(bf16, bf16_t)
-
 /* pack_<S>(feat, stride, F, b, D, xt, FP): xt[d * FP + f] = feature f's row b at d in fp32, the transposed tile of
-   one sample. With AVX-512, 16 x 16 blocks are transposed in registers (16 loads, 64 shuffles, 16 stores)
-   instead of one strided store per element. */
-#if RECOMPILE_AVX512
-static inline __m512 load16_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline __m512 load16_f16(const _Float16 *p, __mmask16 m) {
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
-}
-static inline __m512 load16_bf16(const bf16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-/* r[k] <- column k of the 16 x 16 matrix whose rows are r[0..16). */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int h = 0; h < 16; h += 8)
-        for (int i = 0; i < 4; i++) {
-            t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
-            t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xDD);
-        }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-    }
-}
+   one sample, VL x VL blocks at a time: VL row loads, one vtranspose in registers, VL stores (instead of one
+   strided store per element); features past F give zero columns. */
 #define DEFINE_PACK(S, T)                                                                                      \
 static void pack_##S(const int64_t *feat, const int64_t *stride, int64_t F, int64_t b, int64_t D, float *xt,   \
                      int64_t FP) {                                                                             \
-    for (int64_t f0 = 0; f0 < F; f0 += 16)                                                                     \
-        for (int64_t d0 = 0; d0 < D; d0 += 16) {                                                               \
-            const int nd = D - d0 < 16 ? (int)(D - d0) : 16;                                                   \
-            const __mmask16 m = (__mmask16)((1u << nd) - 1);                                                   \
-            __m512 r[16];                                                                                      \
-            for (int i = 0; i < 16; i++)                                                                       \
-                r[i] = f0 + i < F ? load16_##S((const T *)feat[f0 + i] + b * stride[f0 + i] + d0, m)           \
-                                  : _mm512_setzero_ps();                                                       \
-            transpose16(r);                                                                                    \
-            for (int k = 0; k < nd; k++) _mm512_store_ps(xt + (d0 + k) * FP + f0, r[k]);                       \
+    for (int64_t f0 = 0; f0 < F; f0 += VL)                                                                     \
+        for (int64_t d0 = 0; d0 < D; d0 += VL) {                                                               \
+            const int nd = D - d0 < VL ? (int)(D - d0) : VL;                                                   \
+            vf r[VL];                                                                                          \
+            for (int i = 0; i < VL; i++)                                                                       \
+                r[i] = f0 + i < F ? vload_n_##S((const T *)feat[f0 + i] + b * stride[f0 + i] + d0, nd)         \
+                                  : (vf){0};                                                                   \
+            vtranspose(r);                                                                                     \
+            for (int k = 0; k < nd; k++) *(vf *)(xt + (d0 + k) * FP + f0) = r[k];                              \
         }                                                                                                      \
 }
-#elif RECOMPILE_AVX2
-/* AVX2: 8 x 8 blocks, transposed in registers (8 loads, 24 shuffles, 8 stores); a block's last columns are
-   loaded through a zeroed buffer. */
-static inline __m256 load8_f32(const float *p, int n) {
-    if (n == 8) return _mm256_loadu_ps(p);
-    float t[8] = {0};
-    for (int i = 0; i < n; i++) t[i] = p[i];
-    return _mm256_loadu_ps(t);
-}
-static inline __m256 load8_f16(const _Float16 *p, int n) {
-    if (n == 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    float t[8] = {0};
-    for (int i = 0; i < n; i++) t[i] = load_f16(p + i);
-    return _mm256_loadu_ps(t);
-}
-static inline __m256 load8_bf16(const bf16_t *p, int n) {
-    if (n == 8) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-    float t[8] = {0};
-    for (int i = 0; i < n; i++) t[i] = load_bf16(p + i);
-    return _mm256_loadu_ps(t);
-}
-static inline void transpose8(__m256 r[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-    }
-}
-#define DEFINE_PACK(S, T)                                                                                      \
-static void pack_##S(const int64_t *feat, const int64_t *stride, int64_t F, int64_t b, int64_t D, float *xt,   \
-                     int64_t FP) {                                                                             \
-    for (int64_t f0 = 0; f0 < F; f0 += 8)                                                                      \
-        for (int64_t d0 = 0; d0 < D; d0 += 8) {                                                                \
-            const int nd = D - d0 < 8 ? (int)(D - d0) : 8;                                                     \
-            __m256 r[8];                                                                                       \
-            for (int i = 0; i < 8; i++)                                                                        \
-                r[i] = f0 + i < F ? load8_##S((const T *)feat[f0 + i] + b * stride[f0 + i] + d0, nd)           \
-                                  : _mm256_setzero_ps();                                                       \
-            transpose8(r);                                                                                     \
-            for (int k = 0; k < nd; k++) _mm256_storeu_ps(xt + (d0 + k) * FP + f0, r[k]);                      \
-        }                                                                                                      \
-}
-#else
-#define DEFINE_PACK(S, T)                                                                                      \
-static void pack_##S(const int64_t *feat, const int64_t *stride, int64_t F, int64_t b, int64_t D, float *xt,   \
-                     int64_t FP) {                                                                             \
-    for (int64_t f = 0; f < F; f++) {                                                                          \
-        const T *x = (const T *)feat[f] + b * stride[f];                                                       \
-        for (int64_t d = 0; d < D; d++) xt[d * FP + f] = load_##S(x + d);                                      \
-    }                                                                                                          \
-}
-#endif
 DEFINE_PACK(f32, float)
 DEFINE_PACK(f16, _Float16)
 DEFINE_PACK(bf16, bf16_t)
@@ -264,7 +150,7 @@ static inline __attribute__((always_inline)) void pair_grad_tile_##S(           
     }                                                                                                          \
     for (int64_t g = 0; g < F; g++) {                                                                          \
         vf yv[BV];                                                                                             \
-        for (int v = 0; v < NV; v++) yv[v] = loadv_##S(y[g] + d0 + v * VL);                                    \
+        for (int v = 0; v < NV; v++) yv[v] = vload_##S(y[g] + d0 + v * VL);                                    \
         for (int i = 0; i < BR; i++)                                                                           \
             for (int v = 0; v < NV; v++) acc[i][v] += sr[i][g] * yv[v];                                        \
     }                                                                                                          \
@@ -431,7 +317,6 @@ void fm_second_order_bwd_##S(const T *grad, const T *v, int64_t B, int64_t F, in
  * one sample's dot is a chain of dependent FMAs and a horizontal sum). W and bias are float [L, Dp], rows
  * zero-padded to Dp (a multiple of 16 >= D; bias may be NULL); x0, x, grad and the outputs [B, D] contiguous. */
 enum { VC_ROWS = 4 };
-typedef float vc_vfu __attribute__((vector_size(VL * sizeof(float)), aligned(4))); /* unaligned rows */
 
 static inline float vc_hsum(vf v) {
     float s = 0.f;
@@ -439,7 +324,7 @@ static inline float vc_hsum(vf v) {
     return s;
 }
 
-#define VC_AT(p) (*(vc_vfu *)(p))
+#define VC_AT(p) (*(vfu *)(p))
 
 /* The tile's R rows xl (stride Dp) through the L layers; with xs, each layer's input rows are kept in
    xs + l * R * Dp and its scalars in s[r * L + l]. */
@@ -510,20 +395,31 @@ static inline __attribute__((always_inline)) void vc_backward_tile(float *g, flo
         default: fn(__VA_ARGS__, 1); break;                                                                    \
     }
 
-/* R rows of src (stride D, storage S) into float rows of stride Dp, zero-padded; and back. */
-#define VC_LOAD(S, dst, src, R, D, Dp)                                                                         \
-    for (int r = 0; r < (R); r++) {                                                                            \
+/* The rows of tile t of a batch of B: its first sample's offset b * D (r0) and its row count (returned). */
+static inline int vc_tile(int64_t t, int64_t B, int64_t D, int64_t *r0) {
+    *r0 = t * VC_ROWS * D;
+    return B - t * VC_ROWS < VC_ROWS ? (int)(B - t * VC_ROWS) : VC_ROWS;
+}
+
+/* vc_load_<S>: R rows of src (stride D) into float rows of stride Dp (a multiple of VL), zero-padded, whole
+   vectors at a time; vc_store_<S>: back. */
+#define DEFINE_VC_ROWS(S, T)                                                                                   \
+static inline void vc_load_##S(float *dst, const T *src, int R, int64_t D, int64_t Dp) {                       \
+    for (int r = 0; r < R; r++)                                                                                \
+        for (int64_t d = 0; d < Dp; d += VL) {                                                                 \
+            const int n = D - d <= 0 ? 0 : D - d < VL ? (int)(D - d) : VL;                                     \
+            VC_AT(dst + r * Dp + d) = vload_n_##S(src + r * D + d, n);                                         \
+        }                                                                                                      \
+}                                                                                                              \
+static inline void vc_store_##S(T *dst, const float *src, int R, int64_t D, int64_t Dp) {                      \
+    for (int r = 0; r < R; r++) {                                                                              \
         _Pragma("omp simd")                                                                                    \
-        for (int64_t d = 0; d < (D); d++) (dst)[r * (Dp) + d] = load_##S((src) + r * (D) + d);                \
-        for (int64_t d = (D); d < (Dp); d++) (dst)[r * (Dp) + d] = 0.f;                                        \
-    }
-#define VC_STORE(S, dst, src, R, D, Dp)                                                                        \
-    for (int r = 0; r < (R); r++) {                                                                            \
-        _Pragma("omp simd")                                                                                    \
-        for (int64_t d = 0; d < (D); d++) store_##S((dst) + r * (D) + d, (src)[r * (Dp) + d]);                \
-    }
+        for (int64_t d = 0; d < D; d++) store_##S(dst + r * D + d, src[r * Dp + d]);                           \
+    }                                                                                                          \
+}
 
 #define DEFINE_VECTOR_CROSS_KERNELS(S, T)                                                                      \
+DEFINE_VC_ROWS(S, T)                                                                                           \
 void vector_cross_fwd_##S(const T *x0, const T *x, const float *W, const float *bias, int64_t L, int64_t Dp,    \
                           T *out, int64_t B, int64_t D, int threads) {                                         \
     const int64_t tiles = (B + VC_ROWS - 1) / VC_ROWS;                                                         \
@@ -532,12 +428,12 @@ void vector_cross_fwd_##S(const T *x0, const T *x, const float *W, const float *
         float *xl = (float *)malloc(sizeof(float) * 2 * VC_ROWS * Dp), *x0f = xl + VC_ROWS * Dp;               \
         _Pragma("omp for schedule(static)")                                                                    \
         for (int64_t t = 0; t < tiles; t++) {                                                                  \
-            const int64_t b = t * VC_ROWS, r0 = b * D;                                                         \
-            const int R = (int)(B - b < VC_ROWS ? B - b : VC_ROWS);                                            \
-            VC_LOAD(S, xl, x + r0, R, D, Dp)                                                                   \
-            VC_LOAD(S, x0f, x0 + r0, R, D, Dp)                                                                 \
+            int64_t r0;                                                                                        \
+            const int R = vc_tile(t, B, D, &r0);                                                               \
+            vc_load_##S(xl, x + r0, R, D, Dp);                                                                 \
+            vc_load_##S(x0f, x0 + r0, R, D, Dp);                                                               \
             VC_SWITCH(R, vc_forward_tile, xl, x0f, W, bias, L, Dp, NULL, NULL)                                 \
-            VC_STORE(S, out + r0, xl, R, D, Dp)                                                                \
+            vc_store_##S(out + r0, xl, R, D, Dp);                                                              \
         }                                                                                                      \
         free(xl);                                                                                              \
     }                                                                                                          \
@@ -559,16 +455,16 @@ void vector_cross_bwd_##S(const T *grad, const T *x0, const T *x, const float *W
         float *part_b = grad_bias ? part + L * Dp : NULL;                                                      \
         _Pragma("omp for schedule(static)")                                                                    \
         for (int64_t t = 0; t < tiles; t++) {                                                                  \
-            const int64_t b = t * VC_ROWS, r0 = b * D;                                                         \
-            const int R = (int)(B - b < VC_ROWS ? B - b : VC_ROWS);                                            \
-            VC_LOAD(S, xl, x + r0, R, D, Dp)                                                                   \
-            VC_LOAD(S, x0f, x0 + r0, R, D, Dp)                                                                 \
-            VC_LOAD(S, g, grad + r0, R, D, Dp)                                                                 \
+            int64_t r0;                                                                                        \
+            const int R = vc_tile(t, B, D, &r0);                                                               \
+            vc_load_##S(xl, x + r0, R, D, Dp);                                                                 \
+            vc_load_##S(x0f, x0 + r0, R, D, Dp);                                                               \
+            vc_load_##S(g, grad + r0, R, D, Dp);                                                               \
             memset(gx0, 0, sizeof(float) * rows);                                                              \
             VC_SWITCH(R, vc_forward_tile, xl, x0f, W, bias, L, Dp, xs, s)                                      \
             VC_SWITCH(R, vc_backward_tile, g, gx0, x0f, xs, s, W, part, part_b, L, Dp)                         \
-            VC_STORE(S, grad_x0 + r0, gx0, R, D, Dp)                                                           \
-            VC_STORE(S, grad_x + r0, g, R, D, Dp)                                                              \
+            vc_store_##S(grad_x0 + r0, gx0, R, D, Dp);                                                         \
+            vc_store_##S(grad_x + r0, g, R, D, Dp);                                                            \
         }                                                                                                      \
         _Pragma("omp critical")                                                                                \
         {                                                                                                      \

@@ -7,6 +7,7 @@
  * autograd; ``dropout`` and the functional ops here also stand alone (torch.export keeps them as
  * torch.ops.recompile_native.*, callable from C++ once this library is loaded). The grouped embedding ops read
  * tables of data pointers built by their Python callers; dot_interaction builds its tables here, from its lists. */
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -491,24 +492,38 @@ bool sampled_softmax_native(torch::jit::Stack *stack) {
 }
 
 /* The layers' [D] vectors of one dtype (weights or biases of recompile::vector_cross: [D], [1, D] or [D, 1]) as
-   float [L, Dp], rows zero-padded to a multiple of 16; an undefined tensor when they do not fit. */
+   float [L, Dp], rows zero-padded to a multiple of 16; an undefined tensor when they do not fit. Written by one
+   loop per layer (no ATen op per layer: at batch 1 those were most of the call). */
 Tensor vector_rows(const std::vector<Tensor> &params, int64_t D, at::ScalarType dtype) {
-    const int64_t L = (int64_t)params.size();
-    Tensor rows = at::zeros({L, (D + 15) / 16 * 16}, at::TensorOptions().dtype(F32));
-    for (int64_t l = 0; l < L; l++) {
-        const Tensor &p = params[l];
+    const int64_t L = (int64_t)params.size(), Dp = (D + 15) / 16 * 16;
+    for (const Tensor &p : params)
         if (!plain_cpu(p, {dtype}) || p.dim() > 2 || p.numel() != D) return Tensor();
-        rows.select(0, l).narrow(0, 0, D).copy_(p.reshape({D}));
-    }
+    Tensor rows = at::empty({L, Dp}, at::TensorOptions().dtype(F32));
+    float *out = ptr<float>(rows);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "vector_rows", [&] {
+        for (int64_t l = 0; l < L; l++) {
+            const Tensor c = params[l].contiguous();
+            const scalar_t *p = ptr<const scalar_t>(c);
+            float *row = out + l * Dp;
+            for (int64_t d = 0; d < D; d++) row[d] = static_cast<float>(p[d]);
+            std::fill(row + D, row + Dp, 0.f);
+        }
+    });
     return rows;
 }
 
 /* Fresh tensors shaped like params (in their dtype) from the first D columns of the float rows. */
 std::vector<Tensor> vector_grads(const Tensor &rows, const std::vector<Tensor> &params, int64_t D) {
     std::vector<Tensor> out;
-    for (size_t l = 0; l < params.size(); l++)
-        out.push_back(at::empty(params[l].sizes(), params[l].options())
-                          .copy_(rows.select(0, (int64_t)l).narrow(0, 0, D).reshape(params[l].sizes())));
+    const float *in = ptr<const float>(rows);
+    for (size_t l = 0; l < params.size(); l++) {
+        Tensor g = at::empty(params[l].sizes(), params[l].options());
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "vector_grads", [&] {
+            scalar_t *o = ptr<scalar_t>(g);
+            for (int64_t d = 0; d < D; d++) o[d] = static_cast<scalar_t>(in[l * rows.size(1) + d]);
+        });
+        out.push_back(std::move(g));
+    }
     return out;
 }
 
