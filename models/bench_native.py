@@ -6,7 +6,7 @@ Per call (microseconds, a tiny input, so the figure is the call's overhead): eac
 ``torch.ops.recompile.*`` custom op (the call a compiled graph makes) and, where it stands alone, the C++
 operator ``torch.ops.recompile_native.*`` itself. Then the zoo's DLRM forward (``--batch``, small config)
 compiled with rec_ascend, and each native op at a working size, on every instruction set this CPU runs
-(``runtime.native.use_isa``: AVX2 is measured on an AVX-512 machine too), timed round by round. Prints the
+(``recompile.runtime.native.use_isa``: AVX2 is measured on an AVX-512 machine too), timed round by round. Prints the
 ISA each figure ran and writes docs/benchmarks/native.json.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from .bench import backend_step
 from .timing import race_ms
-from runtime import native
+from recompile.runtime import native
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "benchmarks", "native.json")
 ops, cpp = torch.ops.recompile, torch.ops.recompile_native

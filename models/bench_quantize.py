@@ -32,7 +32,7 @@ from models.dlrm import DLRM, DLRMConfig
 from models.metrics import auc, log_loss
 from models.timing import race_ms
 from models.train import write_json
-from runtime.quantized import dequantize_rows, quantize_rows, scale_bias
+from recompile.runtime.quantized import dequantize_rows, quantize_rows, scale_bias
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks", "quantize.json")
 QOP = torch.ops.recompile.grouped_embedding_bag_quantized.default

@@ -65,6 +65,6 @@ def package(model_or_program: nn.Module | torch.export.ExportedProgram, example_
 
 def load(path: str):
     """A package from ``package``, ready to call: defines the ops it calls (``import runtime``), then loads it."""
-    import runtime  # noqa: F401  (torch.ops.recompile.*, torch.ops.fbgemm.*)
+    from recompile import runtime  # noqa: F401  (torch.ops.recompile.*, torch.ops.fbgemm.*)
 
     return torch._inductor.aoti_load_package(path)

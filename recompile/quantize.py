@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from runtime.embedding import LAYOUTS, POOLING_NAMES
-from runtime.quantized import QDTYPES, dequantize_rows, quantize_rows
+from recompile.runtime.embedding import LAYOUTS, POOLING_NAMES
+from recompile.runtime.quantized import QDTYPES, dequantize_rows, quantize_rows
 
 OP = "recompile::grouped_embedding_bag_quantized"
 

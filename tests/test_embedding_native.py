@@ -11,10 +11,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime import embedding_native, embedding_optimizer
-from runtime.embedding import MEAN, NONE, OP, SUM, raw_features, table_gradients
-from runtime.embedding_optimizer import OPTIMIZERS, format_optimizer
-from runtime.kernels import get_kernel
+from recompile.runtime import embedding_native, embedding_optimizer
+from recompile.runtime.embedding import MEAN, NONE, OP, SUM, raw_features, table_gradients
+from recompile.runtime.embedding_optimizer import OPTIMIZERS, format_optimizer
+from recompile.runtime.kernels import get_kernel
 
 pytestmark = pytest.mark.skipif(not embedding_native.available(), reason="no C compiler: the native kernels are not built")
 

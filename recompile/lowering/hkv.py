@@ -1,13 +1,13 @@
 """Lowering of the hkv table ops: the kernel that probes the hash table.
 
 hkv (usable without recompile) keeps its probe kernels by name in ``hkv.kernels`` (``LOCATE``, ``FIND``, ``CLAIM``);
-they are registered here as ``hkv::lookup``'s kernels in the one kernel table (``runtime.kernels``), each
+they are registered here as ``hkv::lookup``'s kernels in the one kernel table (``recompile.runtime.kernels``), each
 supporting the tables on the devices where ``hkv.kernels.runs_on`` says it runs.
 """
 from hkv import kernels
 from hkv.ops import get_table
 from recompile.lowering.registry import Impl, declare_facts, has_triton, reference, register_lowering
-from runtime.kernels import register_kernel
+from recompile.runtime.kernels import register_kernel
 
 
 def probes(name: str):
