@@ -36,9 +36,11 @@ except ImportError:
              "pip install --no-build-isolation .)")
 
 _require_compiler()
-# The model zoo and scripts (models/ in the checkout) install as recompile.models: no top-level "models" package
-# to shadow a user's own. Its modules import each other relatively, so both names work.
-ZOO = ["recompile.models"] + [f"recompile.models.{p}" for p in find_packages(os.path.join(HERE, "models"))]
-setup(packages=find_packages(include=["recompile", "recompile.*", "runtime", "runtime.*", "hkv", "hkv.*"]) + ZOO,
-      package_dir={"recompile.models": "models"},
+# The runtime (runtime/ in the checkout) and the model zoo and scripts (models/) install as recompile.runtime and
+# recompile.models: no top-level "runtime" or "models" package to shadow a user's own. Their modules import each
+# other relatively; a checkout finds them under the same names (recompile/__init__.py).
+FOLDERS = {"recompile.runtime": "runtime", "recompile.models": "models"}
+NESTED = [f"{name}.{p}" for name, folder in FOLDERS.items() for p in find_packages(os.path.join(HERE, folder))]
+setup(packages=find_packages(include=["recompile", "recompile.*", "hkv", "hkv.*"]) + list(FOLDERS) + NESTED,
+      package_dir=FOLDERS,
       ext_modules=_native().extensions(), cmdclass={"build_ext": BuildExtension})

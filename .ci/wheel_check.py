@@ -21,12 +21,13 @@ TORCH = "torch==2.13.0"
 CHILD = r"""
 import os, sys
 target = sys.argv[1]
-import hkv, recompile.distributed, runtime.native
-for module in (hkv, recompile.distributed, runtime):
+import hkv, recompile.distributed, recompile.runtime.native
+for module in (hkv, recompile.distributed, recompile.runtime):
     assert module.__file__.startswith(target), module.__file__
 import importlib.util
-assert importlib.util.find_spec("models") is None, "the wheel installs a top-level 'models' package"
-assert hkv.cpu.available() and runtime.native.isa() in ("generic", "avx2", "avx512")
+for name in ("models", "runtime"):
+    assert importlib.util.find_spec(name) is None, f"the wheel installs a top-level {name!r} package"
+assert hkv.cpu.available() and recompile.runtime.native.isa() in ("generic", "avx2", "avx512")
 if sys.argv[2] == "imports":
     sys.exit(0)
 import torch, recompile
@@ -78,9 +79,10 @@ def main(work: str) -> None:
          cwd=work, env={**os.environ, "MAX_JOBS": str(os.cpu_count() or 1)})
     [wheel] = [os.path.join(dist, n) for n in os.listdir(dist) if n.startswith("recompile-") and n.endswith(".whl")]
     names = zipfile.ZipFile(wheel).namelist()
-    for needed in ("runtime/csrc/ops.cpp", "runtime/csrc/embedding.h", "hkv/csrc/probe.h"):
+    for needed in ("recompile/runtime/csrc/ops.cpp", "recompile/runtime/csrc/embedding.h", "hkv/csrc/probe.h"):
         assert needed in names, f"the wheel lacks {needed}"
-    for lib in ("runtime/_C", "hkv/_C"):
+    assert not any(n.startswith(("runtime/", "models/")) for n in names), "the wheel installs a top-level package"
+    for lib in ("recompile/runtime/_C", "hkv/_C"):
         assert any(n.startswith(lib) and n.endswith(".so") for n in names), f"the wheel lacks {lib}*.so"
     _run([sys.executable, "-m", "venv", venv])
     python = os.path.join(venv, "bin", "python")

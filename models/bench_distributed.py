@@ -41,7 +41,7 @@ from recompile.distributed import (
 )
 from recompile.distributed.context_parallel import ContextParallelLayout, context_parallel_hstu_attention
 from recompile.launch import spawn
-from runtime.kernels import get_kernel
+from recompile.runtime.kernels import get_kernel
 
 # Per-feature distinct values of the 26 categorical features of Criteo 1TB (no hashing), as counted by
 # the DLRM reference implementation: 882.8M rows in all.

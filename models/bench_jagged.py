@@ -25,8 +25,8 @@ import time
 import torch
 
 from .layers_jagged import HSTULayer, jagged_batch, long_tailed_lengths
-from runtime.jagged_attention import HSTUBucket, HSTUArgs
-from runtime.jagged import jagged_to_padded_dense_reference, dense_to_jagged_reference
+from recompile.runtime.jagged_attention import HSTUBucket, HSTUArgs
+from recompile.runtime.jagged import jagged_to_padded_dense_reference, dense_to_jagged_reference
 
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")

@@ -7,7 +7,7 @@ Per call (microseconds, a tiny input, so the figure is the call's overhead): eac
 operator ``torch.ops.recompile_native.*`` itself. Then the zoo's DLRM forward (``--batch``, small config)
 compiled with rec_ascend, each native op at a working size (forward, or forward and backward), and ``make
 run``'s HSTU training step under eager and rec_ascend, on every instruction set this CPU runs
-(``runtime.native.use_isa``: AVX2 is measured on an AVX-512 machine too), timed round by round (CPU time of
+(``recompile.runtime.native.use_isa``: AVX2 is measured on an AVX-512 machine too), timed round by round (CPU time of
 the thread with ``--threads 1``). Prints the ISA each figure ran and writes docs/benchmarks/native.json.
 ``use_isa`` switches only recompile's kernels; to run ATen and Inductor's code as an AVX2-only machine would,
 start the process with ``ATEN_CPU_CAPABILITY=avx2`` (docs/native_kernels.md).
@@ -26,7 +26,7 @@ import torch
 
 from .bench import backend_step
 from .timing import race_ms
-from runtime import native
+from recompile.runtime import native
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "benchmarks", "native.json")
 ops, cpp = torch.ops.recompile, torch.ops.recompile_native
@@ -100,7 +100,7 @@ def other_tracks(g: torch.Generator, tables: int = 8, rows: int = 20_000, dim: i
                  bag: int = 20) -> dict[str, tuple]:
     """The grouped embedding (fp32 forward, forward+backward; int8 forward) and the interaction kernels at
     training sizes: name -> (step, whether it runs without autograd)."""
-    from runtime.quantized import quantize_rows
+    from recompile.runtime.quantized import quantize_rows
 
     weights = [torch.randn(rows, dim, generator=g, requires_grad=True) for _ in range(tables)]
     int8 = [quantize_rows(w.detach(), "int8") for w in weights]

@@ -40,7 +40,7 @@ from models.dlrm import DLRM, DLRMConfig
 from models.metrics import auc, log_loss, ranking_metrics
 from models.timing import race_ms
 from models.train import write_json
-from runtime.quantized import dequantize_rows, on_huge_pages, quantize_rows, row_storage, scale_bias
+from recompile.runtime.quantized import dequantize_rows, on_huge_pages, quantize_rows, row_storage, scale_bias
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks", "quantize.json")
 QOP = torch.ops.recompile.grouped_embedding_bag_quantized.default

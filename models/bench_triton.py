@@ -79,7 +79,7 @@ EMBEDDING = {"tiny": dict(tables=3, rows=50, dim=8, batch=5, max_len=4),
 
 @case("grouped_embedding_bag", torch.float32, torch.float16)
 def embedding_case(size, device, dtype, gen):
-    from runtime.embedding import SUM
+    from recompile.runtime.embedding import SUM
 
     s = EMBEDDING[size]
     weights = [_randn((s["rows"], s["dim"]), device, dtype, gen) for _ in range(s["tables"])]
@@ -102,7 +102,7 @@ INTERACTION = {"tiny": dict(batch=6, features=5, dim=8), "bench": dict(batch=204
 
 @case("dot_interaction", torch.float32, torch.bfloat16)
 def dot_interaction_case(size, device, dtype, gen):
-    from runtime.interaction import dot_interaction_reference
+    from recompile.runtime.interaction import dot_interaction_reference
 
     s = INTERACTION[size]
     dense = _randn((s["batch"], s["dim"]), device, dtype, gen)
@@ -116,7 +116,7 @@ def dot_interaction_case(size, device, dtype, gen):
 
 @case("fm_second_order", torch.float32)
 def fm_case(size, device, dtype, gen):
-    from runtime.interaction import fm_second_order_reference
+    from recompile.runtime.interaction import fm_second_order_reference
 
     s = INTERACTION[size]
     v = _randn((s["batch"], s["features"] - 1, s["dim"]), device, dtype, gen)
@@ -140,7 +140,7 @@ def _cross_params(s, device, dtype, gen):
 
 @case("cross_stack", torch.float32)
 def cross_stack_case(size, device, dtype, gen):
-    from runtime.interaction import cross_stack_reference
+    from recompile.runtime.interaction import cross_stack_reference
 
     s = CROSS[size]
     x0, weights, biases = _cross_params(s, device, dtype, gen)
@@ -151,7 +151,7 @@ def cross_stack_case(size, device, dtype, gen):
 
 @case("cross_mixture", torch.float32)
 def cross_mixture_case(size, device, dtype, gen):
-    from runtime.interaction import cross_mixture_reference
+    from recompile.runtime.interaction import cross_mixture_reference
 
     s = CROSS[size]
     d, r, e = s["dim"], s["rank"], s["experts"]
@@ -184,13 +184,13 @@ def _histories(s, device, dtype, gen):
 
 def _padded(offsets, n, *jagged):
     """Jagged ``[total, ...]`` tensors padded to ``[B, n, ...]``."""
-    from runtime.jagged import jagged_to_padded_dense_reference
+    from recompile.runtime.jagged import jagged_to_padded_dense_reference
 
     return [jagged_to_padded_dense_reference(t.flatten(1), offsets, n).unflatten(2, t.shape[1:]) for t in jagged]
 
 
 def _jagged(out, offsets, total):
-    from runtime.jagged import dense_to_jagged_reference
+    from recompile.runtime.jagged import dense_to_jagged_reference
 
     return dense_to_jagged_reference(out.flatten(2), offsets, total).unflatten(1, out.shape[2:])
 
@@ -198,7 +198,7 @@ def _jagged(out, offsets, total):
 @case("hstu_attention", torch.float32, torch.bfloat16)
 def hstu_attention_case(size, device, dtype, gen):
     """HSTU attention as the zoo runs it: relative position and time bias, targets at the end of each history."""
-    from runtime.jagged_attention import HSTUArgs, HSTUBucket
+    from recompile.runtime.jagged_attention import HSTUArgs, HSTUBucket
 
     s = ATTENTION[size]
     n = s["max_len"]
@@ -229,7 +229,7 @@ def hstu_attention_case(size, device, dtype, gen):
 @case("jagged_softmax_attention", torch.float32, torch.bfloat16)
 def softmax_attention_case(size, device, dtype, gen):
     """SASRec's causal softmax attention on jagged histories."""
-    from runtime.jagged_attention import SoftmaxBucket
+    from recompile.runtime.jagged_attention import SoftmaxBucket
 
     s = ATTENTION[size]
     n = s["max_len"]
@@ -250,7 +250,7 @@ def softmax_attention_case(size, device, dtype, gen):
 @case("jagged_softmax", torch.float32)
 def jagged_softmax_case(size, device, dtype, gen):
     """Softmax over each history's rows, column by column (DIN-style attention pooling)."""
-    from runtime.jagged import dense_to_jagged_reference, jagged_to_padded_dense_reference
+    from recompile.runtime.jagged import dense_to_jagged_reference, jagged_to_padded_dense_reference
 
     s = ATTENTION[size]
     n = s["max_len"]
@@ -269,8 +269,8 @@ def jagged_softmax_case(size, device, dtype, gen):
 def optimizer_case(size, device, dtype, gen):
     """The fused row-wise Adagrad step over every table's looked-up rows (it updates the tables: each kernel steps
     its own copy); eager: the reference step (ids deduplicated, rows updated with index_add, table by table)."""
-    from runtime.embedding import SUM
-    from runtime.embedding_optimizer import format_optimizer
+    from recompile.runtime.embedding import SUM
+    from recompile.runtime.embedding_optimizer import format_optimizer
 
     s = EMBEDDING[size]
     t = s["tables"]
@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> dict:
             json.dump(result, f, indent=1)
 
     import recompile  # noqa: F401  (names backend="rec_ascend" where the package is not installed)
-    import runtime  # noqa: F401  (defines the ops)
+    from recompile import runtime  # noqa: F401  (defines the ops)
     run_kernels(args.ops, size, device, args.rounds, args.check_only, lambda line, rows: record(line, rows, "kernels"))
     if args.models and not args.check_only:
         run_models(args.models, args.model_size, device, args.rounds, lambda line, rows: record(line, rows, "models"))

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from runtime.fbgemm import load_fbgemm
+from recompile.runtime.fbgemm import load_fbgemm
 
 load_fbgemm()  # registers torch.ops.fbgemm.*
 

@@ -69,7 +69,7 @@ class QuantizedItems:
     BLOCK = 16
 
     def __init__(self, items: torch.Tensor):
-        from runtime import jagged_attention_native  # loads the native library
+        from recompile.runtime import jagged_attention_native  # loads the native library
 
         if not jagged_attention_native.available():
             raise RuntimeError("QuantizedItems: the native CPU kernels are not built")

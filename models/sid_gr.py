@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import runtime  # noqa: F401  (defines torch.ops.recompile.beam_decode_attention)
+from recompile import runtime  # noqa: F401  (defines torch.ops.recompile.beam_decode_attention)
 from . import data as D
 from .compare import K, METRICS, MODEL_ARGS, paired, seed_table, train_runs
 from .main import EPOCHS, popularity_ranks

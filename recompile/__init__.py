@@ -5,8 +5,19 @@ neither Inductor, nor the passes, nor the TensorFlow importer.
 """
 import importlib
 import importlib.metadata
+import os
 import sys
 import types
+
+# The runtime (the custom ops and their kernels) is the design card's top-level folder runtime/ and installs as
+# recompile.runtime (setup.py package_dir), as models/ installs as recompile.models. Run from a checkout (its root on
+# sys.path, or a git worktree beside an editable install of another), the names resolve to the checkout's own
+# folders: the checkout root joins this package's path.
+_CHECKOUT_PACKAGES = ("runtime", "models")
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if not os.path.isdir(os.path.join(__path__[0], "runtime")) and os.path.isfile(
+        os.path.join(_CHECKOUT, "runtime", "__init__.py")):
+    __path__.append(_CHECKOUT)
 
 # Public name -> the module that defines it.
 _EXPORTS = {
@@ -28,12 +39,14 @@ def __getattr__(name: str):
     """A public name, or a submodule (``recompile.frontends.tensorflow`` after ``import recompile``)."""
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{name}":
-            raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    # a submodule, of this folder or of the checkout's runtime/ and models/ (not its hkv/, tests/, setup.py)
+    if name in _CHECKOUT_PACKAGES or any(os.path.exists(os.path.join(__path__[0], name + e)) for e in ("", ".py")):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _Package(types.ModuleType):

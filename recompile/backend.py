@@ -12,7 +12,7 @@ from torch._inductor.compile_fx import compile_fx
 from torch._inductor.decomposition import select_decomp_table
 
 import recompile.passes  # noqa: F401  (registers the passes)
-import runtime  # noqa: F401  (defines torch.ops.recompile.*)
+from recompile import runtime  # noqa: F401  (defines torch.ops.recompile.*)
 from recompile import autotune
 from recompile.lowering import Target, detect_target
 from recompile.options import RecompileOptions

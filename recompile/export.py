@@ -8,7 +8,7 @@ module into an ``ExportedProgram`` (ATen ops plus our custom ops, through their 
 dims (a batch, a jagged total) are declared with ``dynamic_shapes`` as ``torch.export`` takes them.
 
 ``package``: ``torch._inductor.aoti_compile_and_package`` of that program. Loading it needs no ``recompile``
-import, only the operator library: ``import runtime`` (which defines ``torch.ops.recompile.*`` and loads
+import, only the operator library: ``from recompile import runtime`` (which defines ``torch.ops.recompile.*`` and loads
 fbgemm) before ``torch._inductor.aoti_load_package`` (``load`` below does both). The custom ops are Python
 ops, so the process that runs the package needs Python with ``runtime`` importable.
 
@@ -75,7 +75,7 @@ def load(path: str, tables: Optional[Mapping[str, Any]] = None):
     """A package from ``package``, ready to call: defines the ops it calls (``import runtime``), binds each hkv
     table it looks up by name (``tables``: name -> ``hkv`` table or embedding module, e.g. restored from its
     checkpoint), then loads it."""
-    import runtime  # noqa: F401  (torch.ops.recompile.*, torch.ops.fbgemm.*)
+    from recompile import runtime  # noqa: F401  (torch.ops.recompile.*, torch.ops.fbgemm.*)
 
     if tables:
         from recompile.lowering.hkv import serve_table

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from recompile.lowering.targets import TARGETS
-from runtime.embedding_optimizer import OPTIMIZERS, format_optimizer
+from recompile.runtime.embedding_optimizer import OPTIMIZERS, format_optimizer
 
 OFFLOAD = ("partial", "full")
 BOUNDS_CHECK = ("fatal", "warning", "ignore")

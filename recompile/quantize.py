@@ -23,8 +23,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from hkv import DynamicEmbeddingBag
-from runtime.embedding import LAYOUTS, POOLING_NAMES
-from runtime.quantized import QDTYPES, dequantize_rows, quantize_rows
+from recompile.runtime.embedding import LAYOUTS, POOLING_NAMES
+from recompile.runtime.quantized import QDTYPES, dequantize_rows, quantize_rows
 from hkv.rowwise import check_qdtype
 
 OP = "recompile::grouped_embedding_bag_quantized"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.kernels import get_kernel, register_kernel
+from .kernels import get_kernel, register_kernel
 
 OP = "beam_decode_attention"
 
@@ -69,7 +69,7 @@ def _beam_decode_attention_cpu(q, context_k, context_v, context_lengths, beam_k,
 
 @register_kernel(OP, "triton")
 def _beam_decode_attention_triton(q, context_k, context_v, context_lengths, beam_k, beam_v, beam_lengths, scale):
-    from runtime.triton_kernels.beam_decode_attention import beam_decode_attention_forward
+    from .triton_kernels.beam_decode_attention import beam_decode_attention_forward
 
     return beam_decode_attention_forward(q, context_k, context_v, context_lengths, beam_k, beam_v, beam_lengths,
                                          scale)

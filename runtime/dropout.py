@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from hkv.native import NativeLibrary
-from runtime.kernels import get_kernel, native_supports, register_kernel, require
+from .kernels import get_kernel, native_supports, register_kernel, require
 
 OP = "dropout"
 M32 = 0xFFFFFFFF
@@ -56,7 +56,7 @@ def dropout_reference(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Te
 register_kernel(OP, "reference")(dropout_reference)
 
 
-NATIVE = NativeLibrary("runtime._C", frozenset({torch.float32}))  # the dtypes runtime/csrc/ops.cpp dropout takes
+NATIVE = NativeLibrary("recompile.runtime._C", frozenset({torch.float32}))  # the dtypes runtime/csrc/ops.cpp dropout takes
 available = NATIVE.available
 if available():  # the C++ op's fake, so that torch.export and torch.compile can trace a direct call
 

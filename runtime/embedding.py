@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from runtime.kernels import get_kernel, register_kernel
+from .kernels import get_kernel, register_kernel
 
 OP = "grouped_embedding_bag"
 BACKWARD_OP = "grouped_embedding_bag_backward"
@@ -316,7 +316,7 @@ def forward_cpu(weights, features, per_sample_weights, pooling, padding_idx, lay
 @register_kernel(OP, "triton")
 def _forward_triton(*lookup):
     """Every table in one launch; ids and offsets checked in the kernel and reported after (see the module)."""
-    from runtime.triton_kernels.embedding import grouped_embedding_bag_forward
+    from .triton_kernels.embedding import grouped_embedding_bag_forward
 
     return grouped_embedding_bag_forward(*lookup)
 
@@ -359,7 +359,7 @@ def _backward_triton(grad, weights, features, per_sample_weights, pooling, paddi
     if any(sparse) or any(psw_grad):
         return table_gradients(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, sparse,
                                psw_grad)
-    from runtime.triton_kernels.embedding import grouped_embedding_bag_backward
+    from .triton_kernels.embedding import grouped_embedding_bag_backward
 
     tables = grouped_embedding_bag_backward(grad, weights, features, per_sample_weights, pooling, padding_idx, layout)
     return tables + [grad.new_empty(0) for _ in weights]

@@ -23,9 +23,9 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from hkv.native import NativeLibrary
-from runtime.embedding import BACKWARD_OP, NONE, OP, RAW_KERNELS, checked_lookup
-from runtime.embedding_optimizer import OPTIMIZERS, STEP_OP, adam_step_size, table_state
-from runtime.kernels import native_supports, register_kernel, require
+from .embedding import BACKWARD_OP, NONE, OP, RAW_KERNELS, checked_lookup
+from .embedding_optimizer import OPTIMIZERS, STEP_OP, adam_step_size, table_state
+from .kernels import native_supports, register_kernel, require
 
 # The columns of a table's row in the kernels' meta array, and their number (csrc/embedding.h).
 W_PTR, ROWS, DIM, W_STRIDE, IDS, N_IDS, OFFS, N_OFFS, PSW, POOLING, PAD, OUT_AT, FLAGS, META = range(14)
@@ -38,7 +38,7 @@ STATE_NAMES = {"exact_sgd": (), "exact_adagrad": ("sum",), "exact_rowwise_adagra
                "adam": ("exp_avg", "exp_avg_sq")}
 
 
-NATIVE = NativeLibrary("runtime._C", frozenset(DTYPES))
+NATIVE = NativeLibrary("recompile.runtime._C", frozenset(DTYPES))
 available = NATIVE.available
 ops = torch.ops.recompile_native
 

@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from runtime.embedding import (LOOKUP_SCHEMA, SUM, Feature, _id_scale, feature_names, features_of, id_gradients,
+from .embedding import (LOOKUP_SCHEMA, SUM, Feature, _id_scale, feature_names, features_of, id_gradients,
                                output_slices, present)
-from runtime.fbgemm import fbgemm_op
-from runtime.kernels import get_kernel, register_kernel
+from .fbgemm import fbgemm_op
+from .kernels import get_kernel, register_kernel
 
 STEP_OP = "embedding_optimizer_step"
 OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad", "adam")
@@ -206,7 +206,7 @@ register_kernel(STEP_OP, "fbgemm")(functools.partial(step_each_table, fbgemm=Tru
 @register_kernel(STEP_OP, "triton")
 def _step_triton(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params) -> None:
     """Every table's touched rows in one launch (runtime.triton_kernels.embedding_optimizer), where it applies."""
-    from runtime.triton_kernels import embedding_optimizer as kernel
+    from .triton_kernels import embedding_optimizer as kernel
 
     if not kernel.supports(weights, kind):
         return step_each_table(grad, weights, features, per_sample_weights, pooling, padding_idx, layout, kind, params,

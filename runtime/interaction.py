@@ -23,7 +23,7 @@
   (``reduce``; the flattened TorchRec ``FactorizationMachine`` is ``v = x.unsqueeze(-1)`` with ``reduce``).
 
 Kernels: ``reference`` (plain torch, the oracle), ``cpu`` (torch), ``native`` (C++, ``csrc/interaction.h``
-through ``runtime.interaction_native``; chosen at compile time where it reads the inputs), ``triton``. Backward
+through ``recompile.runtime.interaction_native``; chosen at compile time where it reads the inputs), ``triton``. Backward
 passes are ops of their own (``dot_interaction_backward``, ``cross_epilogue_backward``,
 ``cross_stack_backward``, ``cross_mixture_backward``, ``vector_cross_backward``, ``fm_second_order_backward``).
 """
@@ -36,8 +36,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from runtime import interaction_native as native
-from runtime.kernels import get_kernel, native_supports, register_kernel, require
+from . import interaction_native as native
+from .kernels import get_kernel, native_supports, register_kernel, require
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +124,7 @@ def _dot_interaction_native(features, prefix, upper, self_interaction):
 
 @register_kernel("dot_interaction", "triton")
 def _dot_interaction_triton(features, prefix, upper, self_interaction):
-    from runtime.triton_kernels.interaction import dot_interaction
+    from .triton_kernels.interaction import dot_interaction
 
     return dot_interaction(feature_matrix(features), prefix, upper, self_interaction)
 
@@ -253,7 +253,7 @@ def _cross_layer_native(x0, x, weight, bias, down):
 
 @register_kernel("cross_layer", "triton")
 def _cross_layer_triton(x0, x, weight, bias, down):
-    from runtime.triton_kernels.interaction import cross_layer
+    from .triton_kernels.interaction import cross_layer
 
     return cross_layer(x0, x, weight, bias, down)
 
@@ -385,7 +385,7 @@ def _cross_stack_native(x0, x, weights, biases, downs, save):
 
 @register_kernel("cross_stack", "triton")
 def _cross_stack_triton(x0, x, weights, biases, downs, save):
-    from runtime.triton_kernels.interaction import cross_stack
+    from .triton_kernels.interaction import cross_stack
 
     return cross_stack(x0, x, weights, biases, downs, save)
 
@@ -584,7 +584,7 @@ def _mixture_backward(grad, x0, x, gate, downs, mids, ups, biases, activation, s
 @_output_and_saved
 def _cross_mixture_triton(x0, x, gate, downs, mids, ups, biases, activation):
     """The fused Triton forward; training also runs the batched torch forward for what the backward reads."""
-    from runtime.triton_kernels.interaction import cross_mixture
+    from .triton_kernels.interaction import cross_mixture
 
     return cross_mixture(x0, x, gate, downs, mids, ups, biases, activation == "relu")
 
@@ -886,7 +886,7 @@ def _fm_native(v, reduce):
 
 @register_kernel("fm_second_order", "triton")
 def _fm_triton(v, reduce):
-    from runtime.triton_kernels.interaction import fm_second_order
+    from .triton_kernels.interaction import fm_second_order
 
     return fm_second_order(v, reduce)
 

@@ -13,7 +13,7 @@ import torch
 from hkv.native import NativeLibrary
 
 DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})  # the dtypes runtime/csrc/ops.cpp takes
-NATIVE = NativeLibrary("runtime._C", DTYPES)
+NATIVE = NativeLibrary("recompile.runtime._C", DTYPES)
 available = NATIVE.available
 ops = torch.ops.recompile_native
 
@@ -81,7 +81,7 @@ def _cross_stack_padded(x0, x, weights, biases, downs, width):
 
 
 def cross_stack(x0, x, weights, biases, downs, save):
-    """(x_L, saved) of ``runtime.interaction.cross_stack``: per layer the matmul (MKL, no bias: addmm would copy
+    """(x_L, saved) of ``recompile.runtime.interaction.cross_stack``: per layer the matmul (MKL, no bias: addmm would copy
     the bias into the output first), then bias, ``x0 *`` and ``+ x`` in one C pass. An inference call writes
     x_{l+1} over h_l (no allocation), rows of ``PAD_MIN_WIDTH`` or more padded to ``ROW_ALIGN`` elements (cached
     padded weights); a saving one keeps h_l + b_l in h_l's buffer and x_{l+1} apart."""

@@ -20,7 +20,7 @@ A jagged tensor is ``values [total, *inner]`` with ``offsets [B + 1]`` (int32 or
 Kernels: ``reference`` (a loop over sequences, the oracle), ``cpu`` (index arithmetic and
 length-bucketed batched matmuls: no work on padding), ``fbgemm`` (``torch.ops.fbgemm.*``).
 
-Every op (here and in ``runtime.jagged_attention``) runs ``checked_offsets`` on its offsets before any
+Every op (here and in ``recompile.runtime.jagged_attention``) runs ``checked_offsets`` on its offsets before any
 kernel sees them: they must start at 0, never decrease and end at the values' length, and where an op
 needs it (``hstu_attention``'s ``max_seq_len``, ``jagged_within``'s padded length) every sequence must fit
 its maximum length. ``bounds_check`` (the embedding ops' modes) says what malformed offsets do: ``"fatal"``
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.fbgemm import fbgemm_op
-from runtime.kernels import get_kernel, register_kernel
+from .fbgemm import fbgemm_op
+from .kernels import get_kernel, register_kernel
 
 OFFSET_DTYPES = (torch.int32, torch.int64)
 
@@ -243,14 +243,14 @@ register_kernel("dense_to_jagged", "reference")(dense_to_jagged_reference)
 
 @register_kernel("jagged_to_padded_dense", "triton")
 def _jagged_to_padded_dense_triton(values, offsets, max_length, padding_value=0.0):
-    from runtime.triton_kernels import jagged_dense
+    from .triton_kernels import jagged_dense
 
     return jagged_dense.jagged_to_padded_dense(values, offsets, max_length, padding_value)
 
 
 @register_kernel("dense_to_jagged", "triton")
 def _dense_to_jagged_triton(dense, offsets, total_L=None):
-    from runtime.triton_kernels import jagged_dense
+    from .triton_kernels import jagged_dense
 
     return jagged_dense.dense_to_jagged(dense, offsets, total_L)
 
@@ -378,7 +378,7 @@ def _elementwise_triton(mode: str, cpu_kernel):
     def kernel(x_values, offsets, y):
         if not torch.result_type(x_values, y).is_floating_point:
             return cpu_kernel(x_values, offsets, y)
-        from runtime.triton_kernels import jagged_dense
+        from .triton_kernels import jagged_dense
 
         return jagged_dense.jagged_dense_elementwise(getattr(jagged_dense, mode), x_values, offsets, y)
 
@@ -509,14 +509,14 @@ register_kernel("jagged_softmax_backward", "reference")(jagged_softmax_backward_
 
 @register_kernel("jagged_softmax", "triton")
 def _jagged_softmax_triton(values, offsets, max_L):
-    from runtime.triton_kernels.jagged_softmax import jagged_softmax_forward
+    from .triton_kernels.jagged_softmax import jagged_softmax_forward
 
     return jagged_softmax_forward(values, offsets, max_L)
 
 
 @register_kernel("jagged_softmax_backward", "triton")
 def _jagged_softmax_backward_triton(grad, output, offsets, max_L):
-    from runtime.triton_kernels.jagged_softmax import jagged_softmax_backward
+    from .triton_kernels.jagged_softmax import jagged_softmax_backward
 
     return jagged_softmax_backward(grad, output, offsets, max_L)
 
@@ -626,14 +626,14 @@ register_kernel("jagged_dense_bmm", "reference")(jagged_dense_bmm_reference)
 
 @register_kernel("jagged_jagged_bmm", "triton")
 def _jagged_jagged_bmm_triton(x_values, y_values, offsets, max_L):
-    from runtime.triton_kernels.jagged_bmm import jagged_jagged_bmm
+    from .triton_kernels.jagged_bmm import jagged_jagged_bmm
 
     return jagged_jagged_bmm(x_values, y_values, offsets, max_L)
 
 
 @register_kernel("jagged_dense_bmm", "triton")
 def _jagged_dense_bmm_triton(x_values, offsets, y, max_L):
-    from runtime.triton_kernels.jagged_bmm import jagged_dense_bmm
+    from .triton_kernels.jagged_bmm import jagged_dense_bmm
 
     return jagged_dense_bmm(x_values, offsets, y, max_L)
 

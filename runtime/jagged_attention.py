@@ -15,7 +15,7 @@
 
 Kernels: ``reference`` pads every sequence to the longest (the padded formulation), ``cpu`` groups
 sequences of similar length into buckets and runs each bucket as dense batched matmuls (work ~ the
-jagged sizes; see ``runtime.jagged.length_buckets``), ``triton`` (HSTU with every feature, and softmax) runs one
+jagged sizes; see ``recompile.runtime.jagged.length_buckets``), ``triton`` (HSTU with every feature, and softmax) runs one
 program per core over (tile, head) work items of the sequences' own tiles. Backward recomputes the scores
 bucket by bucket.
 """
@@ -29,8 +29,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from runtime.jagged import BACKWARD_CHECK, BUCKET_RATIO, Bucket, check_offsets, checked_offsets, length_buckets
-from runtime.kernels import get_kernel, register_kernel, require
+from .jagged import BACKWARD_CHECK, BUCKET_RATIO, Bucket, check_offsets, checked_offsets, length_buckets
+from .kernels import get_kernel, register_kernel, require
 
 # HSTU's log bucketization of time differences.
 TIME_BUCKET_BASE = 0.301
@@ -267,14 +267,14 @@ for _impl in BUCKET_RATIOS:
 
 @register_kernel("hstu_attention", "triton")
 def _hstu_attention_triton(*args):
-    from runtime.triton_kernels.jagged_attention import hstu_attention_forward
+    from .triton_kernels.jagged_attention import hstu_attention_forward
 
     return hstu_attention_forward(*args)
 
 
 @register_kernel("hstu_attention_backward", "triton")
 def _hstu_attention_backward_triton(*args):
-    from runtime.triton_kernels.jagged_attention import hstu_attention_backward
+    from .triton_kernels.jagged_attention import hstu_attention_backward
 
     dq, dk, dv, drel, dtime = hstu_attention_backward(*args)
     return [dq, dk, dv], [drel, dtime]
@@ -405,14 +405,14 @@ for _impl in BUCKET_RATIOS:
 
 @register_kernel("jagged_softmax_attention", "triton")
 def _softmax_attention_triton(*args):
-    from runtime.triton_kernels.softmax_attention import softmax_attention_forward
+    from .triton_kernels.softmax_attention import softmax_attention_forward
 
     return softmax_attention_forward(*args)
 
 
 @register_kernel("jagged_softmax_attention_backward", "triton")
 def _softmax_attention_backward_triton(*args):
-    from runtime.triton_kernels.softmax_attention import softmax_attention_backward
+    from .triton_kernels.softmax_attention import softmax_attention_backward
 
     return softmax_attention_backward(*args)
 

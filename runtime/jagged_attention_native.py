@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from hkv.native import NativeLibrary, unit_stride_rows
-from runtime.jagged_attention import time_bucket_edges
-from runtime.kernels import native_supports, register_kernel, require
+from .jagged_attention import time_bucket_edges
+from .kernels import native_supports, register_kernel, require
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes runtime/csrc/ops.cpp hstu_attention takes
 VECTOR = 16  # the kernel's vector width in floats: rel_bias and timestamps carry this much zero padding
 
-NATIVE = NativeLibrary("runtime._C", frozenset(DTYPES))
+NATIVE = NativeLibrary("recompile.runtime._C", frozenset(DTYPES))
 available = NATIVE.available
 
 

@@ -2,7 +2,7 @@
 
 Build: ``setup.py`` calls :func:`extensions`: ``torch.utils.cpp_extension.CppExtension``s compiled when the
 package is installed (``pip install --no-build-isolation -e .`` or ``pip wheel --no-build-isolation --no-deps .``;
-build isolation would fetch another torch). ``runtime._C`` holds the runtime's kernels (``runtime/csrc``,
+build isolation would fetch another torch). ``recompile.runtime._C`` holds the runtime's kernels (``runtime/csrc``,
 ``torch.ops.recompile_native.*``), ``hkv._C`` the hash table's (``hkv/csrc``, ``torch.ops.hkv_native.*``): hkv
 stays usable on its own. The kernel bodies of ``runtime/csrc`` are compiled once per instruction set (generic,
 AVX2 + FMA, AVX-512) and the library picks one when it loads: the best this CPU has, or the one the environment
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CXXFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi")
 LDFLAGS = ("-fopenmp",)
 # (extension module, sources relative to the project root)
-LIBRARIES = (("runtime._C", "runtime/csrc/*.cpp"), ("hkv._C", "hkv/csrc/*.cpp"))
+LIBRARIES = (("recompile.runtime._C", "runtime/csrc/*.cpp"), ("hkv._C", "hkv/csrc/*.cpp"))
 ISAS = ("generic", "avx2", "avx512")  # runtime/csrc/isa_<name>.cpp
 
 
@@ -43,7 +43,7 @@ def isa() -> str | None:
 
     from hkv.native import load
 
-    return torch.ops.recompile_native.isa() if load("runtime._C") else None
+    return torch.ops.recompile_native.isa() if load("recompile.runtime._C") else None
 
 
 def available_isas() -> tuple[str, ...]:
@@ -52,7 +52,7 @@ def available_isas() -> tuple[str, ...]:
 
     from hkv.native import load
 
-    return tuple(name for name in ISAS if load("runtime._C") and torch.ops.recompile_native.isa_available(name))
+    return tuple(name for name in ISAS if load("recompile.runtime._C") and torch.ops.recompile_native.isa_available(name))
 
 
 @contextlib.contextmanager

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.fbgemm import fbgemm_op
-from runtime.kernels import get_kernel, register_kernel
+from .fbgemm import fbgemm_op
+from .kernels import get_kernel, register_kernel
 
 OP = "complete_cumsum"
 
@@ -34,7 +34,7 @@ def _complete_cumsum_fbgemm(lengths: torch.Tensor) -> torch.Tensor:
 
 @register_kernel(OP, "triton")
 def _complete_cumsum_triton(lengths: torch.Tensor) -> torch.Tensor:
-    from runtime.triton_kernels.offsets import complete_cumsum
+    from .triton_kernels.offsets import complete_cumsum
 
     return complete_cumsum(lengths)
 

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from runtime.kernels import get_kernel, register_kernel
+from .kernels import get_kernel, register_kernel
 
 OP = "padded_softmax_attention"
 # A mask value at or below this drops its key: exp(DROPPED) is 0 in float32, float16 and bfloat16.

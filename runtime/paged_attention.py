@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from hkv.native import unit_stride_rows
-from runtime import jagged_attention_native
-from runtime.jagged import check_offsets, jagged_positions
-from runtime.jagged_attention import hstu_attention_reference, time_bucket
-from runtime.kernels import get_kernel, register_kernel, require
+from . import jagged_attention_native
+from .jagged import check_offsets, jagged_positions
+from .jagged_attention import hstu_attention_reference, time_bucket
+from .kernels import get_kernel, register_kernel, require
 
 OP = "hstu_paged_attention"
 
@@ -174,7 +174,7 @@ def triton_covers(time_bias=None, **_) -> bool | str:
 def _triton(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len, alpha, num_targets,
             rel_bias, timestamps, ts_cache, time_bias):
     require(OP, "triton", triton_covers(time_bias))
-    from runtime.triton_kernels.paged_attention import hstu_paged_attention_forward
+    from .triton_kernels.paged_attention import hstu_paged_attention_forward
 
     return hstu_paged_attention_forward(q, k, v, offsets, k_cache, v_cache, page_table, cached_lengths, max_seq_len,
                                         alpha, num_targets, rel_bias)

@@ -18,12 +18,12 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from runtime.embedding import (
+from .embedding import (
     LOOKUP_SCHEMA, NONE, RAW_KERNELS, _assemble, _check_empty_offsets, _id_scale, _lookup_fake, _scaled, _validate,
     checked_lookup, feature_names, present,
 )
-from runtime import embedding_native as native
-from runtime.kernels import get_kernel, native_supports, register_kernel, require
+from . import embedding_native as native
+from .kernels import get_kernel, native_supports, register_kernel, require
 # The packed format is hkv's (hkv/rowwise.py): hkv tables store rows in it too, and hkv sits below the runtime.
 from hkv import rowwise
 from hkv.rowwise import LEVELS, QDTYPES, SCALE_BIAS, dequantize_rows, packed_width, scale_bias  # noqa: F401

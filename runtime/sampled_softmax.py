@@ -20,10 +20,10 @@ import torch
 from torch import Tensor
 
 from hkv.native import NativeLibrary
-from runtime.kernels import get_kernel, native_supports, register_kernel, require
+from .kernels import get_kernel, native_supports, register_kernel, require
 
 OP = "sampled_softmax_loss"
-NATIVE = NativeLibrary("runtime._C", frozenset({torch.float32}))  # the dtypes runtime/csrc/ops.cpp takes
+NATIVE = NativeLibrary("recompile.runtime._C", frozenset({torch.float32}))  # the dtypes runtime/csrc/ops.cpp takes
 available = NATIVE.available
 
 

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import recompile.passes  # noqa: E402,F401  (registers the passes)
-import runtime  # noqa: E402,F401  (defines torch.ops.recompile.*)
+from recompile import runtime  # noqa: E402,F401  (defines torch.ops.recompile.*)
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from recompile.distributed.context_parallel import ContextParallelLayout, context_parallel_hstu_attention
-from runtime.jagged_attention import hstu_attention_reference
+from recompile.runtime.jagged_attention import hstu_attention_reference
 
 HEADS, DIM, DIM_V, TIME_BUCKETS = 2, 8, 6, 16
 

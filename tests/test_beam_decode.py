@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import runtime  # noqa: F401
+from recompile import runtime  # noqa: F401
 from recompile.lowering import choose, detect_target
-from runtime.beam_decode_attention import beam_decode_attention_reference
+from recompile.runtime.beam_decode_attention import beam_decode_attention_reference
 
 ops = torch.ops.recompile
 

@@ -11,8 +11,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import recompile
 from recompile.lowering import choose, detect_target
-from runtime.dropout import SEED_BOUND, dropout_reference, keep_mask
-from runtime.kernels import UnsupportedInputs
+from recompile.runtime.dropout import SEED_BOUND, dropout_reference, keep_mask
+from recompile.runtime.kernels import UnsupportedInputs
 
 dropout = torch.ops.recompile.dropout
 

@@ -11,10 +11,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime import embedding_native, embedding_optimizer
-from runtime.embedding import MEAN, NONE, OP, SUM, raw_features, table_gradients
-from runtime.embedding_optimizer import OPTIMIZERS, format_optimizer
-from runtime.kernels import get_kernel
+from recompile.runtime import embedding_native, embedding_optimizer
+from recompile.runtime.embedding import MEAN, NONE, OP, SUM, raw_features, table_gradients
+from recompile.runtime.embedding_optimizer import OPTIMIZERS, format_optimizer
+from recompile.runtime.kernels import get_kernel
 
 pytestmark = pytest.mark.skipif(not embedding_native.available(), reason="no C compiler: the native kernels are not built")
 
@@ -213,7 +213,7 @@ def test_autograd_runs_in_cpp(monkeypatch, sparse, impl, bounds_check, **group):
     """On the CPU the op's autograd is the C++ kernel (runtime/csrc/ops.cpp), whatever the kernel: with the Python
     formula made to raise, eager forward and backward give the reference's table gradients (dense, or sparse COO
     where ``sparse``) and per-sample weight gradients, an empty weight tensor its empty gradient."""
-    from runtime import embedding
+    from recompile.runtime import embedding
 
     def python_formula(*_, **__):
         raise AssertionError("the Python autograd formula ran")

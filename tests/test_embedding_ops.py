@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.embedding import MEAN, NONE, SUM, grouped_embedding_bag_reference
+from recompile.runtime.embedding import MEAN, NONE, SUM, grouped_embedding_bag_reference
 
 IMPLS = ["reference", "cpu", "native"]
 CHECKING_IMPLS = ["cpu", "native"]  # the checks run before the lookup, or the native kernel marks what they find

@@ -6,7 +6,7 @@ import torch
 
 import recompile
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
-from runtime import embedding_optimizer
+from recompile.runtime import embedding_optimizer
 
 SMALL = DLRMConfig(table_rows=[40, 60, 25], dim=8, bottom=[16, 8], top=[16, 1], max_ids_per_bag=5)
 LR, EPS = 0.05, 1e-6

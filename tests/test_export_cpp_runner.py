@@ -12,7 +12,7 @@ from torch.export import Dim
 
 import recompile
 from models.zoo import MODELS
-from runtime.cpp_runner.build import build
+from recompile.runtime.cpp_runner.build import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -157,10 +157,10 @@ def test_regions_sharing_a_user_get_their_own_fused_node():
     [
         ("recompile::x", "library", "torch.ops.fbgemm.jagged_to_padded_dense", "npu", "fbgemm-ascend op"),
         ("recompile::x", "library", "torch.ops.fbgemm.jagged_to_padded_dense", "cpu", "fbgemm-gpu-cpu op"),
-        ("recompile::x", "triton", "runtime.triton_kernels.x", "npu", "Triton kernel (triton-ascend)"),
+        ("recompile::x", "triton", "recompile.runtime.triton_kernels.x", "npu", "Triton kernel (triton-ascend)"),
         ("hkv::find_or_insert", "reference", "hkv.table.find_or_insert", "npu", "HKV call"),
         ("recompile::x", "library", "torch.ops.hkv.gather", "cuda", "HKV call"),
-        ("recompile::x", "reference", "runtime.x_reference", "npu", "reference (plain torch), fused by Inductor"),
+        ("recompile::x", "reference", "recompile.runtime.x_reference", "npu", "reference (plain torch), fused by Inductor"),
     ],
 )
 def test_runs_as_names_where_a_region_runs(op, kind, describe, target, expected):

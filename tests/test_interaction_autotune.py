@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import recompile
 from recompile import autotune
-from runtime.kernels import KERNELS
+from recompile.runtime.kernels import KERNELS
 
 
 @pytest.fixture(autouse=True)

@@ -11,9 +11,9 @@ from torch.autograd import gradcheck
 
 from models.ctr import DCNConfig, DCNv2, MixtureCrossLayer
 from models.dlrm import synthetic_batch
-from runtime import interaction_native
-from runtime.interaction import ACTIVATIONS, cross_mixture_reference, cross_stack_reference
-from runtime.kernels import KERNELS
+from recompile.runtime import interaction_native
+from recompile.runtime.interaction import ACTIVATIONS, cross_mixture_reference, cross_stack_reference
+from recompile.runtime.kernels import KERNELS
 from tests.test_interaction_pass import _assert_same_training, _regions, pipeline_only
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=1e-1),

@@ -6,14 +6,14 @@ from hypothesis import strategies as st
 from torch.autograd import gradcheck
 
 from recompile.lowering import LOWERINGS
-from runtime.interaction import (
+from recompile.runtime.interaction import (
     cross_layer_reference,
     dot_interaction_reference,
     fm_second_order_reference,
     pair_indices,
 )
-from runtime import interaction_native
-from runtime.kernels import KERNELS
+from recompile.runtime import interaction_native
+from recompile.runtime.kernels import KERNELS
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=5e-2),
        torch.float16: dict(rtol=1e-2, atol=2e-2)}

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.jagged_attention import hstu_valid_mask
-from runtime.kernels import KERNELS
+from recompile.runtime.jagged_attention import hstu_valid_mask
+from recompile.runtime.kernels import KERNELS
 
 ops = torch.ops.recompile
 IMPLS = sorted(set(KERNELS["jagged_softmax_attention"]) - {"triton"})  # reference, cpu (triton: tests/test_triton_*.py)
@@ -137,7 +137,7 @@ def test_attention_opcheck_and_errors():
 def test_time_buckets_by_edges_equal_the_log_formula():
     """The kernels bucket integer time gaps by searching the bucket edges; that is HSTU's log formula exactly,
     on both sides of every edge."""
-    from runtime.jagged_attention import relative_time_index, time_bucket, time_bucket_edges
+    from recompile.runtime.jagged_attention import relative_time_index, time_bucket, time_bucket_edges
 
     for num_buckets in (1, 16, 128):
         edges = time_bucket_edges(num_buckets, torch.device("cpu"))

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from recompile.lowering import choose
 from recompile.lowering.targets import detect_target
-from runtime import jagged_attention_native as native
-from runtime.jagged_attention import time_bucket_edges
-from runtime.kernels import UnsupportedInputs
+from recompile.runtime import jagged_attention_native as native
+from recompile.runtime.jagged_attention import time_bucket_edges
+from recompile.runtime.kernels import UnsupportedInputs
 from tests.test_jagged_attention import hstu_per_sequence
 
 ops = torch.ops.recompile

@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime import jagged
-from runtime.fbgemm import fbgemm_op
-from runtime.kernels import KERNELS
+from recompile.runtime import jagged
+from recompile.runtime.fbgemm import fbgemm_op
+from recompile.runtime.kernels import KERNELS
 
 ops = torch.ops.recompile
 IMPLS = ("reference", "cpu", "fbgemm")

@@ -15,7 +15,7 @@ from recompile.backend import rec_ascend
 from recompile.lowering import choose
 from recompile.lowering.targets import detect_target
 from models.layers_jagged import HSTULayer, SASRecLayer, jagged_batch
-from runtime.kernels import KERNELS
+from recompile.runtime.kernels import KERNELS
 
 MAX_LEN = 16
 

@@ -16,7 +16,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 import recompile
 from recompile.backend import rec_ascend
-from runtime.kernels import KERNELS
+from recompile.runtime.kernels import KERNELS
 
 N, C, H = 8, 8, 2
 

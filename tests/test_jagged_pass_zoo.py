@@ -2,6 +2,7 @@
 jagged kernels, outputs and gradients equal eager, and a stream of batches compiles at most twice."""
 import functools
 
+import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -44,6 +45,7 @@ def test_zoo_hstu_attention_becomes_jagged():
     assert "index_copy" not in final and "einsum" not in final
 
 
+@pytest.mark.slow  # static shapes; make test checks the same model dynamic (test_models.py zoo[hstu])
 def test_zoo_hstu_forward_and_grads_equal_eager():
     torch._dynamo.reset()
     w = workload("hstu")

@@ -16,7 +16,7 @@ from models.serving import (CachedHSTURanker, HSTURanker, RankingServer, Request
                             no_cache_inputs, rank_without_cache)
 from recompile.lowering import Target
 from recompile.serving import PagedKVCache
-from runtime.kernels import SUPPORTS
+from recompile.runtime.kernels import SUPPORTS
 
 CFG = HSTUConfig(num_items=50, dim=16, num_layers=2, num_heads=2, max_len=64, dropout=0.0, attn_dim=8, linear_dim=8,
                  num_time_buckets=16)

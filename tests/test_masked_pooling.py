@@ -120,7 +120,7 @@ def test_table_padding_idx_equal_to_the_mask_id():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_tables_against_the_reference(dtype):
     """fp16/bf16 tables (a mask cast to the table's dtype): the compiled pooling against the op's reference."""
-    from runtime.embedding import SUM, grouped_embedding_bag_reference
+    from recompile.runtime.embedding import SUM, grouped_embedding_bag_reference
 
     model, ids = Pooled(negated_mask_sum, dtype=dtype), padded_ids(8, 7)
     assert len(regions(model, ids)[0]) == 1

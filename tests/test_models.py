@@ -41,10 +41,10 @@ def test_zoo_model_compiles_and_matches_eager(name):
 def test_eager_and_rec_ascend_loss_curves_match():
     # dropout 0: Inductor's random numbers differ from eager's
     argv = ["--model", "hstu", "--dim", "16", "--max-len", "12", "--batch-size", "32", "--lr", "5e-4", "--dropout", "0",
-            "--in-batch-negatives", "16", "--sampled-negatives", "16", "--max-steps", "50", "--quiet"]
+            "--in-batch-negatives", "16", "--sampled-negatives", "16", "--max-steps", "30", "--quiet"]
     eager = train.run_training(train.parser().parse_args(argv + ["--backend", "eager"]))["losses"]
     compiled = train.run_training(train.parser().parse_args(argv + ["--backend", "rec_ascend"]))["losses"]
-    assert len(eager) == len(compiled) == 50
+    assert len(eager) == len(compiled) == 30
     eager, compiled = torch.tensor(eager), torch.tensor(compiled)
     assert eager[-10:].mean() < eager[:10].mean() - 0.3  # it trains
     rel = ((compiled - eager).abs() / eager.abs()).max().item()

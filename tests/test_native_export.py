@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hkv.native import library_path
-from runtime import dropout
+from recompile.runtime import dropout
 
 pytestmark = pytest.mark.skipif(not dropout.available(), reason="the native kernels are not built")
 
@@ -26,7 +26,7 @@ def test_exported_program_calls_the_native_op_without_the_package(tmp_path):
     path = tmp_path / "dropout.pt2"
     torch.export.save(program, path)
     torch.save((x, seed, Dropout()(x, seed)), tmp_path / "io.pt")
-    script = (f"import torch; torch.ops.load_library({library_path('runtime._C')!r}); "
+    script = (f"import torch; torch.ops.load_library({library_path('recompile.runtime._C')!r}); "
               f"x, seed, want = torch.load({str(tmp_path / 'io.pt')!r}); "
               f"got = torch.export.load({str(path)!r}).module()(x, seed); "
               "assert torch.equal(got, want), (got - want).abs().max(); "

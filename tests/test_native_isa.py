@@ -1,12 +1,12 @@
 """Every native CPU kernel (runtime/csrc, C++ torch operators) on every instruction set this build and CPU run
-(generic, AVX2, AVX-512: ``runtime.native.use_isa`` switches in process, as ``RECOMPILE_ISA`` does per process),
+(generic, AVX2, AVX-512: ``recompile.runtime.native.use_isa`` switches in process, as ``RECOMPILE_ISA`` does per process),
 forward and backward against its reference, on random inputs: the AVX2 path is tested on an AVX-512 machine."""
 import pytest
 import torch
 
-import runtime
-from runtime import embedding_native, native
-from runtime.embedding import NONE, SUM
+from recompile import runtime
+from recompile.runtime import embedding_native, native
+from recompile.runtime.embedding import NONE, SUM
 from tests.test_embedding_native import _group
 from tests.test_jagged_native import attention_case
 

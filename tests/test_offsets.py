@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import recompile
-from runtime.fbgemm import fbgemm_op
-from runtime.kernels import KERNELS
-from runtime.offsets import complete_cumsum_reference
+from recompile.runtime.fbgemm import fbgemm_op
+from recompile.runtime.kernels import KERNELS
+from recompile.runtime.offsets import complete_cumsum_reference
 
 IMPLS = sorted(KERNELS["complete_cumsum"])
 

@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import recompile
 from recompile.backend import rec_ascend
-from runtime.padded_attention import padded_softmax_attention_reference, query_cuts
+from recompile.runtime.padded_attention import padded_softmax_attention_reference, query_cuts
 from tests.test_padded_sequence import additive_mask, build, histories, inputs_of, outputs_and_grads
 
 N_ITEMS, N, C, H = 40, 12, 16, 2

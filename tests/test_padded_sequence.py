@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import recompile
-from runtime.kernels import KERNELS
-from runtime.padded_attention import padded_softmax_attention_reference
+from recompile.runtime.kernels import KERNELS
+from recompile.runtime.padded_attention import padded_softmax_attention_reference
 
 N_ITEMS, MAX_LEN, HIDDEN = 40, 12, 16
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recompile.lowering.registry import bind
-from runtime.kernels import KERNELS, UnsupportedInputs, why_not
+from recompile.runtime.kernels import KERNELS, UnsupportedInputs, why_not
 
 ops = torch.ops.recompile
 IMPLS = sorted(KERNELS["hstu_paged_attention"])

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from models.retrieval_serving import QuantizedItems
 from recompile.lowering import choose, detect_target
-from runtime import jagged_attention_native, native
+from recompile.runtime import jagged_attention_native, native
 from tests.test_paged_attention import make_case
 
 pytestmark = pytest.mark.skipif(not jagged_attention_native.available(), reason="the native kernels are not built")

@@ -14,9 +14,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import recompile
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 from recompile.quantize import QuantizedEmbedding, QuantizedEmbeddingBag
-from runtime import embedding_native
-from runtime.embedding import grouped_embedding_bag_reference
-from runtime.quantized import SCALE_BIAS, dequantize_rows, quantize_rows, scale_bias
+from recompile.runtime import embedding_native
+from recompile.runtime.embedding import grouped_embedding_bag_reference
+from recompile.runtime.quantized import SCALE_BIAS, dequantize_rows, quantize_rows, scale_bias
 
 fbgemm = pytest.importorskip("fbgemm_gpu")
 QOP = torch.ops.recompile.grouped_embedding_bag_quantized.default
@@ -100,7 +100,7 @@ def test_lookup_equals_dequantize_then_bag(case):
                                                pooling, padding, last, layout, names.split(","))
     for impl in IMPLS:
         # The native kernel reads every such group itself: its torch fallback must not run.
-        with mock.patch("runtime.quantized.forward_reference", side_effect=AssertionError("fell back")) \
+        with mock.patch("recompile.runtime.quantized.forward_reference", side_effect=AssertionError("fell back")) \
                 if impl == "native" else contextlib.nullcontext():
             out = QOP(tables, indices, offsets, psws, pooling, padding, last, qdtype, layout, names, "fatal", impl)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5, msg=impl)
@@ -242,7 +242,7 @@ def test_compiled_quantized_dlrm_is_one_grouped_call_equal_to_dequantized_eager(
 @pytest.mark.skipif(not embedding_native.available(), reason="built without the native kernels")
 @pytest.mark.parametrize("qdtype", ["int8", "int4"])
 def test_native_kernel_on_every_instruction_set_and_streamed_output(qdtype):
-    from runtime.native import available_isas, use_isa
+    from recompile.runtime.native import available_isas, use_isa
 
     g = torch.Generator().manual_seed(3)
     tables = [quantize_rows(_table(50, dim, seed=i), qdtype) for i, dim in enumerate((160, 90))]  # 64-blocks, 16s, tail
@@ -262,7 +262,7 @@ def test_native_kernel_on_every_instruction_set_and_streamed_output(qdtype):
 def test_large_tables_start_on_a_huge_page_with_fbgemm_bytes(qdtype):
     """A packed table of at least 2 MiB starts on a 2 MiB boundary, its storage covers its last 2 MiB page (so all of
     it can be put on transparent huge pages), and its bytes are still FBGEMM's."""
-    from runtime.quantized import HUGE_PAGE
+    from recompile.runtime.quantized import HUGE_PAGE
 
     w = torch.randn(50_000 if qdtype == "int8" else 120_000, 64, generator=torch.Generator().manual_seed(2))
     ours = quantize_rows(w, qdtype)

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import recompile
-import runtime  # noqa: F401  (defines torch.ops.recompile.*)
+from recompile import runtime  # noqa: F401  (defines torch.ops.recompile.*)
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 from recompile.lowering import FACTS, LOWERINGS, OpFacts, candidates, declare_facts, detect_target, kernel_of, op_facts
 from recompile.lowering import ops_where
 from recompile.lowering.registry import KINDS, overload
-from runtime import interaction_native
-from runtime.kernels import KERNELS, SUPPORTS, UnsupportedInputs
+from recompile.runtime import interaction_native
+from recompile.runtime.kernels import KERNELS, SUPPORTS, UnsupportedInputs
 from test_interaction_pass import FM, CrossNet
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ def names_real_code(describe: str) -> bool:
     head = describe.split()[0].rstrip(":,")
     if head.endswith((".c", ".h")):
         return any((base / head).exists() for base in (ROOT, ROOT / "runtime"))
-    if not head.startswith(("runtime.", "hkv.")):
+    if not head.startswith(("recompile.runtime.", "hkv.")):
         return True  # prose ("addmm + addcmul", "ATen embedding_bag per table ...")
     parts = head.split(".")
     for cut in range(len(parts), 0, -1):

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-import runtime.embedding_native  # noqa: F401  (registers the native kernel)
-from runtime.kernels import KERNELS
+import recompile.runtime.embedding_native  # noqa: F401  (registers the native kernel)
+from recompile.runtime.kernels import KERNELS
 
 ops = torch.ops.recompile
 

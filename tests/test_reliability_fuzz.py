@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import hkv
-import runtime.embedding_native  # noqa: F401  (registers the native kernel)
+import recompile.runtime.embedding_native  # noqa: F401  (registers the native kernel)
 from hkv import checkpoint, storage
 from hkv.checkpoint import CheckpointError
-from runtime.kernels import KERNELS
+from recompile.runtime.kernels import KERNELS
 from tests.test_reliability_hkv import Injector
 from tests.test_reliability_jagged import JAGGED_OPS, check_call
 

@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from runtime.jagged import checked_offsets
-from runtime.kernels import KERNELS
+from recompile.runtime.jagged import checked_offsets
+from recompile.runtime.kernels import KERNELS
 
 ops = torch.ops.recompile
 D = 3

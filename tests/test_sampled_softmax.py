@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import recompile
 from recompile.lowering import choose, detect_target
-from runtime.kernels import UnsupportedInputs
+from recompile.runtime.kernels import UnsupportedInputs
 
 loss_op = torch.ops.recompile.sampled_softmax_loss
 

@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's packages
 from hkv import triton_kernels as hkv_kernels  # noqa: E402
-from runtime.triton_kernels import (embedding, embedding_optimizer, interaction, jagged_attention,  # noqa: E402
+from recompile.runtime.triton_kernels import (embedding, embedding_optimizer, interaction, jagged_attention,  # noqa: E402
                                     jagged_bmm, jagged_dense, jagged_softmax, offsets, softmax_attention)
 
 I32 = "i32"

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.embedding import MEAN, NONE, SUM
-from runtime.triton_kernels import embedding as kernels
+from recompile.runtime.embedding import MEAN, NONE, SUM
+from recompile.runtime.triton_kernels import embedding as kernels
 
 ops = torch.ops.recompile
 

@@ -4,10 +4,10 @@ repeated ids, empty bags, MEAN pooling with a padding id, per-sample weights, ev
 import pytest
 import torch
 
-from runtime import embedding_optimizer
-from runtime.embedding import MEAN, NONE, SUM
-from runtime.embedding_optimizer import OPTIMIZERS, format_optimizer
-from runtime.triton_kernels import embedding_optimizer as kernels
+from recompile.runtime import embedding_optimizer
+from recompile.runtime.embedding import MEAN, NONE, SUM
+from recompile.runtime.embedding_optimizer import OPTIMIZERS, format_optimizer
+from recompile.runtime.triton_kernels import embedding_optimizer as kernels
 
 ops = torch.ops.recompile
 

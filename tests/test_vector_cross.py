@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import recompile
 from recompile.lowering import choose, detect_target
-from runtime import interaction_native, native
-from runtime.interaction import vector_cross_reference
+from recompile.runtime import interaction_native, native
+from recompile.runtime.interaction import vector_cross_reference
 from tests.test_interaction_forms import pipeline_only
 from tests.test_normalize import normalized
 

@@ -30,8 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from recompile.distributed.comm import CollectiveError
-from runtime.jagged import check_offsets
-from runtime.jagged_attention import time_bucket, time_bucket_edges
+from recompile.runtime.jagged import check_offsets
+from recompile.runtime.jagged_attention import time_bucket, time_bucket_edges
 
 EXCHANGES = ("ring", "all_gather")
 # Positions of a chunk attended at once: scores of at most [B, H, BLOCK_SIZE, BLOCK_SIZE] per chunk pair.

@@ -4,9 +4,9 @@ from recompile.lowering.registry import Impl, has_triton, on_cpu, reference, reg
 
 register_lowering(
     "recompile::beam_decode_attention",
-    Impl("triton", "triton", has_triton, "runtime.triton_kernels.beam_decode_attention (online softmax over "
+    Impl("triton", "triton", has_triton, "recompile.runtime.triton_kernels.beam_decode_attention (online softmax over "
                                          "context tiles per beam tile, then each beam's own keys)"),
-    Impl("cpu", "cpu_kernel", on_cpu, "runtime.beam_decode_attention (shared-context batched matmul + per-beam "
+    Impl("cpu", "cpu_kernel", on_cpu, "recompile.runtime.beam_decode_attention (shared-context batched matmul + per-beam "
                                       "suffix, one softmax)"),
-    reference("runtime.beam_decode_attention.beam_decode_attention_reference (context copied per beam)"),
+    reference("recompile.runtime.beam_decode_attention.beam_decode_attention_reference (context copied per beam)"),
 )

@@ -2,7 +2,7 @@
 as ops on tables bound by name (below).
 
 hkv (usable without recompile) keeps its probe kernels by name in ``hkv.kernels`` (``LOCATE``, ``FIND``, ``CLAIM``);
-they are registered here as ``hkv::lookup``'s kernels in the one kernel table (``runtime.kernels``), each
+they are registered here as ``hkv::lookup``'s kernels in the one kernel table (``recompile.runtime.kernels``), each
 supporting the tables on the devices where ``hkv.kernels.runs_on`` says it runs.
 """
 import weakref
@@ -13,7 +13,7 @@ from hkv import kernels
 from hkv.embedding import DynamicTable
 from hkv.ops import get_table
 from recompile.lowering.registry import Impl, bind, declare_facts, has_triton, reference, register_lowering
-from runtime.kernels import register_kernel
+from recompile.runtime.kernels import register_kernel
 
 
 def probes(name: str):

@@ -4,7 +4,7 @@ buckets), else the reference. HSTU attention on CPU: the native C kernel (runtim
 first."""
 from recompile.lowering.registry import (Impl, declare_facts, has_fbgemm, has_triton, native_on_cpu, on_cpu,
                                          reference, register_lowering)
-from runtime import jagged_attention_native
+from recompile.runtime import jagged_attention_native
 
 # recompile op -> the FBGEMM op with its semantics.
 FBGEMM_EQUIVALENTS = {
@@ -20,14 +20,14 @@ FBGEMM_EQUIVALENTS = {
 
 # Triton kernels where the library lacks the op (fbgemm-ascend A2/A3 has only the conversions).
 TRITON_JAGGED = {
-    "jagged_to_padded_dense": "runtime.triton_kernels.jagged_dense (per (row tile, column block))",
-    "dense_to_jagged": "runtime.triton_kernels.jagged_dense (per (row tile, column block))",
-    "jagged_dense_elementwise_add": "runtime.triton_kernels.jagged_dense (per (row tile, column block), floating)",
-    "jagged_dense_elementwise_mul": "runtime.triton_kernels.jagged_dense (per (row tile, column block), floating)",
-    "jagged_dense_bmm": "runtime.triton_kernels.jagged_bmm (per (row tile, column block) of each sequence)",
-    "jagged_jagged_bmm": "runtime.triton_kernels.jagged_bmm (per (sequence, M block, N block), over its rows)",
-    "jagged_softmax": "runtime.triton_kernels.jagged_softmax (online max and sum per (sequence, column block))",
-    "jagged_softmax_backward": "runtime.triton_kernels.jagged_softmax (sum of g * y, then y (g - sum), per "
+    "jagged_to_padded_dense": "recompile.runtime.triton_kernels.jagged_dense (per (row tile, column block))",
+    "dense_to_jagged": "recompile.runtime.triton_kernels.jagged_dense (per (row tile, column block))",
+    "jagged_dense_elementwise_add": "recompile.runtime.triton_kernels.jagged_dense (per (row tile, column block), floating)",
+    "jagged_dense_elementwise_mul": "recompile.runtime.triton_kernels.jagged_dense (per (row tile, column block), floating)",
+    "jagged_dense_bmm": "recompile.runtime.triton_kernels.jagged_bmm (per (row tile, column block) of each sequence)",
+    "jagged_jagged_bmm": "recompile.runtime.triton_kernels.jagged_bmm (per (sequence, M block, N block), over its rows)",
+    "jagged_softmax": "recompile.runtime.triton_kernels.jagged_softmax (online max and sum per (sequence, column block))",
+    "jagged_softmax_backward": "recompile.runtime.triton_kernels.jagged_softmax (sum of g * y, then y (g - sum), per "
                                "(sequence, column block))",
 }
 
@@ -36,19 +36,19 @@ for _op, _fbgemm in FBGEMM_EQUIVALENTS.items():
         f"recompile::{_op}",
         Impl("fbgemm", "library", has_fbgemm(_fbgemm), f"torch.ops.fbgemm.{_fbgemm}"),
         *((Impl("triton", "triton", has_triton, TRITON_JAGGED[_op]),) if _op in TRITON_JAGGED else ()),
-        Impl("cpu", "cpu_kernel", on_cpu, f"runtime.jagged ({_op}, cpu)"),
-        reference(f"runtime.jagged.{_op}_reference"),
+        Impl("cpu", "cpu_kernel", on_cpu, f"recompile.runtime.jagged ({_op}, cpu)"),
+        reference(f"recompile.runtime.jagged.{_op}_reference"),
     )
 
 # Attention on jagged sequences: the Triton kernel on accelerators; on CPU the native kernel (HSTU), then
 # length buckets of dense ATen ops.
 TRITON_ATTENTION = {
-    "hstu_attention": "runtime.triton_kernels.jagged_attention (forward over query tiles; position and time bias, "
+    "hstu_attention": "recompile.runtime.triton_kernels.jagged_attention (forward over query tiles; position and time bias, "
                       "targets, contextual prefix in the kernel)",
-    "hstu_attention_backward": "runtime.triton_kernels.jagged_attention (dq over query tiles, dk dv and both bias "
+    "hstu_attention_backward": "recompile.runtime.triton_kernels.jagged_attention (dq over query tiles, dk dv and both bias "
                                "grads over key tiles)",
-    "jagged_softmax_attention": "runtime.triton_kernels.softmax_attention (online softmax over query tiles)",
-    "jagged_softmax_attention_backward": "runtime.triton_kernels.softmax_attention (forward recomputed for the "
+    "jagged_softmax_attention": "recompile.runtime.triton_kernels.softmax_attention (online softmax over query tiles)",
+    "jagged_softmax_attention_backward": "recompile.runtime.triton_kernels.softmax_attention (forward recomputed for the "
                                          "log-sum-exp, dq over query tiles, dk dv over key tiles)",
 }
 NATIVE_ATTENTION = {
@@ -64,11 +64,11 @@ for _op in ("hstu_attention", "hstu_attention_backward", "jagged_softmax_attenti
         f"recompile::{_op}",
         *triton_impl,
         *native_impl,
-        Impl("cpu", "cpu_kernel", on_cpu, f"runtime.jagged_attention ({_op}, length-bucketed dense)"),
-        reference(f"runtime.jagged_attention ({_op}, padded to the longest sequence)"),
+        Impl("cpu", "cpu_kernel", on_cpu, f"recompile.runtime.jagged_attention ({_op}, length-bucketed dense)"),
+        reference(f"recompile.runtime.jagged_attention ({_op}, padded to the longest sequence)"),
     )
 
-register_lowering("recompile::jagged_within", reference("runtime.jagged.jagged_within_reference"))
+register_lowering("recompile::jagged_within", reference("recompile.runtime.jagged.jagged_within_reference"))
 
 # The ops the jagged pass emits check their offsets per options.bounds_check: "warning"/"ignore" repair offsets
 # the captured graph would take as they are, so with those modes the captured graph is no autotune candidate.
@@ -79,6 +79,6 @@ for _op in ("jagged_within", "hstu_attention", "jagged_softmax_attention"):
 for _op in ("padded_softmax_attention", "padded_softmax_attention_backward"):
     register_lowering(
         f"recompile::{_op}",
-        Impl("cpu", "cpu_kernel", on_cpu, f"runtime.padded_attention ({_op}, keys cut to the attended ones, grouped)"),
-        reference(f"runtime.padded_attention ({_op}, the padded formula)"),
+        Impl("cpu", "cpu_kernel", on_cpu, f"recompile.runtime.padded_attention ({_op}, keys cut to the attended ones, grouped)"),
+        reference(f"recompile.runtime.padded_attention ({_op}, the padded formula)"),
     )

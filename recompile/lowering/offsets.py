@@ -5,7 +5,7 @@ register_lowering(
     "recompile::complete_cumsum",
     Impl("fbgemm", "library", has_fbgemm("asynchronous_complete_cumsum"),
          "torch.ops.fbgemm.asynchronous_complete_cumsum"),
-    Impl("triton", "triton", has_triton, "runtime.triton_kernels.offsets"),
+    Impl("triton", "triton", has_triton, "recompile.runtime.triton_kernels.offsets"),
     Impl("cpu", "cpu_kernel", on_cpu, "torch.cumsum + pad"),
-    reference("runtime.offsets.complete_cumsum_reference"),
+    reference("recompile.runtime.offsets.complete_cumsum_reference"),
 )

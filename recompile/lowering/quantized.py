@@ -7,12 +7,12 @@ our own kernel: on CPU the native C++ kernel (all tables in one OpenMP call, row
 the reference (dequantize the looked-up rows, bag in torch).
 """
 from recompile.lowering.registry import Impl, declare_facts, native_on_cpu, reference, register_lowering
-from runtime import embedding_native
+from recompile.runtime import embedding_native
 
 register_lowering(
     "recompile::grouped_embedding_bag_quantized",
     Impl("native", "cpu_kernel", native_on_cpu(embedding_native.available),
          "runtime/csrc/quantized.h: every table and bag in one OpenMP call, dequantized in registers"),
-    reference("runtime.quantized.grouped_embedding_bag_quantized_reference"),
+    reference("recompile.runtime.quantized.grouped_embedding_bag_quantized_reference"),
 )
 declare_facts("recompile::grouped_embedding_bag_quantized", bounds_checked=True)

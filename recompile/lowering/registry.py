@@ -1,7 +1,7 @@
 """The kernel registry: for each custom op, its kernels per target in order of preference, and the op's facts.
 
 An entry (``register_lowering``) lists an op's implementations, most preferred first, each naming a kernel of the
-op in ``runtime.kernels`` (the one table of kernels, keyed by the op: ``recompile::`` ops register theirs beside
+op in ``recompile.runtime.kernels`` (the one table of kernels, keyed by the op: ``recompile::`` ops register theirs beside
 the op, ``hkv::lookup``'s probe kernels are registered by ``recompile.lowering.hkv``), what kind it is, when a
 target can run it, and what it does. ``choose(op, target, *args)`` walks the list and takes the first
 implementation the target runs whose kernel ``supports`` the op's arguments (fake tensors at compile time): that
@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from recompile.lowering.targets import Target
-from runtime.kernels import get_kernel, why_not
+from recompile.runtime.kernels import get_kernel, why_not
 
 KINDS = ("library", "triton", "cpu_kernel", "aten", "reference")
 
@@ -94,7 +94,7 @@ def ops_where(fact: str) -> frozenset[str]:
 
 
 def kernel_of(op: str, impl: Impl) -> Callable:
-    """The callable ``impl`` names for ``op`` (its entry in ``runtime.kernels``)."""
+    """The callable ``impl`` names for ``op`` (its entry in ``recompile.runtime.kernels``)."""
     return get_kernel(op, impl.impl)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.fbgemm import fbgemm_ops
+from recompile.runtime.fbgemm import fbgemm_ops
 
 TARGETS = ("auto", "cpu", "cuda", "npu")
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from recompile.passes.utils import arg, each_match, meta_value, replace_node, tensor_meta
 from recompile.pipeline import PassContext, register_pass
-from runtime.dropout import SEED_BOUND
+from recompile.runtime.dropout import SEED_BOUND
 
 
 @dataclass(frozen=True)

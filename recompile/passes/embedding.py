@@ -56,7 +56,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 from recompile.options import embedding_optimizer_spec
 from recompile.passes.utils import arg, has_effects, is_call, meta_value, tensor_meta
 from recompile.pipeline import Fallback, PassContext, graph_fake_mode, register_pass
-from runtime.embedding import MEAN, NONE, POOLING_NAMES, SUM
+from recompile.runtime.embedding import MEAN, NONE, POOLING_NAMES, SUM
 
 OP = "recompile::grouped_embedding_bag"
 QUANTIZED_OP = "recompile::grouped_embedding_bag_quantized"

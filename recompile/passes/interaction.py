@@ -71,7 +71,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 from recompile.passes.utils import (arg, classify_pairs, constant_value, eliminate_dead_code, is_call, is_training,
                                     meta_value, only_user, tensor_meta)
 from recompile.pipeline import PassContext, register_pass
-from runtime.interaction import ACTIVATIONS
+from recompile.runtime.interaction import ACTIVATIONS
 
 LINEAR = torch._C._nn.linear
 REGION = "recompile_region"  # node meta: the region an op node replaced (a cross stack takes its layers' over)

@@ -52,7 +52,7 @@ from recompile.passes.jagged_index import (
 from recompile.passes.jagged_rows import hoist, read_rows
 from recompile.passes.utils import arg, eliminate_dead_code, is_call, meta_value, replace_node, tensor_meta
 from recompile.pipeline import Fallback, PassContext, register_pass
-from runtime.fbgemm import fbgemm_ops
+from recompile.runtime.fbgemm import fbgemm_ops
 
 PAD_FUNCTIONS = (torch._C._nn.pad, torch.nn.functional.pad)
 
@@ -700,7 +700,7 @@ def _padded_attention(gm: fx.GraphModule, ctx: PassContext) -> None:
 
 def _cut_query_rows(group: list[fx.Node]) -> None:
     """Give the attentions of one mask the rows their outputs are read at, where ``read_rows`` proves it: they
-    then compute only the query rows those rows depend on (``runtime.padded_attention``). Unproven: every row,
+    then compute only the query rows those rows depend on (``recompile.runtime.padded_attention``). Unproven: every row,
     which is the padded formula (no fallback to report)."""
     try:
         rows = read_rows(group)

@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
-from runtime.jagged_attention import TIME_BUCKET_BASE, relative_time_index
+from recompile.runtime.jagged_attention import TIME_BUCKET_BASE, relative_time_index
 
 
 class Unproven(Exception):

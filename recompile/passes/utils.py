@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
-from runtime.interaction import pair_indices
+from recompile.runtime.interaction import pair_indices
 
 
 def meta_value(node: Any) -> Any:

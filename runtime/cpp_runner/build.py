@@ -1,5 +1,5 @@
 """Builds ``recompile_runner`` (runner.cpp) against the installed torch's libtorch and this Python's libpython:
-``python -m runtime.cpp_runner.build [OUT_DIR]`` prints the executable's path. The include and library paths are
+``python -m recompile.runtime.cpp_runner.build [OUT_DIR]`` prints the executable's path. The include and library paths are
 ``torch.utils.cpp_extension``'s (the headers and libraries the installed torch ships); the compiler is $CXX or
 c++ (C++17). The runner finds torch's Python package (for the ops defined in Python) in the site-packages of the
 Python that built it."""

@@ -6,7 +6,7 @@
  * written the same way (torch.load reads them). Before loading the package the operator library is loaded:
  * runtime/_C's native operators (torch.ops.recompile_native.*, C++), found next to this runner's source tree or
  * through RECOMPILE_NATIVE_LIB; and, unless --no-python, the torch.ops.recompile.* operators, which are
- * torch.library custom ops defined in Python: the runner embeds the interpreter and imports `runtime` (found on
+ * torch.library custom ops defined in Python: the runner embeds the interpreter and imports `recompile.runtime` (found on
  * PYTHONPATH; torch from the site-packages of the Python that built the runner, RECOMPILE_SITE_PACKAGES) once,
  * then releases it; the package's C++ code calls those operators through the dispatcher. A
  * package of ATen and recompile_native operators only runs with --no-python. */
@@ -57,12 +57,12 @@ void load_native(const char *path) {
         throw std::runtime_error(std::string("recompile_runner: cannot load the operator library: ") + dlerror());
 }
 
-/* torch.ops.recompile.* (Python custom ops): import `runtime` in an embedded interpreter, then release it. */
+/* torch.ops.recompile.* (Python custom ops): import `recompile.runtime` in an embedded interpreter, then release it. */
 PyThreadState *load_python_ops() {
     Py_Initialize();
     const std::string path = std::string("import sys; sys.path.append('") + RECOMPILE_SITE_PACKAGES + "')";
-    if (PyRun_SimpleString(path.c_str()) != 0 || PyRun_SimpleString("import runtime") != 0)
-        throw std::runtime_error("recompile_runner: `import runtime` failed (is the project on PYTHONPATH?)");
+    if (PyRun_SimpleString(path.c_str()) != 0 || PyRun_SimpleString("import recompile.runtime") != 0)
+        throw std::runtime_error("recompile_runner: `import recompile.runtime` failed (is the project on PYTHONPATH?)");
     return PyEval_SaveThread();
 }
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.triton_kernels import num_programs
+from . import num_programs
 
 BLOCK_W = 16
 BLOCK_N = 16
@@ -79,7 +79,7 @@ def _beam_decode_kernel(
 
 
 def beam_decode_attention_forward(q, context_k, context_v, context_lengths, beam_k, beam_v, beam_lengths, scale):
-    """``[B, W, H, Dv]``: see ``runtime.beam_decode_attention``."""
+    """``[B, W, H, Dv]``: see ``recompile.runtime.beam_decode_attention``."""
     batch, beams, heads, head_dim = q.shape
     context, suffix, value_dim = context_k.shape[1], beam_k.shape[2], context_v.shape[3]
     if max(t.numel() for t in (q, context_k, context_v, beam_k, beam_v)) >= 2**31:

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.triton_kernels import num_programs
+from . import num_programs
 
 MAX_BLOCK_D = 256
 # ids of each bag gathered at once, and the elements of a block's [BLOCK_B, BLOCK_L, BLOCK_D] gather
@@ -271,7 +271,7 @@ _PENDING: list[_Pending] = []
 def _report(block: bool) -> None:
     """Read the error flags the device has written (all of them when ``block``); for a lookup that marked an
     error, run the op's checks on its inputs: they raise or warn naming the feature."""
-    from runtime.embedding import checked_lookup
+    from ..embedding import checked_lookup
 
     while _PENDING:
         entry = _PENDING[0]
@@ -312,7 +312,7 @@ def _defer(err: torch.Tensor, lookup: tuple) -> None:
 def grouped_embedding_bag_forward(weights, indices, offsets, per_sample_weights, pooling, padding_idx,
                                   include_last_offset, layout, names, bounds_check) -> torch.Tensor:
     """The op's forward from its own arguments (a RAW kernel): one launch; ids and offsets checked in it."""
-    from runtime.embedding import _validate, check_batches, feature_names, present, raw_features
+    from ..embedding import _validate, check_batches, feature_names, present, raw_features
 
     lookup = (weights, indices, offsets, per_sample_weights, pooling, padding_idx, include_last_offset, layout, names,
               bounds_check)

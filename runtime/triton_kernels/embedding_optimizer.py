@@ -4,7 +4,7 @@ Every table's ids are keyed ``first row of the table in the group + id`` and sor
 and without a host sync; each key's run in the sorted order is one touched row. Work items are blocks of
 ``BLOCK_R`` sorted positions: a position that starts a run owns the row, sums its ids' gradients (each id's
 bag's output gradient times the id's factor: sample weight, padding, MEAN's 1/count) in fp32 in the order the
-ids came, and applies the update in place (``runtime.embedding_optimizer``'s semantics):
+ids came, and applies the update in place (``recompile.runtime.embedding_optimizer``'s semantics):
 
 - ``exact_sgd``: ``w -= lr g``;
 - ``exact_adagrad``: ``s += g^2; w -= lr g / (sqrt(s) + eps)``;
@@ -12,7 +12,7 @@ ids came, and applies the update in place (``runtime.embedding_optimizer``'s sem
 - ``adam``: ``m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; w -= step_size m / (sqrt(v) + eps)`` with the
   table's bias-corrected step size (counted on the host: no sync).
 Rows are whole tiles (a row's D fits one ``BLOCK_D``); tables, their states and the output gradient are
-addressed as in ``runtime.triton_kernels.embedding`` (element offsets from one base per kind).
+addressed as in ``recompile.runtime.triton_kernels.embedding`` (element offsets from one base per kind).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.triton_kernels import num_programs
-from runtime.triton_kernels.embedding import _based, output_offsets
+from . import num_programs
+from .embedding import _based, output_offsets
 
 MAX_DIM = 1024
 TILE_ELEMENTS = 4096
@@ -94,7 +94,7 @@ def supports(weights, kind: str) -> bool:
 
 def optimizer_step(grad, weights, features, factors, states, step_sizes, layout, kind, params) -> None:
     """Update every table's touched rows in place: ``factors[t]`` each id's factor (None: 1), ``states[t]`` the
-    table's state tensors (``runtime.embedding_optimizer.table_state``'s, in OPTIMIZERS' order of use),
+    table's state tensors (``recompile.runtime.embedding_optimizer.table_state``'s, in OPTIMIZERS' order of use),
     ``step_sizes[t]`` Adam's step size."""
     device = grad.device
     counts = [f.ids.numel() for f in features]

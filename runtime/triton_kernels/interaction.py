@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.triton_kernels import interpreting, num_programs
+from . import interpreting, num_programs
 
 
 @triton.jit

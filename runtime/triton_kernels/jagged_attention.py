@@ -13,7 +13,7 @@ each tile's sequence and start (int32); a 1-D grid of ``num_programs`` programs 
   pairs; the relative bias gradient sums ``ds`` along each diagonal of the tile and adds the sums at
   ``N - 1 + n - m`` atomically (one add per diagonal), the time bias gradient adds ``ds`` at each pair's bucket.
 - time buckets: HSTU's ``clamp(int(log(max(|gap|, 1)) / 0.301), 0, num_buckets)``; for integer timestamps by a
-  binary search of the bucket edges (``runtime.jagged_attention.time_bucket_edges``: the formula exactly).
+  binary search of the bucket edges (``recompile.runtime.jagged_attention.time_bucket_edges``: the formula exactly).
 Index arithmetic is int32 (timestamps int64); tiles are ``BLOCK`` x head dim, well inside 192 KB.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.triton_kernels import num_programs
+from . import num_programs
 
 BLOCK = 16
 NO_TIME, INT_TIME, FLOAT_TIME = 0, 1, 2
@@ -60,7 +60,7 @@ def _store_rows(ptr, value, start, r, r_ok, heads, head, width, cols):
 
 @triton.jit
 def _keep(m, n, m_ok, n_ok, length, targets, contextual, CAUSAL: tl.constexpr, MASKED: tl.constexpr):
-    """HSTU's valid mask on the pairs (m, n) of one tile (``runtime.jagged_attention.hstu_valid_mask``)."""
+    """HSTU's valid mask on the pairs (m, n) of one tile (``recompile.runtime.jagged_attention.hstu_valid_mask``)."""
     keep = m_ok[:, None] & n_ok[None, :]
     if MASKED:
         shift = tl.maximum(contextual - 1, 0)
@@ -261,7 +261,7 @@ def _blocks(q, v) -> dict:
 def _launch(q, v, offsets, max_seq_len, alpha, causal, num_targets, contextual_seq_len, rel_bias, timestamps,
             time_bias):
     """The grid, the arguments every kernel takes after its tensors, and the constexprs; None without work."""
-    from runtime.jagged_attention import time_bucket_edges
+    from ..jagged_attention import time_bucket_edges
 
     _check_size(q, v, max_seq_len)
     offsets = offsets.to(torch.int32)

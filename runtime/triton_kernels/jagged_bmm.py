@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.triton_kernels import num_programs
-from runtime.triton_kernels.jagged_attention import BLOCK, _tiles, _work_item
+from . import num_programs
+from .jagged_attention import BLOCK, _tiles, _work_item
 
 BLOCK_K = 32
 BLOCK_N = 32

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.triton_kernels import num_programs
-from runtime.triton_kernels.jagged_attention import BLOCK, _tiles, _work_item
+from . import num_programs
+from .jagged_attention import BLOCK, _tiles, _work_item
 
 TO_PADDED, TO_JAGGED, ADD, MUL = 0, 1, 2, 3
 MAX_BLOCK_D = 128

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.triton_kernels import num_programs
+from . import num_programs
 
 BLOCK_R = 16
 MAX_BLOCK_D = 128

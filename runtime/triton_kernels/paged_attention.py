@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.triton_kernels import num_programs
-from runtime.triton_kernels.jagged_attention import _blocks, _check_size, _load_rows, _store_rows, _tiles
+from . import num_programs
+from .jagged_attention import _blocks, _check_size, _load_rows, _store_rows, _tiles
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Softmax attention on jagged sequences (SASRec) as persistent Triton kernels, forward and backward.
 
-The work items are those of the HSTU kernels (``runtime.triton_kernels.jagged_attention``): (tile, head) pairs over
+The work items are those of the HSTU kernels (``recompile.runtime.triton_kernels.jagged_attention``): (tile, head) pairs over
 every sequence's own tiles, a 1-D grid looping over them.
 - forward: an item is a query tile; it walks the key tiles it sees (up to its diagonal when causal) with an online
   softmax (running max and sum in fp32), and stores each row's log-sum-exp for the backward.
@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.triton_kernels import num_programs
-from runtime.triton_kernels.jagged_attention import (_blocks, _check_size, _load_rows, _store_rows, _tiles,
+from . import num_programs
+from .jagged_attention import (_blocks, _check_size, _load_rows, _store_rows, _tiles,
                                                      _work_item)
 
 
