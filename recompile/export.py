@@ -7,10 +7,10 @@ attributes, the model's input and output structure kept), the rec pipeline rewri
 module into an ``ExportedProgram`` (ATen ops plus our custom ops, through their fake implementations). Dynamic
 dims (a batch, a jagged total) are declared with ``dynamic_shapes`` as ``torch.export`` takes them.
 
-``package``: ``torch._inductor.aoti_compile_and_package`` of that program. Loading it needs no ``recompile``
-import, only the operator library: ``from recompile import runtime`` (which defines ``torch.ops.recompile.*`` and loads
+``package``: ``torch._inductor.aoti_compile_and_package`` of that program. Loading it needs none of the
+passes, only the operator library: ``from recompile import runtime`` (which defines ``torch.ops.recompile.*`` and loads
 fbgemm) before ``torch._inductor.aoti_load_package`` (``load`` below does both). The custom ops are Python
-ops, so the process that runs the package needs Python with ``runtime`` importable.
+ops, so the process that runs the package needs Python with ``recompile.runtime`` importable.
 
 hkv tables: a graph names a table by this process's table id; ``export`` rewrites its lookups into ops on a
 table bound by name (its module path in the model, ``recompile.lowering.hkv``), and the serving process binds
