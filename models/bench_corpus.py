@@ -367,7 +367,7 @@ def commit() -> str:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m models.bench_corpus", description=__doc__.split("\n\n")[0])
     models = sorted({c.model for c in CASES.values()})
-    p.add_argument("--models", nargs="+", choices=models, metavar="MODEL", help=f"default: all ({', '.join(models)})")
+    p.add_argument("--models", nargs="+", choices=models, metavar="MODEL", help=f"in this order; default: all ({', '.join(models)})")
     p.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)}; batch 128 (inference: 1 and 128); one timed round")
     p.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds, each running every backend once in turn")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = 1 if args.quick else args.rounds
     gbs = bandwidth_gbs(64 if args.quick else 256)
     print(f"copy bandwidth {gbs:.1f} GB/s, {torch.get_num_threads()} threads", flush=True)
-    cases = [c for c in CASES.values() if c.model in chosen]
+    cases = [c for model in chosen for c in CASES.values() if c.model == model]  # in the order given
     result = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
               "threads": torch.get_num_threads(), "commit": commit(), "quick": args.quick, "rounds": rounds,
               "bandwidth_gbs": gbs, "cases": len(cases), "rows": []}
