@@ -9,19 +9,24 @@ Inductor and recompile cache folders, Inductor's FX-graph and AOT-autograd cache
   at batch 128, less one steady step;
 - ms per step of eager, Inductor and rec_ascend at batch 128 and 2048 (inference entries: batch 1 too), timed
   interleaved round by round (``models.timing.race_ms``); a training step is loss + backward;
-- the regions ``models/corpus/expected.py`` expects and those rec_ascend found, the autotune choice per graph;
+- the regions ``models/corpus/expected.py`` expects and those rec_ascend found, and the autotune race's decision
+  per graph (read from its cache: the candidate kept, each region's kernel, the race's timings, what it did not
+  compile and why), which the verdict quotes where rec_ascend is slower than min(eager, Inductor);
 - whether rec_ascend's output (and gradients) equal eager's (1e-5 / 1e-4 relative);
 - the model's floor: its dense GEMMs (matmul, linear, bmm, einsum, conv; forward and, for training, backward)
   timed alone on inputs of their shapes, plus its lookups' bytes over the measured memory bandwidth;
 - the rec pass pipeline's time per captured graph.
 Writes the JSON and renders the corpus table into the doc between its ``corpus-table`` markers. Figures from a
 loaded machine are marked so by the caller; ``--quick`` is a smoke run (four models, batch 128 and 1, one round).
+The full run (48 cases, 24 models) takes about 20 min on 2 cores: ``ROUNDS`` timed rounds after one warm-up run
+per backend, the regions and graph breaks read from the floor's capture rather than a second trace.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import datetime
+import json
 import operator
 import os
 import platform
@@ -44,6 +49,7 @@ BACKENDS = ("eager", "inductor", "rec_ascend")
 TRAIN_BATCHES, INFER_BATCHES = (128, 2048), (1, 128, 2048)
 QUICK_TRAIN_BATCHES, QUICK_INFER_BATCHES = (128,), (1, 128)
 QUICK_MODELS = ("recbole/FM", "recbole/SASRec", "torchrec/DLRM", "gr/HSTU")
+ROUNDS = 5  # timed rounds of the full run, each backend once per round, interleaved
 TABLE_START, TABLE_END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
 GEMMS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
          torch.baddbmm, torch.einsum, torch.tensordot, operator.matmul, torch.conv1d, torch.conv2d,
@@ -60,6 +66,24 @@ def cold_caches() -> str:
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     return folder
+
+
+def decisions_since(start: float) -> list[dict]:
+    """The autotune decisions rec_ascend's race stored since ``start`` (time.time()), oldest first; a race whose
+    rounds disagreed stores none (it kept the safe candidate)."""
+    from recompile.autotune import cache_dir
+
+    files = sorted((f for f in cache_dir().glob("*.json") if f.stat().st_mtime >= start), key=lambda f: f.stat().st_mtime)
+    return [json.loads(f.read_text()) for f in files]
+
+
+def describe_decision(d: dict) -> str:
+    """One line: the candidate kept, its regions' kernels, the race's median ms, what was not compiled and why."""
+    regions = ", ".join(f"{node}: {impl}" for node, impl in d["regions"].items()) or "no rec region"
+    times = ", ".join(f"{name} {ms:.3g}" for name, ms in sorted(d["timings_ms"].items(), key=lambda kv: kv[1]))
+    rejected = "; ".join(f"{name} {why}" for name, why in d["rejected"].items())
+    return (f"{d['mode']} graph kept {d['choice']} ({regions}); race ms: {times}"
+            + (f"; {rejected}" if rejected else ""))
 
 
 def step_fn(case: Case, fn, module, inputs):
@@ -83,7 +107,7 @@ def race(steps: dict, rounds: int) -> tuple[dict, dict]:
         except Exception as exc:  # noqa: BLE001  (any backend failure is a result to report)
             errors[name] = error_text(exc)
             del steps[name]
-    return race_ms(steps, rounds), errors
+    return race_ms(steps, rounds, warmup=1), errors
 
 
 def error_text(exc: Exception) -> str:
@@ -230,7 +254,7 @@ def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False) -> dict
         batches = TRAIN_BATCHES if case.training else INFER_BATCHES
     first = 128
     inputs = {b: case.inputs(b, 0) for b in batches}
-    compile_s, errors = {}, {}
+    compile_s, errors, started = {}, {}, time.time()
     for name in ("inductor", "rec_ascend"):
         step = step_fn(case, fns[name], modules[name], inputs[first])
         try:
@@ -239,55 +263,57 @@ def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False) -> dict
             errors[f"{name} at batch {first}"] = error_text(exc)
             continue
         compile_s[name] = max(0.0, cold - min(_timed(step) for _ in range(3)))
+    decisions = [describe_decision(d) for d in decisions_since(started)]
     numbers_equal = "rec_ascend" in compile_s and equal(case, fns["rec_ascend"], modules["rec_ascend"], modules["eager"],
                                                         inputs[first])
-    ms, floors = {}, {}
+    ms, floors, found = {}, {}, {}
     for b in batches:
         steps = {name: step_fn(case, fns[name], modules[name], inputs[b]) for name in BACKENDS}
         ms[b], failed = race(steps, rounds)
         errors.update({f"{name} at batch {b}": why for name, why in failed.items()})
         graphs, pass_ms, regions = capture(case, inputs[b])
         floors[b] = floor_ms(graphs, case.training, gbs, rounds)
-    report = _explain(case, inputs[first])
+        found[b] = (pass_ms, regions, len(graphs) - 1)
+    pass_ms, regions, breaks = found[first]
     expected = EXPECTED[case.model]
     return {
         "case": case.name, "training": case.training,
         "regions_expected": [{"label": e.label, "found": e.found(regions) >= e.count, "track": e.track} for e in expected],
         "regions_found": {f"{k} {op}": n for (k, op), n in sorted(regions.items())},
-        "graph_breaks": {"found": report["breaks"], "expected": graph_breaks(case.model)[0]},
-        "autotune": report["autotune"],
+        "graph_breaks": {"found": breaks, "expected": graph_breaks(case.model)[0]},
+        "autotune": decisions,
         "numbers_equal": numbers_equal,
         "compile_s": compile_s,
         "ms": {str(b): v for b, v in ms.items()},
         "floor": {str(b): v for b, v in floors.items()},
         "pass_ms": pass_ms,
         "errors": errors,
-        "verdict": verdict(ms, floors, compile_s, report["autotune"]) + [f"{k} failed: {v}" for k, v in errors.items()],
+        "verdict": verdict(ms, floors, compile_s, decisions, bool(regions)) + [f"{k} failed: {v}" for k, v in errors.items()],
     }
 
 
-def _explain(case: Case, inputs) -> dict:
-    import recompile
-
-    torch._dynamo.reset()
-    with torch.set_grad_enabled(case.training):
-        d = recompile.explain(case.make(0), *inputs).to_dict()
-    return {"breaks": len([g for g in d["graphs"] if g["break_reason"]]),
-            "autotune": [f"graph {t['graph']}: {t['choice']}" for t in d["autotune"]]}
-
-
-def verdict(ms: dict, floors: dict, compile_s: dict, autotune: list[str]) -> list[str]:
-    """Where the issue's targets are missed, and what the run shows about why."""
+def verdict(ms: dict, floors: dict, compile_s: dict, decisions: list[str], raced: bool = True) -> list[str]:
+    """Where the issue's targets are missed, and what the run shows about why: the race's decisions (taken on
+    the first call, at batch 128; ``raced``: the graphs had rec regions to race) and the floor's parts."""
     notes = []
     for b, m in ms.items():
         if "rec_ascend" not in m:
             continue
         best = min(m.get("eager", float("inf")), m.get("inductor", float("inf")))
         if m["rec_ascend"] > best:
-            kept = f"autotune kept {', '.join(autotune)}" if autotune else "no autotune decision recorded"
-            notes.append(f"batch {b}: rec_ascend {m['rec_ascend']:.3f} ms > min(eager, inductor) {best:.3f} ms ({kept})")
-        if m["rec_ascend"] > 1.5 * floors[b]["ms"]:
-            notes.append(f"batch {b}: {m['rec_ascend'] / floors[b]['ms']:.1f}x its floor {floors[b]['ms']:.3f} ms")
+            if decisions:
+                why = "; ".join(decisions)
+            elif raced:
+                why = "no decision stored: a race whose rounds disagreed keeps the safe candidate"
+            else:
+                why = "no rec region: the graph is Inductor's compile, so the gap is timing noise"
+            notes.append(f"batch {b}: rec_ascend {m['rec_ascend']:.3f} ms > min(eager, inductor) {best:.3f} ms ({why})")
+        floor = floors[b]
+        if m["rec_ascend"] > 1.5 * floor["ms"]:
+            notes.append(f"batch {b}: {m['rec_ascend'] / floor['ms']:.1f}x its floor {floor['ms']:.3f} ms (GEMMs "
+                         f"{floor['gemm_ms']:.3f} + lookups {floor['lookup_ms']:.3f}): "
+                         f"{m['rec_ascend'] - floor['ms']:.3f} ms in the rest (elementwise, softmax, losses, "
+                         f"per-op dispatch)")
     if len(compile_s) == 2 and compile_s["rec_ascend"] > 1.5 * compile_s["inductor"]:
         notes.append(f"cold compile {compile_s['rec_ascend'] / max(compile_s['inductor'], 1e-9):.1f}x Inductor's")
     return notes
@@ -324,9 +350,11 @@ def write_doc(path: str, result: dict) -> None:
         raise ValueError(f"{path} has no {TABLE_START} ... {TABLE_END} markers to render the corpus table between")
     head, rest = text.split(TABLE_START, 1)
     _, tail = rest.split(TABLE_END, 1)
+    done = len(result["rows"])
+    partial = f", {done} of {result['cases']} cases measured (a partial run)" if done < result.get("cases", done) else ""
     note = (f"Measured {result['date']} on {result['machine']}, {result['threads']} threads, commit "
-            f"{result['commit']}{', --quick' if result['quick'] else ''}; speed ratios above 1 mean rec_ascend is "
-            f"faster. Generated by `python -m models.bench_corpus`.")
+            f"{result['commit']}{', --quick' if result['quick'] else ''}, {result['rounds']} rounds{partial}; speed "
+            f"ratios above 1 mean rec_ascend is faster. Generated by `python -m models.bench_corpus`.")
     doc.write_text(f"{head}{TABLE_START}\n{note}\n\n{render_table(result['rows'])}\n{TABLE_END}{tail}")
 
 
@@ -339,9 +367,9 @@ def commit() -> str:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m models.bench_corpus", description=__doc__.split("\n\n")[0])
     models = sorted({c.model for c in CASES.values()})
-    p.add_argument("--models", nargs="+", choices=models, metavar="MODEL", help=f"default: all ({', '.join(models)})")
+    p.add_argument("--models", nargs="+", choices=models, metavar="MODEL", help=f"in this order; default: all ({', '.join(models)})")
     p.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)}; batch 128 (inference: 1 and 128); one timed round")
-    p.add_argument("--rounds", type=int, default=10, help="timed rounds, each running every backend once in turn")
+    p.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds, each running every backend once in turn")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--json", default="docs/benchmarks/corpus.json")
     p.add_argument("--doc", default="docs/corpus.md", help="the doc whose corpus table is rendered ('' : none)")
@@ -354,26 +382,27 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = 1 if args.quick else args.rounds
     gbs = bandwidth_gbs(64 if args.quick else 256)
     print(f"copy bandwidth {gbs:.1f} GB/s, {torch.get_num_threads()} threads", flush=True)
-    rows = []
-    for case in (c for c in CASES.values() if c.model in chosen):
+    cases = [c for model in chosen for c in CASES.values() if c.model == model]  # in the order given
+    result = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
+              "threads": torch.get_num_threads(), "commit": commit(), "quick": args.quick, "rounds": rounds,
+              "bandwidth_gbs": gbs, "cases": len(cases), "rows": []}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    for case in cases:
         row = bench_case(case, rounds, gbs, args.quick)
-        rows.append(row)
+        result["rows"].append(row)
         print(f"{row['case']:40s} equal={row['numbers_equal']} compile " +
               " ".join(f"{k} {v:.1f}s" for k, v in row["compile_s"].items()) + "  " +
               "  ".join(f"b{b}: " + " ".join(f"{k} {v:.3f}" for k, v in m.items()) + f" floor {row['floor'][b]['ms']:.3f}"
                         for b, m in row["ms"].items()), flush=True)
         for note in row["verdict"]:
             print(f"    {note}", flush=True)
-    result = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
-              "threads": torch.get_num_threads(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "commit": commit(), "quick": args.quick, "rounds": rounds, "bandwidth_gbs": gbs, "rows": rows}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    write_json(args.json, result)
-    if args.doc:
-        write_doc(args.doc, result)
+        # written after every case: a run stopped early keeps (and says) what it measured
+        result["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        write_json(args.json, result)
+        if args.doc:
+            write_doc(args.doc, result)
     print(f"wrote {args.json}" + (f" and the table in {args.doc}" if args.doc else ""))
     return result
-
 
 if __name__ == "__main__":
     main()

@@ -20,7 +20,15 @@ first ``Lq[b]`` rows of sequence b, ``Lq[b]`` the smallest length >= ``rows[b] +
 the mask) to no key at or past it (a causal mask: ``rows[b] + 1``, the history read; bidirectional: the history).
 Every row past ``Lq[b]`` is 0 in the output and gets no gradient, in every kernel. The check is of the mask itself,
 at run time, so a mask with holes or an empty history widens ``Lq[b]`` (up to N: the padded path) and stays exact.
-The CPU kernel runs the sequences in buckets of ``Lq`` rounded up to ``BUCKET``, each on its own width.
+The CPU kernel runs the sequences in buckets of ``Lq`` rounded up to ``BUCKET``, each on its own width, where
+that saves at least ``SPLIT_SAVING`` of the work; else all at once on the longest ``Lq`` (no gathers, no copies).
+
+The CPU kernels' softmax over fewer than ``SHORT_ROWS`` keys is written out (``softmax_``: max, exp, sum, divide,
+in place): ATen's CPU softmax vectorizes only rows of at least one AVX-512 vector and is 5x slower than those four
+passes below it (480 vs 95 us for ``[128, 2, 12, 12]``, one thread; 35 us at 16 keys), which was most of a padded
+attention's time at such lengths (RecBole's SASRec in the corpus: 12). Its exponent is clamped at ``EXP_FLOOR``
+first: the vectorized exp leaves its fast path below -87.3 (8x slower on a masked row's -10000s); a key there
+weighs ``exp(EXP_FLOOR)`` < 2e-38 of the row's largest instead of 0.
 """
 from __future__ import annotations
 
@@ -44,10 +52,15 @@ def padded_softmax_attention_reference(q, k, v, mask, scale, rows=None):
 register_kernel(OP, "reference")(padded_softmax_attention_reference)
 
 
+def _kept_rows(cuts: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, 1, n, 1]``: 1 at the rows of sequence b before ``cuts[b]``, 0 past them."""
+    keep = torch.arange(n, device=cuts.device) < cuts.view(-1, 1)
+    return keep.view(keep.shape[0], 1, n, 1).to(dtype)
+
+
 def _zero_rows_from(x: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
     """``x [B, H, N, D]`` with the rows of sequence b at or past ``cuts[b]`` set to 0."""
-    keep = torch.arange(x.shape[2], device=x.device) < cuts.view(-1, 1)
-    return x * keep.view(keep.shape[0], 1, -1, 1).to(x.dtype)
+    return x * _kept_rows(cuts, x.shape[2], x.dtype)
 
 
 def query_cuts(mask: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -80,41 +93,72 @@ def _cut(cut, k, v, mask):
     return k[:, :, :cut], v[:, :, :cut], mask[..., :cut]
 
 
-# Sequences whose query cuts round up to the same multiple of this run together.
+# Rows of fewer keys than this get the written-out softmax (module docstring).
+SHORT_ROWS = 16
+EXP_FLOOR = -87.0  # exp of it is float32's smallest normal magnitude, about (module docstring)
+
+
+def softmax_(scores: torch.Tensor) -> torch.Tensor:
+    """``torch.softmax(scores, -1)``, in place in ``scores`` for rows shorter than ``SHORT_ROWS`` (module
+    docstring: why not ATen's there)."""
+    if scores.shape[-1] >= SHORT_ROWS:
+        return torch.softmax(scores, -1)
+    scores.sub_(scores.amax(-1, keepdim=True)).clamp_(min=EXP_FLOOR).exp_()
+    return scores.div_(scores.sum(-1, keepdim=True))
+
+
+def _weights(q, k, mask, scale):
+    scores = torch.matmul(q, k.transpose(-2, -1))
+    return softmax_(scores.mul_(scale).add_(mask))
+
+
+def _attention(q, k, v, mask, scale):
+    """``padded_softmax_attention_reference`` without rows, in the CPU kernels' passes."""
+    return torch.matmul(_weights(q, k, mask, scale), v)
+
+
+# Sequences whose query cuts round up to the same multiple of this run together ...
 BUCKET = 8
+# ... when the buckets do at most this share of the work of running every sequence on the longest cut.
+SPLIT_SAVING = 0.7
 
 
 def _buckets(mask: torch.Tensor, rows: torch.Tensor, n: int):
     """``(cuts, [(width, sequences, their mask [.., width, width]), ...])``: the sequences by their cut rounded
-    up to ``BUCKET``; within a bucket a sequence's rows before its cut attend only to keys before it."""
+    up to ``BUCKET`` (``sequences`` a slice of all when one bucket on the longest cut does nearly as little work);
+    within a bucket a sequence's rows before its cut attend only to keys before it."""
     cuts = query_cuts(mask, rows, n)
     widths = ((cuts + BUCKET - 1) // BUCKET * BUCKET).clamp(max=n)
-    buckets = []
-    for width in widths.unique().tolist():
-        if width:
-            seqs = (widths == width).nonzero().view(-1)
-            part = mask if mask.shape[0] == 1 else mask[seqs]
-            buckets.append((width, seqs, part[..., :width, :width] if part.shape[-2] != 1 else part[..., :width]))
+    longest = int(cuts.max()) if cuts.numel() else 0
+    if float(widths.float().square().sum()) >= SPLIT_SAVING * cuts.numel() * longest ** 2:
+        groups = [(longest, slice(None), mask)] if longest else []
+    else:
+        groups = [(width, (widths == width).nonzero().view(-1)) for width in widths.unique().tolist() if width]
+        groups = [(width, seqs, mask if mask.shape[0] == 1 else mask[seqs]) for width, seqs in groups]
+    buckets = [(width, seqs, part[..., :width, :width] if part.shape[-2] != 1 else part[..., :width])
+               for width, seqs, part in groups]
     return cuts, buckets
 
 
 @register_kernel(OP, "cpu")
 def padded_softmax_attention_cpu(q, k, v, mask, scale, rows=None):
     if rows is None:
-        return padded_softmax_attention_reference(q, *_cut(cut_length(mask, k.shape[2]), k, v, mask), scale)
-    cuts, buckets = _buckets(mask, rows, q.shape[2])
+        return _attention(q, *_cut(cut_length(mask, k.shape[2]), k, v, mask), scale)
+    n = q.shape[2]
+    cuts, buckets = _buckets(mask, rows, n)
+    if len(buckets) == 1 and buckets[0][0] == n:  # every row of every sequence: no copies, rows past the cuts zeroed
+        return _attention(q, k, v, mask, scale).mul_(_kept_rows(cuts, n, q.dtype))
     out = q.new_zeros(*q.shape[:3], v.shape[-1])
     for width, seqs, part in buckets:
-        out[seqs, :, :width] = padded_softmax_attention_reference(
-            q[seqs, :, :width], k[seqs, :, :width], v[seqs, :, :width], part, scale)
-    return _zero_rows_from(out, cuts)
+        out[seqs, :, :width] = _attention(q[seqs, :, :width], k[seqs, :, :width], v[seqs, :, :width], part, scale)
+    return out.mul_(_kept_rows(cuts, n, q.dtype))
 
 
 def _attention_backward(grad, q, k, v, mask, scale):
     """dq, dk, dv of ``padded_softmax_attention_reference`` (the weights recomputed)."""
-    weights = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * scale + mask, dim=-1)
-    dweights = torch.matmul(grad, v.transpose(-2, -1))
-    dscores = weights * (dweights - (dweights * weights).sum(-1, keepdim=True)) * scale
+    weights = _weights(q, k, mask, scale)
+    dscores = torch.matmul(grad, v.transpose(-2, -1)).mul_(weights)
+    dscores.addcmul_(weights, dscores.sum(-1, keepdim=True), value=-1).mul_(scale)
     dq, dk = torch.matmul(dscores, k), torch.matmul(dscores.transpose(-2, -1), q)
     return dq, dk, torch.matmul(weights.transpose(-2, -1), grad)
 
@@ -135,6 +179,8 @@ def padded_softmax_attention_backward_cpu(grad, q, k, v, mask, scale, rows=None)
         return dq, dk, dv
     cuts, buckets = _buckets(mask, rows, q.shape[2])
     grad = _zero_rows_from(grad, cuts)
+    if len(buckets) == 1 and buckets[0][0] == q.shape[2]:
+        return _attention_backward(grad, q, k, v, mask, scale)
     for width, seqs, part in buckets:
         dq[seqs, :, :width], dk[seqs, :, :width], dv[seqs, :, :width] = _attention_backward(
             grad[seqs, :, :width], q[seqs, :, :width], k[seqs, :, :width], v[seqs, :, :width], part, scale)

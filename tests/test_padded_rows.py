@@ -148,3 +148,35 @@ def test_rows_survive_the_autotune_race():
         for lengths in ([3, 12, 1, 6], [5, 2, 7, 8, 4]):
             inputs = batch(lengths)
             torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", [[12, 12, 11, 12], [12, 1, 2, 1, 1, 2]], ids=["one bucket", "buckets"])
+def test_cpu_kernel_one_bucket_and_buckets_equal_the_formula(lengths):
+    """Nearly full histories run all at once on the longest cut (no gathers); one long history among short ones
+    runs in buckets (``SPLIT_SAVING``): both are the padded formula on the computed rows, forward and backward."""
+    from runtime.padded_attention import BUCKET, _buckets
+
+    lengths = torch.tensor(lengths)
+    b, rows = len(lengths), lengths - 1
+    mask = additive_mask(lengths, N, True, [], 1, torch.float32)
+    _, buckets = _buckets(mask, rows, N)
+    assert (len(buckets) == 1) == (lengths.min() > BUCKET)
+    q, k, v = (torch.randn(b, H, N, 8, requires_grad=True) for _ in range(3))
+    computed = (torch.arange(N) < lengths.view(-1, 1)).view(b, 1, N, 1)
+    full = padded_softmax_attention_reference(q, k, v, mask, 0.5)
+    grad = torch.randn_like(full) * computed
+    got = torch.ops.recompile.padded_softmax_attention(q, k, v, mask, 0.5, "cpu", rows)
+    torch.testing.assert_close(got, full * computed, rtol=1e-5, atol=1e-6)
+    for a, w in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(full, (q, k, v), grad)):
+        torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("keys", [1, 12, 15, 16, 40])
+def test_written_out_softmax_equals_torch_softmax(keys):
+    """Short rows (written out, the exponent clamped) and long ones (ATen's), with masked keys and a row that
+    attends to no key."""
+    from runtime.padded_attention import softmax_
+
+    scores = torch.randn(3, 2, 5, keys) * 30 + torch.where(torch.rand(3, 1, 5, keys) < 0.4, -10000.0, 0.0)
+    scores[0, :, 1] = -10000.0
+    torch.testing.assert_close(softmax_(scores.clone()), torch.softmax(scores, -1), rtol=1e-6, atol=1e-7)

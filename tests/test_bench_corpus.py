@@ -1,0 +1,36 @@
+"""The corpus benchmark's report: the verdict names the race's decision where rec_ascend is slower than
+min(eager, Inductor) and the floor's parts where it is above 1.5x its floor; a partial run's table says so."""
+from models.bench_corpus import TABLE_END, TABLE_START, describe_decision, verdict, write_doc
+
+DECISION = {"mode": "training", "choice": "inductor", "regions": {"padded_softmax_attention_default": "cpu"},
+            "timings_ms": {"inductor": 2.5, "rec+eager": 4.0}, "rejected": {"inductor-captured": "not compiled: x"}}
+FLOOR = {"ms": 1.0, "gemm_ms": 0.75, "lookup_ms": 0.25}
+
+
+def test_describe_decision_names_choice_kernels_timings_and_rejections():
+    line = describe_decision(DECISION)
+    assert line.startswith("training graph kept inductor (padded_softmax_attention_default: cpu)")
+    assert "race ms: inductor 2.5, rec+eager 4" in line and "inductor-captured not compiled: x" in line
+
+
+def test_verdict_says_why_only_where_a_target_is_missed():
+    ms = {128: {"eager": 3.0, "inductor": 2.0, "rec_ascend": 2.4}, 2048: {"eager": 9.0, "inductor": 8.0,
+                                                                          "rec_ascend": 1.2}}
+    notes = verdict(ms, {128: FLOOR, 2048: FLOOR}, {"inductor": 1.0, "rec_ascend": 1.2}, ["the decision"])
+    assert notes[0] == "batch 128: rec_ascend 2.400 ms > min(eager, inductor) 2.000 ms (the decision)"
+    assert notes[1].startswith("batch 128: 2.4x its floor 1.000 ms (GEMMs 0.750 + lookups 0.250): 1.400 ms")
+    assert len(notes) == 2  # batch 2048 meets both; compile within 1.5x
+    assert "no rec region" in verdict(ms, {128: FLOOR, 2048: FLOOR}, {}, [], raced=False)[0]
+
+
+def test_partial_run_is_marked_in_the_table(tmp_path):
+    doc = tmp_path / "corpus.md"
+    doc.write_text(f"head\n{TABLE_START}\nSTALE\n{TABLE_END}\ntail\n")
+    row = {"case": "recbole/FM:loss", "regions_expected": [], "numbers_equal": True,
+           "ms": {"128": {"eager": 2.0, "inductor": 1.0, "rec_ascend": 0.5}}, "floor": {"128": FLOOR},
+           "compile_s": {"inductor": 2.0, "rec_ascend": 1.0}}
+    write_doc(str(doc), {"date": "d", "machine": "m", "threads": 1, "commit": "c", "quick": False, "rounds": 5,
+                         "cases": 48, "rows": [row]})
+    text = doc.read_text()
+    assert "1 of 48 cases measured (a partial run)" in text and "| recbole/FM:loss | none | yes | 128: 2.00x |" in text
+    assert text.startswith("head\n") and text.endswith("tail\n") and "STALE" not in text
