@@ -154,7 +154,7 @@ def test_rows_survive_the_autotune_race():
 def test_cpu_kernel_one_bucket_and_buckets_equal_the_formula(lengths):
     """Nearly full histories run all at once on the longest cut (no gathers); one long history among short ones
     runs in buckets (``SPLIT_SAVING``): both are the padded formula on the computed rows, forward and backward."""
-    from runtime.padded_attention import BUCKET, _buckets
+    from recompile.runtime.padded_attention import BUCKET, _buckets
 
     lengths = torch.tensor(lengths)
     b, rows = len(lengths), lengths - 1
@@ -175,7 +175,7 @@ def test_cpu_kernel_one_bucket_and_buckets_equal_the_formula(lengths):
 def test_written_out_softmax_equals_torch_softmax(keys):
     """Short rows (written out, the exponent clamped) and long ones (ATen's), with masked keys and a row that
     attends to no key."""
-    from runtime.padded_attention import softmax_
+    from recompile.runtime.padded_attention import softmax_
 
     scores = torch.randn(3, 2, 5, keys) * 30 + torch.where(torch.rand(3, 1, 5, keys) < 0.4, -10000.0, 0.0)
     scores[0, :, 1] = -10000.0
