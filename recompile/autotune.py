@@ -558,7 +558,8 @@ def apply_regions(gm: fx.GraphModule, regions: dict[str, str]) -> None:
 
 
 class _NodeTimer(fx.Interpreter):
-    """Runs the graph eagerly and adds up the wall time of all nodes and of those ``fixed`` says Inductor keeps."""
+    """Runs the graph eagerly and adds up the wall time of all nodes and of those ``fixed`` says Inductor keeps,
+    each ``fixed(node)`` times."""
 
     def __init__(self, gm: fx.GraphModule, fixed: Callable[[fx.Node], bool]):
         super().__init__(gm)
@@ -573,8 +574,7 @@ class _NodeTimer(fx.Interpreter):
         synchronize()
         elapsed = time.perf_counter() - t0
         self.total += elapsed
-        if self.is_fixed(n):
-            self.fixed += elapsed
+        self.fixed += elapsed * self.is_fixed(n)  # a weight: a node counted twice bounds its backward too
         return result
 
 
@@ -602,10 +602,15 @@ def inductor_can_win(rewritten: fx.GraphModule, sandbox: Sandbox) -> bool:
     return timer.total - timer.fixed >= MIN_FUSABLE_SHARE * timer.total
 
 
-def inductor_floor_ms(gm: fx.GraphModule, sandbox: Sandbox) -> float:
+def inductor_floor_ms(gm: fx.GraphModule, sandbox: Sandbox, training: bool) -> float:
     """A lower bound of the time of ``gm`` compiled by Inductor: the calls it hands to a library whatever
-    surrounds them (``KEPT_BY_INDUCTOR``), timed eagerly."""
-    return 1e3 * timed_nodes(gm, sandbox, lambda node: node.target in KEPT_BY_INDUCTOR).fixed
+    surrounds them (``KEPT_BY_INDUCTOR``), timed eagerly; in training, a call whose output needs a gradient counts
+    twice (the backward of a product or a lookup has at least one call of the forward's size per input needing one)."""
+    def times(node: fx.Node) -> int:
+        if node.target not in KEPT_BY_INDUCTOR:
+            return 0
+        return 2 if training and getattr(node.meta.get("example_value"), "requires_grad", False) else 1
+    return 1e3 * timed_nodes(gm, sandbox, times).fixed
 
 
 class GraphChooser:
@@ -943,22 +948,24 @@ def fastest_eagerly(graphs: dict[str, Callable[[], fx.GraphModule]], sandbox: Sa
 def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: dict, sandbox: Sandbox,
                     decision: Decision, training: bool, budget_s: float) -> str:
     """Leave in ``builders`` only the Inductor candidates that can win: Inductor compiles what the graphs share
-    alike, so it compiles the graph that ran fastest eagerly (its regions are the fastest); inference graphs
-    also compile the captured graph (the Inductor a user would otherwise get) unless its library calls alone
-    (``inductor_floor_ms``) take longer than the fastest graph eagerly, and skip the fastest one where Inductor
-    has little to fuse around our ops (``inductor_can_win``). Returns the graph that ran fastest eagerly."""
+    alike, so it compiles the graph that ran fastest eagerly (its regions are the fastest), and the captured graph
+    (the Inductor a user would otherwise get: it can win where it fuses what a region does eagerly, e.g. a short
+    softmax) unless its library calls alone (``inductor_floor_ms``) take longer than the fastest graph eagerly;
+    inference graphs skip the fastest one where Inductor has little to fuse around our ops (``inductor_can_win``).
+    Returns the graph that ran fastest eagerly."""
     fastest = fastest_eagerly(graphs, sandbox, training, decision, budget_s) if len(graphs) > 1 else next(iter(graphs))
     keep = {inductor_of(fastest)}
     why = f"{fastest} ran fastest eagerly"
-    if not training and "eager" in graphs:
+    if "eager" in graphs:
         best_ms = decision.timings_ms.get(f"eagerly:{fastest}")
-        floor_ms = inductor_floor_ms(graphs["eager"](), sandbox) if fastest != "eager" and best_ms else 0.0
+        floor_ms = inductor_floor_ms(graphs["eager"](), sandbox, training) if fastest != "eager" and best_ms else 0.0
         if best_ms and floor_ms > best_ms * (1 + MARGIN):
             decision.rejected["inductor-captured"] = (f"not compiled: its library calls alone take {floor_ms:.3f} ms, "
                                                       f"{fastest} eagerly {best_ms:.3f} ms")
         else:
             keep.add("inductor-captured")
-        if fastest != "eager" and not inductor_can_win(graphs[fastest](), sandbox):
+    if not training and fastest != "eager":
+        if not inductor_can_win(graphs[fastest](), sandbox):
             keep.discard(inductor_of(fastest))
             decision.rejected[inductor_of(fastest)] = (f"not compiled: the nodes it could fuse take under "
                                                        f"{MIN_FUSABLE_SHARE:.0%} of a call")

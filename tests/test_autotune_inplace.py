@@ -3,6 +3,7 @@ calls after the choice (raced or cached), timed as Dynamo calls it (a training c
 backward); a choice that loses there gives way to the captured graph (a cached one is dropped, to be raced again). And Inductor does not compile the
 captured graph when its library calls alone take longer than the fastest graph eagerly."""
 import time
+import types
 
 import pytest
 import torch
@@ -127,7 +128,7 @@ def test_the_captured_graph_is_not_compiled_when_its_library_calls_cannot_win(_c
         return "rec+eager"
 
     monkeypatch.setattr(autotune, "fastest_eagerly", fastest_eagerly)
-    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda gm, sandbox: 1.0)
+    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda *args: 1.0)
     monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: True)
     model, x = Cross(), torch.randn(8, 16)
     torch._dynamo.reset()
@@ -144,4 +145,39 @@ def test_inductor_floor_counts_gemms_not_pointwise_work():
     sandbox = autotune.Sandbox([torch.randn(256, 256), torch.randn(256, 256)])
     timer = autotune.timed_nodes(gm, sandbox, lambda node: node.target in autotune.KEPT_BY_INDUCTOR)
     assert 0 < timer.fixed < timer.total
-    assert autotune.inductor_floor_ms(gm, sandbox) > 0
+    assert autotune.inductor_floor_ms(gm, sandbox, False) > 0
+
+
+def test_training_floor_counts_a_product_that_needs_a_gradient_twice(monkeypatch):
+    """In training the floor bounds the backward too: a GEMM whose output needs a gradient counts twice, one
+    that does not (no input needs one) once."""
+    gm = torch.fx.symbolic_trace(lambda x, w, v: torch.mm(x, w) + torch.mm(x, v))
+    w = torch.randn(64, 64, requires_grad=True)
+    mm_w, mm_v = [n for n in gm.graph.nodes if n.target is torch.mm]
+    mm_w.meta["example_value"], mm_v.meta["example_value"] = torch.mm(torch.randn(2, 64), w), torch.zeros(2, 64)
+    weights = {}
+    monkeypatch.setattr(autotune, "timed_nodes", lambda gm, sandbox, fixed: weights.update(
+        {n.name: fixed(n) for n in gm.graph.nodes}) or types.SimpleNamespace(fixed=1.0))
+    autotune.inductor_floor_ms(gm, None, True)
+    assert (weights[mm_w.name], weights[mm_v.name], weights["add"]) == (2, 1, 0)
+    autotune.inductor_floor_ms(gm, None, False)
+    assert (weights[mm_w.name], weights[mm_v.name]) == (1, 1)
+
+
+def test_a_training_graph_compiles_the_captured_graph_when_its_floor_is_below(_cache, inductor_graphs, monkeypatch):
+    """Plain Inductor can win a training graph where it fuses what a region does eagerly (SASRec's short softmax):
+    its captured graph is compiled unless its library calls alone take longer than the fastest graph eagerly."""
+    def fastest_eagerly(graphs, sandbox, training, decision, budget_s):
+        decision.timings_ms["eagerly:rec+eager"] = 1.0
+        return "rec+eager"
+
+    monkeypatch.setattr(autotune, "fastest_eagerly", fastest_eagerly)
+    floors = []
+    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda gm, sandbox, training: floors.append(training) or 0.5)
+    model, x = Cross(), torch.randn(8, 16)
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="rec_ascend")(x)
+    out.sum().backward()
+    [decision] = _decisions(_cache)
+    assert floors == [True]
+    assert {"inductor", "inductor-captured"} <= decision["compile_s"].keys()
