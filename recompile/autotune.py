@@ -711,8 +711,8 @@ class GraphChooser:
 
     def time_backward(self, name: str, out: Any, args: Sequence[Any], forward_s: float) -> bool:
         """Add to ``check_s[name]`` the call's forward and, when the caller's backward runs, its part in it: from
-        the first gradient of the call's outputs to the last of its inputs' (autograd hooks, removed once they
-        fired or at ``settle_check``). False when the call has no backward."""
+        the first gradient of the call's outputs to its inputs' (autograd hooks, removed once they fired or at
+        ``settle_check``). False when the call has no backward."""
         outs = [o for o in _outputs(out) if o.requires_grad]
         ins = [a for a in _tensors(args) if a.requires_grad]
         if not outs or not ins:
@@ -733,7 +733,9 @@ class GraphChooser:
                 self.settle_when_checked()
 
         handles = [o.register_hook(begin) for o in outs]
-        handles.append(torch.autograd.graph.register_multi_grad_hook(ins, end, mode="all"))
+        # "any": the compiled graph's backward is one autograd node giving every input its gradient at once; "all"
+        # asks the engine which leaves it will reach, which torch.autograd.grad(...) does not support.
+        handles.append(torch.autograd.graph.register_multi_grad_hook(ins, end, mode="any"))
         self.pending.extend(handles)
         return True
 

@@ -77,13 +77,16 @@ class SlowBackward(torch.autograd.Function):
         return grad * 2
 
 
-def _steps(chooser, n, backward=True):
-    """Training calls as a caller makes them: the graph's forward on a leaf, then the loss's backward."""
+def _steps(chooser, n, backward=True, grad=False):
+    """Training calls as a caller makes them: the graph's forward on a leaf, then the loss's backward (or
+    ``torch.autograd.grad`` of it)."""
     x = torch.randn(4, requires_grad=True)
     for _ in range(n):
         out = chooser.run(x)
         torch.testing.assert_close(out, x.detach() * 2)
-        if backward:
+        if grad:
+            torch.testing.assert_close(torch.autograd.grad((out * 3).sum(), x)[0], torch.full((4,), 6.0))
+        elif backward:
             (out * 3).sum().backward()
     return x
 
@@ -109,6 +112,15 @@ def test_a_training_choice_that_holds_in_place_is_kept(_cache):
     chooser = autotune.GraphChooser({"inductor": _fast}, _fast, decision, 0.0, chosen=_fast, eager=SlowBackward.apply)
     x = _steps(chooser, 2 * autotune.CHECK_CALLS)
     assert chooser.run is _fast and chooser.decision.choice == "inductor"
+    assert chooser.decision.timings_ms["in place:eager"] > 4 > chooser.decision.timings_ms["in place:inductor"]
+    assert not x._backward_hooks
+
+
+def test_a_training_check_through_autograd_grad_times_the_backward(_cache):
+    """torch.autograd.grad(loss, x) instead of loss.backward(): the hooks work there too (it raised before)."""
+    decision = autotune.Decision("inductor", mode="training", key="t" * 32)
+    chooser = autotune.GraphChooser({"inductor": _fast}, _fast, decision, 0.0, chosen=_fast, eager=SlowBackward.apply)
+    x = _steps(chooser, 2 * autotune.CHECK_CALLS, grad=True)
     assert chooser.decision.timings_ms["in place:eager"] > 4 > chooser.decision.timings_ms["in place:inductor"]
     assert not x._backward_hooks
 
