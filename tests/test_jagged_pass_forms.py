@@ -232,6 +232,7 @@ def test_multihead_attention_weights_in_use_stay_padded_with_reason():
     assert "need_weights" in fallback["reason"]
 
 
+@pytest.mark.slow  # tests/test_jagged_pass.py::test_hstu_layer_over_many_batches in make test
 @settings(max_examples=6, deadline=None)
 @given(lengths=st.lists(st.integers(0, N), min_size=1, max_size=5))
 def test_index_padded_hstu_over_many_batches(lengths):

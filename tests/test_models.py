@@ -18,7 +18,13 @@ def _loss_and_grads(model, workload, inputs):
                            for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# Three heavy compiles run with `make test-slow`: their paths are covered in `make test` by the SASRec layer
+# (tests/test_jagged_pass.py) and the corpus's SASRec, TorchRec's DLRM (tests/test_embedding_torchrec.py, the
+# corpus) and the two-tower zoo model.
+SLOW_ZOO = {"sasrec", "dlrm_torchrec", "two_tower_mol"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_ZOO else n for n in sorted(MODELS)])
 def test_zoo_model_compiles_and_matches_eager(name):
     workload = MODELS[name]("small")
     model = workload.model.eval()  # dropout off: eager and compiled draw different random numbers
@@ -38,6 +44,7 @@ def test_zoo_model_compiles_and_matches_eager(name):
     assert counter.frame_count == (2 if name == "dlrm_torchrec" else 1), f"{name} compiled {counter.frame_count} times"
 
 
+@pytest.mark.slow
 def test_eager_and_rec_ascend_loss_curves_match():
     # dropout 0: Inductor's random numbers differ from eager's
     argv = ["--model", "hstu", "--dim", "16", "--max-len", "12", "--batch-size", "32", "--lr", "5e-4", "--dropout", "0",
@@ -92,6 +99,7 @@ def test_two_tower_heads():
         TwoTowerConfig(dim=8, tower=[16, 4])
 
 
+@pytest.mark.slow
 def test_ranks_and_curve_on_the_held_out_item():
     """Per-user ranks of the held-out item come with the metrics, and --eval-every-epoch records the curve."""
     argv = ["--model", "two_tower", "--epochs", "2", "--batch-size", "4096", "--max-len", "5", "--dim", "8",
