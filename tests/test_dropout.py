@@ -156,6 +156,7 @@ def test_one_compile_for_every_batch_size_and_verify_passes():
     assert verified(torch.randn(8, 16)).shape == (8, 16)
 
 
+@pytest.mark.slow  # the compiled-dropout tests above keep every backend's masks in make test
 def test_the_benchmark_runs_every_backend_and_checks_the_results():
     from models.bench_sequential import Case, SampledSoftmax, bench, keeps, same_as_eager
 

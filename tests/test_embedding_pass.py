@@ -103,6 +103,7 @@ def test_out_of_range_id_names_the_table():
         torch.compile(model, backend="rec_ascend")(dense, indices, offsets)
 
 
+@pytest.mark.slow  # tests/test_foundation.py::test_batch_size_changes_compile_at_most_twice in make test
 def test_batch_size_changes_compile_at_most_twice():
     model = DLRM(SMALL)
     counter = CompileCounterWithBackend("rec_ascend")

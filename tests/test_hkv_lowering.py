@@ -140,7 +140,7 @@ def test_partial_offload_buckets_ids_on_the_host(offload, monkeypatch):
             assert bool((buckets[1:] >= buckets[:-1]).all())
 
 
-@pytest.mark.parametrize("offload", ["partial", "full"])
+@pytest.mark.parametrize("offload", [pytest.param("partial", marks=pytest.mark.slow), "full"])
 def test_prefetch_with_compiled_model_trains_identically(offload):
     """hkv.Prefetcher inserts the next batch's new ids while the compiled model trains on the current
     one; training with and without it gives the same outputs and tables (constant initialiser: the

@@ -52,6 +52,7 @@ def test_zoo_hstu_forward_and_grads_equal_eager():
     assert_compiled_equals_eager(w.model, w.inputs)
 
 
+@pytest.mark.slow  # test_models.py zoo[hstu] (one compile over three batch sizes) in make test
 def test_zoo_hstu_varying_batches_compile_at_most_twice(monkeypatch):
     calls = count_hstu_kernel_calls(monkeypatch)
     torch._dynamo.reset()

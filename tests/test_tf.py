@@ -88,7 +88,7 @@ def test_imported_dlrm_fine_tunes(tf_dir):
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params.values())
 
 
-@pytest.mark.parametrize("name", ["wide_deep", "dlrm", "transformer", "ops"])
+@pytest.mark.parametrize("name", [pytest.param("wide_deep", marks=pytest.mark.slow), "dlrm", "transformer", "ops"])
 def test_compile_tf_matches_tensorflow(tf_dir, name):
     entry, inputs, expected = load(tf_dir, name)
     compiled = recompile.compile_tf(tf_dir / f"{name}.pb", entry["inputs"], entry["outputs"])
@@ -97,6 +97,7 @@ def test_compile_tf_matches_tensorflow(tf_dir, name):
     assert not torch._dynamo.utils.counters["graph_break"]  # data-dependent sizes (bag counts, Unique) included
 
 
+@pytest.mark.slow  # the compile count over batches: tests/test_foundation.py, test_models.py in make test
 def test_compiled_batches_compile_at_most_twice(tf_dir):
     entry, inputs, expected = load(tf_dir, "dcn")
     counter = CompileCounterWithBackend("rec_ascend")
