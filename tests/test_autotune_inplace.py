@@ -107,28 +107,26 @@ def test_a_training_choice_whose_backward_is_slower_in_place_gives_way(_cache, c
     assert not x._backward_hooks  # every hook removed
 
 
-def test_a_training_choice_that_holds_in_place_is_kept(_cache):
+def _fast_training_chooser():
+    """A training choice (``_fast``) whose captured graph, run eagerly, has the slower backward."""
     decision = autotune.Decision("inductor", mode="training", key="t" * 32)
-    chooser = autotune.GraphChooser({"inductor": _fast}, _fast, decision, 0.0, chosen=_fast, eager=SlowBackward.apply)
-    x = _steps(chooser, 2 * autotune.CHECK_CALLS)
+    return autotune.GraphChooser({"inductor": _fast}, _fast, decision, 0.0, chosen=_fast, eager=SlowBackward.apply)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["backward", "autograd.grad"])
+def test_a_training_choice_that_holds_in_place_is_kept(_cache, grad):
+    """Timed by the caller's loss.backward() or torch.autograd.grad(loss, x): the hooks work for both (the
+    second raised before)."""
+    chooser = _fast_training_chooser()
+    x = _steps(chooser, 2 * autotune.CHECK_CALLS, grad=grad)
     assert chooser.run is _fast and chooser.decision.choice == "inductor"
-    assert chooser.decision.timings_ms["in place:eager"] > 4 > chooser.decision.timings_ms["in place:inductor"]
-    assert not x._backward_hooks
-
-
-def test_a_training_check_through_autograd_grad_times_the_backward(_cache):
-    """torch.autograd.grad(loss, x) instead of loss.backward(): the hooks work there too (it raised before)."""
-    decision = autotune.Decision("inductor", mode="training", key="t" * 32)
-    chooser = autotune.GraphChooser({"inductor": _fast}, _fast, decision, 0.0, chosen=_fast, eager=SlowBackward.apply)
-    x = _steps(chooser, 2 * autotune.CHECK_CALLS, grad=True)
     assert chooser.decision.timings_ms["in place:eager"] > 4 > chooser.decision.timings_ms["in place:inductor"]
     assert not x._backward_hooks
 
 
 def test_a_training_check_without_backward_keeps_the_pick_and_its_hooks_go(_cache):
     """Calls under grad mode whose backward never comes: after 4 * CHECK_CALLS the pick stays, no hook is left."""
-    decision = autotune.Decision("inductor", mode="training", key="t" * 32)
-    chooser = autotune.GraphChooser({"inductor": _fast}, _fast, decision, 0.0, chosen=_fast, eager=SlowBackward.apply)
+    chooser = _fast_training_chooser()
     x = _steps(chooser, 4 * autotune.CHECK_CALLS, backward=False)
     assert chooser.run is _fast and chooser.decision.choice == "inductor"
     assert not x._backward_hooks
