@@ -259,25 +259,28 @@ def _hstu_kernel(impl):
     return forward, backward
 
 
-for _impl in BUCKET_RATIOS:
-    _fwd, _bwd = _hstu_kernel(_impl)
-    register_kernel("hstu_attention", _impl)(_fwd)
-    register_kernel("hstu_attention_backward", _impl)(_bwd)
+def _register_attention(op: str, bucketed, triton_kernels) -> None:
+    """Kernels of ``op`` and ``<op>_backward``: ``bucketed(impl)``'s (forward, backward) for each of BUCKET_RATIOS,
+    and ``triton``: the (forward, backward) ``triton_kernels()`` imports (Triton is imported at the first call)."""
+    for impl in BUCKET_RATIOS:
+        forward, backward = bucketed(impl)
+        register_kernel(op, impl)(forward)
+        register_kernel(f"{op}_backward", impl)(backward)
+    register_kernel(op, "triton")(lambda *args: triton_kernels()[0](*args))
+    register_kernel(f"{op}_backward", "triton")(lambda *args: triton_kernels()[1](*args))
 
 
-@register_kernel("hstu_attention", "triton")
-def _hstu_attention_triton(*args):
-    from .triton_kernels.jagged_attention import hstu_attention_forward
+def _hstu_triton():
+    from .triton_kernels.jagged_attention import hstu_attention_backward, hstu_attention_forward
 
-    return hstu_attention_forward(*args)
+    def backward(*args):
+        dq, dk, dv, drel, dtime = hstu_attention_backward(*args)
+        return [dq, dk, dv], [drel, dtime]
+
+    return hstu_attention_forward, backward
 
 
-@register_kernel("hstu_attention_backward", "triton")
-def _hstu_attention_backward_triton(*args):
-    from .triton_kernels.jagged_attention import hstu_attention_backward
-
-    dq, dk, dv, drel, dtime = hstu_attention_backward(*args)
-    return [dq, dk, dv], [drel, dtime]
+_register_attention("hstu_attention", _hstu_kernel, _hstu_triton)
 
 
 def hstu_attention_reference(q, k, v, offsets, max_seq_len, alpha, causal=True, num_targets=None,
@@ -397,24 +400,13 @@ def _softmax_kernel(impl):
     return forward, backward
 
 
-for _impl in BUCKET_RATIOS:
-    _fwd, _bwd = _softmax_kernel(_impl)
-    register_kernel("jagged_softmax_attention", _impl)(_fwd)
-    register_kernel("jagged_softmax_attention_backward", _impl)(_bwd)
+def _softmax_triton():
+    from .triton_kernels.softmax_attention import softmax_attention_backward, softmax_attention_forward
+
+    return softmax_attention_forward, softmax_attention_backward
 
 
-@register_kernel("jagged_softmax_attention", "triton")
-def _softmax_attention_triton(*args):
-    from .triton_kernels.softmax_attention import softmax_attention_forward
-
-    return softmax_attention_forward(*args)
-
-
-@register_kernel("jagged_softmax_attention_backward", "triton")
-def _softmax_attention_backward_triton(*args):
-    from .triton_kernels.softmax_attention import softmax_attention_backward
-
-    return softmax_attention_backward(*args)
+_register_attention("jagged_softmax_attention", _softmax_kernel, _softmax_triton)
 
 
 def jagged_softmax_attention_reference(q, k, v, offsets, scale, causal=True):

@@ -64,7 +64,7 @@ def test_hstu_triton_single_row_and_all_empty():
 def test_tiles_are_listed_without_waiting_for_the_device():
     """The work list has B + total // 16 entries (known on the host); the real tiles are every sequence's own,
     the spare entries start past their sequence."""
-    from recompile.runtime.triton_kernels.jagged_attention import _tiles
+    from recompile.runtime.triton_kernels.tiles import _tiles
 
     lengths = [0, 17, 16, 1, 0, 33]
     seq, start = _tiles(ops.complete_cumsum(torch.tensor(lengths), "cpu"), sum(lengths))

@@ -1,7 +1,7 @@
 """HSTU attention on jagged q, k, v as persistent Triton kernels, forward and backward.
 
 Work items are (tile, head) pairs over every sequence's own tiles (none over padding): the host lists
-each tile's sequence and start (int32); a 1-D grid of ``num_programs`` programs loops over the items.
+each tile's sequence and start (int32, ``tiles``); a 1-D grid of ``num_programs`` programs loops over the items.
 - scores ``s = alpha q k^T + rel[N - 1 + n - m] + time[bucket(ts_m - ts_n)]`` on the pairs HSTU's valid mask
   keeps (causal; ``num_targets`` last rows that see the history and themselves; a contextual prefix whose rows
   see every non-target row), recomputed wherever they are needed.
@@ -22,27 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import num_programs
+from .tiles import BLOCK, _work_item, tile_grid
 
-BLOCK = 16
 NO_TIME, INT_TIME, FLOAT_TIME = 0, 1, 2
-
-
-@triton.jit
-def _work_item(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr, targets_ptr, HAS_TARGETS: tl.constexpr):
-    """Work item ``item``'s head, its sequence's first row, length (0 for a spare item) and target count, and its
-    tile's first row."""
-    tile = item // heads
-    seq = tl.load(tile_seq_ptr + tile)
-    first = tl.load(tile_start_ptr + tile)
-    start = tl.load(offsets_ptr + seq)
-    length = tl.load(offsets_ptr + seq + 1) - start
-    length = tl.where(first < length, length, 0)
-    if HAS_TARGETS:
-        targets = tl.load(targets_ptr + seq).to(tl.int32)
-    else:
-        targets = 0
-    return item % heads, start, length, targets, first
 
 
 @triton.jit
@@ -234,19 +216,6 @@ def _hstu_dkdv_kernel(
         _store_rows(dv_ptr, dvv, start, n, n_ok, heads, head, value_dim, dv)
 
 
-def _tiles(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each BLOCK-row tile's sequence and first row (int32), over every sequence's own tiles, in a list whose size
-    the host knows without waiting for the device: ``B + total // BLOCK`` entries, at least the tiles there are;
-    a spare entry starts past the end of the last sequence (its work item has nothing to do)."""
-    lengths = offsets[1:] - offsets[:-1]
-    tiles = (lengths + BLOCK - 1) // BLOCK
-    ends = torch.cumsum(tiles, 0)
-    index = torch.arange(lengths.numel() + total // BLOCK, device=offsets.device)
-    tile_seq = torch.searchsorted(ends, index, right=True).clamp_(max=max(lengths.numel() - 1, 0))
-    tile_start = (index - (ends - tiles)[tile_seq]) * BLOCK
-    return tile_seq.to(torch.int32), tile_start.to(torch.int32)
-
-
 def _check_size(q, v, max_seq_len) -> None:
     total, heads, head_dim = q.shape
     if max(total * heads * max(head_dim, v.shape[2]), 2 * max_seq_len) >= 2**31:
@@ -264,24 +233,21 @@ def _launch(q, v, offsets, max_seq_len, alpha, causal, num_targets, contextual_s
     from ..jagged_attention import time_bucket_edges
 
     _check_size(q, v, max_seq_len)
-    offsets = offsets.to(torch.int32)
-    tile_seq, tile_start = _tiles(offsets, q.shape[0])
-    num_items = tile_seq.numel() * q.shape[1]
-    if num_items == 0:
+    launch = tile_grid(offsets, q.shape[0], q.shape[1])
+    if launch is None:
         return None
-    unused = offsets  # a pointer the kernel never reads (its constexpr flag is off)
+    unused = launch.tiles[0]  # a pointer the kernel never reads (its constexpr flag is off)
     time = NO_TIME if time_bias is None else FLOAT_TIME if timestamps.is_floating_point() else INT_TIME
     num_buckets = 0 if time_bias is None else time_bias.numel() - 1
     edges = time_bucket_edges(num_buckets, q.device) if time == INT_TIME else unused
-    grid = (min(num_programs(q.device), num_items),)
-    common = (offsets, tile_seq, tile_start, unused if num_targets is None else num_targets,
+    common = (*launch.tiles, unused if num_targets is None else num_targets,
               unused if rel_bias is None else rel_bias.contiguous(), unused if timestamps is None else timestamps,
-              edges, unused if time_bias is None else time_bias.contiguous(), num_items, q.shape[1], q.shape[2],
+              edges, unused if time_bias is None else time_bias.contiguous(), launch.num_items, q.shape[1], q.shape[2],
               v.shape[2], max_seq_len, contextual_seq_len, num_buckets, num_buckets.bit_length(), alpha,
               1.0 / max_seq_len)
     flags = dict(CAUSAL=causal, HAS_REL=rel_bias is not None, HAS_TARGETS=num_targets is not None,
                  MASKED=num_targets is not None or contextual_seq_len > 0, TIME=time, **_blocks(q, v))
-    return grid, common, flags
+    return launch.grid, common, flags
 
 
 def hstu_attention_forward(q, k, v, offsets, max_seq_len, alpha, causal, num_targets=None, contextual_seq_len=0,

@@ -1,8 +1,8 @@
 """jagged_dense_bmm and jagged_jagged_bmm as persistent Triton kernels (each other's backward).
 
 - ``jagged_dense_bmm``: ``out[rows of b] = x[rows of b] @ y[b]`` for each sequence's first ``max_L`` rows (the rest
-  zero). Work items are (row tile of a sequence, block of output columns), the tiles listed as the attention
-  kernels list theirs (``jagged_attention._tiles``: no host sync); each loops over K in blocks.
+  zero). Work items are (row tile of a sequence, block of output columns), listed as every jagged kernel's
+  (``tiles``: no host sync); each loops over K in blocks.
 - ``jagged_jagged_bmm``: ``out[b] = x[rows of b]^T @ y[rows of b]`` over each sequence's first ``max_L`` rows.
   Work items are (sequence, block of M, block of N); each loops over its rows in tiles.
 fp32 accumulation; int32 index arithmetic.
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import num_programs
-from .jagged_attention import BLOCK, _tiles, _work_item
+from .tiles import BLOCK, _tile_item, tile_grid
 
 BLOCK_K = 32
 BLOCK_N = 32
@@ -26,13 +26,10 @@ def _jagged_dense_kernel(
     y_batch_stride, y_k_stride, y_n_stride,
     BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rows = tl.arange(0, BLOCK)
     ks = tl.arange(0, BLOCK_K)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        col_block, start, length, _, first = _work_item(item, col_blocks, offsets_ptr, tile_seq_ptr, tile_start_ptr,
-                                                        offsets_ptr, False)
-        seq = tl.load(tile_seq_ptr + item // col_blocks)
-        m = first + rows
+        col_block, seq, start, length, _, m = _tile_item(item, col_blocks, offsets_ptr, tile_seq_ptr, tile_start_ptr,
+                                                         BLOCK)
         m_ok = m < tl.minimum(length, max_len)
         n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < n_dim
@@ -83,14 +80,12 @@ def jagged_dense_bmm(x_values, offsets, y, max_L):
     x_values = x_values.contiguous()
     _check_size(x_values, y)
     out = x_values.new_zeros((x_values.shape[0], y.shape[2]))
-    offsets = offsets.to(torch.int32)
-    tile_seq, tile_start = _tiles(offsets, x_values.shape[0])
     col_blocks = triton.cdiv(y.shape[2], BLOCK_N)
-    num_items = tile_seq.numel() * col_blocks
-    if num_items and offsets.numel() > 1:
-        _jagged_dense_kernel[(min(num_programs(out.device), num_items),)](
-            x_values, y, out, offsets, tile_seq, tile_start, num_items, col_blocks, x_values.shape[1], y.shape[2],
-            max_L, *y.stride(), BLOCK=BLOCK, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N)
+    launch = tile_grid(offsets, x_values.shape[0], col_blocks)
+    if launch is not None:
+        _jagged_dense_kernel[launch.grid](
+            x_values, y, out, *launch.tiles, launch.num_items, col_blocks, x_values.shape[1], y.shape[2], max_L,
+            *y.stride(), BLOCK=BLOCK, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N)
     return out
 
 

@@ -1,7 +1,7 @@
 """Jagged <-> padded dense conversions and jagged-dense elementwise add / mul as one persistent Triton kernel.
 
-Work items are (row tile of a sequence, block of ``BLOCK_D`` inner columns), the tiles listed as the attention
-kernels list theirs (``jagged_attention._tiles``: no host sync). Row ``m`` of sequence ``b`` pairs the jagged row
+Work items are (row tile of a sequence, block of ``BLOCK_D`` inner columns), listed as every jagged kernel's
+(``tiles``: no host sync). Row ``m`` of sequence ``b`` pairs the jagged row
 ``offsets[b] + m`` with the padded row ``[b, m]`` when ``m < N`` (the padded length):
 
 - ``TO_PADDED``: padded ``[b, m] = jagged[offsets[b] + m]`` (the rest keeps the padding value);
@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import num_programs
-from .jagged_attention import BLOCK, _tiles, _work_item
+from .tiles import BLOCK, _tile_item, tile_grid
 
 TO_PADDED, TO_JAGGED, ADD, MUL = 0, 1, 2, 3
 MAX_BLOCK_D = 128
@@ -30,12 +29,9 @@ def _jagged_dense_kernel(
     MODE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``x_ptr`` the jagged values (TO_PADDED, ADD, MUL), ``y_ptr`` the padded ones (TO_JAGGED, ADD, MUL)."""
-    rows = tl.arange(0, BLOCK)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        col_block, start, length, _, first = _work_item(item, col_blocks, offsets_ptr, tile_seq_ptr, tile_start_ptr,
-                                                        offsets_ptr, False)
-        seq = tl.load(tile_seq_ptr + item // col_blocks)
-        m = first + rows
+        col_block, seq, start, length, _, m = _tile_item(item, col_blocks, offsets_ptr, tile_seq_ptr, tile_start_ptr,
+                                                         BLOCK)
         m_ok = m < length
         paired = m_ok & (m < padded_len)
         cols = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -59,15 +55,12 @@ def _run(mode: int, x, y, out, offsets, rows: int, dim: int, padded_len: int) ->
     """Launch ``mode`` over ``rows`` jagged rows of ``dim`` inner columns."""
     if max(t.numel() for t in (x, y, out)) >= 2**31:
         raise ValueError("recompile.jagged (triton): tensors too large for int32 indexing")
-    offsets = offsets.to(torch.int32)
-    tile_seq, tile_start = _tiles(offsets, rows)
     block_d = min(triton.next_power_of_2(max(dim, 1)), MAX_BLOCK_D)
     col_blocks = triton.cdiv(dim, block_d)
-    num_items = tile_seq.numel() * col_blocks
-    if num_items and offsets.numel() > 1 and dim:
-        _jagged_dense_kernel[(min(num_programs(out.device), num_items),)](
-            x, y, out, offsets, tile_seq, tile_start, num_items, col_blocks, dim, padded_len,
-            MODE=mode, BLOCK=BLOCK, BLOCK_D=block_d)
+    launch = tile_grid(offsets, rows, col_blocks)
+    if launch is not None:
+        _jagged_dense_kernel[launch.grid](x, y, out, *launch.tiles, launch.num_items, col_blocks, dim, padded_len,
+                                          MODE=mode, BLOCK=BLOCK, BLOCK_D=block_d)
     return out
 
 

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import num_programs
-from .jagged_attention import _blocks, _check_size, _load_rows, _store_rows, _tiles
+from .jagged_attention import _blocks, _check_size, _load_rows, _store_rows
+from .tiles import tile_grid
 
 
 @triton.jit
@@ -81,19 +81,17 @@ def hstu_paged_attention_forward(q, k, v, offsets, k_cache, v_cache, page_table,
     if k_cache.numel() >= 2**31 or v_cache.numel() >= 2**31:
         raise ValueError("recompile.hstu_paged_attention (triton): cache pools too large for int32 indexing")
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    offsets = offsets.to(torch.int32)
-    tile_seq, tile_start = _tiles(offsets, q.shape[0])
-    num_items = tile_seq.numel() * q.shape[1]
-    if num_items == 0:
+    launch = tile_grid(offsets, q.shape[0], q.shape[1])
+    if launch is None:
         return out
+    offsets, tile_seq, tile_start = launch.tiles
     table = page_table.to(torch.int32).contiguous()
     cached = cached_lengths.to(torch.int32)
     targets = cached if num_targets is None else num_targets.to(torch.int32)
     rel = rel_bias.contiguous() if rel_bias is not None else q.new_zeros(1)
-    grid = (min(num_programs(q.device), num_items),)
-    _paged_kernel[grid](
+    _paged_kernel[launch.grid](
         q.contiguous(), k.contiguous(), v.contiguous(), k_cache.contiguous(), v_cache.contiguous(), out, offsets,
-        cached, targets, table, tile_seq, tile_start, rel, num_items, q.shape[1], q.shape[2], v.shape[2],
+        cached, targets, table, tile_seq, tile_start, rel, launch.num_items, q.shape[1], q.shape[2], v.shape[2],
         table.shape[1], k_cache.shape[1], max_seq_len, alpha, 1.0 / max_seq_len,
         HAS_TARGETS=num_targets is not None, HAS_REL=rel_bias is not None, **_blocks(q, v))
     return out

@@ -1,7 +1,7 @@
 """Softmax attention on jagged sequences (SASRec) as persistent Triton kernels, forward and backward.
 
-The work items are those of the HSTU kernels (``recompile.runtime.triton_kernels.jagged_attention``): (tile, head) pairs over
-every sequence's own tiles, a 1-D grid looping over them.
+The work items are those of the HSTU kernels (``tiles``): (tile, head) pairs over every sequence's own tiles, a
+1-D grid looping over them.
 - forward: an item is a query tile; it walks the key tiles it sees (up to its diagonal when causal) with an online
   softmax (running max and sum in fp32), and stores each row's log-sum-exp for the backward.
 - backward: the forward is recomputed for the log-sum-exp ``lse`` and ``delta = rowsum(g * out)``; then dq per
@@ -15,19 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import num_programs
-from .jagged_attention import (_blocks, _check_size, _load_rows, _store_rows, _tiles,
-                                                     _work_item)
-
-
-@triton.jit
-def _tile(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr, BLOCK: tl.constexpr):
-    """Work item ``item``'s head, its sequence's first row and length, its tile's first row, rows and which of them
-    are in the sequence."""
-    head, start, length, _, first = _work_item(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr, offsets_ptr,
-                                               False)
-    rows = first + tl.arange(0, BLOCK)
-    return head, start, length, first, rows, rows < length
+from .jagged_attention import _blocks, _check_size, _load_rows, _store_rows
+from .tiles import _tile_item, tile_grid
 
 
 @triton.jit
@@ -55,7 +44,8 @@ def _query_kernel(
     dv = tl.arange(0, BLOCK_V)
     rows = tl.arange(0, BLOCK)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        head, start, length, q_start, m, m_ok = _tile(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr, BLOCK)
+        head, _, start, length, q_start, m = _tile_item(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr, BLOCK)
+        m_ok = m < length
         q = _load_rows(q_ptr, start, m, m_ok, heads, head, head_dim, dd)
         if DQ:
             g = _load_rows(g_ptr, start, m, m_ok, heads, head, value_dim, dv)
@@ -103,7 +93,8 @@ def _key_kernel(
     dv = tl.arange(0, BLOCK_V)
     rows = tl.arange(0, BLOCK)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        head, start, length, k_start, n, n_ok = _tile(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr, BLOCK)
+        head, _, start, length, k_start, n = _tile_item(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr, BLOCK)
+        n_ok = n < length
         k = _load_rows(k_ptr, start, n, n_ok, heads, head, head_dim, dd)
         v = _load_rows(v_ptr, start, n, n_ok, heads, head, value_dim, dv)
         dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
@@ -126,13 +117,10 @@ def _key_kernel(
 def _launch(q, v, offsets):
     """The grid and the arguments after the tensors every kernel takes; None without work."""
     _check_size(q, v, 0)
-    offsets = offsets.to(torch.int32)
-    tile_seq, tile_start = _tiles(offsets, q.shape[0])
-    num_items = tile_seq.numel() * q.shape[1]
-    if num_items == 0:
+    launch = tile_grid(offsets, q.shape[0], q.shape[1])
+    if launch is None:
         return None
-    grid = (min(num_programs(q.device), num_items),)
-    return grid, (offsets, tile_seq, tile_start, num_items, q.shape[1], q.shape[2], v.shape[2])
+    return launch.grid, (*launch.tiles, launch.num_items, q.shape[1], q.shape[2], v.shape[2])
 
 
 def _forward(q, k, v, offsets, scale, causal):
