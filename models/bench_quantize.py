@@ -11,6 +11,10 @@
   in its own storage and copied onto transparent huge pages as ``recompile.quantize`` stores tables (the kernels
   compared on the same pages);
 - memory: the bytes of the tables in each format, with the scale/bias overhead;
+- ``--hkv-find`` (only this timing): hkv hash tables storing int8 / int4 rows, ``find`` by the CPU kernel (probe, then
+  the row dequantized into fp32 as it is copied out) with each dequantize path this CPU has (``generic``: the
+  portable loop, the only path before; ``avx2``; ``avx512``), interleaved round by round, beside an fp32 table's
+  find (a plain copy);
 - ``--accuracy [all|ctr|ranking]`` (only the accuracy, no timing): the CTR accuracy above, and / or ranking accuracy on ML-100k: the zoo's
   HSTU trained in fp32 with a fixed seed, then its item and position tables served fp32, int8 and int4: HR@10 and
   NDCG@10 of every user's held-out item ranked among all items (``ranking_accuracy``).
@@ -22,6 +26,7 @@ Writes docs/benchmarks/quantize.json (machine, threads, date, commit; keys merge
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -40,6 +45,7 @@ from models.dlrm import DLRM, DLRMConfig
 from models.metrics import auc, log_loss, ranking_metrics
 from models.timing import race_ms
 from models.train import write_json
+from recompile.runtime.native import ISAS, use_isa
 from recompile.runtime.quantized import dequantize_rows, on_huge_pages, quantize_rows, row_storage, scale_bias
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks", "quantize.json")
@@ -197,6 +203,54 @@ def speed(num_tables: int, rows: int, dim: int, batch: int, bag: int, rounds: in
             "scale_bias_bytes_per_row": {"int8": 8, "int4": 4, "fbgemm_int8_tbe": 4}}
 
 
+def hkv_find_speed(rows: int, dim: int, probes: int, rounds: int, clock=time.perf_counter, seed: int = 0) -> dict:
+    """ms of ``find`` on hkv tables of ``rows`` keys: int8 and int4 per dequantize ISA, and fp32."""
+    import hkv
+
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randperm(4 * rows, generator=g)[:rows] * 7919 + 3
+    values = torch.randn(rows, dim, generator=g)
+    probe = keys[torch.randint(0, rows, (probes,), generator=g)]
+    tables = {}
+    for dtype in ("int8", "int4", torch.float32):
+        tables[dtype] = hkv.HashTable(dim=dim, init_capacity=2 * rows, max_capacity=2 * rows, dtype=dtype,
+                                      kernel="cpu")
+        tables[dtype].insert_or_assign(keys, values)
+
+    def find(dtype, isa=None):
+        def step():
+            with use_isa(isa) if isa else contextlib.nullcontext():
+                return tables[dtype].find(probe)[0]
+        return step
+
+    isas = [name for name in ISAS if torch.ops.hkv_native.isa_available(name)]
+    steps = {f"{q} find ({name})": find(q, name) for q in ("int8", "int4") for name in isas}
+    steps["fp32 find (copy)"] = find(torch.float32)
+    outs = {name: step() for name, step in steps.items()}
+    equal = all(torch.equal(outs[f"{q} find ({name})"], outs[f"{q} find (generic)"]) for q in ("int8", "int4")
+                for name in isas)
+    ms = race_ms(steps, rounds, clock=clock)
+    speedups = {f"{q} {name} vs generic": ms[f"{q} find (generic)"] / ms[f"{q} find ({name})"]
+                for q in ("int8", "int4") for name in isas if name != "generic"}
+    return {"rows": rows, "dim": dim, "probes": probes, "isas": isas, "ms": ms, "speedups": speedups,
+            "paths_equal_bit_for_bit": equal}
+
+
+def _hkv_find_main(args, result: dict) -> dict:
+    sizes = dict(rows=20_000, probes=4_096) if args.quick else dict(rows=500_000, probes=65_536)
+    for dim in (64, 128):
+        r = result[f"hkv_find_dim{dim}"] = hkv_find_speed(dim=dim, **sizes, rounds=3 if args.quick else args.rounds,
+                                                         clock=time.thread_time if args.cpu_time else time.perf_counter)
+        print(f"hkv find: {r['probes']} keys of {r['rows']} in the table, dim {dim}, {result['threads']} threads "
+              f"(best of interleaved rounds, {result['clock']}); paths equal bit for bit: {r['paths_equal_bit_for_bit']}")
+        for name, ms in r["ms"].items():
+            print(f"  {name:20s} {ms:8.3f} ms")
+        print("  " + ", ".join(f"{name} {x:.2f}x" for name, x in r["speedups"].items()))
+    if not args.quick:
+        write_json(OUT, _merged(OUT, {"hkv_find": result}))
+    return result
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, a few rounds, no JSON (a smoke run)")
@@ -209,6 +263,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--accuracy", nargs="?", const="all", choices=("all", "ctr", "ranking"),
                         help="only the accuracy, no timing: CTR AUC / log-loss and / or ML-100k ranking (HSTU: HR@10, "
                              "NDCG@10), each fp32 / int8 / int4")
+    parser.add_argument("--hkv-find", action="store_true",
+                        help="only the hkv dequantize-on-copy timing: find on int8 / int4 hash tables per ISA")
     parser.add_argument("--ranking-epochs", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -221,6 +277,8 @@ def main(argv=None) -> dict:
               "clock": "thread CPU time" if args.cpu_time else "wall"}
     if args.accuracy:
         return _accuracy_main(args, result)
+    if args.hkv_find:
+        return _hkv_find_main(args, result)
     sizes = dict(num_tables=26, rows=2_000 if args.quick else 100_000, dim=64, batch=2048)
     for bag in sorted({1, args.bag}):
         key = f"speed_bag{bag}"

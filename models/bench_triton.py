@@ -308,29 +308,37 @@ def complete_cumsum_case(size, device, dtype, gen):
 HKV = {"tiny": dict(capacity=256, keys=100, probes=60), "bench": dict(capacity=1 << 22, keys=2_000_000, probes=262_144)}
 
 
-@case("hkv_find", torch.float32)
-def hkv_find_case(size, device, dtype, gen):
-    """hkv.HashTable.find through the Triton probe; eager: the same table probed by the vectorised torch kernel."""
-    import hkv
+def hkv_find_case(stored):
+    """hkv.HashTable.find through the Triton kernel (probe, then the row read out in the same launch; quantized rows
+    dequantized there); eager: the same table probed by the vectorised torch kernel, rows gathered and dequantized
+    in torch."""
 
-    s = HKV[size]
-    keys = torch.randperm(4 * s["keys"], device=device, generator=gen)[:s["keys"]] * 7919 - 2**40
-    values = torch.randn(s["keys"], 16, device=device, generator=gen)
-    tables = {}
-    for kernel in ("triton", "reference"):
-        tables[kernel] = hkv.HashTable(dim=16, init_capacity=s["capacity"], max_capacity=s["capacity"],
-                                       bucket_size=128, device=device, kernel=kernel)
-        tables[kernel].insert_or_assign(keys, values)
-    probes = torch.cat([keys[torch.randperm(s["keys"], device=device, generator=gen)[:s["probes"] // 2]],
-                        keys[: s["probes"] // 2] + 1])  # half present, half absent (keys are 7919 apart)
+    def build(size, device, dtype, gen):
+        import hkv
 
-    def find(kernel):
-        def run():
-            values, found = tables[kernel].find(probes)
-            return torch.cat([values, found[:, None].to(values.dtype)], 1)
-        return run
-    return Case(f"{s['keys']} keys in {s['capacity']} slots (buckets of 128), {s['probes']} probes, half absent",
-                find("triton"), find("reference"), tol=0)
+        s = HKV[size]
+        keys = torch.randperm(4 * s["keys"], device=device, generator=gen)[:s["keys"]] * 7919 - 2**40
+        values = torch.randn(s["keys"], 16, device=device, generator=gen)
+        tables = {}
+        for kernel in ("triton", "reference"):
+            tables[kernel] = hkv.HashTable(dim=16, init_capacity=s["capacity"], max_capacity=s["capacity"],
+                                           bucket_size=128, device=device, kernel=kernel, dtype=stored or dtype)
+            tables[kernel].insert_or_assign(keys, values)
+        probes = torch.cat([keys[torch.randperm(s["keys"], device=device, generator=gen)[:s["probes"] // 2]],
+                            keys[: s["probes"] // 2] + 1])  # half present, half absent (keys are 7919 apart)
+
+        def find(kernel):
+            def run():
+                values, found = tables[kernel].find(probes)
+                return torch.cat([values, found[:, None].to(values.dtype)], 1)
+            return run
+        return Case(f"{s['keys']} {stored or 'fp32'} rows of 16 in {s['capacity']} slots (buckets of 128), "
+                    f"{s['probes']} probes, half absent", find("triton"), find("reference"), tol=0 if not stored else 1e-6)
+    return build
+
+
+for _stored in (None, "int8", "int4"):
+    case("hkv_find" + (f"_{_stored}" if _stored else ""), torch.float32)(hkv_find_case(_stored))
 
 
 # -- checking and timing -------------------------------------------------------------------------------------

@@ -57,12 +57,16 @@ def available_isas() -> tuple[str, ...]:
 
 @contextlib.contextmanager
 def use_isa(name: str):
-    """Run the runtime's kernels with instruction set ``name`` inside the block (tests, benchmarks); the
-    environment variable RECOMPILE_ISA chooses for a whole process."""
+    """Run the runtime's kernels, and hkv's dequantizing copy-out, with instruction set ``name`` inside the block
+    (tests, benchmarks); the environment variable RECOMPILE_ISA chooses for a whole process."""
     import torch
 
-    before = torch.ops.recompile_native.set_isa(name)
+    from hkv.native import load
+
+    libraries = [torch.ops.recompile_native] + ([torch.ops.hkv_native] if load("hkv._C") else [])
+    before = [library.set_isa(name) for library in libraries]
     try:
         yield
     finally:
-        torch.ops.recompile_native.set_isa(before)
+        for library, isa in zip(libraries, before):
+            library.set_isa(isa)

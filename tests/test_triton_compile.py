@@ -70,6 +70,13 @@ SPECS = {
                          "n": I32, "num_buckets": I32},
                         dict(BUCKET=128, BLOCK=hkv_kernels.BLOCK, CLAIM=True)),
 } | {
+    f"hkv_find_{row}_{w}": (hkv_kernels._find_kernel,
+                            {**_ptrs("i64", "table_keys_ptr", "keys_ptr", "slots_ptr"), "values_ptr": f"*{w}",
+                             "out_ptr": "*fp32" if row else f"*{w}", "found_ptr": "*i8",
+                             **dict.fromkeys(("n", "num_buckets", "dim", "width"), I32)},
+                            dict(BUCKET=128, ROW=row, BLOCK=hkv_kernels.FIND_BLOCK, BLOCK_D=64))
+    for row, w in ((0, "fp32"), (0, "bf16"), (1, "u8"), (2, "u8"))
+} | {
     f"hstu_{name}_{t}": (
         kernel, {**_ptrs(t, "q_ptr", "k_ptr", "v_ptr", "g_ptr", "out_ptr", "dk_ptr", "dv_ptr", "rel_ptr", "time_ptr"),
                  **_ptrs("fp32", "drel_ptr", "dtime_ptr"), **_ptrs("i32", "offsets_ptr", "tile_seq_ptr", "tile_start_ptr"),

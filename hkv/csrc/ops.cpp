@@ -1,7 +1,8 @@
 /* hkv's CPU kernels (probe.h) as torch operators: torch.ops.hkv_native.* (TORCH_LIBRARY, CPU dispatch key),
  * called by hkv/cpu.py. Each checks what the kernel reads (CPU, int64 keys and scores, contiguous rows),
  * allocates the outputs and calls the kernel with the tensors' data pointers. Tables are updated in place (the
- * schemas mark them). Hash probing is bound by memory latency, not arithmetic: one build, no per-ISA variants. */
+ * schemas mark them). Hash probing is bound by memory latency, not arithmetic: one build; only dequantizing a
+ * quantized row as it is copied out has per-ISA paths (dequantize.h), chosen here once per call. */
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -13,8 +14,14 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <optional>
+#include <string>
 #include <tuple>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace hkv_native {
 namespace kernels {
@@ -38,6 +45,53 @@ void check_rows(const Tensor &t, const char *op, const char *name) {
 
 int threads() { return at::get_num_threads(); }
 
+/* kernels::ISA_* of ``name``, or NUM_ISAS where it is none of them. */
+int isa_index(const std::string &name) {
+    int i = 0;
+    while (i < kernels::NUM_ISAS && name != kernels::ISA_NAMES[i]) ++i;
+    return i;
+}
+
+int checked_isa(const std::string &name, const char *why) {
+    const int i = isa_index(name);
+    TORCH_CHECK_VALUE(i < kernels::NUM_ISAS, why, name, ": not one of generic, avx2, avx512");
+    TORCH_CHECK_VALUE(kernels::cpu_has_isa(i), why, name, ": this CPU lacks it");
+    return i;
+}
+
+/* The instruction set dequantizing runs: RECOMPILE_ISA's (as the runtime's kernels, runtime/native.py), else the
+ * best this CPU has, until set_isa switches. */
+std::atomic<int> current_isa{-1};
+
+int isa_now() {
+    int i = current_isa.load(std::memory_order_acquire);
+    if (i < 0) {
+        const char *forced = getenv("RECOMPILE_ISA");
+        if (forced && *forced) {
+            i = checked_isa(forced, "hkv_native: RECOMPILE_ISA=");
+        } else {
+            i = kernels::NUM_ISAS - 1;
+            while (!kernels::cpu_has_isa(i)) --i;
+        }
+        current_isa.store(i, std::memory_order_release);
+    }
+    return i;
+}
+
+std::string isa() { return kernels::ISA_NAMES[isa_now()]; }
+
+/* Switch to ``name``; returns the one before (tests and benchmarks run each path in one process). */
+std::string set_isa(const std::string &name) {
+    const std::string before = isa();
+    current_isa.store(checked_isa(name, "hkv_native.set_isa: "), std::memory_order_release);
+    return before;
+}
+
+bool isa_available(const std::string &name) {
+    const int i = isa_index(name);
+    return i < kernels::NUM_ISAS && kernels::cpu_has_isa(i);
+}
+
 /* How ``values``' rows are read out (probe.h ROW_*): as stored, or dequantized from packed rows of width ``dim``. */
 kernels::row_format format_of(const Tensor &values, int64_t kind, int64_t dim, const char *op) {
     const int64_t stored = values.size(1) * values.element_size();
@@ -51,7 +105,7 @@ kernels::row_format format_of(const Tensor &values, int64_t kind, int64_t dim, c
     TORCH_CHECK_VALUE(dim > 0 && (kind == kernels::ROW_INT8 || dim % 2 == 0) && stored == packed, "hkv_native.", op,
                       ": rows of ", stored, " bytes are not ", kind == kernels::ROW_INT8 ? "int8" : "int4",
                       " rows of dim ", dim);
-    return {static_cast<int>(kind), stored, dim * 4, dim};
+    return {static_cast<int>(kind), stored, dim * 4, dim, kernels::DEQUANTIZERS[kind - 1][isa_now()]};
 }
 
 /* n rows as ``fmt`` reads them out: the stored dtype and width, or fp32 ``dim``. */
@@ -177,6 +231,9 @@ TORCH_LIBRARY(hkv_native, m) {
           "-> (Tensor, Tensor, Tensor, Tensor)");
     m.def("unique(Tensor ids, int num_buckets) -> (Tensor, Tensor)");
     m.def("pool_backward(Tensor grad, Tensor offsets, Tensor inverse, bool mean, int num_rows) -> Tensor");
+    m.def("isa() -> str", &isa);
+    m.def("set_isa(str isa) -> str", &set_isa);
+    m.def("isa_available(str isa) -> bool", &isa_available);
 }
 
 TORCH_LIBRARY_IMPL(hkv_native, CPU, m) {

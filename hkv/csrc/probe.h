@@ -13,7 +13,8 @@
  * order the unique ids by table bucket: the host-side half of a partially offloaded lookup.
  * ``hkv_pool_backward`` sums pooled gradients per unique row (the backward of hkv.ops.pool).
  * Rows read out (``hkv_find``, ``hkv_upsert``'s copy-out) go through ``read_row``: copied as stored, or, for a
- * table of row-wise quantized rows (hkv/rowwise.py), dequantized into fp32 on the way.
+ * table of row-wise quantized rows (hkv/rowwise.py), dequantized into fp32 on the way (dequantize.h: AVX-512,
+ * AVX2 or portable loops).
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -84,37 +85,24 @@ static void parallel_for(int64_t n, int threads, range_fn fn, void *args) {
 #define EMPTY_KEY ((int64_t)-1)
 #define RECLAIM_KEY ((int64_t)-2)
 
+#include "dequantize.h"
+
 /* How a stored row is read out (hkv.cpu.ROW_FORMATS): ROW_RAW copied as it is; ROW_INT8 / ROW_INT4 packed in
- * FBGEMM's fused layouts (hkv/rowwise.py: codes, then scale and bias, fp32 for int8, fp16 for int4; int4 two codes
- * a byte, low nibble first) and written as ``dim`` fp32 values code * scale + bias. */
+ * FBGEMM's fused layouts (hkv/rowwise.py) and written as ``dim`` fp32 values by ``dequantize`` (dequantize.h: the
+ * instruction set's path, chosen once per call). */
 enum { ROW_RAW = 0, ROW_INT8 = 1, ROW_INT4 = 2 };
 
 struct row_format {
     int kind;
     int64_t stored_bytes, out_bytes, dim; /* out_bytes: stored_bytes (raw) or 4 * dim */
+    dequantize_fn dequantize;             /* NULL for ROW_RAW */
 };
 
 static inline void read_row(const struct row_format *f, char *dst, const char *src) {
-    if (f->kind == ROW_RAW) {
+    if (f->kind == ROW_RAW)
         memcpy(dst, src, (size_t)f->stored_bytes);
-        return;
-    }
-    const uint8_t *codes = (const uint8_t *)src;
-    float *out = (float *)dst, scale, bias;
-    if (f->kind == ROW_INT8) {
-        memcpy(&scale, codes + f->dim, sizeof scale);
-        memcpy(&bias, codes + f->dim + sizeof scale, sizeof bias);
-        for (int64_t d = 0; d < f->dim; ++d) out[d] = (float)codes[d] * scale + bias;
-        return;
-    }
-    _Float16 sb[2];
-    memcpy(sb, codes + f->dim / 2, sizeof sb);
-    scale = (float)sb[0];
-    bias = (float)sb[1];
-    for (int64_t d = 0; d < f->dim / 2; ++d) {
-        out[2 * d] = (float)(codes[d] & 15) * scale + bias;
-        out[2 * d + 1] = (float)(codes[d] >> 4) * scale + bias;
-    }
+    else
+        f->dequantize((const uint8_t *)src, f->dim, (float *)dst);
 }
 
 static inline uint64_t mix64(uint64_t k) {

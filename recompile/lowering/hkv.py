@@ -20,8 +20,7 @@ def probes(name: str):
     """``supports`` of probe kernel ``name``: it runs on the device of the table ``table_id`` holds."""
 
     def supports(table_id, **_) -> bool | str:
-        device = get_table(table_id).table.device
-        return True if kernels.runs_on(name, device) else f"hkv kernel {name!r} does not run on {device} here"
+        return kernels.supports(name, get_table(table_id).table)
 
     return supports
 
@@ -36,7 +35,8 @@ def cpu_kernel_runs(target) -> bool:
 
 register_lowering(
     "hkv::lookup",
-    Impl("triton", "triton", has_triton, "hkv.triton_kernels.locate (probe) + gather"),
+    Impl("triton", "triton", has_triton, "hkv.triton_kernels: probe, then (eval lookups) the row read out in the "
+         "same launch, int8 / int4 rows dequantized to fp32 in the kernel"),
     Impl("cpu", "cpu_kernel", cpu_kernel_runs,
          "hkv/csrc/probe.h: one pass per key (hash, probe, claim, score, row; int8 / int4 rows dequantized to fp32 "
          "as they are copied out), threads over bucket ranges"),
