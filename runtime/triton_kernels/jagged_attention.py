@@ -35,6 +35,14 @@ def _load_rows(ptr, start, r, r_ok, heads, head, width, cols):
 
 
 @triton.jit
+def _load_pair(a_ptr, b_ptr, start, r, r_ok, heads, head, head_dim, value_dim, dd, dv):
+    """Rows ``r`` of one head of a ``[total, heads, head_dim]`` tensor and of a ``[total, heads, value_dim]`` one
+    (k and v, or q and the output gradient)."""
+    return (_load_rows(a_ptr, start, r, r_ok, heads, head, head_dim, dd),
+            _load_rows(b_ptr, start, r, r_ok, heads, head, value_dim, dv))
+
+
+@triton.jit
 def _store_rows(ptr, value, start, r, r_ok, heads, head, width, cols):
     tl.store(ptr + ((start + r)[:, None] * heads + head) * width + cols[None, :], value.to(ptr.dtype.element_ty),
              mask=r_ok[:, None] & (cols[None, :] < width))
@@ -99,6 +107,16 @@ def _scores(q, k, m, n, m_ok, n_ok, start, rel_ptr, ts_ptr, edges_ptr, time_ptr,
 
 
 @triton.jit
+def _kept_scores(q, k, m, n, m_ok, n_ok, start, length, targets, contextual, rel_ptr, ts_ptr, edges_ptr, time_ptr,
+                 max_seq_len, num_buckets, steps, alpha, CAUSAL: tl.constexpr, HAS_REL: tl.constexpr,
+                 MASKED: tl.constexpr, TIME: tl.constexpr):
+    """``_scores`` of the tile pair (m, n) and the pairs HSTU's mask keeps (``_keep``)."""
+    s, bucket = _scores(q, k, m, n, m_ok, n_ok, start, rel_ptr, ts_ptr, edges_ptr, time_ptr, max_seq_len,
+                        num_buckets, steps, alpha, HAS_REL, TIME)
+    return s, bucket, _keep(m, n, m_ok, n_ok, length, targets, contextual, CAUSAL, MASKED)
+
+
+@triton.jit
 def _score_grads(s, keep, g, v, inv_norm):
     """``ds = (g v^T) silu'(s) / N`` on the kept pairs."""
     sig = tl.sigmoid(s)
@@ -131,11 +149,10 @@ def _query_tiles_kernel(
         for n0 in range(0, hi, BLOCK):
             n = n0 + rows
             n_ok = n < length
-            k = _load_rows(k_ptr, start, n, n_ok, heads, head, head_dim, dd)
-            v = _load_rows(v_ptr, start, n, n_ok, heads, head, value_dim, dv)
-            s, _ = _scores(q, k, m, n, m_ok, n_ok, start, rel_ptr, ts_ptr, edges_ptr, time_ptr, max_seq_len,
-                           num_buckets, steps, alpha, HAS_REL, TIME)
-            keep = _keep(m, n, m_ok, n_ok, length, targets, contextual, CAUSAL, MASKED)
+            k, v = _load_pair(k_ptr, v_ptr, start, n, n_ok, heads, head, head_dim, value_dim, dd, dv)
+            s, _, keep = _kept_scores(q, k, m, n, m_ok, n_ok, start, length, targets, contextual, rel_ptr, ts_ptr,
+                                      edges_ptr, time_ptr, max_seq_len, num_buckets, steps, alpha, CAUSAL, HAS_REL,
+                                      MASKED, TIME)
             if DQ:
                 acc += tl.dot(_score_grads(s, keep, g, v, inv_norm).to(k.dtype), k)
             else:
@@ -162,11 +179,10 @@ def _dkdv_step(dk, dvv, m0, k, v, n, n_ok, k_start, head, start, length, targets
     """One query tile's share of a key tile's dk and dv; its bias gradients added atomically."""
     m = m0 + tl.arange(0, BLOCK)
     m_ok = m < length
-    q = _load_rows(q_ptr, start, m, m_ok, heads, head, head_dim, dd)
-    g = _load_rows(g_ptr, start, m, m_ok, heads, head, value_dim, dv)
-    s, bucket = _scores(q, k, m, n, m_ok, n_ok, start, rel_ptr, ts_ptr, edges_ptr, time_ptr, max_seq_len,
-                        num_buckets, steps, alpha, HAS_REL, TIME)
-    keep = _keep(m, n, m_ok, n_ok, length, targets, contextual, CAUSAL, MASKED)
+    q, g = _load_pair(q_ptr, g_ptr, start, m, m_ok, heads, head, head_dim, value_dim, dd, dv)
+    s, bucket, keep = _kept_scores(q, k, m, n, m_ok, n_ok, start, length, targets, contextual, rel_ptr, ts_ptr,
+                                   edges_ptr, time_ptr, max_seq_len, num_buckets, steps, alpha, CAUSAL, HAS_REL,
+                                   MASKED, TIME)
     p = tl.where(keep, s * tl.sigmoid(s) * inv_norm, 0.0)
     dvv += tl.dot(tl.trans(p).to(g.dtype), g)
     ds = _score_grads(s, keep, g, v, inv_norm)
@@ -195,8 +211,7 @@ def _hstu_dkdv_kernel(
                                                            targets_ptr, HAS_TARGETS)
         n = k_start + tl.arange(0, BLOCK)
         n_ok = n < length
-        k = _load_rows(k_ptr, start, n, n_ok, heads, head, head_dim, dd)
-        v = _load_rows(v_ptr, start, n, n_ok, heads, head, value_dim, dv)
+        k, v = _load_pair(k_ptr, v_ptr, start, n, n_ok, heads, head, head_dim, value_dim, dd, dv)
         dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
         dvv = tl.zeros([BLOCK, BLOCK_V], dtype=tl.float32)
         lo = 0

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .jagged_attention import _blocks, _check_size, _load_rows, _store_rows
+from .jagged_attention import _blocks, _check_size, _load_pair, _load_rows, _store_rows
 from .tiles import _tile_item, tile_grid
 
 
@@ -60,8 +60,7 @@ def _query_kernel(
         for n0 in range(0, hi, BLOCK):
             n = n0 + rows
             n_ok = n < length
-            k = _load_rows(k_ptr, start, n, n_ok, heads, head, head_dim, dd)
-            v = _load_rows(v_ptr, start, n, n_ok, heads, head, value_dim, dv)
+            k, v = _load_pair(k_ptr, v_ptr, start, n, n_ok, heads, head, head_dim, value_dim, dd, dv)
             s = _masked_scores(q, k, m, n, m_ok, n_ok, scale, CAUSAL)
             if DQ:
                 p = tl.exp(s - lse[:, None])
@@ -95,15 +94,13 @@ def _key_kernel(
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         head, _, start, length, k_start, n = _tile_item(item, heads, offsets_ptr, tile_seq_ptr, tile_start_ptr, BLOCK)
         n_ok = n < length
-        k = _load_rows(k_ptr, start, n, n_ok, heads, head, head_dim, dd)
-        v = _load_rows(v_ptr, start, n, n_ok, heads, head, value_dim, dv)
+        k, v = _load_pair(k_ptr, v_ptr, start, n, n_ok, heads, head, head_dim, value_dim, dd, dv)
         dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
         dvv = tl.zeros([BLOCK, BLOCK_V], dtype=tl.float32)
         for m0 in range(k_start if CAUSAL else 0, length, BLOCK):
             m = m0 + rows
             m_ok = m < length
-            q = _load_rows(q_ptr, start, m, m_ok, heads, head, head_dim, dd)
-            g = _load_rows(g_ptr, start, m, m_ok, heads, head, value_dim, dv)
+            q, g = _load_pair(q_ptr, g_ptr, start, m, m_ok, heads, head, head_dim, value_dim, dd, dv)
             lse = _row_values(lse_ptr, start, m, m_ok, heads, head)
             delta = _row_values(delta_ptr, start, m, m_ok, heads, head)
             p = tl.exp(_masked_scores(q, k, m, n, m_ok, n_ok, scale, CAUSAL) - lse[:, None])
