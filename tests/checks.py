@@ -1,4 +1,5 @@
-"""Checks the test files share: a compiled model's outputs and parameter gradients against eager's."""
+"""Checks the test files share: a compiled model's outputs and parameter gradients against eager's; a kernel of
+an op against its reference, forward and backward."""
 import torch
 
 
@@ -21,3 +22,14 @@ def assert_compiled_equals_eager(model, args, options=None):
     assert grads_c.keys() == grads_e.keys() and grads_e
     for name in grads_e:
         torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def assert_kernel_matches_reference(op, args, impl, gen, tol):
+    """``op(*args, impl)`` equals ``op(*args, "reference")`` within ``tol``, and so do the gradients of the
+    arguments that require them for one random output gradient (drawn from ``gen``)."""
+    got, want = op(*args, impl), op(*args, "reference")
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    leaves = [t for t in args if isinstance(t, torch.Tensor) and t.requires_grad]
+    grad = torch.randn(want.shape, generator=gen)
+    for g, w in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)

@@ -3,6 +3,7 @@ TRITON_INTERPRET=1 here) against the reference, forward and backward (each is th
 sequences, a single row, sequences cut at max_L, tiles of 16 rows split mid-sequence, dims past one block."""
 import pytest
 import torch
+from checks import assert_kernel_matches_reference
 
 ops = torch.ops.recompile
 
@@ -16,9 +17,4 @@ def test_jagged_bmm_triton_matches_reference(lengths, k, n, max_len):
     x2 = torch.randn(sum(lengths), n, generator=gen).requires_grad_()
     y = torch.randn(len(lengths), k, n, generator=gen).requires_grad_()
     for op, args in ((ops.jagged_dense_bmm, (x, offsets, y, max_len)), (ops.jagged_jagged_bmm, (x, x2, offsets, max_len))):
-        got, want = op(*args, "triton"), op(*args, "reference")
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        leaves = [t for t in args if isinstance(t, torch.Tensor) and t.requires_grad]
-        grad = torch.randn(want.shape, generator=gen)
-        for g, w in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        assert_kernel_matches_reference(op, args, "triton", gen, 1e-5)

@@ -3,6 +3,7 @@
 zero-length sequences, a single row, sequences longer than the padded length, inner dimensions, fp16."""
 import pytest
 import torch
+from checks import assert_kernel_matches_reference
 
 ops = torch.ops.recompile
 
@@ -17,12 +18,7 @@ def test_jagged_dense_triton_matches_reference(lengths, inner, padded):
     calls = [(ops.jagged_to_padded_dense, (x, offsets, padded, -1.5)), (ops.dense_to_jagged, (y, offsets, sum(lengths))),
              (ops.jagged_dense_elementwise_add, (x, offsets, y)), (ops.jagged_dense_elementwise_mul, (x, offsets, y))]
     for op, args in calls:
-        got, want = op(*args, "triton"), op(*args, "reference")
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-        leaves = [t for t in args if isinstance(t, torch.Tensor) and t.requires_grad]
-        grad = torch.randn(want.shape, generator=gen)
-        for g, w in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
-            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        assert_kernel_matches_reference(op, args, "triton", gen, 1e-6)
 
 
 def test_mixed_dtypes_take_the_result_dtype():
