@@ -58,23 +58,23 @@ static const char *const ISA_NAMES[NUM_ISAS] = {"generic", "avx2", "avx512"};
 /* The codes of columns [d, d + 8) (AVX2) or [d, d + 16) (AVX-512) as floats: bytes widened to int32, converted;
  * int4's 8 packed bytes first spread into 16 code bytes in column order (low nibbles interleaved with high ones).
  * AVX-512 uses the maskz forms: GCC 12 warns of the plain forms' undefined pass-through operand. */
-HKV_TARGET("avx2") static inline __m128i spread_nibbles(const uint8_t *p) {
+HKV_TARGET("avx2,f16c") static inline __m128i spread_nibbles(const uint8_t *p) {
     __m128i packed = _mm_loadl_epi64((const __m128i *)p), low = _mm_set1_epi8(15);
     return _mm_unpacklo_epi8(_mm_and_si128(packed, low), _mm_and_si128(_mm_srli_epi16(packed, 4), low));
 }
-HKV_TARGET("avx2") static inline __m256 int8_codes_avx2(const uint8_t *row, int64_t d) {
+HKV_TARGET("avx2,f16c") static inline __m256 int8_codes_avx2(const uint8_t *row, int64_t d) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + d))));
 }
-HKV_TARGET("avx2") static inline __m256 int4_codes_avx2(const uint8_t *row, int64_t d) {
+HKV_TARGET("avx2,f16c") static inline __m256 int4_codes_avx2(const uint8_t *row, int64_t d) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(spread_nibbles(row + d / 2))); /* 8 of its 16 codes */
 }
-HKV_TARGET("avx512f") static inline __m512 widen16(__m128i codes) {
+HKV_TARGET("avx512f,f16c") static inline __m512 widen16(__m128i codes) {
     return _mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_maskz_cvtepu8_epi32(0xFFFF, codes));
 }
-HKV_TARGET("avx512f") static inline __m512 int8_codes_avx512(const uint8_t *row, int64_t d) {
+HKV_TARGET("avx512f,f16c") static inline __m512 int8_codes_avx512(const uint8_t *row, int64_t d) {
     return widen16(_mm_loadu_si128((const __m128i *)(row + d)));
 }
-HKV_TARGET("avx512f") static inline __m512 int4_codes_avx512(const uint8_t *row, int64_t d) {
+HKV_TARGET("avx512f,f16c") static inline __m512 int4_codes_avx512(const uint8_t *row, int64_t d) {
     return widen16(spread_nibbles(row + d / 2));
 }
 
@@ -91,10 +91,10 @@ HKV_TARGET("avx512f") static inline __m512 int4_codes_avx512(const uint8_t *row,
             p##_storeu_ps(out + d, p##_add_ps(p##_mul_ps(kind##_codes_##set(row, d), s), b));                      \
         kind##_columns(row, d, dim, scale, bias, out);                                                             \
     }
-HKV_DEQUANTIZE(int8, avx2, "avx2", 8, __m256, _mm256)
-HKV_DEQUANTIZE(int4, avx2, "avx2", 8, __m256, _mm256)
-HKV_DEQUANTIZE(int8, avx512, "avx512f", 16, __m512, _mm512)
-HKV_DEQUANTIZE(int4, avx512, "avx512f", 16, __m512, _mm512)
+HKV_DEQUANTIZE(int8, avx2, "avx2,f16c", 8, __m256, _mm256)
+HKV_DEQUANTIZE(int4, avx2, "avx2,f16c", 8, __m256, _mm256)
+HKV_DEQUANTIZE(int8, avx512, "avx512f,f16c", 16, __m512, _mm512)
+HKV_DEQUANTIZE(int4, avx512, "avx512f,f16c", 16, __m512, _mm512)
 #undef HKV_DEQUANTIZE
 #undef HKV_TARGET
 
