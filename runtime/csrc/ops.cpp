@@ -16,7 +16,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
-#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -737,7 +738,7 @@ void below_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, tor
  * autograd (the native forward, else the op's Python implementation); with one, a torch::autograd::Function
  * records a node whose backward calls the op's backward op (recompile::<op>_backward, through the dispatcher:
  * its native kernel below autograd too, or the Python op; a compiled graph's backward shows that op). The backward
- * ops are not differentiable: their AutogradCPU kernel is PyTorch's "not implemented" fallback, in C++. */
+ * ops are not differentiable (not_differentiable: their AutogradCPU kernel, in C++ too). */
 
 /* The call on ``stack``, below autograd: what a Function's forward runs. */
 template <bool (*native)(torch::jit::Stack *)>
@@ -764,6 +765,26 @@ std::vector<c10::IValue> call(const c10::OperatorHandle &op, torch::jit::Stack a
 }
 
 c10::OperatorHandle schema(const char *name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
+
+/* A backward op's AutogradCPU kernel: the call below autograd (the native kernel, else the Python op); where it
+ * would be recorded (create_graph), its results get a node that raises naming the op when differentiated, as
+ * PyTorch's autogradNotImplementedFallback does (which skips the ADInplaceOrView kernel, so the native one). */
+template <bool (*native)(torch::jit::Stack *)>
+void not_differentiable(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
+    const auto &schema = op.schema();
+    std::vector<Tensor> inputs;
+    if (at::GradMode::is_enabled())
+        for (const c10::IValue &a : torch::jit::last(*stack, schema.arguments().size()))
+            if (a.isTensor() && a.toTensor().requires_grad()) inputs.push_back(a.toTensor());
+    BelowAutograd<native>{op, keys, stack}();
+    if (inputs.empty()) return;
+    auto node = c10::make_intrusive<torch::autograd::NotImplemented>(schema.name());
+    node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+    for (const c10::IValue &out : torch::jit::last(*stack, schema.returns().size())) {
+        Tensor t = out.isTensor() ? out.toTensor() : Tensor();
+        if (t.defined() && torch::autograd::isDifferentiableType(t.scalar_type())) torch::autograd::set_history(t, node);
+    }
+}
 
 /* grouped_embedding_bag: the differentiable inputs are the tables and the sample weights; the node's backward
  * builds the tables' and sample weights' gradients as runtime/embedding.py's _backward does. */
@@ -990,8 +1011,10 @@ TORCH_LIBRARY_IMPL(recompile, AutogradCPU, m) {
     m.impl("grouped_embedding_bag", torch::CppFunction::makeFromBoxedFunction<&grouped_embedding_bag_autograd>());
     m.impl("fm_second_order", torch::CppFunction::makeFromBoxedFunction<&fm_second_order_autograd>());
     m.impl("sampled_softmax_loss", torch::CppFunction::makeFromBoxedFunction<&sampled_softmax_autograd>());
-    m.impl("fm_second_order_backward", torch::autograd::autogradNotImplementedFallback());
-    m.impl("sampled_softmax_loss_backward", torch::autograd::autogradNotImplementedFallback());
+    m.impl("fm_second_order_backward",
+           torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&fm_second_order_backward_native>>());
+    m.impl("sampled_softmax_loss_backward",
+           torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&sampled_softmax_backward_native>>());
 }
 
 /* The instruction set ops take no tensor: they are registered for every key. */
