@@ -30,6 +30,17 @@ NATIVE = NativeLibrary("recompile.runtime._C", frozenset({torch.float32}))  # th
 available = NATIVE.available
 
 
+if available():  # the C++ ops' fakes, so that torch.export and torch.compile can trace a direct call
+
+    @torch.library.register_fake("recompile_native::sampled_softmax_fwd")
+    def _(pos, neg, sorted_ids, order, targets, scale):
+        return neg.new_empty(neg.shape[0]), neg.new_empty(neg.shape[0])
+
+    @torch.library.register_fake("recompile_native::sampled_softmax_bwd")
+    def _(grad, pos, neg, sorted_ids, order, targets, lse, scale):
+        return pos.new_empty(pos.shape), neg.new_empty(neg.shape)
+
+
 def native_reads(pos, neg, **_) -> bool | str:
     return native_supports(NATIVE, pos, neg)
 

@@ -190,3 +190,22 @@ def test_zoo_model_trains_compiled_as_in_eager(name, op):
     torch.testing.assert_close(losses, _sgd_losses(eager, workload), rtol=1e-5, atol=1e-5)
     for (param, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=param)
+
+
+def test_export_of_a_compiled_region_graph_keeps_the_op():
+    """recompile.export: the FM regions become recompile.fm_second_order, the program equals eager on other batches
+    (the C++ operators it calls are exported standalone by tests/test_native_export.py)."""
+    import recompile
+    from torch.export import Dim
+
+    from test_interaction_pass import FM
+
+    model = FM()
+    batch = Dim("batch")
+    program = recompile.export(model, (torch.randn(5, 4, 6), torch.randn(5, 10)),
+                               dynamic_shapes=({0: batch}, {0: batch}))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert "recompile.fm_second_order.default" in targets
+    for size in (1, 7):
+        inputs = (torch.randn(size, 4, 6), torch.randn(size, 10))
+        torch.testing.assert_close(program.module()(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
