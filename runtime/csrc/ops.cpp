@@ -2,11 +2,13 @@
  *
  * Each operator is a thin entry point: it checks what the kernel reads (CPU tensors of the dtypes it is built
  * for, unit stride where it reads rows), takes the data pointers and calls the kernel of the instruction set
- * chosen when the library loaded (kernels.h). The ops are called by runtime/*_native.py, runtime/dropout.py and
- * runtime/sampled_softmax.py, whose Python custom ops (torch.ops.recompile.*) keep their references, fakes and
- * autograd; ``dropout`` and the functional ops here also stand alone (torch.export keeps them as
- * torch.ops.recompile_native.*, callable from C++ once this library is loaded). The grouped embedding ops read
- * tables of data pointers built by their Python callers; dot_interaction builds its tables here, from its lists. */
+ * chosen when the library loaded (kernels.h). The ops are called by runtime's *_native.py modules, dropout.py and
+ * sampled_softmax.py, whose Python custom ops (torch.ops.recompile.*) keep their references and fakes; the custom
+ * ops' native kernels also run here below autograd, and grouped_embedding_bag, fm_second_order and
+ * sampled_softmax_loss have their CPU autograd here (the end of this file). ``dropout`` and the functional ops here
+ * also stand alone (torch.export keeps them as torch.ops.recompile_native.*, callable from C++ once this library
+ * is loaded). The grouped embedding ops read tables of data pointers built by their Python callers;
+ * dot_interaction builds its tables here, from its lists. */
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
