@@ -3,7 +3,8 @@
     python -m models.bench_native [--rounds N] [--batch 128] [--threads N] [--quick]
 
 Per call (microseconds, a tiny input, so the figure is the call's overhead): each native op through its
-``torch.ops.recompile.*`` custom op (the call a compiled graph makes) and, where it stands alone, the C++
+``torch.ops.recompile.*`` custom op (the call a compiled graph makes; FM second order and sampled softmax also
+with their inputs requiring grad, the call recording its autograd node) and, where it stands alone, the C++
 operator ``torch.ops.recompile_native.*`` itself. Then the zoo's DLRM forward (``--batch``, small config)
 compiled with rec_ascend, each native op at a working size (forward, or forward and backward), and ``make
 run``'s HSTU training step under eager and rec_ascend, on every instruction set this CPU runs
@@ -33,9 +34,18 @@ ops, cpp = torch.ops.recompile, torch.ops.recompile_native
 HSTU_STEP = "hstu training step"  # make run's (models.main), under eager and rec_ascend
 
 
+def _recorded(fn):
+    """fn with gradients recorded (its inputs require grad): the op's autograd layer in the call."""
+    def call():
+        with torch.enable_grad():
+            return fn()
+    return call
+
+
 def per_call(rounds: int) -> dict[str, float]:
     x, seed, v = torch.randn(8), torch.tensor([1, 2]), torch.randn(2, 3, 8)
     pos, neg = torch.randn(4, 1), torch.randn(4, 8)
+    leaves = [t.clone().requires_grad_() for t in (v, pos, neg)]
     features = [torch.randn(2, 8), torch.randn(2, 3, 8)]
     tables, ids, offsets = [torch.randn(10, 8) for _ in range(4)], torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2])
     lookup = ([*tables], [ids] * 4, [offsets] * 4, [torch.empty(0)] * 4, [0] * 4, [-1] * 4, [False] * 4, [False] * 4,
@@ -48,6 +58,9 @@ def per_call(rounds: int) -> dict[str, float]:
         "recompile.fm_second_order": lambda: ops.fm_second_order(v, True, "native"),
         "recompile_native.fm_second_order_fwd": lambda: cpp.fm_second_order_fwd(v, True),
         "recompile.sampled_softmax_loss": lambda: ops.sampled_softmax_loss(pos, neg, None, None, 1.0, "native"),
+        "recompile.fm_second_order, recording grad": _recorded(lambda: ops.fm_second_order(leaves[0], True, "native")),
+        "recompile.sampled_softmax_loss, recording grad": _recorded(
+            lambda: ops.sampled_softmax_loss(leaves[1], leaves[2], None, None, 1.0, "native")),
         "aten.add (for scale)": lambda: torch.add(x, x),
     }
     with torch.no_grad():

@@ -26,6 +26,8 @@ Kernels: ``reference`` (plain torch, the oracle), ``cpu`` (torch), ``native`` (C
 through ``recompile.runtime.interaction_native``; chosen at compile time where it reads the inputs), ``triton``. Backward
 passes are ops of their own (``dot_interaction_backward``, ``cross_epilogue_backward``,
 ``cross_stack_backward``, ``cross_mixture_backward``, ``vector_cross_backward``, ``fm_second_order_backward``).
+``fm_second_order``'s autograd on the CPU is C++ (``csrc/ops.cpp``, the AutogradCPU key), so a CPU call runs no
+Python; the ``register_autograd`` formulas here serve the other devices (and every op on the CPU but that one).
 """
 from __future__ import annotations
 
@@ -908,24 +910,37 @@ def _(v, reduce, impl):
     return v.new_empty(v.shape[0], 1 if reduce else v.shape[2])
 
 
-def _fm_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
-    ctx.reduce, ctx.impl = inputs[1], inputs[2]
+def fm_second_order_backward_reference(grad: torch.Tensor, v: torch.Tensor, reduce: bool) -> torch.Tensor:
+    """d out_d / d v_fd = grad_d (sum_f v_fd - v_fd) (``grad`` [B, D], or [B, 1] with ``reduce``)."""
+    return grad.unsqueeze(1) * (v.sum(1, keepdim=True) - v)
+
+
+for _impl in ("reference", "cpu", "triton"):  # the torch formula: one broadcast pass, on any device
+    register_kernel("fm_second_order_backward", _impl)(fm_second_order_backward_reference)
+
+
+@register_kernel("fm_second_order_backward", "native", supports=native_reads)
+def _fm_backward_native(grad, v, reduce):
+    require("fm_second_order_backward", "native", native_reads(grad=grad, v=v))
+    return native.fm_second_order_backward(grad, v, reduce)
 
 
 @torch.library.custom_op("recompile::fm_second_order_backward", mutates_args=())
 def fm_second_order_backward(grad: torch.Tensor, v: torch.Tensor, reduce: bool, impl: str) -> torch.Tensor:
-    """d out_d / d v_fd = sum_f v_fd - v_fd (an op, like the epilogue's: the native kernel reads pointers)."""
-    if impl == "native":
-        require("fm_second_order_backward", impl, native_reads(grad=grad, v=v))
-        return native.fm_second_order_backward(grad, v, reduce)
-    g = grad.unsqueeze(1)  # [B, 1, D] or [B, 1, 1]
-    return g * (v.sum(1, keepdim=True) - v)
+    """The gradient of ``v`` (an op, like the epilogue's: the native kernel reads pointers)."""
+    return get_kernel("fm_second_order_backward", impl)(grad, v, reduce)
 
 
 @fm_second_order_backward.register_fake
 def _(grad, v, reduce, impl):
     return torch.empty_like(v)
+
+
+# On the CPU the autograd of fm_second_order is C++ (csrc/ops.cpp's FmSecondOrder, the AutogradCPU key: no Python
+# per call); this formula, the same, serves the other devices.
+def _fm_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.reduce, ctx.impl = inputs[1], inputs[2]
 
 
 def _fm_backward(ctx, grad):

@@ -114,6 +114,17 @@ def fm_second_order(v, reduce):
     return ops.fm_second_order_fwd(v, reduce)
 
 
+if available():  # the C++ ops' fakes, so that torch.export and torch.compile can trace a direct call
+
+    @torch.library.register_fake("recompile_native::fm_second_order_fwd")
+    def _(v, reduce):
+        return v.new_empty(v.shape[0], 1 if reduce else v.shape[2])
+
+    @torch.library.register_fake("recompile_native::fm_second_order_bwd")
+    def _(grad, v, reduce):
+        return v.new_empty(v.shape)
+
+
 def fm_second_order_backward(grad, v, reduce):
     return ops.fm_second_order_bwd(grad, v, reduce)
 

@@ -9,8 +9,11 @@ whose id equals the row's target (an accidental hit, left out). It is
 (``lse`` [N], not differentiable, is what the backward reads).
 
 Kernels: ``reference`` (torch, the spelling above, any device and dtype) and ``native`` (``csrc/sampled_softmax.h``,
-the C++ ops ``torch.ops.recompile_native.sampled_softmax_fwd/bwd``, float32 on CPU: hits found by binary search in the sorted negative ids, each row's passes in cache; the lowering
-chooses it where ``native_reads`` holds).
+the C++ ops ``torch.ops.recompile_native.sampled_softmax_fwd/bwd``, float32 on CPU: hits found by binary search in
+the sorted negative ids, each row's passes in cache; the lowering chooses it where ``native_reads`` holds); the
+backward op ``sampled_softmax_loss_backward`` has one of each. On the CPU the autograd is C++ (``csrc/ops.cpp``'s
+``SampledSoftmax``, the AutogradCPU key) and the native kernels run below autograd in C++: a call runs no Python.
+``register_autograd`` below is the same formula for the other devices.
 """
 from __future__ import annotations
 
@@ -25,6 +28,17 @@ from .kernels import get_kernel, native_supports, register_kernel, require
 OP = "sampled_softmax_loss"
 NATIVE = NativeLibrary("recompile.runtime._C", frozenset({torch.float32}))  # the dtypes runtime/csrc/ops.cpp takes
 available = NATIVE.available
+
+
+if available():  # the C++ ops' fakes, so that torch.export and torch.compile can trace a direct call
+
+    @torch.library.register_fake("recompile_native::sampled_softmax_fwd")
+    def _(pos, neg, sorted_ids, order, targets, scale):
+        return neg.new_empty(neg.shape[0]), neg.new_empty(neg.shape[0])
+
+    @torch.library.register_fake("recompile_native::sampled_softmax_bwd")
+    def _(grad, pos, neg, sorted_ids, order, targets, lse, scale):
+        return pos.new_empty(pos.shape), neg.new_empty(neg.shape)
 
 
 def native_reads(pos, neg, **_) -> bool | str:
@@ -118,6 +132,7 @@ def _(grad, pos, neg, neg_ids, target_ids, lse, scale, impl):
     return torch.empty_like(pos, memory_format=contiguous), torch.empty_like(neg, memory_format=contiguous)
 
 
+# The other devices' autograd (the CPU's is csrc/ops.cpp's SampledSoftmax, the same formula).
 def _setup_context(ctx, inputs, output):
     pos, neg, neg_ids, target_ids, scale, impl = inputs
     ctx.mark_non_differentiable(output[1])

@@ -2,11 +2,13 @@
  *
  * Each operator is a thin entry point: it checks what the kernel reads (CPU tensors of the dtypes it is built
  * for, unit stride where it reads rows), takes the data pointers and calls the kernel of the instruction set
- * chosen when the library loaded (kernels.h). The ops are called by runtime/*_native.py, runtime/dropout.py and
- * runtime/sampled_softmax.py, whose Python custom ops (torch.ops.recompile.*) keep their references, fakes and
- * autograd; ``dropout`` and the functional ops here also stand alone (torch.export keeps them as
- * torch.ops.recompile_native.*, callable from C++ once this library is loaded). The grouped embedding ops read
- * tables of data pointers built by their Python callers; dot_interaction builds its tables here, from its lists. */
+ * chosen when the library loaded (kernels.h). The ops are called by runtime's *_native.py modules, dropout.py and
+ * sampled_softmax.py, whose Python custom ops (torch.ops.recompile.*) keep their references and fakes; the custom
+ * ops' native kernels also run here below autograd, and grouped_embedding_bag, fm_second_order and
+ * sampled_softmax_loss have their CPU autograd here (the end of this file). ``dropout`` and the functional ops here
+ * also stand alone (torch.export keeps them as torch.ops.recompile_native.*, callable from C++ once this library
+ * is loaded). The grouped embedding ops read tables of data pointers built by their Python callers;
+ * dot_interaction builds its tables here, from its lists. */
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -16,6 +18,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -305,6 +309,10 @@ Tensor fm_second_order_fwd(const Tensor &v_, bool reduce) {
 Tensor fm_second_order_bwd(const Tensor &grad_, const Tensor &v_, bool reduce) {
     check(v_, "fm_second_order_bwd", "v", FLOATS);
     check(grad_, "fm_second_order_bwd", "grad", {v_.scalar_type()});
+    TORCH_CHECK_VALUE(v_.dim() == 3 && grad_.dim() == 2 && grad_.size(0) == v_.size(0) &&
+                          grad_.size(1) == (reduce ? 1 : v_.size(2)),
+                      "recompile_native.fm_second_order_bwd: v must be [B, F, D] and grad [B, ", reduce ? "1" : "D",
+                      "], got ", v_.sizes(), " and ", grad_.sizes());
     const Tensor v = v_.contiguous(), grad = grad_.contiguous();
     Tensor out = at::empty(v.sizes(), v.options());
     BY_DTYPE(v.scalar_type(), fm_second_order_bwd, T, ptr<const T>(grad), ptr<const T>(v), v.size(0), v.size(1),
@@ -469,26 +477,64 @@ bool fm_second_order_native(torch::jit::Stack *stack) {
     return returned(stack, 3, fm_second_order_fwd(a[0].toTensor(), a[1].toBool()));
 }
 
-/* recompile::sampled_softmax_loss(Tensor pos, Tensor neg, Tensor? neg_ids, Tensor? target_ids, float scale,
- * str impl) -> (Tensor, Tensor) */
-bool sampled_softmax_native(torch::jit::Stack *stack) {
-    const auto a = torch::jit::last(*stack, 6);
-    if (a[5].toStringRef() != "native" || !plain_cpu(a[0].toTensor(), {F32}) || !plain_cpu(a[1].toTensor(), {F32}))
+/* recompile::fm_second_order_backward(Tensor grad, Tensor v, bool reduce, str impl) -> Tensor */
+bool fm_second_order_backward_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 4);
+    const Tensor grad = a[0].toTensor(), v = a[1].toTensor();
+    if (a[3].toStringRef() != "native" || !plain_cpu(v, FLOATS) || !plain_cpu(grad, {v.scalar_type()}) ||
+        v.dim() != 3 || grad.dim() != 2 || grad.size(0) != v.size(0) || grad.size(1) != (a[2].toBool() ? 1 : v.size(2)))
         return false;
-    const Tensor pos = a[0].toTensor(), neg = a[1].toTensor();
-    if (neg.dim() != 2 || pos.dim() != 2 || pos.size(0) != neg.size(0) || pos.size(1) != 1 || a[2].isNone() != a[3].isNone())
-        return false;
+    return returned(stack, 4, fm_second_order_bwd(grad, v, a[2].toBool()));
+}
+
+/* The kernel's view of sampled_softmax_loss's (pos, neg, neg_ids, target_ids), as runtime/sampled_softmax.py's
+ * _problem makes it: pos [N, 1] and neg [N, K] float32, contiguous; the negative ids sorted (with their order) and
+ * the targets int64, or none of them. False for anything else (the Python op takes it). */
+struct SoftmaxInputs {
+    Tensor pos, neg;
     OptTensor sorted, order, targets;
-    if (!a[2].isNone()) {
-        const Tensor ids = a[2].toTensor(), target = a[3].toTensor();
+
+    bool read(const c10::IValue &pos_, const c10::IValue &neg_, const c10::IValue &neg_ids, const c10::IValue &target_ids) {
+        pos = pos_.toTensor(), neg = neg_.toTensor();
+        if (!plain_cpu(pos, {F32}) || !plain_cpu(neg, {F32}) || neg.dim() != 2 || pos.dim() != 2 ||
+            pos.size(0) != neg.size(0) || pos.size(1) != 1 || neg_ids.isNone() != target_ids.isNone())
+            return false;
+        pos = pos.contiguous(), neg = neg.contiguous();
+        if (neg_ids.isNone()) return true;
+        const Tensor ids = neg_ids.toTensor(), target = target_ids.toTensor();
         if (!plain_cpu(ids, {I64, I32}) || !plain_cpu(target, {I64, I32}) || ids.dim() != 1 || ids.size(0) != neg.size(1) ||
             target.dim() != 1 || target.size(0) != neg.size(0))
             return false;
         auto [s, o] = ids.to(I64).sort();
         sorted = s, order = o, targets = target.to(I64).contiguous();
+        return true;
     }
-    auto [loss, lse] = sampled_softmax_fwd(pos.contiguous(), neg.contiguous(), sorted, order, targets, a[4].toDouble());
+};
+
+/* recompile::sampled_softmax_loss(Tensor pos, Tensor neg, Tensor? neg_ids, Tensor? target_ids, float scale,
+ * str impl) -> (Tensor, Tensor) */
+bool sampled_softmax_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 6);
+    SoftmaxInputs in;
+    if (a[5].toStringRef() != "native" || !in.read(a[0], a[1], a[2], a[3])) return false;
+    auto [loss, lse] = sampled_softmax_fwd(in.pos, in.neg, in.sorted, in.order, in.targets, a[4].toDouble());
     return returned(stack, 6, loss, lse);
+}
+
+/* recompile::sampled_softmax_loss_backward(Tensor grad, Tensor pos, Tensor neg, Tensor? neg_ids,
+ * Tensor? target_ids, Tensor lse, float scale, str impl) -> (Tensor, Tensor) */
+bool sampled_softmax_backward_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 8);
+    SoftmaxInputs in;
+    if (a[7].toStringRef() != "native" || !in.read(a[1], a[2], a[3], a[4])) return false;
+    const Tensor grad = a[0].toTensor(), lse = a[5].toTensor();
+    const int64_t N = in.neg.size(0);
+    if (!plain_cpu(grad, {F32}) || !plain_cpu(lse, {F32}) || grad.dim() != 1 || grad.size(0) != N || lse.dim() != 1 ||
+        lse.size(0) != N)
+        return false;
+    auto [grad_pos, grad_neg] =
+        sampled_softmax_bwd(grad, in.pos, in.neg, in.sorted, in.order, in.targets, lse, a[6].toDouble());
+    return returned(stack, 8, grad_pos, grad_neg);
 }
 
 /* The layers' [D] vectors of one dtype (weights or biases of recompile::vector_cross: [D], [1, D] or [D, 1]) as
@@ -686,19 +732,18 @@ void below_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, tor
     if (keys.has_any(WRAPPED) || !native(stack)) op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
 }
 
-/* recompile::grouped_embedding_bag's autograd in C++ (the AutogradCPU key: it comes before the Python formula that
- * runtime/embedding.py registers for the Autograd alias, which stays for the fused op and other devices), so that a
- * call runs no Python: without a gradient to record it goes below autograd (the native forward, else the op's
- * Python implementation); with one, GroupedEmbeddingBag records a node whose backward calls
- * recompile::grouped_embedding_bag_backward and builds the tables' and sample weights' gradients as
- * runtime/embedding.py's _backward does. */
-enum GebArgument { WEIGHTS, INDICES, OFFSETS, PSWS, POOLING_ARG, PADDING_IDX, LAST_OFFSETS, SPARSE, LAYOUT, NAMES,
-                   BOUNDS_CHECK, IMPL, GEB_ARGS };
-/* The arguments the backward takes again, by their schema names. */
-constexpr std::pair<GebArgument, const char *> GEB_SAVED[] = {
-    {POOLING_ARG, "pooling"}, {PADDING_IDX, "padding_idx"}, {LAST_OFFSETS, "include_last_offset"}, {SPARSE, "sparse"},
-    {LAYOUT, "layout"}, {NAMES, "names"}, {BOUNDS_CHECK, "bounds_check"}, {IMPL, "impl"}};
+/* ------------------------------------------------------------------------ the custom ops' autograd, in C++
+ *
+ * recompile::grouped_embedding_bag, fm_second_order and sampled_softmax_loss have their autograd here, for the
+ * AutogradCPU key: it comes before the Python formula that runtime/ registers for the Autograd alias (which stays
+ * for other devices), so that a CPU call runs no Python. Without a gradient to record the call goes below
+ * autograd (the native forward, else the op's Python implementation); with one, a torch::autograd::Function
+ * records a node whose backward calls the op's backward op (recompile::<op>_backward, through the dispatcher:
+ * its native kernel below autograd too, or the Python op; a compiled graph's backward shows that op). The backward
+ * ops are not differentiable (not_differentiable: their AutogradCPU kernel, in C++ too). */
 
+/* The call on ``stack``, below autograd: what a Function's forward runs. */
+template <bool (*native)(torch::jit::Stack *)>
 struct BelowAutograd {
     const c10::OperatorHandle &op;
     c10::DispatchKeySet keys;
@@ -706,7 +751,7 @@ struct BelowAutograd {
 
     void operator()() const {
         at::AutoDispatchBelowADInplaceOrView guard;
-        below_autograd<&grouped_embedding_bag_native>(op, keys, stack);
+        below_autograd<native>(op, keys, stack);
     }
 };
 
@@ -715,10 +760,47 @@ bool requires_grad(const c10::IValue &tensors) {
     return std::any_of(list.begin(), list.end(), [](const c10::IValue &t) { return t.toTensor().requires_grad(); });
 }
 
+/* The results of ``op`` (a backward op) on ``arguments``. */
+std::vector<c10::IValue> call(const c10::OperatorHandle &op, torch::jit::Stack arguments) {
+    op.callBoxed(&arguments);
+    return arguments;
+}
+
+c10::OperatorHandle schema(const char *name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
+
+/* A backward op's AutogradCPU kernel: the call below autograd (the native kernel, else the Python op); where it
+ * would be recorded (create_graph), its results get a node that raises naming the op when differentiated, as
+ * PyTorch's autogradNotImplementedFallback does (which skips the ADInplaceOrView kernel, so the native one). */
+template <bool (*native)(torch::jit::Stack *)>
+void not_differentiable(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
+    const auto &schema = op.schema();
+    std::vector<Tensor> inputs;
+    if (at::GradMode::is_enabled())
+        for (const c10::IValue &a : torch::jit::last(*stack, schema.arguments().size()))
+            if (a.isTensor() && a.toTensor().requires_grad()) inputs.push_back(a.toTensor());
+    BelowAutograd<native>{op, keys, stack}();
+    if (inputs.empty()) return;
+    auto node = c10::make_intrusive<torch::autograd::NotImplemented>(schema.name());
+    node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+    for (const c10::IValue &out : torch::jit::last(*stack, schema.returns().size())) {
+        Tensor t = out.isTensor() ? out.toTensor() : Tensor();
+        if (t.defined() && torch::autograd::isDifferentiableType(t.scalar_type())) torch::autograd::set_history(t, node);
+    }
+}
+
+/* grouped_embedding_bag: the differentiable inputs are the tables and the sample weights; the node's backward
+ * builds the tables' and sample weights' gradients as runtime/embedding.py's _backward does. */
+enum GebArgument { WEIGHTS, INDICES, OFFSETS, PSWS, POOLING_ARG, PADDING_IDX, LAST_OFFSETS, SPARSE, LAYOUT, NAMES,
+                   BOUNDS_CHECK, IMPL, GEB_ARGS };
+/* The arguments the backward takes again, by their schema names. */
+constexpr std::pair<GebArgument, const char *> GEB_SAVED[] = {
+    {POOLING_ARG, "pooling"}, {PADDING_IDX, "padding_idx"}, {LAST_OFFSETS, "include_last_offset"}, {SPARSE, "sparse"},
+    {LAYOUT, "layout"}, {NAMES, "names"}, {BOUNDS_CHECK, "bounds_check"}, {IMPL, "impl"}};
+
 struct GroupedEmbeddingBag : torch::autograd::Function<GroupedEmbeddingBag> {
-    /* The differentiable inputs are the tables and the sample weights; the call itself is on ``below``'s stack. */
+    /* The call itself is on ``below``'s stack. */
     static Tensor forward(torch::autograd::AutogradContext *ctx, at::TensorList weights, at::TensorList psws,
-                          const BelowAutograd &below) {
+                          const BelowAutograd<&grouped_embedding_bag_native> &below) {
         const auto a = torch::jit::last(*below.stack, GEB_ARGS);
         std::vector<Tensor> saved(weights.begin(), weights.end());
         for (const Tensor &ids : a[INDICES].toTensorVector()) saved.push_back(ids);
@@ -741,13 +823,12 @@ struct GroupedEmbeddingBag : torch::autograd::Function<GroupedEmbeddingBag> {
         c10::List<bool> psw_grad;
         for (size_t t = 0; t < n; t++) psw_grad.push_back(psws[t].sym_numel() != 0 && ctx->needs_input_grad(n + t));
         auto &d = ctx->saved_data;
-        static const c10::OperatorHandle op =
-            c10::Dispatcher::singleton().findSchemaOrThrow("recompile::grouped_embedding_bag_backward", "");
-        torch::jit::Stack stack{grads[0], weights, indices, offsets, psws, d["pooling"], d["padding_idx"],
-                                d["include_last_offset"], d["sparse"], psw_grad, d["layout"], d["names"],
-                                d["bounds_check"], d["impl"]};
-        op.callBoxed(&stack);
-        const std::vector<Tensor> out = stack.back().toTensorVector();
+        static const auto op = schema("recompile::grouped_embedding_bag_backward");
+        const std::vector<Tensor> out =
+            call(op,
+                 {grads[0], weights, indices, offsets, psws, d["pooling"], d["padding_idx"], d["include_last_offset"],
+                  d["sparse"], psw_grad, d["layout"], d["names"], d["bounds_check"], d["impl"]})[0]
+                .toTensorVector();
         const c10::List<bool> sparse = d["sparse"].toBoolList();
         const bool fatal = d["bounds_check"].toStringRef() == "fatal";
         torch::autograd::variable_list result(2 * n + 1);  // the tables', the sample weights', none for ``below``
@@ -766,11 +847,80 @@ struct GroupedEmbeddingBag : torch::autograd::Function<GroupedEmbeddingBag> {
 
 void grouped_embedding_bag_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
     const auto a = torch::jit::last(*stack, GEB_ARGS);
-    const BelowAutograd below{op, keys, stack};
+    const BelowAutograd<&grouped_embedding_bag_native> below{op, keys, stack};
     if (!at::GradMode::is_enabled() || !(requires_grad(a[WEIGHTS]) || requires_grad(a[PSWS]))) return below();
     const std::vector<Tensor> weights = a[WEIGHTS].toTensorVector(), psws = a[PSWS].toTensorVector();
     Tensor out = GroupedEmbeddingBag::apply(at::TensorList(weights), at::TensorList(psws), below);
     stack->back() = std::move(out);
+}
+
+/* fm_second_order(Tensor v, bool reduce, str impl): d out / d v = grad * (sum_f v - v), by the backward op (as
+ * runtime/interaction.py's _fm_backward). */
+struct FmSecondOrder : torch::autograd::Function<FmSecondOrder> {
+    static Tensor forward(torch::autograd::AutogradContext *ctx, const Tensor &v,
+                          const BelowAutograd<&fm_second_order_native> &below) {
+        const auto a = torch::jit::last(*below.stack, 3);
+        ctx->save_for_backward({v});
+        ctx->saved_data["reduce"] = a[1], ctx->saved_data["impl"] = a[2];
+        below();
+        return below.stack->back().toTensor();
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        auto &d = ctx->saved_data;
+        static const auto op = schema("recompile::fm_second_order_backward");
+        const Tensor grad_v = call(op,
+                                   {grads[0], ctx->get_saved_variables()[0], d["reduce"], d["impl"]})[0].toTensor();
+        return {grad_v, Tensor()};
+    }
+};
+
+void fm_second_order_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
+    const BelowAutograd<&fm_second_order_native> below{op, keys, stack};
+    const Tensor v = torch::jit::peek(*stack, 0, 3).toTensor();
+    if (!at::GradMode::is_enabled() || !v.requires_grad()) return below();
+    Tensor out = FmSecondOrder::apply(v, below);
+    stack->back() = std::move(out);
+}
+
+/* sampled_softmax_loss(Tensor pos, Tensor neg, Tensor? neg_ids, Tensor? target_ids, float scale, str impl) ->
+ * (loss, lse): pos and neg differentiable, lse not (the backward reads it), as runtime/sampled_softmax.py's
+ * _backward. */
+struct SampledSoftmax : torch::autograd::Function<SampledSoftmax> {
+    static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx, const Tensor &pos,
+                                                  const Tensor &neg,
+                                                  const BelowAutograd<&sampled_softmax_native> &below) {
+        const auto a = torch::jit::last(*below.stack, 6);
+        const Tensor neg_ids = a[2].isNone() ? Tensor() : a[2].toTensor(),
+                     target_ids = a[3].isNone() ? Tensor() : a[3].toTensor();
+        ctx->saved_data["scale"] = a[4], ctx->saved_data["impl"] = a[5];
+        below();
+        const Tensor loss = torch::jit::peek(*below.stack, 0, 2).toTensor(), lse = below.stack->back().toTensor();
+        ctx->mark_non_differentiable({lse});
+        ctx->save_for_backward({pos, neg, neg_ids, target_ids, lse});
+        return {loss, lse};
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto s = ctx->get_saved_variables();
+        static const auto op = schema("recompile::sampled_softmax_loss_backward");
+        auto optional = [](const Tensor &t) { return t.defined() ? c10::IValue(t) : c10::IValue(); };
+        const auto out = call(op,
+                              {grads[0], s[0], s[1], optional(s[2]), optional(s[3]), s[4], ctx->saved_data["scale"],
+                               ctx->saved_data["impl"]});
+        return {out[0].toTensor(), out[1].toTensor(), Tensor()};
+    }
+};
+
+void sampled_softmax_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
+    const BelowAutograd<&sampled_softmax_native> below{op, keys, stack};
+    const Tensor pos = torch::jit::peek(*stack, 0, 6).toTensor(), neg = torch::jit::peek(*stack, 1, 6).toTensor();
+    if (!at::GradMode::is_enabled() || !(pos.requires_grad() || neg.requires_grad())) return below();
+    auto out = SampledSoftmax::apply(pos, neg, below);
+    torch::jit::drop(*stack, 2);
+    torch::jit::push(*stack, std::move(out[0]), std::move(out[1]));
 }
 
 std::string isa() { return kernels().isa; }
@@ -853,10 +1003,20 @@ TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&dot_interaction_backward_native>>());
     m.impl("sampled_softmax_loss",
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&sampled_softmax_native>>());
+    m.impl("fm_second_order_backward",
+           torch::CppFunction::makeFromBoxedFunction<&below_autograd<&fm_second_order_backward_native>>());
+    m.impl("sampled_softmax_loss_backward",
+           torch::CppFunction::makeFromBoxedFunction<&below_autograd<&sampled_softmax_backward_native>>());
 }
 
 TORCH_LIBRARY_IMPL(recompile, AutogradCPU, m) {
     m.impl("grouped_embedding_bag", torch::CppFunction::makeFromBoxedFunction<&grouped_embedding_bag_autograd>());
+    m.impl("fm_second_order", torch::CppFunction::makeFromBoxedFunction<&fm_second_order_autograd>());
+    m.impl("sampled_softmax_loss", torch::CppFunction::makeFromBoxedFunction<&sampled_softmax_autograd>());
+    m.impl("fm_second_order_backward",
+           torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&fm_second_order_backward_native>>());
+    m.impl("sampled_softmax_loss_backward",
+           torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&sampled_softmax_backward_native>>());
 }
 
 /* The instruction set ops take no tensor: they are registered for every key. */
