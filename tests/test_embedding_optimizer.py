@@ -8,6 +8,9 @@ import recompile
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 from recompile.runtime import embedding_optimizer
 
+# Numbers and compile counts, not which candidate is fastest: the race times one or two rounds (conftest).
+pytestmark = pytest.mark.usefixtures("quick_race")
+
 SMALL = DLRMConfig(table_rows=[40, 60, 25], dim=8, bottom=[16, 8], top=[16, 1], max_ids_per_bag=5)
 LR, EPS = 0.05, 1e-6
 

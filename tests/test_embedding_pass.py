@@ -10,6 +10,9 @@ import recompile
 from checks import assert_compiled_equals_eager
 from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 
+# Numbers and compile counts, not which candidate is fastest: the race times one or two rounds (conftest).
+pytestmark = pytest.mark.usefixtures("quick_race")
+
 SMALL = DLRMConfig(table_rows=[50, 80, 120, 30], dim=8, bottom=[16, 8], top=[16, 1])
 
 

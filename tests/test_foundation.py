@@ -17,6 +17,9 @@ from recompile.html_report import render_html
 from recompile.lowering import LOWERINGS, detect_target
 from recompile.lowering.targets import ASCEND_FBGEMM_OPS
 
+# Numbers and compile counts, not which candidate is fastest: the race times one or two rounds (conftest).
+pytestmark = pytest.mark.usefixtures("quick_race")
+
 SMALL = DLRMConfig(table_rows=[50, 80, 120], dim=8, bottom=[16, 8], top=[16, 1])
 
 

@@ -18,6 +18,9 @@ from recompile.backend import TRACING_CONFIG, rec_ascend
 from recompile.report import GraphBreak
 from tests.test_jagged_pass_forms import C, H, N, batch_of, outputs_and_grads
 
+# Numbers and compile counts, not which candidate is fastest: the race times one or two rounds (conftest).
+pytestmark = pytest.mark.usefixtures("quick_race")
+
 
 def positions_by_repeat_interleave(values, lengths):
     """The issue's spelling: each value's sequence start repeated over the sequence."""

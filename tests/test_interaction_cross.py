@@ -16,6 +16,9 @@ from recompile.runtime.interaction import ACTIVATIONS, cross_mixture_reference, 
 from recompile.runtime.kernels import KERNELS
 from tests.test_interaction_pass import _assert_same_training, _regions, pipeline_only
 
+# Numbers and compile counts, not which candidate is fastest: the race times one or two rounds (conftest).
+pytestmark = pytest.mark.usefixtures("quick_race")
+
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=1e-1),
        torch.float16: dict(rtol=1e-2, atol=3e-2)}
 

@@ -10,6 +10,9 @@ from recompile.lowering import detect_target
 from recompile.options import RecompileOptions
 from recompile.pipeline import PassContext, run_pipeline
 
+# Numbers and compile counts, not which candidate is fastest: the race times one or two rounds (conftest).
+pytestmark = pytest.mark.usefixtures("quick_race")
+
 SMALL = DLRMConfig(table_rows=[50, 80, 120], dim=8, bottom=[16, 8], top=[16, 1])
 
 

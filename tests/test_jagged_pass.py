@@ -17,6 +17,9 @@ from recompile.lowering.targets import detect_target
 from models.layers_jagged import HSTULayer, SASRecLayer, jagged_batch
 from recompile.runtime.kernels import KERNELS
 
+# Numbers and compile counts, not which candidate is fastest: the race times one or two rounds (conftest).
+pytestmark = pytest.mark.usefixtures("quick_race")
+
 MAX_LEN = 16
 
 

@@ -18,6 +18,9 @@ import recompile
 from recompile.backend import rec_ascend
 from recompile.runtime.kernels import KERNELS
 
+# Numbers and compile counts, not which candidate is fastest: the race times one or two rounds (conftest).
+pytestmark = pytest.mark.usefixtures("quick_race")
+
 N, C, H = 8, 8, 2
 
 

@@ -9,6 +9,9 @@ from models.metrics import ranking_metrics
 from models.retrieval import TwoTowerConfig
 from models.zoo import MODELS, two_tower
 
+# Numbers and compile counts, not which candidate is fastest: the race times one or two rounds (conftest).
+pytestmark = pytest.mark.usefixtures("quick_race")
+
 
 def _loss_and_grads(model, workload, inputs):
     model.zero_grad()

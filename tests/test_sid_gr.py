@@ -7,6 +7,9 @@ from torch._dynamo.testing import CompileCounter
 from models.semantic_ids import rq_kmeans
 from models.sid_gr import SIDGR, CodeTrie, SIDGRConfig, beam_search
 
+# Numbers and compile counts, not which candidate is fastest: the race times one or two rounds (conftest).
+pytestmark = pytest.mark.usefixtures("quick_race")
+
 NUM_ITEMS = 40
 
 

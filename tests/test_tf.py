@@ -20,6 +20,9 @@ from recompile.frontends import graph_proto
 from recompile.frontends.tensorflow import import_graph
 from torch._dynamo.testing import CompileCounterWithBackend
 
+# Numbers and compile counts, not which candidate is fastest: the race times one or two rounds (conftest).
+pytestmark = pytest.mark.usefixtures("quick_race")
+
 MODELS = ["wide_deep", "dlrm", "dcn", "transformer", "ops"]
 
 
