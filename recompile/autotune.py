@@ -850,9 +850,13 @@ def compiled_graph(chooser: GraphChooser, buckets: Buckets | None = None) -> Cal
 
 
 def without_pass(original: fx.GraphModule, ctx, name: str, regions: dict[str, str]) -> fx.GraphModule:
-    """The captured graph rewritten by every pass but ``name``, with the kernels chosen for its regions."""
+    """The captured graph rewritten by every pass but ``name``, with the kernels chosen for its regions: the passes
+    after ``name`` run on the graph ``name`` started from (``ctx``'s stage before it: the passes before it ran
+    alike), not the whole pipeline again."""
     options = replace(ctx.options, passes={**ctx.options.passes, name: False}, verify=False, dump_dir=None)
-    gm = run_pipeline(original, PassContext(options, ctx.target, ctx.example_inputs, graph_id=ctx.graph_id))
+    names = [stage.name for stage in ctx.stages]
+    start, after = (ctx.stages[names.index(name) - 1].gm, name) if name in names else (original, None)
+    gm = run_pipeline(start, PassContext(options, ctx.target, ctx.example_inputs, graph_id=ctx.graph_id), after)
     apply_regions(gm, regions)
     return gm
 

@@ -224,14 +224,18 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return _LazyGraphModule(gm, graph)
 
 
-def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def run_pipeline(gm: fx.GraphModule, ctx: PassContext, after: str | None = None) -> fx.GraphModule:
     """``gm`` rewritten by every enabled pass, as a plain GraphModule (its code generated once, here: a lazy one
-    would pass each later call, and each call after an in-place edit, through its recompile check)."""
-    ctx.record_stage("captured", gm)
+    would pass each later call, and each call after an in-place edit, through its recompile check). ``after``: only
+    the passes that run after pass ``after``, on ``gm``, the graph it started from in an earlier run."""
+    given = gm
+    if after is not None:
+        gm = copy_graph_module(gm)  # the earlier run's stage is left as it was
+    ctx.record_stage("captured" if after is None else f"before {after}", gm)
     for spec in passes():
-        if ctx.options.enabled(spec.name):
+        if ctx.options.enabled(spec.name) and (after is None or spec.order > PASSES[after].order):
             gm = _run_pass(spec, gm, ctx)
-    if not isinstance(gm, _LazyGraphModule):
+    if gm is given or not isinstance(gm, _LazyGraphModule):
         return gm
     result = fx.GraphModule(gm, gm.graph)  # shares the graph: later in-place edits (kernel choices) land in both
     ctx.stages[-1].code = result.code  # so the last stage's code is the pipeline's output, as for every stage
