@@ -12,9 +12,9 @@ example inputs and within ``BUDGET_S`` seconds:
    ``inductor-captured`` (the Inductor a user would otherwise get), ``inductor-<pass>``. Inductor's compile
    is most of a cold compile, so only the Inductor graphs that can win are compiled (``choose_compiles``):
    the graphs differ only in their rec regions, so Inductor compiles the one whose regions ran fastest
-   eagerly, and the captured graph (the Inductor a user would otherwise get) only where it can still win
-   (``build_compiles``): not where its library calls alone take longer than the fastest graph eagerly, or than
-   Inductor on the fastest graph (compiled and timed first), nor, for an inference graph, where that runs clearly
+   eagerly, and the captured graph (the Inductor a user would otherwise get) only where it can still win: not
+   where its library calls alone take longer than the fastest graph eagerly, nor, for an inference graph
+   (``build_compiles``), than Inductor on the fastest graph (compiled and timed first), or where that runs clearly
    ahead of its graph eagerly: one Inductor compile then, as plain Inductor's. Inference graphs skip the fastest
    one where Inductor has little to fuse around our ops (``inductor_can_win``). Without rec regions: Inductor alone.
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
@@ -989,39 +989,39 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
 
 def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, sandbox: Sandbox, decision: Decision,
                    training: bool, budget_s: float) -> dict[str, Callable]:
-    """The candidates, built, Inductor on the captured graph last and only when it can still win. Inductor on the
-    graph that ran fastest eagerly is timed first (``inductor_ahead``, after its first call; a training graph's
-    backward is compiled there); the captured graph is then not compiled where that time is within ``MARGIN`` of
-    the captured graph's library calls alone (``inductor_floor_ms``: Inductor on it cannot run faster than those),
-    nor, for an inference graph, where it runs ahead of its graph eagerly by more than ``MARGIN`` (the captured
-    graph differs from it only in regions that ran slower eagerly). Either way: one Inductor compile, as plain
-    Inductor's."""
+    """The candidates, built. An inference graph's Inductor on the captured graph is built last and only when it can
+    still win: Inductor on the graph that ran fastest eagerly is timed first (``inductor_ahead``, after its first
+    call), and the captured graph is not compiled where that time is within ``MARGIN`` of the captured graph's
+    library calls alone (``inductor_floor_ms``: Inductor on it cannot run faster than those), nor where it runs
+    ahead of its graph eagerly by more than ``MARGIN`` (the captured graph differs from it only in regions that ran
+    slower eagerly): one Inductor compile then, as plain Inductor's. A training graph builds every candidate kept:
+    timing one here would compile its backward inside Dynamo's compile of the forward."""
     first = inductor_of(fastest)
-    deferred = first != "inductor-captured" and first in builders and "inductor-captured" in builders
+    deferred = not training and first != "inductor-captured" and first in builders and "inductor-captured" in builders
     captured = builders.pop("inductor-captured") if deferred else None
     built = build(builders, decision)
     if captured is None:
         return built
-    ahead, first_ms = inductor_ahead(built[first], built[fastest], sandbox, decision, training, budget_s)
+    ahead, first_ms = inductor_ahead(built[first], built[fastest], sandbox, decision, budget_s)
     floor_ms = decision.timings_ms.get(FLOOR)
     if floor_ms is not None and first_ms is not None and first_ms <= floor_ms * (1 + MARGIN):
         decision.rejected["inductor-captured"] = (f"not compiled: {first} ran {first_ms:.3f} ms, its library calls "
                                                   f"alone take {floor_ms:.3f} ms")
         return built
-    if ahead and not training:
+    if ahead:
         decision.rejected["inductor-captured"] = (f"not compiled: {first} ran ahead of {fastest} eagerly by more than "
                                                   f"{MARGIN:.0%}")
         return built
     return {**built, **build({"inductor-captured": captured}, decision)}
 
 
-def inductor_ahead(compiled: Callable, eager: Callable, sandbox: Sandbox, decision: Decision, training: bool,
+def inductor_ahead(compiled: Callable, eager: Callable, sandbox: Sandbox, decision: Decision,
                    budget_s: float) -> tuple[bool, float | None]:
-    """Whether ``compiled`` (a graph through Inductor) gives ``eager``'s results (and input gradients when
-    ``training``) and runs faster than it by more than ``MARGIN``, round by round, on the sandbox's inputs after a
-    first untimed call of each; with its median ms (None where it fails or disagrees)."""
-    steps = {"eager": functools.partial(run_step, eager, sandbox.args, training),
-             "inductor": functools.partial(run_step, compiled, sandbox.args, training)}
+    """Whether ``compiled`` (an inference graph through Inductor) gives ``eager``'s results and runs faster than it by
+    more than ``MARGIN``, round by round, on the sandbox's inputs after a first untimed call of each; with its median
+    ms (None where it fails or disagrees)."""
+    steps = {"eager": functools.partial(run_step, eager, sandbox.args, False),
+             "inductor": functools.partial(run_step, compiled, sandbox.args, False)}
     try:
         results = []
         for step in steps.values():

@@ -183,7 +183,7 @@ def test_a_training_graph_compiles_the_captured_graph_when_its_floor_is_below(_c
 
     monkeypatch.setattr(autotune, "fastest_eagerly", fastest_eagerly)
     floors = []
-    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda gm, sandbox, training: floors.append(training) or 1e-6)
+    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda gm, sandbox, training: floors.append(training) or 0.5)
     model, x = Cross(), torch.randn(8, 16)
     torch._dynamo.reset()
     out = torch.compile(model, backend="rec_ascend")(x)
