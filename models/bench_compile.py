@@ -5,7 +5,8 @@
 
 Cold compile: each (model, mode, backend) runs in a fresh process with empty Inductor and recompile caches
 (``TORCHINDUCTOR_CACHE_DIR``, ``RECOMPILE_CACHE_DIR``); the figure is the first step's time minus a steady
-step's. Backends alternate within each repeat, so that load from other processes falls on both alike; the
+step's, and beside it the same difference in the process's own CPU time (all its threads; not Inductor's
+kernel-compile workers), which load from other processes moves less than wall time. Backends alternate within each repeat, so that load from other processes falls on both alike; the
 median of the repeats is printed, with rec_ascend's autotune decisions: the candidate kept, the seconds each
 candidate took to build (Inductor's compile) and the Inductor graphs it left uncompiled. Models:
 ``interaction-dlrm`` and ``interaction-dcn`` are ``models.bench_interaction``'s (batch 256), ``hstu-ml100k`` the
@@ -20,9 +21,11 @@ side by side, with rec_ascend's over Inductor's.
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -63,20 +66,22 @@ def _main_job_compile_s(backend: str) -> float:
 
 def child(model: str, mode: str, backend: str) -> dict:
     """In a fresh process: seconds of the first step beyond a steady one, and the autotune decisions stored."""
+    start_cpu = time.process_time()
     if model == MAIN_JOB:
         cold = _main_job_compile_s(backend)
+        cpu = time.process_time() - start_cpu
     else:
         step = _interaction_step(INTERACTION[model], mode, backend) if model in INTERACTION else \
             backend_step(model, "small", backend, mode == "train")
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
-        first = time.perf_counter() - start
-        start = time.perf_counter()
+        first, first_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
-        cold = first - (time.perf_counter() - start)
+        cold, cpu = first - (time.perf_counter() - start), first_cpu - (time.process_time() - start_cpu)
     folder = Path(os.environ["RECOMPILE_CACHE_DIR"]) / "autotune"
     decisions = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
-    return {"cold_s": cold, "decisions": [
+    return {"cold_s": cold, "cpu_s": cpu, "decisions": [
         {"choice": d["choice"], "compile_s": d.get("compile_s", {}),
          "not_compiled": sorted(n for n, why in d["rejected"].items() if why.startswith("not compiled"))}
         for d in decisions]}
@@ -111,12 +116,14 @@ def run_cold(models: list[str], modes: list[str], repeats: int, threads: int) ->
                 for backend in COMPILED:
                     runs[backend].append(cold_compile(model, mode, backend, threads))
             seconds = {backend: statistics.median(r["cold_s"] for r in results) for backend, results in runs.items()}
+            cpu = {backend: statistics.median(r["cpu_s"] for r in results) for backend, results in runs.items()}
             row = {"model": model, "mode": mode, **seconds, "ratio": seconds["rec_ascend"] / seconds["inductor"],
+                   "cpu_s": cpu, "cpu_ratio": cpu["rec_ascend"] / max(cpu["inductor"], 1e-9),
                    "decisions": runs["rec_ascend"][-1]["decisions"]}
             rows.append(row)
             print(f"{model:24s} {mode:8s} cold compile: inductor {row['inductor']:6.1f} s  rec_ascend "
-                  f"{row['rec_ascend']:6.1f} s  ({row['ratio']:4.2f}x Inductor's)  {_describe(row['decisions'])}",
-                  flush=True)
+                  f"{row['rec_ascend']:6.1f} s  ({row['ratio']:4.2f}x Inductor's; the compiling process's own CPU "
+                  f"{row['cpu_ratio']:4.2f}x)  {_describe(row['decisions'])}", flush=True)
     return rows
 
 
@@ -179,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
     parser.add_argument("--no-overhead", action="store_true", help="skip the per-call overhead measurements")
     parser.add_argument("--no-cold", action="store_true", help="skip the cold compiles (per-call overhead only)")
+    parser.add_argument("--json", default="docs/benchmarks/compile.json", help="the cold compiles' rows ('': none)")
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "BACKEND"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -187,7 +195,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if not args.no_cold:
-        run_cold(args.models, args.modes, args.repeats, args.threads)
+        rows = run_cold(args.models, args.modes, args.repeats, args.threads)
+        if args.json:
+            from .bench_corpus import commit  # (imports the corpus: not in the children)
+            from .train import write_json
+
+            write_json(args.json, {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
+                                              f"{os.cpu_count()} cpus", "threads": args.threads, "commit": commit(),
+                                   "repeats": args.repeats, "load_1min": os.getloadavg()[0], "rows": rows,
+                                   "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
     if not args.no_overhead:
         run_overhead()
 

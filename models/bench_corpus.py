@@ -87,8 +87,10 @@ def describe_decision(d: dict) -> str:
 
 
 def step_fn(case: Case, fn, module, inputs):
+    """A training case's loss + backward; an inference entry's call under ``torch.no_grad`` (as RecBole's evaluation
+    and ``harness.run`` call it: with grad on, the parameters make Dynamo's graph a training graph)."""
     if not case.training:
-        return lambda: fn(*inputs)
+        return torch.no_grad()(lambda: fn(*inputs))
 
     def step():
         module.zero_grad(set_to_none=True)

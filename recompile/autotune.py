@@ -12,9 +12,11 @@ example inputs and within ``BUDGET_S`` seconds:
    ``inductor-captured`` (the Inductor a user would otherwise get), ``inductor-<pass>``. Inductor's compile
    is most of a cold compile, so only the Inductor graphs that can win are compiled (``choose_compiles``):
    the graphs differ only in their rec regions, so Inductor compiles the one whose regions ran fastest
-   eagerly (one compile for training graphs); inference graphs also compile the captured graph unless Inductor
-   on the fastest one runs clearly ahead of it eagerly (``build_inference``), and skip the fastest one where
-   Inductor has little to fuse around our ops (``inductor_can_win``). Without rec regions: Inductor alone.
+   eagerly, and the captured graph (the Inductor a user would otherwise get) only where it can still win: not
+   where its library calls alone take longer than the fastest graph eagerly, nor, for an inference graph
+   (``build_compiles``), than Inductor on the fastest graph (compiled and timed first), or where that runs clearly
+   ahead of its graph eagerly: one Inductor compile then, as plain Inductor's. Inference graphs skip the fastest
+   one where Inductor has little to fuse around our ops (``inductor_can_win``). Without rec regions: Inductor alone.
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
@@ -91,6 +93,8 @@ MIN_ROUNDS, MAX_ROUNDS = 3, 50
 # when faster by more than this share: this machine's run-to-run noise is larger than what is won below it.
 MARGIN = 0.04
 INCUMBENTS = ("eager", "inductor-captured")
+# The decision's timing of the captured graph's library calls alone (``inductor_floor_ms``), when measured.
+FLOOR = "floor:inductor-captured"
 CACHE_VERSION = 4
 # Size buckets a graph with symbolic sizes races in at most; a call in a further bucket runs the nearest one's choice.
 MAX_BUCKETS = 8
@@ -846,9 +850,13 @@ def compiled_graph(chooser: GraphChooser, buckets: Buckets | None = None) -> Cal
 
 
 def without_pass(original: fx.GraphModule, ctx, name: str, regions: dict[str, str]) -> fx.GraphModule:
-    """The captured graph rewritten by every pass but ``name``, with the kernels chosen for its regions."""
+    """The captured graph rewritten by every pass but ``name``, with the kernels chosen for its regions: the passes
+    after ``name`` run on the graph ``name`` started from (``ctx``'s stage before it: the passes before it ran
+    alike), not the whole pipeline again."""
     options = replace(ctx.options, passes={**ctx.options.passes, name: False}, verify=False, dump_dir=None)
-    gm = run_pipeline(original, PassContext(options, ctx.target, ctx.example_inputs, graph_id=ctx.graph_id))
+    names = [stage.name for stage in ctx.stages]
+    start, after = (ctx.stages[names.index(name) - 1].gm, name) if name in names else (original, None)
+    gm = run_pipeline(start, PassContext(options, ctx.target, ctx.example_inputs, graph_id=ctx.graph_id), after)
     apply_regions(gm, regions)
     return gm
 
@@ -961,6 +969,8 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
     if "eager" in graphs:
         best_ms = decision.timings_ms.get(f"eagerly:{fastest}")
         floor_ms = inductor_floor_ms(graphs["eager"](), sandbox, training) if fastest != "eager" and best_ms else 0.0
+        if floor_ms:
+            decision.timings_ms[FLOOR] = round(floor_ms, 4)
         if best_ms and floor_ms > best_ms * (1 + MARGIN):
             decision.rejected["inductor-captured"] = (f"not compiled: its library calls alone take {floor_ms:.3f} ms, "
                                                       f"{fastest} eagerly {best_ms:.3f} ms")
@@ -977,28 +987,39 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
     return fastest
 
 
-def build_inference(builders: dict[str, Callable[[], Callable]], fastest: str, sandbox: Sandbox, decision: Decision,
-                    budget_s: float) -> dict[str, Callable]:
-    """The candidates of an inference graph, built, Inductor on the captured graph last and only when needed: where
-    Inductor on the graph that ran fastest eagerly runs ahead of that graph eagerly by more than ``MARGIN`` (timed
-    here, after its first call), Inductor on the captured graph, which differs from it only in regions that ran
-    slower eagerly, is not compiled (one Inductor compile, as plain Inductor's)."""
+def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, sandbox: Sandbox, decision: Decision,
+                   training: bool, budget_s: float) -> dict[str, Callable]:
+    """The candidates, built. An inference graph's Inductor on the captured graph is built last and only when it can
+    still win: Inductor on the graph that ran fastest eagerly is timed first (``inductor_ahead``, after its first
+    call), and the captured graph is not compiled where that time is within ``MARGIN`` of the captured graph's
+    library calls alone (``inductor_floor_ms``: Inductor on it cannot run faster than those), nor where it runs
+    ahead of its graph eagerly by more than ``MARGIN`` (the captured graph differs from it only in regions that ran
+    slower eagerly): one Inductor compile then, as plain Inductor's. A training graph builds every candidate kept:
+    timing one here would compile its backward inside Dynamo's compile of the forward."""
     first = inductor_of(fastest)
-    deferred = first != "inductor-captured" and first in builders and "inductor-captured" in builders
+    deferred = not training and first != "inductor-captured" and first in builders and "inductor-captured" in builders
     captured = builders.pop("inductor-captured") if deferred else None
     built = build(builders, decision)
     if captured is None:
         return built
-    if inductor_ahead(built[first], built[fastest], sandbox, decision, budget_s):
+    ahead, first_ms = inductor_ahead(built[first], built[fastest], sandbox, decision, budget_s)
+    floor_ms = decision.timings_ms.get(FLOOR)
+    if floor_ms is not None and first_ms is not None and first_ms <= floor_ms * (1 + MARGIN):
+        decision.rejected["inductor-captured"] = (f"not compiled: {first} ran {first_ms:.3f} ms, its library calls "
+                                                  f"alone take {floor_ms:.3f} ms")
+        return built
+    if ahead:
         decision.rejected["inductor-captured"] = (f"not compiled: {first} ran ahead of {fastest} eagerly by more than "
                                                   f"{MARGIN:.0%}")
         return built
     return {**built, **build({"inductor-captured": captured}, decision)}
 
 
-def inductor_ahead(compiled: Callable, eager: Callable, sandbox: Sandbox, decision: Decision, budget_s: float) -> bool:
+def inductor_ahead(compiled: Callable, eager: Callable, sandbox: Sandbox, decision: Decision,
+                   budget_s: float) -> tuple[bool, float | None]:
     """Whether ``compiled`` (an inference graph through Inductor) gives ``eager``'s results and runs faster than it by
-    more than ``MARGIN``, round by round, on the sandbox's inputs after a first untimed call of each."""
+    more than ``MARGIN``, round by round, on the sandbox's inputs after a first untimed call of each; with its median
+    ms (None where it fails or disagrees)."""
     steps = {"eager": functools.partial(run_step, eager, sandbox.args, False),
              "inductor": functools.partial(run_step, compiled, sandbox.args, False)}
     try:
@@ -1007,12 +1028,13 @@ def inductor_ahead(compiled: Callable, eager: Callable, sandbox: Sandbox, decisi
             results.append(step())
             sandbox.restore()
     except Exception:  # the race rejects it, with its error
-        return False
+        return False, None
     if matches(results[1], results[0]) is not None:
-        return False
+        return False, None
     samples = race(steps, budget_s, reset=sandbox.restore)
-    decision.timings_ms.update({f"before compiling inductor-captured:{name}": ms for name, ms in median_ms(samples).items()})
-    return fastest(samples, ("eager",), MARGIN) == "inductor"
+    ms = median_ms(samples)
+    decision.timings_ms.update({f"before compiling inductor-captured:{name}": t for name, t in ms.items()})
+    return fastest(samples, ("eager",), MARGIN) == "inductor", ms["inductor"]
 
 
 def build(builders: dict[str, Callable[[], Callable]], decision: Decision) -> dict[str, Callable]:
@@ -1085,10 +1107,7 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
                 builders = graph_builders(graphs, compile_inductor, training)
             fastest_graph = choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8)
             budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
-            if training:
-                built = build(builders, decision)
-            else:
-                built = build_inference(builders, fastest_graph, sandbox, decision, BUDGET_S / 8)
+            built = build_compiles(builders, fastest_graph, sandbox, decision, training, BUDGET_S / 8)
         ctx.tuning = decision.to_dict()
         cached = decision
         chooser = GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager)

@@ -10,6 +10,7 @@ import torch.fx as fx
 from torch._inductor.async_compile import maybe_warm_pool
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.decomposition import select_decomp_table
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 import recompile.passes  # noqa: F401  (registers the passes)
 from recompile import runtime  # noqa: F401  (defines torch.ops.recompile.*)
@@ -60,6 +61,9 @@ def rec_ascend(
     # As Inductor's own backend does: its kernel-compile workers start now, while our passes and races run.
     maybe_warm_pool()
     ctx = PassContext(opts, resolve_target(opts), example_inputs, graph_id=next(_graph_ids))
+    # Dynamo's graph module generates its code on first use; the race calls it directly (the captured graph run
+    # eagerly is a candidate), so generate it now rather than route each of those calls through that check.
+    _LazyGraphModule.force_recompile(gm)
     rewritten = run_pipeline(gm, ctx)
     config_patches = torch._inductor.list_mode_options(mode) if mode else None
 

@@ -9,6 +9,7 @@ context records every region a pass replaced and the kernel the lowering registr
 """
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from recompile import dump
 from recompile.lowering import LOWERINGS, Impl, Target, choose
@@ -120,9 +122,14 @@ class Fallback:
 @dataclass
 class Stage:
     name: str
-    code: str
+    gm: fx.GraphModule = field(repr=False)  # the stage's graph; a later pass works on a copy of it
     num_nodes: int
     graph: int
+
+    @functools.cached_property
+    def code(self) -> str:
+        """The stage's graph as Python, generated when first read (reports read it; compiling does not)."""
+        return self.gm.code
 
     def to_dict(self) -> dict:
         return {"name": self.name, "code": self.code, "num_nodes": self.num_nodes, "graph": self.graph}
@@ -157,7 +164,7 @@ class PassContext:
         self.regions.append(Region(kind, self.current_pass, names, op, self.target.name, impl))
 
     def record_stage(self, name: str, gm: fx.GraphModule) -> None:
-        stage = Stage(name, gm.code, len(gm.graph.nodes), self.graph_id)
+        stage = Stage(name, gm, len(gm.graph.nodes), self.graph_id)
         self.stages.append(stage)
         if self.options.dump_dir:
             dump.write_stage(self.options.dump_dir, self.graph_id, len(self.stages) - 1, name, gm)
@@ -207,19 +214,32 @@ class VerificationError(RuntimeError):
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new GraphModule with a copy of the graph; parameters and submodules are shared, not copied."""
+    """A new GraphModule with a copy of the graph; parameters and submodules are shared, not copied. Its Python
+    code is generated when first needed (called, or ``code`` read): the pipeline's passes work on the graph, so
+    only the graph the pipeline returns is turned into code (a GraphModule's codegen and ``exec`` were most of
+    the pipeline's time, twice per pass)."""
     graph = fx.Graph()
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
-    return fx.GraphModule(gm, graph)
+    return _LazyGraphModule(gm, graph)
 
 
-def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    ctx.record_stage("captured", gm)
+def run_pipeline(gm: fx.GraphModule, ctx: PassContext, after: str | None = None) -> fx.GraphModule:
+    """``gm`` rewritten by every enabled pass, as a plain GraphModule (its code generated once, here: a lazy one
+    would pass each later call, and each call after an in-place edit, through its recompile check). ``after``: only
+    the passes that run after pass ``after``, on ``gm``, the graph it started from in an earlier run."""
+    given = gm
+    if after is not None:
+        gm = copy_graph_module(gm)  # the earlier run's stage is left as it was
+    ctx.record_stage("captured" if after is None else f"before {after}", gm)
     for spec in passes():
-        if ctx.options.enabled(spec.name):
+        if ctx.options.enabled(spec.name) and (after is None or spec.order > PASSES[after].order):
             gm = _run_pass(spec, gm, ctx)
-    return gm
+    if gm is given or not isinstance(gm, _LazyGraphModule):
+        return gm
+    result = fx.GraphModule(gm, gm.graph)  # shares the graph: later in-place edits (kernel choices) land in both
+    ctx.stages[-1].code = result.code  # so the last stage's code is the pipeline's output, as for every stage
+    return result
 
 
 def _run_pass(spec: PassSpec, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -113,7 +113,7 @@ def test_inference_compiles_the_captured_graph_unless_inductor_on_the_rewrite_ru
     monkeypatch.setattr(autotune, "fastest_eagerly", lambda *args: fastest)
     monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: can_win)
     monkeypatch.setattr(autotune, "inductor_floor_ms", lambda *args: 0.0)
-    monkeypatch.setattr(autotune, "inductor_ahead", lambda *args: ahead)
+    monkeypatch.setattr(autotune, "inductor_ahead", lambda *args: (ahead, 1.0))
     _run(Cross(), torch.randn(8, 16), False)
     [decision] = _decisions(_cache)
     assert decision["compile_s"].keys() & {"inductor", "inductor-captured"} == compiled
@@ -122,15 +122,44 @@ def test_inference_compiles_the_captured_graph_unless_inductor_on_the_rewrite_ru
         assert decision["rejected"]["inductor-captured"].startswith("not compiled: inductor ran ahead of rec+eager")
 
 
+@pytest.mark.parametrize("training, floor_ms, first_ms, compiled", [
+    (False, 0.5, 0.52, {"inductor"}),  # within the margin of the captured graph's library calls: it cannot win
+    (False, 0.1, 0.5, {"inductor", "inductor-captured"}),
+    (True, 0.5, 0.52, {"inductor", "inductor-captured"}),  # training: no timing inside Dynamo's compile
+])
+def test_the_captured_graph_is_compiled_only_when_it_can_beat_inductor_on_the_rewrite(
+        _cache, inductor_graphs, monkeypatch, training, floor_ms, first_ms, compiled):
+    """An inference graph's Inductor on the graph fastest eagerly is compiled and timed first; the captured graph
+    (plain Inductor's) is compiled after it only when its library calls alone take less than that time by more
+    than the margin. Counts the graphs handed to compile_fx: one where the captured graph cannot win."""
+    def fastest_eagerly(graphs, sandbox, training, decision, budget_s):
+        decision.timings_ms["eagerly:rec+eager"] = 1.0
+        return "rec+eager"
+
+    ahead = []
+    monkeypatch.setattr(autotune, "fastest_eagerly", fastest_eagerly)
+    monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: True)
+    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda *args: floor_ms)
+    monkeypatch.setattr(autotune, "inductor_ahead", lambda *args: ahead.append(args) or (False, first_ms))
+    _run(Cross(), torch.randn(8, 16, requires_grad=training), training)
+    [decision] = _decisions(_cache)
+    assert decision["compile_s"].keys() & {"inductor", "inductor-captured"} == compiled
+    assert len(inductor_graphs) == len(compiled) and len(ahead) == (not training)
+    assert _has_rec_ops(inductor_graphs[0])
+    if len(compiled) == 1:
+        assert decision["rejected"]["inductor-captured"] == (
+            f"not compiled: inductor ran {first_ms:.3f} ms, its library calls alone take {floor_ms:.3f} ms")
+
+
 def test_inductor_ahead_needs_equal_results_and_a_win_beyond_the_margin(monkeypatch):
     sandbox = autotune.Sandbox([torch.randn(8)])
     monkeypatch.setattr(autotune, "race", lambda steps, budget_s, **kwargs: {"eager": [1.0] * 3, "inductor": [0.5] * 3})
     decision = autotune.Decision("eager")
-    assert autotune.inductor_ahead(lambda x: x * 2, lambda x: x * 2, sandbox, decision, 0.0)
+    assert autotune.inductor_ahead(lambda x: x * 2, lambda x: x * 2, sandbox, decision, 0.0) == (True, 500.0)
     assert decision.timings_ms["before compiling inductor-captured:inductor"] == 500.0
-    assert not autotune.inductor_ahead(lambda x: x * 3, lambda x: x * 2, sandbox, decision, 0.0)  # wrong
+    assert autotune.inductor_ahead(lambda x: x * 3, lambda x: x * 2, sandbox, decision, 0.0) == (False, None)  # wrong
     monkeypatch.setattr(autotune, "race", lambda steps, budget_s, **kwargs: {"eager": [1.0] * 3, "inductor": [0.98] * 3})
-    assert not autotune.inductor_ahead(lambda x: x * 2, lambda x: x * 2, sandbox, decision, 0.0)
+    assert autotune.inductor_ahead(lambda x: x * 2, lambda x: x * 2, sandbox, decision, 0.0) == (False, 980.0)
 
 
 def test_fastest_eagerly_times_every_graph_and_returns_the_fastest():
