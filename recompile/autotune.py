@@ -27,9 +27,9 @@ Every race runs its candidates interleaved over rounds and compares them round b
 candidate's time over the others' in the same round, ``fastest``), so that neither load from other processes
 nor one lucky round decides; a graph choice leaves the captured graph (run eagerly, then through Inductor)
 only for a candidate faster by more than ``MARGIN``, in rounds that agree (``settled``: a race whose rounds
-disagree by more than the margin keeps the safe candidate and is not cached; without an incumbent, ``SAFE``). The decision's ``kernels`` are
-those chosen for the rewrite's regions; its ``regions`` are the regions of the graph the kept candidate runs
-(none for the captured graph, one pass's fewer for an ablation), with their kernels. An inference graph run
+disagree by more than the margin keeps the safe candidate and is not cached; without an incumbent, ``SAFE``).
+The decision's ``kernels`` are those chosen for the rewrite's regions; its ``regions`` are the regions of the graph
+the kept candidate runs (none for the captured graph, one pass's fewer for an ablation), with their kernels. An inference graph run
 eagerly calls the rec ops' Python functions rather than the dispatched ops (``direct_calls``): without
 autograd the dispatch is pure cost.
 
@@ -37,8 +37,8 @@ The race is invisible (``Sandbox``, ``docs/determinism.md``): candidates run on 
 outside the caller's autograd graph; every input without grad that a run writes into (BatchNorm's running
 statistics, ``num_batches_tracked``) is put back after it; the caller's random stream is forked, and the fork put
 back after every run. Dropout seeds are lifted out of the graph (``lift_seeds``) and drawn once per call from the
-caller's stream, so that every candidate, and Inductor with autotune off, draws the same masks; the captured graph (eager's masks) is then no
-candidate. A graph with other random ops, or that writes into an input requiring grad, is not raced: it runs
+caller's stream, so that every candidate, and Inductor with autotune off, draws the same masks; the captured graph
+(eager's masks) is then no candidate. A graph with other random ops, or that writes into an input requiring grad, is not raced: it runs
 through Inductor.
 
 A choice other than the captured graph is checked in place on the caller's first calls after it (alternating

@@ -10,6 +10,7 @@ import torch
 
 from recompile import autotune
 from tests.test_autotune_compiles import inductor_graphs  # noqa: F401  (a fixture)
+from tests.test_autotune_determinism import tiny_dlrm
 from tests.test_interaction_autotune import Cross
 
 CPUINFO = "processor\t: 0\nmodel name\t: {model}\nflags\t\t: {flags}\n"
@@ -104,8 +105,6 @@ def test_without_an_incumbent_an_unsettled_race_keeps_the_safe_candidate_and_cac
     """Lookups that clamp ids (bounds_check="warning") leave no captured graph, hence no incumbent: an ablation
     faster at the median but slower by 20% in three rounds of eight gives way to Inductor on the rewrite (what
     autotune off runs), and nothing is cached (before: the ablation was kept and cached)."""
-    from models.dlrm import DLRM, DLRMConfig, synthetic_batch
-
     shaky = [0.7, 0.7, 0.7, 0.7, 0.7, 1.2, 1.2, 1.2]
 
     def race(steps, budget_s, **kwargs):
@@ -116,8 +115,7 @@ def test_without_an_incumbent_an_unsettled_race_keeps_the_safe_candidate_and_cac
     monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: True)
     chosen, compiled_graph = [], autotune.compiled_graph
     monkeypatch.setattr(autotune, "compiled_graph", lambda chooser: chosen.append(chooser) or compiled_graph(chooser))
-    cfg = DLRMConfig(table_rows=[50, 80, 120], dim=8, bottom=[16, 8], top=[16, 1])
-    model, args = DLRM(cfg), synthetic_batch(cfg, 9)
+    model, args, _ = tiny_dlrm(9)
     torch._dynamo.reset()
     with torch.no_grad():
         out = torch.compile(model, backend="rec_ascend", options={"bounds_check": "warning"})(*args)

@@ -8,20 +8,21 @@ import torch
 from tests import candidate_spread
 
 
-def _tiny_dlrm():
+def tiny_dlrm(batch: int = 16):
+    """A DLRM with three small tables (a lookup and an interaction region), its inputs and a loss."""
     from models.dlrm import DLRM, DLRMConfig, synthetic_batch
 
     cfg = DLRMConfig(table_rows=[50, 80, 120], dim=8, bottom=[16, 8], top=[16, 1])
     torch.manual_seed(0)
-    return DLRM(cfg), synthetic_batch(cfg, 16), lambda out: out.float().pow(2).mean()
+    return DLRM(cfg), synthetic_batch(cfg, batch), lambda out: out.float().pow(2).mean()
 
 
 FEW = (("eager", None, None), candidate_spread.AUTOTUNE_OFF, candidate_spread.REFERENCE_KERNELS)  # one compile
 
 
 @pytest.mark.parametrize("make, variants", [
-    pytest.param(_tiny_dlrm, FEW, id="tiny-dlrm"),
-    pytest.param(_tiny_dlrm, candidate_spread.VARIANTS, id="tiny-dlrm-every-candidate", marks=pytest.mark.slow),
+    pytest.param(tiny_dlrm, FEW, id="tiny-dlrm"),
+    pytest.param(tiny_dlrm, candidate_spread.VARIANTS, id="tiny-dlrm-every-candidate", marks=pytest.mark.slow),
     pytest.param(candidate_spread.zoo("deepfm"), candidate_spread.VARIANTS, id="zoo-deepfm", marks=pytest.mark.slow),
 ])
 def test_every_candidate_gives_the_same_numbers_up_to_the_stated_bound(make, variants, tmp_path, monkeypatch):
