@@ -29,9 +29,9 @@ nor one lucky round decides; a graph choice leaves the captured graph (run eager
 only for a candidate faster by more than ``MARGIN``, in rounds that agree (``settled``: a race whose rounds
 disagree by more than the margin keeps the safe candidate and is not cached; without an incumbent, ``SAFE``).
 The decision's ``kernels`` are those chosen for the rewrite's regions; its ``regions`` are the regions of the graph
-the kept candidate runs (none for the captured graph, one pass's fewer for an ablation), with their kernels. An inference graph run
-eagerly calls the rec ops' Python functions rather than the dispatched ops (``direct_calls``): without
-autograd the dispatch is pure cost.
+the kept candidate runs (none for the captured graph, one pass's fewer for an ablation), with their kernels. An
+inference graph run eagerly calls the rec ops' Python functions rather than the dispatched ops
+(``direct_calls``): without autograd the dispatch is pure cost.
 
 The race is invisible (``Sandbox``, ``docs/determinism.md``): candidates run on aliases of the call's tensors
 outside the caller's autograd graph; every input without grad that a run writes into (BatchNorm's running

@@ -1,6 +1,7 @@
 """How far apart the numbers of the race's candidates are (``docs/determinism.md``): the same model trained from the
 same seed with each whole-graph candidate forced (real Inductor), with autotune off, and with every region on its
-reference kernel, compared with each other (and with eager PyTorch where the model draws no dropout mask).
+reference kernel, compared with each other (and with eager PyTorch where the model draws no dropout mask, also on
+other threads: what another machine changes in the order of a reduction).
 
 ``spread(make, steps)`` returns, over every pair of runs, the largest relative difference of the losses (per step:
 ``|a - b| / |b|``) and of the parameters after the last step (per tensor: ``max |a - b| / max |b|``).
@@ -109,7 +110,7 @@ VARIANTS = (*((choice, None, None) for choice in CHOICES), AUTOTUNE_OFF, REFEREN
 
 def runs(make, steps: int, variants=VARIANTS) -> dict[str, tuple]:
     """The losses and final parameters of each run, by a label naming the choices the graphs kept; and eager
-    PyTorch's where the model draws no dropout mask."""
+    PyTorch's where the model draws no dropout mask, with torch's threads and with other threads."""
     results = {}
     model, _, _ = make()
     dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
@@ -121,6 +122,12 @@ def runs(make, steps: int, variants=VARIANTS) -> dict[str, tuple]:
         results.setdefault(label, result)
     if not dropout:
         results["eager PyTorch"] = _trained(make, steps, compiled=False)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1 if threads > 1 else 2)  # another machine's split of each reduction
+        try:
+            results["eager PyTorch, other threads"] = _trained(make, steps, compiled=False)
+        finally:
+            torch.set_num_threads(threads)
     return results
 
 
