@@ -38,8 +38,8 @@ outside the caller's autograd graph; every input without grad that a run writes 
 statistics, ``num_batches_tracked``) is put back after it; the caller's random stream is forked, and the fork put
 back after every run. Dropout seeds are lifted out of the graph (``lift_seeds``) and drawn once per call from the
 caller's stream, so that every candidate, and Inductor with autotune off, draws the same masks; the captured graph
-(eager's masks) is then no candidate. A graph with other random ops, or that writes into an input requiring grad, is not raced: it runs
-through Inductor.
+(eager's masks) is then no candidate. A graph with other random ops, or that writes into an input requiring grad,
+is not raced: it runs through Inductor.
 
 A choice other than the captured graph is checked in place on the caller's first calls after it (alternating
 with the captured graph; a training call timed with its part of the caller's backward) and gives way when it loses
