@@ -20,23 +20,28 @@ example inputs and within ``BUDGET_S`` seconds:
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
+The whole-graph race checks and times each candidate as it will run (``GraphChooser.as_installed``): through the
+object Dynamo calls (``CompiledGraph``: the seed draw, the size-bucket dispatch, the error path; a training graph
+through Inductor runs aot_autograd's runtime wrapper, which is the compiled candidate itself), with the chooser's
+``run`` set to the candidate, after an untimed warm-up call: the object timed is the object installed.
+
 Every race runs its candidates interleaved over rounds and compares them round by round (the median of each
 candidate's time over the others' in the same round, ``fastest``), so that neither load from other processes
 nor one lucky round decides; a graph choice leaves the captured graph (run eagerly, then through Inductor)
 only for a candidate faster by more than ``MARGIN``, in rounds that agree (``settled``: a race whose rounds
-disagree by more than the margin keeps the safe candidate and is not cached). The decision's ``kernels`` are
-those chosen for the rewrite's regions; its ``regions`` are the regions of the graph the kept candidate runs
-(none for the captured graph, one pass's fewer for an ablation), with their kernels. An inference graph run
-eagerly calls the rec ops' Python functions rather than the dispatched ops (``direct_calls``): without
-autograd the dispatch is pure cost.
+disagree by more than the margin keeps the safe candidate and is not cached; without an incumbent, ``SAFE``).
+The decision's ``kernels`` are those chosen for the rewrite's regions; its ``regions`` are the regions of the graph
+the kept candidate runs (none for the captured graph, one pass's fewer for an ablation), with their kernels. An
+inference graph run eagerly calls the rec ops' Python functions rather than the dispatched ops
+(``direct_calls``): without autograd the dispatch is pure cost.
 
 The race is invisible (``Sandbox``, ``docs/determinism.md``): candidates run on aliases of the call's tensors
 outside the caller's autograd graph; every input without grad that a run writes into (BatchNorm's running
-statistics, ``num_batches_tracked``) is put back after it; the caller's random stream is forked. Dropout seeds
-are lifted out of the graph (``lift_seeds``) and drawn once per call from the caller's stream, so that every
-candidate, and Inductor with autotune off, draws the same masks; the captured graph (eager's masks) is then no
-candidate. A graph with other random ops, or that writes into an input requiring grad, is not raced: it runs
-through Inductor.
+statistics, ``num_batches_tracked``) is put back after it; the caller's random stream is forked, and the fork put
+back after every run. Dropout seeds are lifted out of the graph (``lift_seeds``) and drawn once per call from the
+caller's stream, so that every candidate, and Inductor with autotune off, draws the same masks; the captured graph
+(eager's masks) is then no candidate. A graph with other random ops, or that writes into an input requiring grad,
+is not raced: it runs through Inductor.
 
 A choice other than the captured graph is checked in place on the caller's first calls after it (alternating
 with the captured graph; a training call timed with its part of the caller's backward) and gives way when it loses
@@ -95,7 +100,10 @@ MARGIN = 0.04
 INCUMBENTS = ("eager", "inductor-captured")
 # The decision's timing of the captured graph's library calls alone (``inductor_floor_ms``), when measured.
 FLOOR = "floor:inductor-captured"
-CACHE_VERSION = 4
+# The safe candidate of a race with no incumbent (a graph whose lookups clamp ids has no captured graph): what
+# ``autotune=False`` runs, else the rewrite eagerly.
+SAFE = ("inductor", "rec+eager")
+CACHE_VERSION = 5
 # Size buckets a graph with symbolic sizes races in at most; a call in a further bucket runs the nearest one's choice.
 MAX_BUCKETS = 8
 # Ops whose results are random (matched on the op's base name: in-place ``_`` and ``_like`` forms stripped).
@@ -412,27 +420,47 @@ class Sandbox:
     that require grad as leaves of their own), the value of each tensor that does not require grad kept and put
     back after every run (a graph may write into its inputs without saying so: ``F.batch_norm(training=True)``
     updates the running statistics it is given, ``num_batches_tracked.add_(1)``), and the caller's random stream
-    forked. ``seeds``: the values of the dropout seeds lifted out of the graph (``lift_seeds``), the same for
-    every candidate."""
+    forked; inside, the forked stream is put back where it started after every run, so that every run (the
+    oracle, each candidate, each round) draws the same numbers (the dropout seeds the compiled graph draws at each
+    call, ``CompiledGraph``). ``seeds``: values of the dropout seeds lifted out of the graph (``lift_seeds``) for
+    graphs run on their own, the same for every candidate."""
 
     def __init__(self, args: Sequence[Any], seeds: Sequence[torch.Tensor] = ()):
         self.saved = [(t, t.detach().clone()) for t in _tensors(args) if not t.requires_grad]
         alias = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.data.requires_grad_(t.requires_grad),
                                                   list(args))
         self.args = (*alias, *seeds)
-        self._rng = torch.random.fork_rng()
+        self._rng, self._rng_state = torch.random.fork_rng(), None
 
     def restore(self) -> None:
         for tensor, value in self.saved:
             tensor.data.copy_(value)
+        if self._rng_state is not None:  # inside the fork only: the caller's stream is never set
+            _set_rng_state(self._rng_state)
 
     def __enter__(self) -> "Sandbox":
         self._rng.__enter__()
+        self._rng_state = _rng_state()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.restore()
+        self._rng_state = None
         self._rng.__exit__(*exc)
+
+
+def _rng_state() -> list[torch.Tensor]:
+    """The states of the random streams a run draws from: the CPU's and the current accelerator's (those
+    ``torch.random.fork_rng`` forks)."""
+    accelerator = torch.accelerator.current_accelerator()
+    device = [torch.get_device_module(accelerator.type).get_rng_state()] if accelerator is not None else []
+    return [torch.get_rng_state(), *device]
+
+
+def _set_rng_state(state: list[torch.Tensor]) -> None:
+    torch.set_rng_state(state[0])
+    if len(state) > 1:
+        torch.get_device_module(torch.accelerator.current_accelerator().type).set_rng_state(state[1])
 
 
 def _is_seed(node: fx.Node) -> bool:
@@ -465,15 +493,19 @@ def seed_examples(draws: list[tuple[tuple, dict]]) -> list[torch.Tensor]:
     return [torch.tensor([12345, 678], dtype=kwargs.get("dtype"), device=kwargs.get("device")) for _, kwargs in draws]
 
 
+def draw_seeds(draws: Sequence[tuple[tuple, dict]]) -> list[torch.Tensor]:
+    """The lifted seeds, drawn from the caller's random stream as the graph drew them."""
+    return [torch.randint(*args, **kwargs) for args, kwargs in draws]
+
+
 def drawing_seeds(fn: Callable, draws: list[tuple[tuple, dict]]) -> Callable:
-    """``fn`` with the lifted seeds drawn from the caller's random stream at each call, as the graph drew them."""
+    """``fn`` (a graph that is not raced) with the lifted seeds drawn at each call."""
     if not draws:
         return fn
 
     def call(*args: Any) -> Any:
-        return fn(*args, *[torch.randint(*a, **kwargs) for a, kwargs in draws])
+        return fn(*args, *draw_seeds(draws))
 
-    call.chooser = getattr(fn, "chooser", None)
     return call
 
 
@@ -618,27 +650,48 @@ def inductor_floor_ms(gm: fx.GraphModule, sandbox: Sandbox, training: bool) -> f
 
 
 class GraphChooser:
-    """The compiled graph: its first call races the candidates on that call's inputs (outside the compile, so
-    that no timing run touches Dynamo's shape environment, and in a ``Sandbox``, so that none touches the
+    """The compiled graph's choice: its first call races the candidates on that call's inputs (outside the compile,
+    so that no timing run touches Dynamo's shape environment, and in a ``Sandbox``, so that none touches the
     caller's tensors, autograd graph or random stream), keeps the fastest correct one (``fastest``: the first of
     ``incumbents`` unless another wins by ``MARGIN`` in rounds that agree, ``settled``) and stores the decision,
     with the regions of the graph the kept candidate runs (``graphs``: by eager candidate name); from then on
-    ``run`` is that candidate itself, called with no wrapper of ours in between."""
+    ``run`` is that candidate itself.
+
+    Every candidate is checked and timed as it will run (``as_installed``): through ``entry``, the object Dynamo
+    calls (``CompiledGraph``: the seed draw, the size-bucket dispatch, the error path), with ``run`` set to it, the
+    very object kept afterwards. ``draws``: the dropout seeds ``entry`` draws and appends to each call."""
 
     def __init__(self, candidates: dict[str, Callable], oracle: Callable, decision: Decision, budget_s: float,
                  chosen: Callable | None = None, graphs: dict[str, Callable[[], fx.GraphModule]] | None = None,
-                 incumbents: Sequence[str] = INCUMBENTS, eager: Callable | None = None, rec: Callable | None = None):
+                 incumbents: Sequence[str] = INCUMBENTS, eager: Callable | None = None, rec: Callable | None = None,
+                 draws: Sequence[tuple[tuple, dict]] = ()):
         self.candidates, self.oracle, self.decision, self.budget_s = candidates, oracle, decision, budget_s
         self.graphs, self.incumbents, self.eager, self.stored = graphs, incumbents, eager, False
         # Runs a call that fails, for its error: the rec ops name the table or op at fault.
         self.rec = rec or candidates.get("rec+eager")
         self.run: Callable = self.first_call if chosen is None else self.checked(chosen)
+        self.draws, self.racing = tuple(draws), False
+        # What Dynamo calls: ``run`` itself until a CompiledGraph installs this chooser (``compiled_graph``).
+        self.entry: Callable = lambda *args: self.run(*args)
+
+    def as_installed(self, fn: Callable) -> Callable:
+        """``fn`` called as it runs once it is the choice: ``entry`` called with the call's own arguments (without
+        the seeds: ``entry`` draws them, from the sandbox's stream), this chooser's ``run`` being ``fn`` for the
+        call. ``entry`` dispatches to this chooser: a chooser is first called in its own size bucket."""
+        def call(*args: Any) -> Any:
+            previous, self.run, self.racing = self.run, fn, True
+            try:
+                return self.entry(*args)
+            finally:
+                self.run, self.racing = previous, False
+        return call
 
     @torch._dynamo.disable
     def first_call(self, *args: Any) -> Any:
-        with Sandbox(args) as sandbox:
+        own = args[:len(args) - len(self.draws)]  # the seeds are drawn again by ``entry`` at each run
+        with Sandbox(own) as sandbox:
             try:
-                want = run_step(self.oracle, sandbox.args, self.decision.mode == "training")
+                want = run_step(self.as_installed(self.oracle), sandbox.args, self.decision.mode == "training")
             except Exception:
                 want = None
             sandbox.restore()
@@ -654,14 +707,15 @@ class GraphChooser:
         decision, training = self.decision, self.decision.mode == "training"
         steps = {}
         for name, fn in self.candidates.items():
+            installed = self.as_installed(fn)
             try:
-                why = matches(run_step(fn, sandbox.args, training), want)
+                why = matches(run_step(installed, sandbox.args, training), want)
             except Exception as exc:  # a candidate that fails to run is not kept
                 why = f"{type(exc).__name__}: {exc}"
             finally:
                 sandbox.restore()
             if why is None:
-                steps[name] = functools.partial(run_step, fn, sandbox.args, training)
+                steps[name] = functools.partial(run_step, installed, sandbox.args, training)
             else:
                 decision.rejected[name] = why
         for step in steps.values():  # a second untimed call: each candidate is timed as it runs from then on
@@ -669,7 +723,7 @@ class GraphChooser:
             sandbox.restore()
         samples = race(steps, self.budget_s, reset=sandbox.restore)
         decision.timings_ms.update(median_ms(samples))
-        safe = next((name for name in self.incumbents if name in samples), None)
+        safe = next((name for name in (*self.incumbents, *SAFE) if name in samples), None)
         decision.choice = fastest(samples, self.incumbents, MARGIN) or safe or "eager"
         if safe is not None and not settled(samples, decision.choice, safe):
             decision.rejected[decision.choice] = f"its rounds disagree by more than {MARGIN:.0%}: {safe} kept, not cached"
@@ -766,7 +820,7 @@ class GraphChooser:
     def rerun_for_error(self, args: Sequence[Any]) -> Any:
         """After the chosen candidate raised: run the call through the rec ops, whose errors name the table,
         feature or op at fault (the captured graph's ATen errors do not); re-raise when that is what failed."""
-        if self.rec is None or self.run is self.rec or self.run == self.first_call:
+        if self.racing or self.rec is None or self.run is self.rec or self.run == self.first_call:
             raise
         return self.rec(*args)
 
@@ -814,7 +868,7 @@ class Buckets:
 
     def __init__(self, slots: Sequence[tuple[int, int | None]], first: int, chooser: GraphChooser,
                  make: Callable[[int], GraphChooser]):
-        self.slots, self.make, self.choosers = tuple(slots), make, {first: chooser}
+        self.slots, self.make, self.first, self.choosers = tuple(slots), make, chooser, {first: chooser}
 
     def __call__(self, args: Sequence[Any]) -> GraphChooser:
         bucket = size_bucket(self.slots, args)
@@ -822,31 +876,36 @@ class Buckets:
         if chooser is None:
             if len(self.choosers) < MAX_BUCKETS:
                 chooser = self.make(bucket)
+                chooser.entry = self.first.entry  # raced through what Dynamo calls, as the first bucket
             else:
                 chooser = self.choosers[min(self.choosers, key=lambda b: abs(b - bucket))]
             self.choosers[bucket] = chooser
         return chooser
 
 
-def compiled_graph(chooser: GraphChooser, buckets: Buckets | None = None) -> Callable:
-    """What Dynamo calls: the chooser's current ``run`` (the candidate once chosen), and the rec ops on error;
-    with ``buckets`` (a graph with symbolic sizes), the chooser of the call's size bucket."""
-    if buckets is None:
-        def call(*args: Any) -> Any:
-            try:
-                return chooser.run(*args)
-            except Exception:
-                return chooser.rerun_for_error(args)
-    else:
-        def call(*args: Any) -> Any:
-            bucket = buckets(args)
-            try:
-                return bucket.run(*args)
-            except Exception:
-                return bucket.rerun_for_error(args)
+class CompiledGraph:
+    """What Dynamo calls for a raced graph, and what the race calls each candidate through (``as_installed``): the
+    dropout seeds drawn from the caller's stream (``draws``), then the chooser's current ``run`` (the candidate once
+    chosen; its check in place first), and the rec ops on error; with ``buckets`` (a graph with symbolic sizes),
+    the chooser of the call's size bucket."""
 
-    call.chooser, call.buckets = chooser, buckets  # for reports and tests
-    return call
+    def __init__(self, chooser: GraphChooser, buckets: Buckets | None = None):
+        self.chooser, self.buckets, self.draws = chooser, buckets, chooser.draws
+        chooser.entry = self
+
+    def __call__(self, *args: Any) -> Any:
+        if self.draws:
+            args = (*args, *draw_seeds(self.draws))
+        chooser = self.chooser if self.buckets is None else self.buckets(args)
+        try:
+            return chooser.run(*args)
+        except Exception:
+            return chooser.rerun_for_error(args)
+
+
+def compiled_graph(chooser: GraphChooser, buckets: Buckets | None = None) -> Callable:
+    """The callable Dynamo gets for a raced graph: a ``CompiledGraph`` that installs ``chooser`` (and ``buckets``)."""
+    return CompiledGraph(chooser, buckets)
 
 
 def without_pass(original: fx.GraphModule, ctx, name: str, regions: dict[str, str]) -> fx.GraphModule:
@@ -1063,18 +1122,18 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     if (not ctx.options.autotune or not tunable(rewritten, inputs, allow_random=True)
             or any(is_random(node) for node in rewritten.graph.nodes)):
         return drawing_seeds(compile_graph(rewritten), draws)
-    return drawing_seeds(choose_graph(original, rewritten, inputs, ctx, compile_graph, random=bool(draws)), draws)
+    return choose_graph(original, rewritten, inputs, ctx, compile_graph, draws)
 
 
 def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Sequence[Any], ctx,
-                 compile_inductor: Callable[[fx.GraphModule], Callable], random: bool) -> Callable:
+                 compile_inductor: Callable[[fx.GraphModule], Callable], draws: list[tuple[tuple, dict]]) -> Callable:
     """The cached decision (taken under these ``conditions``), or a GraphChooser over the candidates; for a graph
     with symbolic sizes, one per size bucket (``Buckets``), the first for the bucket of the compile's inputs.
 
-    ``random``: the rewrite draws dropout masks from its lifted seeds, which the captured graph does not: the
-    candidates are the rewrite's alone (eagerly and through Inductor, which is then the incumbent), with no
-    ablations."""
-    training = is_training(rewritten)
+    ``draws``: the rewrite's lifted dropout seeds (``lift_seeds``), drawn at each call by the compiled graph. With
+    them, the rewrite draws dropout masks that the captured graph does not: the candidates are the rewrite's alone
+    (eagerly and through Inductor, which is then the incumbent), with no ablations."""
+    training, random = is_training(rewritten), bool(draws)
     key = graph_key(rewritten, ctx.target.name, training)
     slots = size_slots(rewritten)
     first = size_bucket(slots, concrete_inputs(inputs)) if slots else None
@@ -1094,7 +1153,7 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
             names |= {d.choice for d in cached_buckets(key).values()} | {"rec+eager", "eager"}
         built = {name: builders[name]() for name in builders if name in names}
         chooser = GraphChooser(built, oracle, cached, 0.0, chosen=built[cached.choice], eager=eager,
-                               rec=rewritten.forward if "rec+eager" in graphs else None)
+                               rec=rewritten.forward if "rec+eager" in graphs else None, draws=draws)
         budget = BUDGET_S / 2
     else:
         decision = Decision("eager", mode="training" if training else "inference", key=bucket_key(key, first),
@@ -1110,7 +1169,8 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
             built = build_compiles(builders, fastest_graph, sandbox, decision, training, BUDGET_S / 8)
         ctx.tuning = decision.to_dict()
         cached = decision
-        chooser = GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager)
+        chooser = GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager,
+                               draws=draws)
     if not slots:
         return compiled_graph(chooser)
 
@@ -1120,11 +1180,11 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
         decision = load(bucket_key(key, bucket))
         if decision is not None and decision.choice in built:
             return GraphChooser(built, oracle, decision, 0.0, chosen=built[decision.choice], eager=eager,
-                                rec=chooser.rec)
+                                rec=chooser.rec, draws=draws)
         decision = Decision("eager", mode=cached.mode, key=bucket_key(key, bucket), conditions=conditions(),
                             kernels=dict(cached.kernels), compile_s=dict(cached.compile_s),
                             rejected={k: v for k, v in cached.rejected.items() if v.startswith("not compiled")})
         return GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager,
-                            rec=chooser.rec)
+                            rec=chooser.rec, draws=draws)
 
     return compiled_graph(chooser, Buckets(slots, first, chooser, make))

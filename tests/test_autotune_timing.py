@@ -1,0 +1,154 @@
+"""The race times what will run (issue 17): every candidate is checked and timed through the object Dynamo calls
+(``autotune.CompiledGraph``: the seed draw, the size-bucket dispatch, the error path) with the chooser's ``run``
+set to it, the very object installed afterwards, not as a bare compiled function; every run of the race draws the
+same seeds, none from the caller's stream. Costs are injected on a fake clock (no timed test)."""
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+from recompile import autotune
+from recompile import backend as rec_backend
+from tests.test_autotune_compiles import _cache, _decisions  # noqa: F401  (fixtures)
+from tests.test_interaction_autotune import Cross
+
+MS = 1e-3
+
+
+class FakeClock:
+    """The race's clock: time moves only by the costs the test doubles charge."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def charge(self, fn, seconds: float):
+        @functools.wraps(fn)
+        def run(*args):
+            self.now += seconds
+            return fn(*args)
+        return run
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """Eager candidates cost 2 ms a call, Inductor ones (the graph run eagerly, no compile) 1 ms: bare, Inductor
+    wins. Only the Inductor graphs that can win are compiled as usual; here all of them, and no check in place."""
+    clock = FakeClock()
+    monkeypatch.setattr(autotune, "race", functools.partial(autotune.race, clock=clock))
+    eager_forward = autotune.eager_forward
+    monkeypatch.setattr(autotune, "eager_forward", lambda gm, training: clock.charge(eager_forward(gm, training), 2 * MS))
+
+    def compile_fx(graph, example_inputs, **kwargs):
+        run = clock.charge(graph.forward, 1 * MS)
+        run.inductor = True
+        return run
+
+    monkeypatch.setattr(rec_backend, "compile_fx", compile_fx)
+    monkeypatch.setattr(autotune, "fastest_eagerly", lambda *args: "rec+eager")
+    monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: True)
+    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda *args: 0.0)
+    monkeypatch.setattr(autotune, "inductor_ahead", lambda *args: False)
+    monkeypatch.setattr(autotune.GraphChooser, "checked", lambda self, pick: pick)
+    return clock
+
+
+def _compiled(model, x, training, **kwargs):
+    returned = []
+
+    def backend(gm, example_inputs):
+        returned.append(rec_backend.rec_ascend(gm, example_inputs))
+        return returned[-1]
+
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(training):
+        out = torch.compile(model, backend=backend, **kwargs)(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    return returned[-1]
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_cost_of_the_call_path_counts_against_the_candidate(_cache, clock, monkeypatch, training):
+    """Called through the size-bucket dispatch (a graph Dynamo compiled with a dynamic batch), the Inductor
+    candidates cost 3 ms more a call (a test double of the dispatch charges it when the bucket's chooser runs one):
+    bare they win (1 ms against 2 ms), as they run they lose (4 ms); the race keeps the captured graph. Timing the
+    bare compiled functions kept ``inductor-captured``."""
+    dispatch = autotune.Buckets.__call__
+
+    def costly_dispatch(self, args):
+        chooser = dispatch(self, args)
+        clock.now += 3 * MS * getattr(chooser.run, "inductor", False)
+        return chooser
+
+    monkeypatch.setattr(autotune.Buckets, "__call__", costly_dispatch)
+    entry = _compiled(Cross(), torch.randn(9, 16, requires_grad=training), training, dynamic=True)
+    assert entry.buckets is not None
+    [chooser] = entry.buckets.choosers.values()
+    assert {"eager", "rec+eager", "inductor", "inductor-captured"} <= set(chooser.candidates)
+    timings = chooser.decision.timings_ms
+    assert timings["eager"] == timings["rec+eager"] == pytest.approx(2.0)
+    assert timings["inductor"] == timings["inductor-captured"] == pytest.approx(4.0)
+    assert chooser.decision.choice == "eager" and chooser.run is chooser.candidates["eager"]
+    assert [d["choice"] for d in _decisions(_cache)] == ["eager"]
+
+
+class Dropped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.drop = nn.Linear(16, 16), nn.Linear(16, 16), nn.Dropout(0.3)
+
+    def forward(self, x0):
+        x = x0 * self.a(x0) + x0
+        return torch.tanh(self.drop(x0 * self.b(x) + x))
+
+
+def test_every_run_of_the_race_goes_through_the_compiled_graph_and_draws_the_same_seeds(_cache, clock, monkeypatch):
+    """A training graph with dropout: each candidate is checked, warmed up and timed through the object Dynamo calls
+    (its seed draw included); every run inside the race draws the same seeds, from the race's own stream, and the
+    caller's stream moves by the one draw of its call, as with autotune off."""
+    runs, seeds = [], []
+    call = autotune.CompiledGraph.__call__
+    monkeypatch.setattr(autotune.CompiledGraph, "__call__",
+                        lambda self, *args: runs.append(self.chooser.run) or call(self, *args))
+    draw = autotune.draw_seeds
+    monkeypatch.setattr(autotune, "draw_seeds", lambda draws: seeds.append(draw(draws)) or seeds[-1])
+    model, x = Dropped(), torch.randn(8, 16, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="rec_ascend")
+    torch.manual_seed(7)
+    out = compiled(x)
+    after_call = torch.get_rng_state()
+    out.sum().backward()
+    chooser = runs[0].__self__
+    entry = chooser.entry
+    assert isinstance(entry, autotune.CompiledGraph) and entry.draws == chooser.draws != ()
+    torch.manual_seed(7)
+    draw(chooser.draws)
+    assert torch.equal(after_call, torch.get_rng_state())  # the caller's draw, nothing of the race's
+    candidates = {name: fn for name, fn in chooser.candidates.items() if name not in chooser.decision.rejected}
+    assert set(candidates) >= {"rec+eager", "inductor"}
+    for name, fn in candidates.items():  # the check, the warm-up, at least MIN_ROUNDS timed runs
+        assert sum(run is fn for run in runs) >= 2 + autotune.MIN_ROUNDS, name
+    assert runs[0] == chooser.first_call and runs[1] is chooser.oracle  # the caller's call, then the race's oracle
+    caller, *race = seeds
+    assert len(race) == len(runs) - 1
+    assert all(all(torch.equal(s, r) for s, r in zip(seed, race[0])) for seed in race)
+    assert not all(torch.equal(s, r) for s, r in zip(caller, race[0]))
+
+
+def test_a_candidate_that_raises_through_the_compiled_graph_is_rejected(_cache, clock, monkeypatch):
+    """The compiled graph re-runs a failing call through the rec ops (for an error naming the op at fault); in
+    the race a candidate's error is its rejection, not hidden by that."""
+    def compile_fx(graph, example_inputs, **kwargs):
+        def run(*args):
+            raise RuntimeError("no kernel for this call")
+        return run
+
+    monkeypatch.setattr(rec_backend, "compile_fx", compile_fx)
+    entry = _compiled(Cross(), torch.randn(8, 16), False)
+    rejected = entry.chooser.decision.rejected
+    assert rejected["inductor"] == rejected["inductor-captured"] == "RuntimeError: no kernel for this call"
+    assert entry.chooser.decision.choice in ("eager", "rec+eager")
