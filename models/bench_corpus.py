@@ -18,8 +18,9 @@ Inductor and recompile cache folders, Inductor's FX-graph and AOT-autograd cache
 - the rec pass pipeline's time per captured graph.
 Writes the JSON and renders the corpus table into the doc between its ``corpus-table`` markers. Figures from a
 loaded machine are marked so by the caller; ``--quick`` is a smoke run (four models, batch 128 and 1, one round).
-The full run (48 cases, 24 models) takes about 20 min on 2 cores: ``ROUNDS`` timed rounds after one warm-up run
-per backend, the regions and graph breaks read from the floor's capture rather than a second trace.
+The full run (48 cases, 24 models) takes about 20 min on 2 quiet cores (hours on a loaded one: ``--resume`` goes
+on from the JSON a stopped run left): ``ROUNDS`` timed rounds after ``WARMUP`` untimed
+calls per backend, the regions and graph breaks read from the floor's capture rather than a second trace.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from recompile.autotune import CHECK_CALLS
+
 from .corpus.expected import EXPECTED, graph_breaks
 from .corpus.harness import CASES, Case, assert_equal, run
 from .timing import race_ms
@@ -51,6 +54,10 @@ TRAIN_BATCHES, INFER_BATCHES = (128, 2048), (1, 128, 2048)
 QUICK_TRAIN_BATCHES, QUICK_INFER_BATCHES = (128,), (1, 128)
 QUICK_MODELS = ("recbole/FM", "recbole/SASRec", "torchrec/DLRM", "gr/HSTU")
 ROUNDS = 5  # timed rounds of the full run, each backend once per round, interleaved
+# Untimed calls of each backend per batch size before its rounds: past rec_ascend's check of a new graph's (or size
+# bucket's) choice in place, which alternates the pick with the captured graph for its first calls (at most
+# 4 * CHECK_CALLS), so that the rounds time the steady state a server or a training loop runs in.
+WARMUP = 4 * CHECK_CALLS + 1
 TABLE_START, TABLE_END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
 GEMMS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
          torch.baddbmm, torch.einsum, torch.tensordot, operator.matmul, torch.conv1d, torch.conv2d,
@@ -115,7 +122,7 @@ def race(steps: dict, rounds: int, clock=time.perf_counter) -> tuple[dict, dict]
         except Exception as exc:  # noqa: BLE001  (any backend failure is a result to report)
             errors[name] = error_text(exc)
             del steps[name]
-    return race_ms(steps, rounds, warmup=1, clock=clock), errors
+    return race_ms(steps, rounds, warmup=WARMUP, clock=clock), errors
 
 
 def error_text(exc: Exception) -> str:
