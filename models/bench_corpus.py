@@ -398,6 +398,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m models.bench_corpus", description=__doc__.split("\n\n")[0])
     models = sorted({c.model for c in CASES.values()})
     p.add_argument("--models", nargs="+", choices=models, metavar="MODEL", help=f"in this order; default: all ({', '.join(models)})")
+    p.add_argument("--cases", nargs="+", choices=list(CASES), metavar="CASE",
+                   help="these cases (model:entry, e.g. recbole/SASRec:full_sort) instead of whole --models")
     p.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)}; batch 128 (inference: 1 and 128); one timed round")
     p.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds, each running every backend once in turn")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's; --cpu-time: 1)")
@@ -409,8 +411,13 @@ def main(argv: list[str] | None = None) -> dict:
                    help="keep the --json rows of the cases not chosen, measure the chosen ones again (shards: run "
                         "disjoint --models one after another with --replace into one JSON)")
     p.add_argument("--json", default="docs/benchmarks/corpus.json")
+    p.add_argument("--render", action="store_true", help="only render --doc's table from --json (no case is run)")
     p.add_argument("--doc", default="docs/corpus.md", help="the doc whose corpus table is rendered ('' : none)")
     args = p.parse_args(argv)
+    if args.render:
+        result = json.loads(Path(args.json).read_text())
+        write_doc(args.doc, result)
+        return result
     if args.cpu_time and args.threads not in (None, 1):
         p.error("--cpu-time counts the calling thread's CPU time: it needs --threads 1")
     if args.threads or args.cpu_time:
@@ -423,7 +430,8 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = 1 if args.quick else args.rounds
     gbs = bandwidth_gbs(64 if args.quick else 256)
     print(f"copy bandwidth {gbs:.1f} GB/s, {torch.get_num_threads()} threads, load average {load[0]:.1f}", flush=True)
-    cases = [c for model in chosen for c in CASES.values() if c.model == model]  # in the order given
+    cases = ([CASES[name] for name in args.cases] if args.cases else
+             [c for model in chosen for c in CASES.values() if c.model == model])  # in the order given
     rows = kept_rows(args.json, cases, args.resume, args.replace)
     order = {name: i for i, name in enumerate(CASES)}
     total = len(CASES) if not args.quick and (args.resume or args.replace) else len(cases)
