@@ -22,11 +22,11 @@ def test_describe_decision_names_choice_kernels_timings_and_rejections():
 def test_verdict_says_why_only_where_a_target_is_missed():
     ms = {128: {"eager": 3.0, "inductor": 2.0, "rec_ascend": 2.4}, 2048: {"eager": 9.0, "inductor": 8.0,
                                                                           "rec_ascend": 1.2}}
-    notes = verdict(ms, {128: FLOOR, 2048: FLOOR}, {"inductor": 1.0, "rec_ascend": 1.2}, ["the decision"])
+    notes = verdict(ms, {128: FLOOR, 2048: FLOOR}, {"inductor": 1.0, "rec_ascend": 1.2}, {128: ["the decision"]})
     assert notes[0] == "batch 128: rec_ascend 2.400 ms > min(eager, inductor) 2.000 ms (the decision)"
     assert notes[1].startswith("batch 128: 2.4x its floor 1.000 ms (GEMMs 0.750 + lookups 0.250): 1.400 ms")
     assert len(notes) == 2  # batch 2048 meets both; compile within 1.5x
-    assert "no rec region" in verdict(ms, {128: FLOOR, 2048: FLOOR}, {}, [], raced=False)[0]
+    assert "no rec region" in verdict(ms, {128: FLOOR, 2048: FLOOR}, {}, {}, raced=False)[0]
 
 
 def test_partial_run_is_marked_in_the_table(tmp_path):
