@@ -291,9 +291,13 @@ def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False, clock=t
         decisions[b] = [describe_decision(d) for d in decisions_since(started)]
         started = time.time()
         errors.update({f"{name} at batch {b}": why for name, why in failed.items()})
-        graphs, pass_ms, regions = capture(case, inputs[b])
+        try:
+            graphs, pass_ms, regions = capture(case, inputs[b])
+        except Exception as exc:  # noqa: BLE001  (reported; the run goes on to the next case)
+            errors[f"capture at batch {b}"] = error_text(exc)
+            graphs, pass_ms, regions = [], [], collections.Counter()
         floors[b] = floor_ms(graphs, case.training, gbs, rounds, clock)
-        found[b] = (pass_ms, regions, len(graphs) - 1)
+        found[b] = (pass_ms, regions, len(graphs) - 1 if graphs else None)
     pass_ms, regions, breaks = found[first]
     expected = EXPECTED[case.model]
     return {
@@ -329,7 +333,7 @@ def verdict(ms: dict, floors: dict, compile_s: dict, decisions: dict, raced: boo
                 why = "no rec region: the graph is Inductor's compile, so the gap is timing noise"
             notes.append(f"batch {b}: rec_ascend {m['rec_ascend']:.3f} ms > min(eager, inductor) {best:.3f} ms ({why})")
         floor = floors[b]
-        if m["rec_ascend"] > 1.5 * floor["ms"]:
+        if floor["ms"] and m["rec_ascend"] > 1.5 * floor["ms"]:
             notes.append(f"batch {b}: {m['rec_ascend'] / floor['ms']:.1f}x its floor {floor['ms']:.3f} ms (GEMMs "
                          f"{floor['gemm_ms']:.3f} + lookups {floor['lookup_ms']:.3f}): "
                          f"{m['rec_ascend'] - floor['ms']:.3f} ms in the rest (elementwise, softmax, losses, "
