@@ -423,6 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--render", action="store_true", help="only render --doc's table from --json (no case is run)")
     p.add_argument("--doc", default="docs/corpus.md", help="the doc whose corpus table is rendered ('' : none)")
     args = p.parse_args(argv)
+    commit()  # read now: the rows name the commit the run started at, not one made while it ran
     if args.render:
         result = json.loads(Path(args.json).read_text())
         write_doc(args.doc, result)
