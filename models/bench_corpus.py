@@ -18,14 +18,16 @@ Inductor and recompile cache folders, Inductor's FX-graph and AOT-autograd cache
 - the rec pass pipeline's time per captured graph.
 Writes the JSON and renders the corpus table into the doc between its ``corpus-table`` markers. Figures from a
 loaded machine are marked so by the caller; ``--quick`` is a smoke run (four models, batch 128 and 1, one round).
-The full run (48 cases, 24 models) takes about 20 min on 2 cores: ``ROUNDS`` timed rounds after one warm-up run
-per backend, the regions and graph breaks read from the floor's capture rather than a second trace.
+The full run (48 cases, 24 models) takes about 20 min on 2 quiet cores (hours on a loaded one: ``--resume`` goes
+on from the JSON a stopped run left): ``ROUNDS`` timed rounds after ``WARMUP`` untimed
+calls per backend, the regions and graph breaks read from the floor's capture rather than a second trace.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import datetime
+import functools
 import json
 import operator
 import os
@@ -40,6 +42,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from recompile.autotune import CHECK_CALLS
+
 from .corpus.expected import EXPECTED, graph_breaks
 from .corpus.harness import CASES, Case, assert_equal, run
 from .timing import race_ms
@@ -50,6 +54,10 @@ TRAIN_BATCHES, INFER_BATCHES = (128, 2048), (1, 128, 2048)
 QUICK_TRAIN_BATCHES, QUICK_INFER_BATCHES = (128,), (1, 128)
 QUICK_MODELS = ("recbole/FM", "recbole/SASRec", "torchrec/DLRM", "gr/HSTU")
 ROUNDS = 5  # timed rounds of the full run, each backend once per round, interleaved
+# Untimed calls of each backend per batch size before its rounds: past rec_ascend's check of a new graph's (or size
+# bucket's) choice in place, which alternates the pick with the captured graph for its first calls (at most
+# 4 * CHECK_CALLS), so that the rounds time the steady state a server or a training loop runs in.
+WARMUP = 4 * CHECK_CALLS + 1
 TABLE_START, TABLE_END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
 GEMMS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
          torch.baddbmm, torch.einsum, torch.tensordot, operator.matmul, torch.conv1d, torch.conv2d,
@@ -87,10 +95,15 @@ def describe_decision(d: dict) -> str:
 
 
 def step_fn(case: Case, fn, module, inputs):
-    """A training case's loss + backward; an inference entry's call under ``torch.no_grad`` (as RecBole's evaluation
-    and ``harness.run`` call it: with grad on, the parameters make Dynamo's graph a training graph)."""
+    """One timed step: loss + backward for a training case; for an inference entry the call under
+    ``torch.no_grad()``, as a server runs it (eager, Inductor and rec_ascend alike: the graph captured, and so the
+    race's candidates, are the inference graph's)."""
     if not case.training:
-        return torch.no_grad()(lambda: fn(*inputs))
+        def infer():
+            with torch.no_grad():
+                return fn(*inputs)
+
+        return infer
 
     def step():
         module.zero_grad(set_to_none=True)
@@ -99,7 +112,7 @@ def step_fn(case: Case, fn, module, inputs):
     return step
 
 
-def race(steps: dict, rounds: int) -> tuple[dict, dict]:
+def race(steps: dict, rounds: int, clock=time.perf_counter) -> tuple[dict, dict]:
     """``race_ms`` over the steps that run; a backend that fails (Inductor fails on some RecBole graphs) is left
     out and its error returned beside the timings."""
     errors = {}
@@ -109,7 +122,7 @@ def race(steps: dict, rounds: int) -> tuple[dict, dict]:
         except Exception as exc:  # noqa: BLE001  (any backend failure is a result to report)
             errors[name] = error_text(exc)
             del steps[name]
-    return race_ms(steps, rounds, warmup=1), errors
+    return race_ms(steps, rounds, warmup=WARMUP, clock=clock), errors
 
 
 def error_text(exc: Exception) -> str:
@@ -133,10 +146,10 @@ def bandwidth_gbs(megabytes: int = 256) -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
+def _timed(fn, clock=time.perf_counter) -> float:
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _value(node):
@@ -162,7 +175,7 @@ def _gemm_call(node: fx.Node):
     return None
 
 
-def floor_ms(graphs: list[fx.GraphModule], training: bool, gbs: float, rounds: int) -> dict:
+def floor_ms(graphs: list[fx.GraphModule], training: bool, gbs: float, rounds: int, clock=time.perf_counter) -> dict:
     """Dense GEMMs timed alone (with their backward for training) plus lookup bytes over ``gbs``."""
     gemm_ms, lookup_bytes = 0.0, 0
     for gm in graphs:
@@ -171,14 +184,14 @@ def floor_ms(graphs: list[fx.GraphModule], training: bool, gbs: float, rounds: i
             if fn is not None:
                 args = fx.node.map_aggregate(node.args, lambda a: _materialize(a, training))
                 kwargs = fx.node.map_aggregate(node.kwargs, lambda a: _materialize(a, training))
-                gemm_ms += _time_alone(fn, args, kwargs, training, rounds)
+                gemm_ms += _time_alone(fn, args, kwargs, training, rounds, clock)
             elif node.op == "call_function" and "embedding" in getattr(node.target, "__name__", str(node.target)):
                 lookup_bytes += _lookup_bytes(node) * (2 if training else 1)
     lookup_ms = lookup_bytes / (gbs * 1e9) * 1e3
     return {"gemm_ms": gemm_ms, "lookup_bytes": lookup_bytes, "lookup_ms": lookup_ms, "ms": gemm_ms + lookup_ms}
 
 
-def _time_alone(fn, args, kwargs, training: bool, rounds: int) -> float:
+def _time_alone(fn, args, kwargs, training: bool, rounds: int, clock=time.perf_counter) -> float:
     def once():
         out = fn(*args, **kwargs)
         if training and out.requires_grad:
@@ -186,7 +199,7 @@ def _time_alone(fn, args, kwargs, training: bool, rounds: int) -> float:
 
     for _ in range(2):
         once()
-    return min(_timed(once) for _ in range(max(3, rounds))) * 1e3
+    return min(_timed(once, clock) for _ in range(max(3, rounds))) * 1e3
 
 
 def _lookup_bytes(node: fx.Node) -> int:
@@ -245,7 +258,7 @@ def equal(case: Case, compiled, module, reference, inputs) -> bool:
     return True
 
 
-def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False) -> dict:
+def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False, clock=time.perf_counter) -> dict:
     torch._dynamo.reset()
     modules = {b: case.make(0) for b in BACKENDS}
     fns = {"eager": modules["eager"], "inductor": torch.compile(modules["inductor"], backend="inductor"),
@@ -265,25 +278,34 @@ def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False) -> dict
             errors[f"{name} at batch {first}"] = error_text(exc)
             continue
         compile_s[name] = max(0.0, cold - min(_timed(step) for _ in range(3)))
-    decisions = [describe_decision(d) for d in decisions_since(started)]
     numbers_equal = "rec_ascend" in compile_s and equal(case, fns["rec_ascend"], modules["rec_ascend"], modules["eager"],
                                                         inputs[first])
-    ms, floors, found = {}, {}, {}
+    ms, floors, found, decisions = {}, {}, {}, {}
+    if batches[0] != first:  # its graph is compiled (and raced) anew: the cold compile's race is not its
+        started = time.time()
     for b in batches:
         steps = {name: step_fn(case, fns[name], modules[name], inputs[b]) for name in BACKENDS}
-        ms[b], failed = race(steps, rounds)
+        ms[b], failed = race(steps, rounds, clock)
+        # the races of this batch's graphs (the first batch's: at the cold compile), as they stand after the
+        # timed calls: a choice the in-place check overturned is stored again, with why
+        decisions[b] = [describe_decision(d) for d in decisions_since(started)]
+        started = time.time()
         errors.update({f"{name} at batch {b}": why for name, why in failed.items()})
-        graphs, pass_ms, regions = capture(case, inputs[b])
-        floors[b] = floor_ms(graphs, case.training, gbs, rounds)
-        found[b] = (pass_ms, regions, len(graphs) - 1)
+        try:
+            graphs, pass_ms, regions = capture(case, inputs[b])
+        except Exception as exc:  # noqa: BLE001  (reported; the run goes on to the next case)
+            errors[f"capture at batch {b}"] = error_text(exc)
+            graphs, pass_ms, regions = [], [], collections.Counter()
+        floors[b] = floor_ms(graphs, case.training, gbs, rounds, clock)
+        found[b] = (pass_ms, regions, len(graphs) - 1 if graphs else None)
     pass_ms, regions, breaks = found[first]
     expected = EXPECTED[case.model]
     return {
-        "case": case.name, "training": case.training,
+        "case": case.name, "training": case.training, "commit": commit(),
         "regions_expected": [{"label": e.label, "found": e.found(regions) >= e.count, "track": e.track} for e in expected],
         "regions_found": {f"{k} {op}": n for (k, op), n in sorted(regions.items())},
         "graph_breaks": {"found": breaks, "expected": graph_breaks(case.model)[0]},
-        "autotune": decisions,
+        "autotune": {str(b): d for b, d in decisions.items()},
         "numbers_equal": numbers_equal,
         "compile_s": compile_s,
         "ms": {str(b): v for b, v in ms.items()},
@@ -294,24 +316,24 @@ def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False) -> dict
     }
 
 
-def verdict(ms: dict, floors: dict, compile_s: dict, decisions: list[str], raced: bool = True) -> list[str]:
-    """Where the issue's targets are missed, and what the run shows about why: the race's decisions (taken on
-    the first call, at batch 128; ``raced``: the graphs had rec regions to race) and the floor's parts."""
+def verdict(ms: dict, floors: dict, compile_s: dict, decisions: dict, raced: bool = True) -> list[str]:
+    """Where the issue's targets are missed, and what the run shows about why: the race's decisions per batch
+    (``raced``: the graphs had rec regions to race) and the floor's parts."""
     notes = []
     for b, m in ms.items():
         if "rec_ascend" not in m:
             continue
         best = min(m.get("eager", float("inf")), m.get("inductor", float("inf")))
         if m["rec_ascend"] > best:
-            if decisions:
-                why = "; ".join(decisions)
+            if decisions.get(b):
+                why = "; ".join(decisions[b])
             elif raced:
                 why = "no decision stored: a race whose rounds disagreed keeps the safe candidate"
             else:
                 why = "no rec region: the graph is Inductor's compile, so the gap is timing noise"
             notes.append(f"batch {b}: rec_ascend {m['rec_ascend']:.3f} ms > min(eager, inductor) {best:.3f} ms ({why})")
         floor = floors[b]
-        if m["rec_ascend"] > 1.5 * floor["ms"]:
+        if floor["ms"] and m["rec_ascend"] > 1.5 * floor["ms"]:
             notes.append(f"batch {b}: {m['rec_ascend'] / floor['ms']:.1f}x its floor {floor['ms']:.3f} ms (GEMMs "
                          f"{floor['gemm_ms']:.3f} + lookups {floor['lookup_ms']:.3f}): "
                          f"{m['rec_ascend'] - floor['ms']:.3f} ms in the rest (elementwise, softmax, losses, "
@@ -354,57 +376,97 @@ def write_doc(path: str, result: dict) -> None:
     _, tail = rest.split(TABLE_END, 1)
     done = len(result["rows"])
     partial = f", {done} of {result['cases']} cases measured (a partial run)" if done < result.get("cases", done) else ""
-    note = (f"Measured {result['date']} on {result['machine']}, {result['threads']} threads, commit "
-            f"{result['commit']}{', --quick' if result['quick'] else ''}, {result['rounds']} rounds{partial}; speed "
-            f"ratios above 1 mean rec_ascend is faster. Generated by `python -m models.bench_corpus`.")
+    commits = ", ".join(sorted({r.get("commit", result["commit"]) for r in result["rows"]})) or result["commit"]
+    clock = "CPU time per step (time.thread_time)" if result.get("clock") == "cpu" else "wall-clock time per step"
+    load = result.get("loadavg")
+    note = (f"Measured {result['date']} on {result['machine']}, {result['threads']} threads, {clock}, "
+            f"commit {commits}{', --quick' if result['quick'] else ''}, {result['rounds']} rounds{partial}"
+            + (f"; load average {load[0]:.1f} when the run started" if load else "")
+            + "; speed ratios above 1 mean rec_ascend is faster. Generated by `python -m models.bench_corpus`.")
     doc.write_text(f"{head}{TABLE_START}\n{note}\n\n{render_table(result['rows'])}\n{TABLE_END}{tail}")
 
 
+@functools.cache  # the commit the run started at (the worktree may move on while it runs)
 def commit() -> str:
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          cwd=Path(__file__).parent)
     return out.stdout.strip() or "unknown"
 
 
+def kept_rows(path: str, cases: list[Case], resume: bool, replace: bool) -> list[dict]:
+    """The rows of an earlier run's JSON to keep: ``resume`` keeps them all (the cases they hold are not measured
+    again), ``replace`` those of the cases not being measured now; neither keeps none."""
+    if not (resume or replace) or not Path(path).exists():
+        return []
+    rows = json.loads(Path(path).read_text())["rows"]
+    names = {c.name for c in cases}
+    return rows if resume else [r for r in rows if r["case"] not in names]
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m models.bench_corpus", description=__doc__.split("\n\n")[0])
     models = sorted({c.model for c in CASES.values()})
     p.add_argument("--models", nargs="+", choices=models, metavar="MODEL", help=f"in this order; default: all ({', '.join(models)})")
+    p.add_argument("--cases", nargs="+", choices=list(CASES), metavar="CASE",
+                   help="these cases (model:entry, e.g. recbole/SASRec:full_sort) instead of whole --models")
     p.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)}; batch 128 (inference: 1 and 128); one timed round")
     p.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds, each running every backend once in turn")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's; --cpu-time: 1)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time steps in CPU time of the one torch thread (time.thread_time): on a loaded machine the "
+                        "time other processes hold the core is left out (compile times stay wall-clock)")
+    p.add_argument("--resume", action="store_true", help="keep the cases already in --json, measure only the others")
+    p.add_argument("--replace", action="store_true",
+                   help="keep the --json rows of the cases not chosen, measure the chosen ones again (shards: run "
+                        "disjoint --models one after another with --replace into one JSON)")
     p.add_argument("--json", default="docs/benchmarks/corpus.json")
+    p.add_argument("--render", action="store_true", help="only render --doc's table from --json (no case is run)")
     p.add_argument("--doc", default="docs/corpus.md", help="the doc whose corpus table is rendered ('' : none)")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    commit()  # read now: the rows name the commit the run started at, not one made while it ran
+    if args.render:
+        result = json.loads(Path(args.json).read_text())
+        write_doc(args.doc, result)
+        return result
+    if args.cpu_time and args.threads not in (None, 1):
+        p.error("--cpu-time counts the calling thread's CPU time: it needs --threads 1")
+    if args.threads or args.cpu_time:
+        torch.set_num_threads(args.threads or 1)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    load = os.getloadavg()
     cold_caches()
     warm_up()
     chosen = args.models or (QUICK_MODELS if args.quick else models)
     rounds = 1 if args.quick else args.rounds
     gbs = bandwidth_gbs(64 if args.quick else 256)
-    print(f"copy bandwidth {gbs:.1f} GB/s, {torch.get_num_threads()} threads", flush=True)
-    cases = [c for model in chosen for c in CASES.values() if c.model == model]  # in the order given
+    print(f"copy bandwidth {gbs:.1f} GB/s, {torch.get_num_threads()} threads, load average {load[0]:.1f}", flush=True)
+    cases = ([CASES[name] for name in args.cases] if args.cases else
+             [c for model in chosen for c in CASES.values() if c.model == model])  # in the order given
+    rows = kept_rows(args.json, cases, args.resume, args.replace)
+    order = {name: i for i, name in enumerate(CASES)}
+    total = len(CASES) if not args.quick and (args.resume or args.replace) else len(cases)
     result = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
-              "threads": torch.get_num_threads(), "commit": commit(), "quick": args.quick, "rounds": rounds,
-              "bandwidth_gbs": gbs, "cases": len(cases), "rows": []}
+              "threads": torch.get_num_threads(), "clock": "cpu" if args.cpu_time else "wall", "commit": commit(),
+              "quick": args.quick, "rounds": rounds, "bandwidth_gbs": gbs, "loadavg": load, "cases": total, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    for case in cases:
-        row = bench_case(case, rounds, gbs, args.quick)
-        result["rows"].append(row)
+    done = {r["case"] for r in rows}
+    for case in (c for c in cases if c.name not in done):
+        row = bench_case(case, rounds, gbs, args.quick, clock)
+        result["rows"] = sorted(result["rows"] + [row], key=lambda r: order.get(r["case"], len(order)))
         print(f"{row['case']:40s} equal={row['numbers_equal']} compile " +
               " ".join(f"{k} {v:.1f}s" for k, v in row["compile_s"].items()) + "  " +
               "  ".join(f"b{b}: " + " ".join(f"{k} {v:.3f}" for k, v in m.items()) + f" floor {row['floor'][b]['ms']:.3f}"
                         for b, m in row["ms"].items()), flush=True)
         for note in row["verdict"]:
             print(f"    {note}", flush=True)
-        # written after every case: a run stopped early keeps (and says) what it measured
+        # written after every case: a run stopped early keeps (and says) what it measured; --resume goes on from it
         result["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         write_json(args.json, result)
         if args.doc:
             write_doc(args.doc, result)
     print(f"wrote {args.json}" + (f" and the table in {args.doc}" if args.doc else ""))
     return result
+
 
 if __name__ == "__main__":
     main()

@@ -78,7 +78,7 @@ from torch._library.custom_ops import OPDEFS
 from recompile.lowering import candidates, ops_where
 from recompile.lowering.targets import synchronize
 from recompile.passes.utils import input_metas, is_training, meta_value, written
-from recompile.pipeline import PassContext, concrete_inputs, run_pipeline
+from recompile.pipeline import Fallback, PassContext, concrete_inputs, run_pipeline
 
 BUDGET_S = 0.6  # timing budget of one graph (regions, then the whole graph); compiles excluded
 # Real calls of each of the kept candidate and the captured graph (alternated) that check an inference choice in place.
@@ -1061,6 +1061,8 @@ def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, sa
     built = build(builders, decision)
     if captured is None:
         return built
+    if first not in built:  # Inductor failed on it (named in the decision): the captured graph may still compile
+        return {**built, **build({"inductor-captured": captured}, decision)}
     ahead, first_ms = inductor_ahead(built[first], built[fastest], sandbox, decision, budget_s)
     floor_ms = decision.timings_ms.get(FLOOR)
     if floor_ms is not None and first_ms is not None and first_ms <= floor_ms * (1 + MARGIN):
@@ -1097,13 +1099,35 @@ def inductor_ahead(compiled: Callable, eager: Callable, sandbox: Sandbox, decisi
 
 
 def build(builders: dict[str, Callable[[], Callable]], decision: Decision) -> dict[str, Callable]:
-    """The candidates, built; seconds spent compiling each go into the decision."""
+    """The candidates, built; seconds spent compiling each go into the decision. A candidate that fails to compile
+    (Inductor raises on some graphs that run eagerly) is left out of the race, its error in ``decision.rejected``:
+    the eager candidates, which always build, remain."""
     built = {}
     for name, builder in builders.items():
         start = time.perf_counter()
-        built[name] = builder()
+        try:
+            built[name] = builder()
+        except Exception as exc:  # noqa: BLE001  (whatever the compiler raises, eager still runs the graph)
+            decision.rejected[name] = f"failed to compile: {compile_error(exc)}"
         decision.compile_s[name] = round(time.perf_counter() - start, 3)
     return built
+
+
+def compile_error(exc: Exception) -> str:
+    """``exc`` in one line: its type and the first line of its message."""
+    return f"{type(exc).__name__}: {next(iter(str(exc).strip().splitlines()), '')}"
+
+
+def compiled_or_eager(compile_inductor: Callable[[fx.GraphModule], Callable], gm: fx.GraphModule, ctx) -> Callable:
+    """Inductor's compile of ``gm``, or, where Inductor fails on it, ``gm`` run eagerly, the failure recorded as a
+    fallback (``recompile.explain`` lists it) and warned about: rec_ascend never fails where eager runs."""
+    try:
+        return compile_inductor(gm)
+    except Exception as exc:  # noqa: BLE001
+        reason = f"Inductor failed to compile graph {ctx.graph_id}, which runs eagerly: {compile_error(exc)}"
+        ctx.fallbacks.append(Fallback("inductor", reason))
+        warnings.warn(f"recompile: {reason}", stacklevel=2)
+        return gm.forward
 
 
 def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[Any], ctx,
@@ -1114,14 +1138,14 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     or a GraphChooser over the candidates; else Inductor on the rewrite. A graph with random ops other than
     the lifted seeds is not raced: its candidates would draw other numbers. A graph without rec regions is the
     captured graph compiled by Inductor, returned as it is: no race, no second compile, no wrapper on its calls."""
-    if not ctx.regions:
-        return compile_inductor(original)  # what backend="inductor" runs: nothing to race, nothing around it
+    if not ctx.regions:  # what backend="inductor" runs: nothing to race, nothing around it
+        return compiled_or_eager(compile_inductor, original, ctx)
     draws = lift_seeds(rewritten)
     inputs = [*example_inputs, *seed_examples(draws)]
     compile_graph = functools.partial(compile_inductor, inputs=inputs) if draws else compile_inductor
     if (not ctx.options.autotune or not tunable(rewritten, inputs, allow_random=True)
             or any(is_random(node) for node in rewritten.graph.nodes)):
-        return drawing_seeds(compile_graph(rewritten), draws)
+        return drawing_seeds(compiled_or_eager(compile_graph, rewritten, ctx), draws)
     return choose_graph(original, rewritten, inputs, ctx, compile_graph, draws)
 
 

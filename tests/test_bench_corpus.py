@@ -1,6 +1,12 @@
 """The corpus benchmark's report: the verdict names the race's decision where rec_ascend is slower than
-min(eager, Inductor) and the floor's parts where it is above 1.5x its floor; a partial run's table says so."""
-from models.bench_corpus import TABLE_END, TABLE_START, describe_decision, verdict, write_doc
+min(eager, Inductor) and the floor's parts where it is above 1.5x its floor; a partial run's table says so. Its
+timing: inference steps under no_grad; a stopped run resumes, a shard replaces only its own rows."""
+import json
+
+import torch
+
+from models.bench_corpus import TABLE_END, TABLE_START, describe_decision, kept_rows, step_fn, verdict, write_doc
+from models.corpus.harness import CASES, Case
 
 DECISION = {"mode": "training", "choice": "inductor", "regions": {"padded_softmax_attention_default": "cpu"},
             "timings_ms": {"inductor": 2.5, "rec+eager": 4.0}, "rejected": {"inductor-captured": "not compiled: x"}}
@@ -16,11 +22,11 @@ def test_describe_decision_names_choice_kernels_timings_and_rejections():
 def test_verdict_says_why_only_where_a_target_is_missed():
     ms = {128: {"eager": 3.0, "inductor": 2.0, "rec_ascend": 2.4}, 2048: {"eager": 9.0, "inductor": 8.0,
                                                                           "rec_ascend": 1.2}}
-    notes = verdict(ms, {128: FLOOR, 2048: FLOOR}, {"inductor": 1.0, "rec_ascend": 1.2}, ["the decision"])
+    notes = verdict(ms, {128: FLOOR, 2048: FLOOR}, {"inductor": 1.0, "rec_ascend": 1.2}, {128: ["the decision"]})
     assert notes[0] == "batch 128: rec_ascend 2.400 ms > min(eager, inductor) 2.000 ms (the decision)"
     assert notes[1].startswith("batch 128: 2.4x its floor 1.000 ms (GEMMs 0.750 + lookups 0.250): 1.400 ms")
     assert len(notes) == 2  # batch 2048 meets both; compile within 1.5x
-    assert "no rec region" in verdict(ms, {128: FLOOR, 2048: FLOOR}, {}, [], raced=False)[0]
+    assert "no rec region" in verdict(ms, {128: FLOOR, 2048: FLOOR}, {}, {}, raced=False)[0]
 
 
 def test_partial_run_is_marked_in_the_table(tmp_path):
@@ -30,7 +36,33 @@ def test_partial_run_is_marked_in_the_table(tmp_path):
            "ms": {"128": {"eager": 2.0, "inductor": 1.0, "rec_ascend": 0.5}}, "floor": {"128": FLOOR},
            "compile_s": {"inductor": 2.0, "rec_ascend": 1.0}}
     write_doc(str(doc), {"date": "d", "machine": "m", "threads": 1, "commit": "c", "quick": False, "rounds": 5,
-                         "cases": 48, "rows": [row]})
+                         "cases": 48, "rows": [{**row, "commit": "abc"}], "clock": "cpu", "loadavg": [12.5, 1, 1]})
     text = doc.read_text()
     assert "1 of 48 cases measured (a partial run)" in text and "| recbole/FM:loss | none | yes | 128: 2.00x |" in text
+    assert "CPU time per step" in text and "commit abc" in text and "load average 12.5" in text
     assert text.startswith("head\n") and text.endswith("tail\n") and "STALE" not in text
+
+
+def test_inference_steps_run_under_no_grad_training_steps_with_grad():
+    seen = []
+
+    def fn(x):
+        seen.append(torch.is_grad_enabled())
+        return (x * 2).sum()
+
+    x = torch.randn(3, requires_grad=True)
+    module = torch.nn.Linear(1, 1)
+    for training in (False, True):
+        step_fn(Case("m/x", "e", training, None, None), fn, module, (x,))()
+    assert seen == [False, True]
+
+
+def test_resume_keeps_every_row_replace_only_the_other_cases(tmp_path):
+    path = tmp_path / "corpus.json"
+    path.write_text(json.dumps({"rows": [{"case": "recbole/FM:loss"}, {"case": "recbole/FM:predict"}]}))
+    fm_loss = [CASES["recbole/FM:loss"]]
+    assert [r["case"] for r in kept_rows(str(path), fm_loss, resume=True, replace=False)] == ["recbole/FM:loss",
+                                                                                                "recbole/FM:predict"]
+    assert [r["case"] for r in kept_rows(str(path), fm_loss, resume=False, replace=True)] == ["recbole/FM:predict"]
+    assert kept_rows(str(path), fm_loss, resume=False, replace=False) == []
+    assert kept_rows(str(tmp_path / "none.json"), fm_loss, resume=True, replace=False) == []

@@ -75,6 +75,8 @@ class HSTU(nn.Module):
 
 
 def build(seed: int = 0) -> HSTU:
+    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm, as generative-recommenders imports it)
+
     torch.manual_seed(seed)
     return HSTU()
 
