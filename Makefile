@@ -33,7 +33,7 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
 # `make test` leaves out the tests marked slow (the long tail: each has a smaller variant in this run);
-# `make test-slow` runs them, and CI runs both (docs/testing.md).
+# `make test-slow` runs them, outside CI (CI runs `make test` and `make wheel-check`; docs/testing.md).
 test: venv browser
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 

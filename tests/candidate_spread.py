@@ -91,7 +91,7 @@ def keeping(choice: str | None, kernels: str | None = None):
     with patched(autotune, fastest=fastest, race=race, settled=lambda *args: True, build=build_only,
                  fastest_eagerly=lambda graphs, *args: "rec+eager" if "rec+eager" in graphs else next(iter(graphs)),
                  inductor_can_win=lambda *args: True, inductor_floor_ms=lambda *args: 0.0,
-                 inductor_ahead=lambda *args: (False, None)), patched(autotune.GraphChooser, checked=lambda self, pick: pick):
+                 inductor_ms=lambda *args: None), patched(autotune.GraphChooser, checked=lambda self, pick: pick):
         yield
 
 
