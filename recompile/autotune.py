@@ -14,8 +14,8 @@ example inputs and within ``BUDGET_S`` seconds:
    the graphs differ only in their rec regions, so Inductor compiles the one whose regions ran fastest
    eagerly, and the captured graph (the Inductor a user would otherwise get) only where it can still win: not
    where its library calls alone take longer than the fastest graph eagerly, nor, for an inference graph
-   (``build_compiles``), than Inductor on the fastest graph (compiled and timed first), or where that runs clearly
-   ahead of its graph eagerly: one Inductor compile then, as plain Inductor's. Inference graphs skip the fastest
+   (``build_compiles``), than Inductor on the fastest graph (compiled and timed first): one Inductor compile
+   then, as plain Inductor's. Inference graphs skip the fastest
    one where Inductor has little to fuse around our ops (``inductor_can_win``). Without rec regions: Inductor alone.
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
@@ -671,7 +671,7 @@ class GraphChooser:
         self.rec = rec or candidates.get("rec+eager")
         self.run: Callable = self.first_call if chosen is None else self.checked(chosen)
         self.draws, self.racing = tuple(draws), False
-        # What Dynamo calls: ``run`` itself until a CompiledGraph installs this chooser (``compiled_graph``).
+        # What Dynamo calls: ``run`` itself until a ``CompiledGraph`` installs this chooser.
         self.entry: Callable = lambda *args: self.run(*args)
 
     def as_installed(self, fn: Callable) -> Callable:
@@ -901,11 +901,6 @@ class CompiledGraph:
             return chooser.run(*args)
         except Exception:
             return chooser.rerun_for_error(args)
-
-
-def compiled_graph(chooser: GraphChooser, buckets: Buckets | None = None) -> Callable:
-    """The callable Dynamo gets for a raced graph: a ``CompiledGraph`` that installs ``chooser`` (and ``buckets``)."""
-    return CompiledGraph(chooser, buckets)
 
 
 def without_pass(original: fx.GraphModule, ctx, name: str, regions: dict[str, str]) -> fx.GraphModule:
@@ -1192,7 +1187,7 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
         chooser = GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager,
                                draws=draws)
     if not slots:
-        return compiled_graph(chooser)
+        return CompiledGraph(chooser)
 
     def make(bucket: int) -> GraphChooser:
         """The chooser of a size bucket first called now: its cached decision if what it chose is built, else a
@@ -1207,4 +1202,4 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
         return GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager,
                             rec=chooser.rec, draws=draws)
 
-    return compiled_graph(chooser, Buckets(slots, first, chooser, make))
+    return CompiledGraph(chooser, Buckets(slots, first, chooser, make))

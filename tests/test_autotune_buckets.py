@@ -133,13 +133,10 @@ class BatchNormCross(Cross):
         return super().forward(self.bn(x0))
 
 
-def test_a_race_in_a_new_bucket_is_invisible(_cache, monkeypatch):
+def test_a_race_in_a_new_bucket_is_invisible(_cache, monkeypatch, quick_race):
     """A training stream whose batches land in new buckets: each bucket's race runs in the sandbox, so the statistics
     count one step per call, the gradients are eager's and the caller's random stream is where eager leaves it."""
     race_checks.inductor_draws_its_own_numbers(monkeypatch)
-    monkeypatch.setattr(autotune, "BUDGET_S", 0.05)
-    monkeypatch.setattr(autotune, "MIN_ROUNDS", 1)
-    monkeypatch.setattr(autotune, "MAX_ROUNDS", 2)
     torch.manual_seed(0)
     model = BatchNormCross()
     ref = copy.deepcopy(model)

@@ -113,8 +113,8 @@ def test_without_an_incumbent_an_unsettled_race_keeps_the_safe_candidate_and_cac
     monkeypatch.setattr(autotune, "race", race)
     monkeypatch.setattr(autotune, "fastest_eagerly", lambda *args: "rec+eager")
     monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: True)
-    chosen, compiled_graph = [], autotune.compiled_graph
-    monkeypatch.setattr(autotune, "compiled_graph", lambda chooser: chosen.append(chooser) or compiled_graph(chooser))
+    chosen, compiled_graph = [], autotune.CompiledGraph
+    monkeypatch.setattr(autotune, "CompiledGraph", lambda chooser: chosen.append(chooser) or compiled_graph(chooser))
     model, args, _ = tiny_dlrm(9)
     torch._dynamo.reset()
     with torch.no_grad():

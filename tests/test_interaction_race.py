@@ -136,7 +136,7 @@ def test_an_eager_rewrite_calls_the_op_functions_for_inference(_cache, monkeypat
     keeps the ops (their autograd). The rewrite itself, which Inductor compiles, keeps its ops either way."""
     monkeypatch.setattr(autotune, "race", fake_race(lambda name: [0.5 if name == "rec+eager" else 1.0] * 3))
     chosen = []
-    monkeypatch.setattr(autotune, "compiled_graph", lambda chooser: chosen.append(chooser) or chooser.first_call)
+    monkeypatch.setattr(autotune, "CompiledGraph", lambda chooser: chosen.append(chooser) or chooser.first_call)
     model, x = Cross(), torch.randn(8, 16, requires_grad=training)
     with torch.set_grad_enabled(training):
         torch.testing.assert_close(torch.compile(model, backend="rec_ascend")(x), model(x), rtol=1e-5, atol=1e-5)
@@ -162,7 +162,7 @@ def test_a_race_whose_rounds_disagree_keeps_the_safe_candidate_and_caches_nothin
     rounds = [0.7, 0.7, 0.7, 0.7, 0.8, 1.2, 1.2, 1.2]
     monkeypatch.setattr(autotune, "race", fake_race(lambda name: rounds if name.startswith("inductor") else [1.0] * 8))
     chosen = []
-    monkeypatch.setattr(autotune, "compiled_graph", lambda chooser: chosen.append(chooser) or chooser.first_call)
+    monkeypatch.setattr(autotune, "CompiledGraph", lambda chooser: chosen.append(chooser) or chooser.first_call)
     model, x = Cross(), torch.randn(8, 16)
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(model, backend="rec_ascend")(x), model(x), rtol=1e-5, atol=1e-5)

@@ -10,17 +10,13 @@ import torch.nn as nn
 from models.zoo import MODELS
 from torch._inductor.compile_fx import compile_fx
 
-from recompile import autotune
 from recompile import backend as rec_backend
 from tests import race_checks
 
 
 @pytest.fixture(autouse=True)
-def _fast(tmp_path, monkeypatch):
+def _fast(tmp_path, monkeypatch, quick_race):
     monkeypatch.setenv("RECOMPILE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(autotune, "BUDGET_S", 0.05)
-    monkeypatch.setattr(autotune, "MIN_ROUNDS", 1)
-    monkeypatch.setattr(autotune, "MAX_ROUNDS", 2)
     race_checks.inductor_draws_its_own_numbers(monkeypatch)
 
 
