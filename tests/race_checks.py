@@ -120,3 +120,16 @@ def assert_race_invisible(make, steps: int, cache_root, monkeypatch, choices=("r
     (got, got_buffers), _ = compiled("no-dropout", model=(plain, inputs, loss))
     torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-5)
     assert_buffers_equal(got_buffers, eager_buffers, exact=False)
+
+
+def steady_cache(monkeypatch, tmp_path, budget_s: float):
+    """Decisions cached in ``tmp_path``, taken and keyed alike whatever the machine's load does during a test: on a
+    loaded machine a race's rounds may disagree and then cache nothing (``settled``, test_interaction_race), and a
+    load crossing the busy line between two compiles would key them apart (``conditions``, tested in
+    test_autotune_conditions.py)."""
+    monkeypatch.setenv("RECOMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "BUDGET_S", budget_s)
+    monkeypatch.setattr(autotune, "settled", lambda *args: True)
+    held = autotune.conditions()
+    monkeypatch.setattr(autotune, "conditions", lambda: held)
+    return tmp_path

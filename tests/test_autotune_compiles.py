@@ -8,16 +8,13 @@ import torch.nn as nn
 
 from recompile import autotune
 from recompile import backend as rec_backend
+from tests import race_checks
 from tests.test_interaction_autotune import Cross, eagerly_fastest  # noqa: F401  (a fixture)
 
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("RECOMPILE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(autotune, "BUDGET_S", 0.2)
-    # timed races on a loaded machine may disagree round to round and then cache nothing (test_interaction_race)
-    monkeypatch.setattr(autotune, "settled", lambda *args: True)
-    return tmp_path
+    return race_checks.steady_cache(monkeypatch, tmp_path, 0.2)
 
 
 @pytest.fixture

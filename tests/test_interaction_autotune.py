@@ -8,15 +8,12 @@ import torch.nn as nn
 import recompile
 from recompile import autotune
 from recompile.runtime.kernels import KERNELS
+from tests import race_checks
 
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("RECOMPILE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(autotune, "BUDGET_S", 0.3)
-    # timed races on a loaded machine may disagree round to round and then cache nothing (test_interaction_race)
-    monkeypatch.setattr(autotune, "settled", lambda *args: True)
-    return tmp_path
+    return race_checks.steady_cache(monkeypatch, tmp_path, 0.3)
 
 
 @pytest.fixture
