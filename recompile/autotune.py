@@ -649,6 +649,42 @@ def inductor_floor_ms(gm: fx.GraphModule, sandbox: Sandbox, training: bool) -> f
     return 1e3 * timed_nodes(gm, sandbox, times).fixed
 
 
+class BackwardClock:
+    """A training call's part in the caller's backward: from the first gradient of the call's outputs to the last
+    gradient it computes for the call's inputs (autograd hooks on each; removed by ``stop``). Timed to the last
+    input reached, not the first: the captured graph run eagerly gives its inputs their gradients one autograd node
+    after another, a compiled graph all at once, and stopping at the first under-timed the former. ``done`` is
+    called once every input has its gradient; a caller's backward that reaches only some (``torch.autograd.grad``
+    of a few of them) is read at the call after."""
+
+    def __init__(self, name: str, forward_s: float, outs: list[torch.Tensor], ins: list[torch.Tensor],
+                 done: Callable[["BackwardClock"], None]):
+        self.name, self.forward_s, self.waiting, self.done = name, forward_s, len(ins), done
+        self.began: float | None = None
+        self.last: float | None = None
+        self.handles = [o.register_hook(self.begin) for o in outs] + [a.register_hook(self.reached) for a in ins]
+
+    def begin(self, grad: torch.Tensor) -> None:
+        if self.began is None:
+            synchronize()
+            self.began = time.perf_counter()
+
+    def reached(self, grad: torch.Tensor) -> None:
+        synchronize()
+        self.last, self.waiting = time.perf_counter(), self.waiting - 1
+        if self.waiting == 0:
+            self.done(self)
+
+    def stop(self) -> float | None:
+        """Seconds of the call's forward and backward; None when its backward did not run."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if self.began is None or self.last is None:
+            return None
+        return self.forward_s + self.last - self.began
+
+
 class GraphChooser:
     """The compiled graph's choice: its first call races the candidates on that call's inputs (outside the compile,
     so that no timing run touches Dynamo's shape environment, and in a ``Sandbox``, so that none touches the
@@ -742,14 +778,17 @@ class GraphChooser:
         eagerly (``eager``; None where that is no candidate: random graphs, clamped ids)."""
         if self.eager is None or self.decision.choice == "eager":
             return pick
-        self.pick, self.check_s, self.check_calls, self.pending = pick, {self.decision.choice: [], "eager": []}, 0, []
+        self.pick, self.check_s, self.check_calls, self.clocks = pick, {self.decision.choice: [], "eager": []}, 0, []
         return self.check_call
 
     def check_call(self, *args: Any) -> Any:
         """One of the first real calls after a choice (raced or cached): the pick and the captured graph run
         eagerly take turns on the caller's inputs (both are correct), each timed as Dynamo calls it, a training
-        call until its backward has computed the gradients of the call's inputs (``time_backward``); once each
-        has ``CHECK_CALLS`` times, or after ``4 * CHECK_CALLS`` calls (a backward that does not come), ``settle_check``."""
+        call with its part of the caller's backward (``BackwardClock``); once each has ``CHECK_CALLS`` times, or
+        after ``4 * CHECK_CALLS`` calls (a backward that does not come), ``settle_check``."""
+        self.read_clocks(finished=True)
+        if self.settle_when_checked():
+            return self.run(*args)
         choice, times = self.decision.choice, self.check_s
         name = choice if self.check_calls % 2 == 0 else "eager"
         self.check_calls += 1
@@ -763,47 +802,50 @@ class GraphChooser:
         self.settle_when_checked()
         return out
 
-    def settle_when_checked(self) -> None:
+    def settle_when_checked(self) -> bool:
         if self.check_s and (min(map(len, self.check_s.values())) >= CHECK_CALLS or self.check_calls >= 4 * CHECK_CALLS):
             self.run = self.settle_check()
+            return True
+        return False
 
     def time_backward(self, name: str, out: Any, args: Sequence[Any], forward_s: float) -> bool:
-        """Add to ``check_s[name]`` the call's forward and, when the caller's backward runs, its part in it: from
-        the first gradient of the call's outputs to its inputs' (autograd hooks, removed once they fired or at
-        ``settle_check``). False when the call has no backward."""
+        """Start a ``BackwardClock`` on the call, read once its backward has reached every input needing a gradient
+        or, at the next call, as far as the caller's backward went. False when the call has no backward."""
         outs = [o for o in _outputs(out) if o.requires_grad]
-        ins = [a for a in _tensors(args) if a.requires_grad]
+        ins = list({id(a): a for a in _tensors(args) if a.requires_grad}.values())
         if not outs or not ins:
             return False
-        began: list[float] = []
-
-        def begin(grad: torch.Tensor) -> None:
-            if not began:
-                synchronize()
-                began.append(time.perf_counter())
-
-        def end(grads: Sequence[Any]) -> None:
-            synchronize()
-            for handle in handles:
-                handle.remove()
-            if began and name in self.check_s:
-                self.check_s[name].append(forward_s + time.perf_counter() - began[0])
-                self.settle_when_checked()
-
-        handles = [o.register_hook(begin) for o in outs]
-        # "any": the compiled graph's backward is one autograd node giving every input its gradient at once; "all"
-        # asks the engine which leaves it will reach, which torch.autograd.grad(...) does not support.
-        handles.append(torch.autograd.graph.register_multi_grad_hook(ins, end, mode="any"))
-        self.pending.extend(handles)
+        self.clocks.append(BackwardClock(name, forward_s, outs, ins, self.clock_done))
         return True
+
+    def clock_done(self, clock: "BackwardClock") -> None:
+        if clock in self.clocks:
+            self.clocks.remove(clock)
+            self.add_clock(clock)
+            self.settle_when_checked()
+
+    def add_clock(self, clock: "BackwardClock") -> None:
+        seconds = clock.stop()
+        if seconds is not None and clock.name in self.check_s:
+            self.check_s[clock.name].append(seconds)
+
+    def read_clocks(self, finished: bool) -> None:
+        """Add the clocks whose backward began (``finished``: the caller's backward is over, a new call has come);
+        all of them, and stop the rest, when not ``finished``."""
+        keep = []
+        for clock in self.clocks:
+            if clock.began is None and finished:
+                keep.append(clock)  # its backward has not come yet (a graph called twice before one backward)
+            else:
+                self.add_clock(clock)
+        self.clocks = keep
 
     def settle_check(self) -> Callable:
         """The pick, unless the captured graph ran faster in place by more than ``MARGIN`` (round by round): then
         the captured graph, and the decision says why; a cached decision is dropped (raced again at the next
         compile), a fresh one stored as ``eager``."""
         decision, choice = self.decision, self.decision.choice
-        for handle in self.pending:  # a training call whose backward has not come
-            handle.remove()
+        self.read_clocks(finished=False)
         samples, self.check_s = self.check_s, {}
         decision.timings_ms.update({f"in place:{name}": ms for name, ms in median_ms(samples).items()})
         if not all(samples.values()) or fastest(samples, (choice,), MARGIN) == choice:
