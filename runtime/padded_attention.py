@@ -36,7 +36,8 @@ from typing import Optional
 
 import torch
 
-from .kernels import get_kernel, register_kernel
+from hkv.native import NativeLibrary
+from .kernels import get_kernel, native_supports, register_kernel, require
 
 OP = "padded_softmax_attention"
 # A mask value at or below this drops its key: exp(DROPPED) is 0 in float32, float16 and bfloat16.
@@ -185,6 +186,31 @@ def padded_softmax_attention_backward_cpu(grad, q, k, v, mask, scale, rows=None)
         dq[seqs, :, :width], dk[seqs, :, :width], dv[seqs, :, :width] = _attention_backward(
             grad[seqs, :, :width], q[seqs, :, :width], k[seqs, :, :width], v[seqs, :, :width], part, scale)
     return dq, dk, dv
+
+
+NATIVE = NativeLibrary("recompile.runtime._C", frozenset((torch.float32, torch.float16, torch.bfloat16)))
+native_available = NATIVE.available
+
+
+def supports_native(q, k, v, mask, **_) -> bool | str:
+    """The C++ kernel (``csrc/padded_attention.h``): CPU q, k, v of one float dtype with one B and H, a float mask."""
+    if not q.dtype == k.dtype == v.dtype:
+        return f"q, k, v of dtypes {q.dtype}, {k.dtype}, {v.dtype}: the kernel takes one dtype"
+    if q.dim() == k.dim() == v.dim() == 4 and not q.shape[:2] == k.shape[:2] == v.shape[:2]:
+        return f"q, k, v of batch and heads {q.shape[:2]}, {k.shape[:2]}, {v.shape[:2]}: the kernel broadcasts none"
+    return native_supports(NATIVE, q, k, v, mask)
+
+
+@register_kernel(OP, "native", supports=supports_native)
+def padded_softmax_attention_native(q, k, v, mask, scale, rows=None):
+    require(OP, "native", supports_native(q, k, v, mask))
+    return torch.ops.recompile_native.padded_attention_fwd(q, k, v, mask, scale, rows)
+
+
+@register_kernel(f"{OP}_backward", "native", supports=supports_native)
+def padded_softmax_attention_backward_native(grad, q, k, v, mask, scale, rows=None):
+    require(f"{OP}_backward", "native", supports_native(q, k, v, mask))
+    return torch.ops.recompile_native.padded_attention_bwd(grad.to(q.dtype), q, k, v, mask, scale, rows)
 
 
 def _check(q, k, v, mask, rows=None):
