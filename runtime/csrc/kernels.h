@@ -44,6 +44,7 @@ typedef struct {
     int64_t q_stride[3], k_stride[3], v_stride[3], grad_stride[3];
     const float *mask;
     int64_t mask_stride[4], mask_heads; /* mask_heads: 1 or heads */
+    float dropped;                      /* a mask value at or below it drops its key: -1e4 in the mask's dtype */
     const int64_t *rows;                /* [batch], the read rows, or NULL for every row */
     int64_t batch, heads, nq, n, dim, dim_v;
     float scale;

@@ -452,6 +452,8 @@ struct PaddedAttention {
         if (rows_ && rows_->defined()) rows = rows_->to(I64).contiguous();
         p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.mask = ptr<float>(mask);
         p.mask_heads = mask.size(1), p.rows = rows.defined() ? ptr<int64_t>(rows) : nullptr;
+        p.dropped = mask_.scalar_type() == BF16 ? (float)c10::BFloat16(-1e4f)  // -9984: as the op compares
+                    : mask_.scalar_type() == F16 ? (float)c10::Half(-1e4f) : -1e4f;
         p.batch = B, p.heads = H, p.nq = q.size(2), p.n = k.size(2), p.dim = q.size(3), p.dim_v = v.size(3);
         p.scale = (float)scale, p.dtype = hstu_dtype(q.scalar_type()), p.threads = threads();
     }

@@ -3,15 +3,13 @@
  * after jagged_attention.h, whose storage helpers (load_row, store_row, alloc) and register-tiled gemm it uses.
  *
  * First the mask is read once: for every query row of every (sequence, mask head), how many leading keys it can
- * weigh (one past the last key it attends to, mask above DROPPED: a key after it adds exp(-1e4 + ...) = 0; every
+ * weigh (one past the last key it attends to, mask above padded_attention.py's DROPPED: a key after it adds exp(-1e4 + ...) = 0; every
  * key where it attends to none, which is the padded formula spreading the row), and with read rows the query cut
  * Lq[b] of each sequence (padded_attention.py's query_cuts). Then one work item per (sequence, head) over OpenMP
  * threads: its q, k (transposed) and v are converted into float buffers of the keys its rows weigh, the scores are
  * one gemm, the masked softmax runs on them in the cache, the output a second gemm; rows at or past Lq[b] are 0.
  * Backward recomputes the weights the same way, then dP = G V^T, dS = P (dP - rowsum(P dP)) scale, dq = dS K,
  * dk = dS^T Q, dv = P^T G, all in the item's buffers: no padding key or padded query row costs a flop. */
-
-static const float DROPPED = -1e4f; /* padded_attention.py's DROPPED */
 
 /* ------------------------------------------------------------------------------------------------ */
 /* the mask */
@@ -21,9 +19,9 @@ static const float *mask_row(const padded_attention_problem *p, int64_t b, int64
 }
 
 /* One past the last key row m attends to, or n where it attends to none. */
-static int32_t weighed_keys(const float *m, int64_t step, int64_t n) {
+static int32_t weighed_keys(const float *m, int64_t step, int64_t n, float dropped) {
     for (int64_t j = n - 1; j >= 0; j--)
-        if (m[j * step] > DROPPED) return (int32_t)(j + 1);
+        if (m[j * step] > dropped) return (int32_t)(j + 1);
     return (int32_t)n;
 }
 
@@ -33,7 +31,7 @@ static void read_mask(const padded_attention_problem *p, int64_t b, int32_t *key
     const int64_t n = p->n, nq = p->nq, mh = p->mask_heads;
     for (int64_t h = 0; h < mh; h++)
         for (int64_t i = 0; i < nq; i++)
-            keys[(b * mh + h) * nq + i] = weighed_keys(mask_row(p, b, h, i), p->mask_stride[3], n);
+            keys[(b * mh + h) * nq + i] = weighed_keys(mask_row(p, b, h, i), p->mask_stride[3], n, p->dropped);
     if (!p->rows) return;
     int32_t most = 0;
     for (int64_t i = 0; i < nq; i++) {
