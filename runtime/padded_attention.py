@@ -5,7 +5,13 @@
 out ``[B, H, Nq, Dv]`` = ``softmax(q k^T * scale + mask, -1) @ v``, every row, padded ones included, exactly
 the padded formula (so a model that reads the padded rows, as BERT4Rec's output does, sees the same numbers).
 
-Kernels: ``reference`` is that formula. ``cpu`` first checks the mask at run time: the keys after the last
+Kernels: ``reference`` is that formula. ``native`` (CPU; the lowering's first choice there:
+``csrc/padded_attention.h``, registered below autograd in C++ so a compiled graph calls it without Python) fuses the
+op per (sequence, head): the mask is read once for the keys each query row weighs (the same cut as below, per row)
+and the read rows' query cuts, then the scores, the masked softmax and the product with v run on float buffers of
+those keys only (two register-tiled GEMMs, the softmax in cache), over OpenMP threads; backward recomputes the
+weights and forms dq, dk, dv the same way. float32, float16 and bfloat16 storage, float arithmetic. ``cpu`` (ATen
+ops; float64, or a build without the native library) first checks the mask at run time: the keys after the last
 one any query attends to (mask above ``DROPPED``) are dropped for every query, so they add
 ``exp(-10000 + ...) = 0`` and are cut off (views, no copy): a batch whose longest history is shorter than the
 padded length does the work of its longest history. A mask with a query row that attends to no key at all
