@@ -102,3 +102,22 @@ def test_lowering_chooses_native_where_it_takes_the_inputs(dtype, kernel):
     report = recompile.explain(model, *batch([3, 12, 1, 6])).to_dict()
     attention = [r for r in report["regions"] if r["op"] == "recompile::padded_softmax_attention"]
     assert len(attention) == 2 and {r["impl"] for r in attention} == {kernel}
+
+
+@pytest.mark.parametrize("batch", [1, 9])
+def test_threads_give_the_numbers_of_one_thread(batch):
+    """Work items (sequence, head) over OpenMP threads, fewer and more of them than threads: each item is computed
+    alone, so the numbers are one thread's, bit for bit."""
+    lengths = torch.randint(0, 11, (batch,))
+    q, k, v, grad = (torch.randn(batch, 2, 10, 6) for _ in range(4))
+    mask = additive_mask(lengths, 10, True, [], 1, torch.float32)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            results.append(forward_and_grads("native", q, k, v, mask, (lengths - 1).clamp(min=0), grad))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -141,7 +141,7 @@ static int run(const padded_attention_problem *p, int backward) {
     int64_t *cuts = (int64_t *)alloc(2 * max64(B, 1)); /* 4-byte units */
     if (!keys || !cuts) return free(keys), free(cuts), -1;
     int failed = 0;
-#pragma omp parallel num_threads(max64(p->threads, 1)) reduction(| : failed)
+#pragma omp parallel num_threads(max64(min64(p->threads, B * H), 1)) reduction(| : failed) /* no idle thread */
     {
         int32_t *reach = alloc(rows_max);
         item_buffers w;
