@@ -5,7 +5,13 @@
 out ``[B, H, Nq, Dv]`` = ``softmax(q k^T * scale + mask, -1) @ v``, every row, padded ones included, exactly
 the padded formula (so a model that reads the padded rows, as BERT4Rec's output does, sees the same numbers).
 
-Kernels: ``reference`` is that formula. ``cpu`` first checks the mask at run time: the keys after the last
+Kernels: ``reference`` is that formula. ``native`` (CPU; the lowering's first choice there:
+``csrc/padded_attention.h``, registered below autograd in C++ so a compiled graph calls it without Python) fuses the
+op per (sequence, head): the mask is read once for the keys each query row weighs (the same cut as below, per row)
+and the read rows' query cuts, then the scores, the masked softmax and the product with v run on float buffers of
+those keys only (two register-tiled GEMMs, the softmax in cache), over OpenMP threads; backward recomputes the
+weights and forms dq, dk, dv the same way. float32, float16 and bfloat16 storage, float arithmetic. ``cpu`` (ATen
+ops; float64, or a build without the native library) first checks the mask at run time: the keys after the last
 one any query attends to (mask above ``DROPPED``) are dropped for every query, so they add
 ``exp(-10000 + ...) = 0`` and are cut off (views, no copy): a batch whose longest history is shorter than the
 padded length does the work of its longest history. A mask with a query row that attends to no key at all
@@ -36,7 +42,8 @@ from typing import Optional
 
 import torch
 
-from .kernels import get_kernel, register_kernel
+from hkv.native import NativeLibrary
+from .kernels import get_kernel, native_supports, register_kernel, require
 
 OP = "padded_softmax_attention"
 # A mask value at or below this drops its key: exp(DROPPED) is 0 in float32, float16 and bfloat16.
@@ -185,6 +192,31 @@ def padded_softmax_attention_backward_cpu(grad, q, k, v, mask, scale, rows=None)
         dq[seqs, :, :width], dk[seqs, :, :width], dv[seqs, :, :width] = _attention_backward(
             grad[seqs, :, :width], q[seqs, :, :width], k[seqs, :, :width], v[seqs, :, :width], part, scale)
     return dq, dk, dv
+
+
+NATIVE = NativeLibrary("recompile.runtime._C", frozenset((torch.float32, torch.float16, torch.bfloat16)))
+native_available = NATIVE.available
+
+
+def supports_native(q, k, v, mask, **_) -> bool | str:
+    """The C++ kernel (``csrc/padded_attention.h``): CPU q, k, v of one float dtype with one B and H, a float mask."""
+    if not q.dtype == k.dtype == v.dtype:
+        return f"q, k, v of dtypes {q.dtype}, {k.dtype}, {v.dtype}: the kernel takes one dtype"
+    if q.dim() == k.dim() == v.dim() == 4 and not q.shape[:2] == k.shape[:2] == v.shape[:2]:
+        return f"q, k, v of batch and heads {q.shape[:2]}, {k.shape[:2]}, {v.shape[:2]}: the kernel broadcasts none"
+    return native_supports(NATIVE, q, k, v, mask)
+
+
+@register_kernel(OP, "native", supports=supports_native)
+def padded_softmax_attention_native(q, k, v, mask, scale, rows=None):
+    require(OP, "native", supports_native(q, k, v, mask))
+    return torch.ops.recompile_native.padded_attention_fwd(q, k, v, mask, scale, rows)
+
+
+@register_kernel(f"{OP}_backward", "native", supports=supports_native)
+def padded_softmax_attention_backward_native(grad, q, k, v, mask, scale, rows=None):
+    require(f"{OP}_backward", "native", supports_native(q, k, v, mask))
+    return torch.ops.recompile_native.padded_attention_bwd(grad.to(q.dtype), q, k, v, mask, scale, rows)
 
 
 def _check(q, k, v, mask, rows=None):

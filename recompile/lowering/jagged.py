@@ -4,7 +4,7 @@ buckets), else the reference. HSTU attention on CPU: the native C kernel (runtim
 first."""
 from recompile.lowering.registry import (Impl, declare_facts, has_fbgemm, has_triton, native_on_cpu, on_cpu,
                                          reference, register_lowering)
-from recompile.runtime import jagged_attention_native
+from recompile.runtime import jagged_attention_native, padded_attention
 
 # recompile op -> the FBGEMM op with its semantics.
 FBGEMM_EQUIVALENTS = {
@@ -75,10 +75,13 @@ register_lowering("recompile::jagged_within", reference("recompile.runtime.jagge
 for _op in ("jagged_within", "hstu_attention", "jagged_softmax_attention"):
     declare_facts(f"recompile::{_op}", bounds_checked=True)
 
-# Attention on padded histories with an additive mask: keys after the last attended one cut per sequence.
+# Attention on padded histories with an additive mask: keys after the last attended one cut per sequence; on CPU
+# the native kernel (fused per (sequence, head)) first.
 for _op in ("padded_softmax_attention", "padded_softmax_attention_backward"):
     register_lowering(
         f"recompile::{_op}",
+        Impl("native", "cpu_kernel", native_on_cpu(padded_attention.native_available),
+             f"csrc/padded_attention.h ({_op}: per (sequence, head), the keys each row weighs, softmax in cache)"),
         Impl("cpu", "cpu_kernel", on_cpu, f"recompile.runtime.padded_attention ({_op}, keys cut to the attended ones, grouped)"),
         reference(f"recompile.runtime.padded_attention ({_op}, the padded formula)"),
     )

@@ -685,9 +685,9 @@ def _padded_attention(gm: fx.GraphModule, ctx: PassContext) -> None:
             match = match_padded_attention(node)
         except Unproven:
             continue
-        impl = ctx.lower(op)
         chain = _Chain(node)
         k = chain(torch.permute, match.k, (0, 2, 1, 3)) if match.k_heads_last else match.k
+        impl = ctx.lower(op, match.q, k, match.v, match.mask, match.scale)
         fused = chain(torch.ops.recompile.padded_softmax_attention.default, match.q, k, match.v, match.mask,
                       match.scale, impl.impl)
         ctx.record_region("attention", list(match.nodes), op, impl)

@@ -1,5 +1,5 @@
 /* The native CPU kernels' interface: every entry point of the kernel bodies (dropout.h, embedding.h,
- * interaction.h, jagged_attention.h, quantized.h, sampled_softmax.h), and the table of them one instruction set offers.
+ * interaction.h, jagged_attention.h, padded_attention.h, quantized.h, sampled_softmax.h), and the table of them one instruction set offers.
  *
  * The bodies are compiled once per instruction set (isa_generic.cpp, isa_avx2.cpp, isa_avx512.cpp: the same
  * source under a different `#pragma GCC target`), each into its own namespace; ops.cpp picks one table when the
@@ -36,6 +36,23 @@ typedef struct {
     float *drel, *dtime; /* backward: [2 * max_seq_len - 1], [num_buckets + 1], zeroed */
 } hstu_problem;
 
+/* One padded_softmax_attention call (padded_attention.h): q [B, H, nq, dim], k [B, H, n, dim], v and grad
+ * [B, H, n | nq, dim_v] in one storage type, strides in elements over [batch, head, row] (the last dimension
+ * contiguous); the additive float mask's strides over [batch, head, query row, key] (0 where broadcast). */
+typedef struct {
+    const void *q, *k, *v, *grad;
+    int64_t q_stride[3], k_stride[3], v_stride[3], grad_stride[3];
+    const float *mask;
+    int64_t mask_stride[4], mask_heads; /* mask_heads: 1 or heads */
+    float dropped;                      /* a mask value at or below it drops its key: -1e4 in the mask's dtype */
+    const int64_t *rows;                /* [batch], the read rows, or NULL for every row */
+    int64_t batch, heads, nq, n, dim, dim_v;
+    float scale;
+    int32_t dtype, threads;
+    void *out;          /* forward: [B, H, nq, dim_v] contiguous */
+    void *dq, *dk, *dv; /* backward: contiguous */
+} padded_attention_problem;
+
 /* One sampled_softmax_loss call (sampled_softmax.h). */
 typedef struct {
     const float *pos, *neg;                  /* [N], [N, K] rows of K */
@@ -62,6 +79,8 @@ void sampled_softmax_bwd(sampled_softmax_problem p, const float *grad, const flo
                          float *grad_neg, int threads);
 int hstu_attention_fwd(const hstu_problem *p);
 int hstu_attention_bwd(const hstu_problem *p);
+int padded_attention_fwd(const padded_attention_problem *p);
+int padded_attention_bwd(const padded_attention_problem *p);
 #define RECOMPILE_INTERACTION_API(S, T)                                                                        \
     void dot_interaction_fwd_##S(const int64_t *feat, const int64_t *stride, int64_t F, int64_t B, int64_t D,  \
                                  const T *prefix, int64_t prefix_stride, int64_t K, const int32_t *lo,         \
@@ -98,6 +117,7 @@ RECOMPILE_INTERACTION_API(bf16, bf16_t)
     X(embedding, geb_optimizer_step) X(embedding, qeb_forward_pooled)                                          \
     X(sampled_softmax, sampled_softmax_fwd) X(sampled_softmax, sampled_softmax_bwd)                            \
     X(jagged_attention, hstu_attention_fwd) X(jagged_attention, hstu_attention_bwd)                            \
+    X(jagged_attention, padded_attention_fwd) X(jagged_attention, padded_attention_bwd)                        \
     RECOMPILE_INTERACTION_ENTRIES(X, f32) RECOMPILE_INTERACTION_ENTRIES(X, f16)                                \
     RECOMPILE_INTERACTION_ENTRIES(X, bf16)
 

@@ -399,6 +399,92 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_attention_bwd(
     return {dq, dk, dv, drel, dtime};
 }
 
+/* ---------------------------------------------------------------------------- padded softmax attention */
+
+/* Why the kernel cannot take these (nullptr: it can): q [B, H, nq, D], k [B, H, n, D], v [B, H, n, Dv] of one
+ * float dtype, an additive float mask [B|1, H|1, nq|1, n], integer rows [B] of a self-attention (nq = n). */
+const char *padded_attention_fault(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &mask,
+                                   const OptTensor &rows) {
+    if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return "q, k and v must be [B, H, N, D]";
+    if (k.size(0) != q.size(0) || v.size(0) != q.size(0) || k.size(1) != q.size(1) || v.size(1) != q.size(1) ||
+        k.size(2) != v.size(2) || k.size(3) != q.size(3))
+        return "k must be [B, H, N, D] and v [B, H, N, Dv] with q's B, H and D";
+    if (mask.dim() != 4 || !mask.is_floating_point() || mask.size(3) != k.size(2))
+        return "the mask must be an additive float [B|1, H|1, Nq|1, N] tensor";
+    for (int d = 0; d < 3; d++)
+        if (mask.size(d) != 1 && mask.size(d) != q.size(d)) return "the mask must broadcast to [B, H, Nq, N]";
+    if (rows && rows->defined() &&
+        (rows->dim() != 1 || rows->numel() != q.size(0) || rows->is_floating_point() || q.size(2) != k.size(2)))
+        return "rows must be integer [B] read rows of a self-attention (Nq = N)";
+    return nullptr;
+}
+
+/* The problem of a call, and the tensors it reads (q, k, v, grad with unit stride rows, the mask float32, rows
+ * int64), kept alive with it. */
+struct PaddedAttention {
+    Tensor q, k, v, grad, mask, rows;
+    padded_attention_problem p{};
+
+    PaddedAttention(const char *op, const Tensor &q_, const Tensor &k_, const Tensor &v_, const Tensor &mask_,
+                    double scale, const OptTensor &rows_, const OptTensor &grad_ = std::nullopt) {
+        check(q_, op, "q", FLOATS);
+        for (auto *t : {&k_, &v_}) check(*t, op, "k and v", {q_.scalar_type()});
+        check(grad_, op, "grad", {q_.scalar_type()});
+        check(mask_, op, "mask", FLOATS);
+        const char *fault = padded_attention_fault(q_, k_, v_, mask_, rows_);
+        TORCH_CHECK_VALUE(!fault, "recompile_native.", op, ": ", fault, "; got q ", q_.sizes(), ", k ", k_.sizes(),
+                          ", v ", v_.sizes(), ", mask ", mask_.sizes());
+        q = unit_rows(q_), k = unit_rows(k_), v = unit_rows(v_), mask = mask_.to(F32);
+        const int64_t B = q.size(0), H = q.size(1);
+        for (int d = 0; d < 3; d++) {
+            p.q_stride[d] = q.stride(d), p.k_stride[d] = k.stride(d), p.v_stride[d] = v.stride(d);
+            p.mask_stride[d] = mask.size(d) == 1 ? 0 : mask.stride(d);
+        }
+        p.mask_stride[3] = mask.stride(3);
+        if (grad_) {
+            TORCH_CHECK_VALUE(grad_->sizes() == at::IntArrayRef({B, H, q.size(2), v.size(3)}), "recompile_native.",
+                              op, ": grad must be [B, H, Nq, Dv] = ", at::IntArrayRef({B, H, q.size(2), v.size(3)}),
+                              ", got ", grad_->sizes());
+            grad = unit_rows(*grad_);
+            for (int d = 0; d < 3; d++) p.grad_stride[d] = grad.stride(d);
+            p.grad = grad.data_ptr();
+        }
+        if (rows_ && rows_->defined()) rows = rows_->to(I64).contiguous();
+        p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.mask = ptr<float>(mask);
+        p.mask_heads = mask.size(1), p.rows = rows.defined() ? ptr<int64_t>(rows) : nullptr;
+        p.dropped = mask_.scalar_type() == BF16 ? (float)c10::BFloat16(-1e4f)  // -9984: as the op compares
+                    : mask_.scalar_type() == F16 ? (float)c10::Half(-1e4f) : -1e4f;
+        p.batch = B, p.heads = H, p.nq = q.size(2), p.n = k.size(2), p.dim = q.size(3), p.dim_v = v.size(3);
+        p.scale = (float)scale, p.dtype = hstu_dtype(q.scalar_type()), p.threads = threads();
+    }
+
+    static Tensor unit_rows(const Tensor &t) { return t.stride(-1) == 1 || t.size(-1) <= 1 ? t : t.contiguous(); }
+};
+
+void padded_attention_status(const char *op, int status) {
+    TORCH_CHECK(status == 0, "recompile_native.", op, ": out of memory for the per-thread buffers");
+}
+
+Tensor padded_attention_fwd(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &mask, double scale,
+                            const OptTensor &rows) {
+    PaddedAttention a("padded_attention_fwd", q, k, v, mask, scale, rows);
+    Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+    a.p.out = out.data_ptr();
+    padded_attention_status("padded_attention_fwd", kernels().padded_attention_fwd(&a.p));
+    return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor> padded_attention_bwd(const Tensor &grad, const Tensor &q, const Tensor &k,
+                                                        const Tensor &v, const Tensor &mask, double scale,
+                                                        const OptTensor &rows) {
+    PaddedAttention a("padded_attention_bwd", q, k, v, mask, scale, rows, grad);
+    Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), q.options()),
+           dv = at::empty(v.sizes(), q.options());
+    a.p.dq = dq.data_ptr(), a.p.dk = dk.data_ptr(), a.p.dv = dv.data_ptr();
+    padded_attention_status("padded_attention_bwd", kernels().padded_attention_bwd(&a.p));
+    return {dq, dk, dv};
+}
+
 /* ------------------------------------------------------------------------------------ sampled softmax */
 
 sampled_softmax_problem softmax_problem(const char *op, const Tensor &pos, const Tensor &neg, const OptTensor &sorted,
@@ -485,6 +571,35 @@ bool fm_second_order_backward_native(torch::jit::Stack *stack) {
         v.dim() != 3 || grad.dim() != 2 || grad.size(0) != v.size(0) || grad.size(1) != (a[2].toBool() ? 1 : v.size(2)))
         return false;
     return returned(stack, 4, fm_second_order_bwd(grad, v, a[2].toBool()));
+}
+
+/* recompile::padded_softmax_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, str impl,
+ * Tensor? rows) -> Tensor */
+bool padded_attention_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 7);
+    const Tensor q = a[0].toTensor(), k = a[1].toTensor(), v = a[2].toTensor(), mask = a[3].toTensor();
+    const OptTensor rows = a[6].isNone() ? OptTensor() : a[6].toTensor();
+    if (a[5].toStringRef() != "native" || !plain_cpu(q, FLOATS) || !plain_cpu(k, {q.scalar_type()}) ||
+        !plain_cpu(v, {q.scalar_type()}) || !plain_cpu(mask, FLOATS) || (rows && !plain_cpu(*rows, {I64, I32})) ||
+        padded_attention_fault(q, k, v, mask, rows))
+        return false;
+    return returned(stack, 7, padded_attention_fwd(q, k, v, mask, a[4].toDouble(), rows));
+}
+
+/* recompile::padded_softmax_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor mask, float scale,
+ * str impl, Tensor? rows) -> (Tensor, Tensor, Tensor) */
+bool padded_attention_backward_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 8);
+    const Tensor grad = a[0].toTensor(), q = a[1].toTensor(), k = a[2].toTensor(), v = a[3].toTensor(),
+                 mask = a[4].toTensor();
+    const OptTensor rows = a[7].isNone() ? OptTensor() : a[7].toTensor();
+    if (a[6].toStringRef() != "native" || !plain_cpu(q, FLOATS) || !plain_cpu(k, {q.scalar_type()}) ||
+        !plain_cpu(v, {q.scalar_type()}) || !plain_cpu(grad, {q.scalar_type()}) || !plain_cpu(mask, FLOATS) ||
+        (rows && !plain_cpu(*rows, {I64, I32})) || padded_attention_fault(q, k, v, mask, rows) ||
+        grad.sizes() != at::IntArrayRef({q.size(0), q.size(1), q.size(2), v.size(3)}))
+        return false;
+    auto [dq, dk, dv] = padded_attention_bwd(grad, q, k, v, mask, a[5].toDouble(), rows);
+    return returned(stack, 8, dq, dk, dv);
 }
 
 /* The kernel's view of sampled_softmax_loss's (pos, neg, neg_ids, target_ids), as runtime/sampled_softmax.py's
@@ -964,6 +1079,9 @@ TORCH_LIBRARY(recompile_native, m) {
     m.def("hstu_attention_bwd(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor offsets, int max_seq_len, "
           "float alpha, bool causal, Tensor? num_targets, int contextual, Tensor? rel_bias, Tensor? timestamps, "
           "Tensor? time_bias, Tensor? bucket_bounds) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+    m.def("padded_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? rows) -> Tensor");
+    m.def("padded_attention_bwd(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? rows) "
+          "-> (Tensor, Tensor, Tensor)");
     m.def("sampled_softmax_fwd(Tensor pos, Tensor neg, Tensor? sorted, Tensor? order, Tensor? targets, "
           "float scale) -> (Tensor, Tensor)");
     m.def("sampled_softmax_bwd(Tensor grad, Tensor pos, Tensor neg, Tensor? sorted, Tensor? order, "
@@ -986,6 +1104,8 @@ TORCH_LIBRARY_IMPL(recompile_native, CPU, m) {
     m.impl("fm_second_order_bwd", &fm_second_order_bwd);
     m.impl("hstu_attention_fwd", &hstu_attention_fwd);
     m.impl("hstu_attention_bwd", &hstu_attention_bwd);
+    m.impl("padded_attention_fwd", &padded_attention_fwd);
+    m.impl("padded_attention_bwd", &padded_attention_bwd);
     m.impl("sampled_softmax_fwd", &sampled_softmax_fwd);
     m.impl("sampled_softmax_bwd", &sampled_softmax_bwd);
 }
@@ -1007,6 +1127,10 @@ TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&fm_second_order_backward_native>>());
     m.impl("sampled_softmax_loss_backward",
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&sampled_softmax_backward_native>>());
+    m.impl("padded_softmax_attention",
+           torch::CppFunction::makeFromBoxedFunction<&below_autograd<&padded_attention_native>>());
+    m.impl("padded_softmax_attention_backward",
+           torch::CppFunction::makeFromBoxedFunction<&below_autograd<&padded_attention_backward_native>>());
 }
 
 TORCH_LIBRARY_IMPL(recompile, AutogradCPU, m) {
