@@ -18,7 +18,7 @@ from recompile import autotune
 from recompile.lowering import Target, detect_target
 from recompile.options import RecompileOptions
 from recompile.pipeline import PassContext, run_pipeline
-from recompile.tracing import TRACING_CONFIG, TracingConfig, forward_backend_context  # noqa: F401  (TRACING_CONFIG: re-exported)
+from recompile.tracing import TRACING_CONFIG, TracingCalls, forward_backend_context  # noqa: F401  (TRACING_CONFIG: re-exported)
 
 _graph_ids = itertools.count()
 
@@ -73,6 +73,6 @@ def rec_ascend(
     return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor)
 
 
-rec_ascend.backend_ctx_ctor = TracingConfig
+rec_ascend.backend_ctx_ctor = TracingCalls
 forward_backend_context()
 
