@@ -335,3 +335,24 @@ def test_logical_operators_are_not_in_place_but_augmented_assignments_are():
     grad = (torch.randn(6).mul(1).requires_grad_(), torch.randn(6, requires_grad=True))
     assert not autotune.tunable(_dynamo_graph(accumulate, grad[0] * 1, grad[1]), grad)
     assert autotune.tunable(_dynamo_graph(regularized, *grad), grad)
+
+
+def test_inductor_keeps_its_size_guarding_decompositions_on_static_graphs_only(_cache, monkeypatch):
+    """A graph with static sizes (batch 1 always is) gets Inductor's whole decomposition table, as plain Inductor: at
+    batch 1 a matrix-vector product becomes a fused reduction; one with symbolic sizes does without the
+    decompositions that would guard on them (and recompile a stream of batches)."""
+    tables = []
+
+    def compile_fx(graph, example_inputs, **kwargs):
+        tables.append(kwargs["decompositions"])
+        return graph.forward
+
+    monkeypatch.setattr(rec_backend, "compile_fx", compile_fx)
+    torch._dynamo.reset()
+    compiled = torch.compile(Plain(), backend="rec_ascend", options={"autotune": False})
+    with torch.no_grad():
+        for batch in (1, 8, 9):
+            compiled(torch.randn(batch, 16))
+    static, *rest = tables
+    assert all(op in static for op in rec_backend.SIZE_GUARDING_DECOMPOSITIONS)
+    assert rest and not any(op in table for table in rest for op in rec_backend.SIZE_GUARDING_DECOMPOSITIONS)
