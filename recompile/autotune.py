@@ -100,8 +100,8 @@ MIN_ROUNDS, MAX_ROUNDS = 3, 50
 MARGIN = 0.04
 INCUMBENTS = ("eager", "inductor-captured")
 # The incumbents of a graph without rec regions (its candidates: the captured graph eagerly and through Inductor):
-# Inductor, what backend="inductor" runs on it, unless eager runs faster by more than ``MARGIN`` (a small graph at
-# batch 1, where Inductor's wrapper costs more than it fuses).
+# Inductor, what backend="inductor" runs on it, unless eager runs faster by more than ``MARGIN`` (a few small
+# graphs around an unfused nn.GRU, a graph at batch 1 where Inductor's wrapper costs more than it fuses).
 CAPTURED_FIRST = ("inductor-captured", "eager")
 # The decision's timing of the captured graph's library calls alone (``inductor_floor_ms``), when measured.
 FLOOR = "floor:inductor-captured"

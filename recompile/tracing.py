@@ -28,10 +28,6 @@ TRACING_CONFIG = {
     "capture_scalar_outputs": True,
     # TorchRec's modules are traced, not skipped, so that their lookups reach the embedding pass
     "skip_torchrec": False,
-    # nn.GRU / nn.LSTM / nn.RNN traced into the graph rather than broken around (RecBole's GRU4Rec and NARM: the
-    # breaks cost more than the graphs, 166 -> 248 us a call at batch 1 with the graphs run eagerly; traced, the race
-    # keeps Inductor on the one graph, 92 us; measured under load)
-    "allow_rnn": True,
 }
 
 

@@ -192,33 +192,3 @@ def test_a_remaining_break_is_named_with_its_place_and_fix():
 def test_break_reasons_map_to_the_setting_or_rewrite_that_removes_them(reason, fix):
     assert fix in GraphBreak(reason).remedy
     assert GraphBreak("an unheard-of reason").remedy is None
-
-
-class GRUHistory(nn.Module):
-    """GRU4Rec's shape: an nn.GRU over an embedded history, the last valid step's state scored against the items."""
-
-    def __init__(self, items=50, dim=8):
-        super().__init__()
-        self.items, self.gru = nn.Embedding(items, dim), nn.GRU(dim, dim, batch_first=True)
-
-    def forward(self, history, lengths):
-        states, _ = self.gru(self.items(history))
-        last = states[torch.arange(history.shape[0]), lengths - 1]
-        return last @ self.items.weight.t()
-
-
-@pytest.mark.parametrize("training", [False, True])
-def test_an_rnn_module_is_traced_into_one_graph(training):
-    """Dynamo breaks the graph around nn.GRU/LSTM/RNN by default; under rec_ascend (``allow_rnn``) the model is one
-    graph, its outputs and gradients eager's: three graphs and the breaks between them cost more than the graphs."""
-    model = GRUHistory()
-    history, lengths = torch.randint(0, 50, (6, 7)), torch.tensor([7, 3, 1, 5, 7, 2])
-    with torch.set_grad_enabled(training):
-        compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
-        assert graphs_compiled(compiled, history, lengths) == 1
-        got, want = compiled(history, lengths), model(history, lengths)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        if training:
-            grads = torch.autograd.grad(got.sum(), list(model.parameters()))
-            for g, w in zip(grads, torch.autograd.grad(want.sum(), list(model.parameters()))):
-                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

@@ -101,10 +101,8 @@ EXPECTED: dict[str, tuple[Expect, ...]] = {
 }
 
 GRAPH_BREAKS: dict[str, tuple[int, str, str | None]] = {
-    "recbole/GRU4Rec": (0, "nn.GRU: Dynamo breaks the graph around RNN modules without allow_rnn; rec_ascend's "
-                           "tracing context sets it", None),
-    "recbole/NARM": (0, "nn.GRU: Dynamo breaks the graph around RNN modules without allow_rnn; rec_ascend's tracing "
-                        "context sets it", None),
+    "recbole/GRU4Rec": (1, "nn.GRU: Dynamo does not trace RNN modules; no rec region is near it", None),
+    "recbole/NARM": (1, "nn.GRU: Dynamo does not trace RNN modules; no rec region is near it", None),
     "gr/HSTU": (0, "fbgemm.dense_to_jagged has a data-dependent output shape: Dynamo stops there without "
                    "capture_dynamic_output_shape_ops, splitting the attention region; rec_ascend's tracing context sets it", None),
 }
