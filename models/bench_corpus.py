@@ -330,7 +330,7 @@ def verdict(ms: dict, floors: dict, compile_s: dict, decisions: dict, raced: boo
             elif raced:
                 why = "no decision stored: a race whose rounds disagreed keeps the safe candidate"
             else:
-                why = "no rec region: the graph is Inductor's compile, so the gap is timing noise"
+                why = "no rec region and no decision stored: Inductor kept (a race whose rounds disagree keeps it)"
             notes.append(f"batch {b}: rec_ascend {m['rec_ascend']:.3f} ms > min(eager, inductor) {best:.3f} ms ({why})")
         floor = floors[b]
         if floor["ms"] and m["rec_ascend"] > 1.5 * floor["ms"]:

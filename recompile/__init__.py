@@ -74,10 +74,10 @@ def _register_backend_name() -> None:
         return
     import torch._dynamo
 
-    from recompile.tracing import TracingConfig, forward_backend_context
+    from recompile.tracing import TracingCalls, forward_backend_context
 
     if "rec_ascend" not in torch._dynamo.list_backends(exclude_tags=()):
-        _lazy_backend.backend_ctx_ctor = TracingConfig
+        _lazy_backend.backend_ctx_ctor = TracingCalls
         forward_backend_context()
         torch._dynamo.register_backend(_lazy_backend, "rec_ascend")
 

@@ -16,7 +16,8 @@ example inputs and within ``BUDGET_S`` seconds:
    where its library calls alone take longer than the fastest graph eagerly, nor, for an inference graph
    (``build_compiles``), than Inductor on the fastest graph (compiled and timed first): one Inductor compile
    then, as plain Inductor's. Inference graphs skip the fastest
-   one where Inductor has little to fuse around our ops (``inductor_can_win``). Without rec regions: Inductor alone.
+   one where Inductor has little to fuse around our ops (``inductor_can_win``). Without rec regions: the captured
+   graph eagerly and through Inductor (one compile), Inductor kept unless eager wins by ``MARGIN`` (``CAPTURED_FIRST``).
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
@@ -98,6 +99,10 @@ MIN_ROUNDS, MAX_ROUNDS = 3, 50
 # when faster by more than this share: this machine's run-to-run noise is larger than what is won below it.
 MARGIN = 0.04
 INCUMBENTS = ("eager", "inductor-captured")
+# The incumbents of a graph without rec regions (its candidates: the captured graph eagerly and through Inductor):
+# Inductor, what backend="inductor" runs on it, unless eager runs faster by more than ``MARGIN`` (a few small
+# graphs around an unfused nn.GRU, a graph at batch 1 where Inductor's wrapper costs more than it fuses).
+CAPTURED_FIRST = ("inductor-captured", "eager")
 # The decision's timing of the captured graph's library calls alone (``inductor_floor_ms``), when measured.
 FLOOR = "floor:inductor-captured"
 # The safe candidate of a race with no incumbent (a graph whose lookups clamp ids has no captured graph): what
@@ -1169,10 +1174,11 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     Inductor): the dropout seeds lifted out (``lift_seeds``) so that every candidate draws the same masks,
     then, with ``options.autotune`` and a graph the race can run invisibly (``tunable``), the cached decision
     or a GraphChooser over the candidates; else Inductor on the rewrite. A graph with random ops other than
-    the lifted seeds is not raced: its candidates would draw other numbers. A graph without rec regions is the
-    captured graph compiled by Inductor, returned as it is: no race, no second compile, no wrapper on its calls."""
-    if not ctx.regions:  # what backend="inductor" runs: nothing to race, nothing around it
-        return compiled_or_eager(compile_inductor, original, ctx)
+    the lifted seeds is not raced: its candidates would draw other numbers. A graph without rec regions races the
+    captured graph eagerly against Inductor on it (one compile, ``CAPTURED_FIRST``); where it cannot be raced, it
+    is Inductor's compile, returned as it is."""
+    if not ctx.regions and not (ctx.options.autotune and tunable(original, example_inputs)):
+        return compiled_or_eager(compile_inductor, original, ctx)  # what backend="inductor" runs
     draws = lift_seeds(rewritten)
     inputs = [*example_inputs, *seed_examples(draws)]
     compile_graph = functools.partial(compile_inductor, inputs=inputs) if draws else compile_inductor
@@ -1199,7 +1205,7 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
                               captured=not random)
     builders = graph_builders(graphs, compile_inductor, training)
     oracle = eager_forward(rewritten, training) if random else original.forward
-    incumbents = ("inductor",) if random else INCUMBENTS
+    incumbents = ("inductor",) if random else INCUMBENTS if ctx.regions else CAPTURED_FIRST
     eager = original.forward if "eager" in graphs else None  # checks a choice in place
     if cached is not None and cached.choice in builders:
         apply_regions(rewritten, cached.kernels)
@@ -1217,7 +1223,8 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
                             conditions=conditions())
         start = time.perf_counter()
         with Sandbox(concrete_inputs(inputs)) as sandbox:
-            tune_regions(rewritten, sandbox, ctx.target, training, decision, start + BUDGET_S / 2)
+            if ctx.regions:
+                tune_regions(rewritten, sandbox, ctx.target, training, decision, start + BUDGET_S / 2)
             if not random:
                 graphs = candidate_graphs(original, rewritten, ctx, decision.kernels)
                 builders = graph_builders(graphs, compile_inductor, training)

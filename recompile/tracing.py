@@ -1,17 +1,24 @@
-"""The Dynamo settings rec_ascend traces under, held by its ``backend_ctx_ctor`` (``TracingConfig``).
+"""The Dynamo settings rec_ascend traces under (``TracingConfig``), held while Dynamo traces a call of a model
+compiled with it (``TracingCalls``, its ``backend_ctx_ctor``).
 
 Dynamo enters a backend's context around every call of a compiled model, not only while it traces, so the
-context is on the hot path of every call: ``TracingConfig`` sets the settings' context variables and resets them
-with their tokens (about 1 us a call), where ``torch._dynamo.config.patch`` (a class built and six attributes set
-per call) cost 15-30 us, a tenth of a small model's call. This module is light (no Inductor, no pass): the
-backend's name registers it from a source checkout (``recompile/__init__.py``) without loading the backend.
+context is on the hot path of every call. ``TracingConfig`` sets the settings' context variables and resets them
+with their tokens (about 1 us), where ``torch._dynamo.config.patch`` (a class built and six attributes set) costs
+15-30 us; but a context variable set on each call costs the rest of the call 4-8 us more (FM predict at batch 1,
+measured: each context variable read after it, torch's config reads among them, misses its cache). So the backend's
+context only counts the calls in progress (``TracingCalls``) and Dynamo's compile-start callback enters
+``TracingConfig`` for a compile that starts inside one of them, until the compile ends. This module is light (no
+Inductor, no pass): the backend's name registers it from a source checkout (``recompile/__init__.py``) without
+loading the backend.
 """
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import torch._dynamo
+from torch._dynamo.callback import callback_handler
 
 # The settings, and why (``recompile.report.BREAK_REMEDIES`` names them to users whose graph breaks anyway).
 TRACING_CONFIG = {
@@ -43,7 +50,7 @@ def _changed() -> None:
 
 
 class TracingConfig:
-    """Dynamo's config with ``TRACING_CONFIG`` while entered (rec_ascend's ``backend_ctx_ctor``); nests."""
+    """Dynamo's config with ``TRACING_CONFIG`` while entered (while Dynamo traces a call of rec_ascend's, ``TracingCalls``); nests."""
 
     __slots__ = ("_tokens",)
 
@@ -55,6 +62,40 @@ class TracingConfig:
         for (var, _), token in zip(_variables()[0], self._tokens):
             var.reset(token)
         _changed()
+
+
+_state = threading.local()  # calls: rec_ascend calls in progress; held: per compile started, its TracingConfig or None
+
+
+class TracingCalls:
+    """rec_ascend's ``backend_ctx_ctor``: marks a call of a model compiled with it (no context variable set: see
+    the module's docstring), so that a compile Dynamo starts during the call traces under ``TracingConfig``."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _state.calls = getattr(_state, "calls", 0) + 1
+        if _compile_start not in callback_handler.start_callbacks:  # torch._dynamo.reset() clears them
+            callback_handler.register_start_callback(_compile_start)
+            callback_handler.register_end_callback(_compile_end)
+
+    def __exit__(self, *exc: Any) -> None:
+        _state.calls -= 1
+
+
+def _compile_start(args: Any) -> None:
+    """Dynamo's compile-start callback (for the outermost compile in progress): the settings, inside a call of ours."""
+    config = TracingConfig() if getattr(_state, "calls", 0) else None
+    if config is not None:
+        config.__enter__()
+    _state.held = [*getattr(_state, "held", ()), config]
+
+
+def _compile_end(args: Any) -> None:
+    held = getattr(_state, "held", None)
+    config = held.pop() if held else None
+    if config is not None:
+        config.__exit__(None, None, None)
 
 
 def _backend_ctx_ctor(self):

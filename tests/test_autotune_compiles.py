@@ -58,22 +58,81 @@ def _run(model, x, training):
         out.sum().backward()
 
 
-@pytest.mark.parametrize("training", [False, True])
-def test_a_graph_without_rec_regions_is_inductors_compile_and_nothing_else(_cache, inductor_graphs, training):
-    """No race, no second compile, no wrapper: Dynamo calls what Inductor compiled from the captured graph."""
+def _compiled_once(model, x, training, options=None):
+    """``model`` compiled by rec_ascend and called once on ``x`` (its result checked against eager); returns what
+    Dynamo calls and the graph it captured."""
     returned = []
 
     def backend(gm, example_inputs):
-        returned.append((gm, rec_backend.rec_ascend(gm, example_inputs)))
+        returned.append((gm, rec_backend.rec_ascend(gm, example_inputs, options)))
         return returned[-1][1]
 
     torch._dynamo.reset()
-    model, x = Plain(), torch.randn(8, 16, requires_grad=training)
     with torch.set_grad_enabled(training):
-        torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x), rtol=1e-5, atol=1e-5)
+        out = torch.compile(model, backend=backend)(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
     [(captured, compiled)] = returned
+    return compiled, captured
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_graph_without_rec_regions_races_eager_against_one_inductor_compile_of_it(_cache, inductor_graphs, training):
+    """The candidates are the captured graph eagerly and Inductor on it, compiled once; the decision is cached."""
+    compiled, captured = _compiled_once(Plain(), torch.randn(8, 16, requires_grad=training), training)
     [graph] = inductor_graphs
-    assert graph is captured and compiled == graph.forward
+    assert graph is captured and isinstance(compiled, autotune.CompiledGraph)
+    [decision] = _decisions(_cache)
+    assert set(decision["compile_s"]) == {"eager", "inductor-captured"} and decision["regions"] == {}
+    assert decision["choice"] in ("eager", "inductor-captured")
+    assert decision["mode"] == ("training" if training else "inference")
+
+
+@pytest.mark.parametrize("eager_ms, kept", [(0.9, "eager"), (0.98, "inductor-captured"), (1.1, "inductor-captured")])
+def test_a_graph_without_rec_regions_keeps_inductor_unless_eager_wins_by_the_margin(
+        _cache, inductor_graphs, monkeypatch, eager_ms, kept):
+    """Inductor (what backend="inductor" runs) is the incumbent: eager replaces it only when faster by more than
+    MARGIN, so that no time is added where Inductor is as fast; the kept candidate is what Dynamo's call runs."""
+    monkeypatch.setattr(autotune, "race", lambda steps, budget_s, **kwargs: {
+        name: [eager_ms if name == "eager" else 1.0] * 3 for name in steps})
+    compiled, captured = _compiled_once(Plain(), torch.randn(8, 16), False)
+    [decision] = _decisions(_cache)
+    assert decision["choice"] == kept
+    pick = compiled.chooser.pick if kept == "inductor-captured" else compiled.chooser.run
+    assert pick == (inductor_graphs[0].forward if kept == "inductor-captured" else captured.forward)
+
+
+def test_a_cached_eager_choice_compiles_nothing(_cache, inductor_graphs, monkeypatch):
+    monkeypatch.setattr(autotune, "race", lambda steps, budget_s, **kwargs: {
+        name: [0.5 if name == "eager" else 1.0] * 3 for name in steps})
+    model, x = Plain(), torch.randn(8, 16)
+    _compiled_once(model, x, False)
+    assert len(inductor_graphs) == 1
+    compiled, captured = _compiled_once(model, x, False)
+    assert len(inductor_graphs) == 1 and compiled.chooser.run == captured.forward
+    [decision] = _decisions(_cache)
+    assert decision["choice"] == "eager"
+
+
+def test_a_graph_without_rec_regions_that_cannot_race_is_inductors_compile_alone(_cache, inductor_graphs):
+    """Autotune off, or a random op (the candidates would draw other numbers): Inductor on the captured graph, no
+    wrapper on its calls, no decision."""
+    class Noisy(Plain):
+        def forward(self, x):
+            return super().forward(x) + torch.rand_like(x)
+
+    for model, options in ((Plain(), {"autotune": False}), (Noisy(), None)):
+        inductor_graphs.clear()
+        returned = []
+
+        def backend(gm, example_inputs):
+            returned.append((gm, rec_backend.rec_ascend(gm, example_inputs, options)))
+            return returned[-1][1]
+
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(model, backend=backend)(torch.randn(8, 16))
+        [(captured, compiled)] = returned
+        assert inductor_graphs == [captured] and compiled == captured.forward
     assert _decisions(_cache) == []
 
 
@@ -220,20 +279,26 @@ def test_decision_is_keyed_by_graph_and_shapes(_cache):
     assert key != autotune.graph_key(gm, "cpu", False)
 
 
+@pytest.mark.parametrize("model", [Cross, Plain])
 @pytest.mark.parametrize("training", [False, True])
-def test_a_stream_of_batches_compiles_at_most_twice(_cache, inductor_graphs, training):
-    model = Cross()
+def test_a_stream_of_batches_compiles_at_most_twice(_cache, inductor_graphs, training, model):
+    """Dynamo compiles at most twice (static, then dynamic sizes), and each compile compiles Inductor at most once
+    per graph: a graph without rec regions too, whose size buckets race the candidates already built."""
+    model = model()
     counter = torch._dynamo.testing.CompileCounterWithBackend("rec_ascend")
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=counter)
     with torch.set_grad_enabled(training):
-        for batch in (8, 9, 10, 13, 17):
+        for batch in (8, 9, 10, 13, 17, 300):
             x = torch.randn(batch, 16, requires_grad=training)
             out = compiled(x)
             torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
             if training:
                 out.sum().backward()
     assert counter.frame_count <= 2
+    assert len(inductor_graphs) <= 2 * counter.frame_count
+    if isinstance(model, Plain):
+        assert len(inductor_graphs) <= counter.frame_count
 
 
 def _dynamo_graph(fn, *args):
@@ -270,3 +335,24 @@ def test_logical_operators_are_not_in_place_but_augmented_assignments_are():
     grad = (torch.randn(6).mul(1).requires_grad_(), torch.randn(6, requires_grad=True))
     assert not autotune.tunable(_dynamo_graph(accumulate, grad[0] * 1, grad[1]), grad)
     assert autotune.tunable(_dynamo_graph(regularized, *grad), grad)
+
+
+def test_inductor_keeps_its_size_guarding_decompositions_on_static_graphs_only(_cache, monkeypatch):
+    """A graph with static sizes (batch 1 always is) gets Inductor's whole decomposition table, as plain Inductor: at
+    batch 1 a matrix-vector product becomes a fused reduction; one with symbolic sizes does without the
+    decompositions that would guard on them (and recompile a stream of batches)."""
+    tables = []
+
+    def compile_fx(graph, example_inputs, **kwargs):
+        tables.append(kwargs["decompositions"])
+        return graph.forward
+
+    monkeypatch.setattr(rec_backend, "compile_fx", compile_fx)
+    torch._dynamo.reset()
+    compiled = torch.compile(Plain(), backend="rec_ascend", options={"autotune": False})
+    with torch.no_grad():
+        for batch in (1, 8, 9):
+            compiled(torch.randn(batch, 16))
+    static, *rest = tables
+    assert all(op in static for op in rec_backend.SIZE_GUARDING_DECOMPOSITIONS)
+    assert rest and not any(op in table for table in rest for op in rec_backend.SIZE_GUARDING_DECOMPOSITIONS)

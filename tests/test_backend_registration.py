@@ -1,6 +1,7 @@
 """The backend's name and its tracing settings, whichever way the name is registered: by the installed entry point,
 or by ``import recompile`` from a source checkout (``recompile/__init__.py``'s lazy wrapper), and what the
-settings cost a call (``recompile.tracing.TracingConfig``: Dynamo enters a backend's context on every call)."""
+settings cost a call (Dynamo enters a backend's context on every call: ``recompile.tracing.TracingCalls``, which sets
+them only while Dynamo traces, and ``TracingConfig``, the settings themselves)."""
 import subprocess
 import sys
 import textwrap
@@ -83,3 +84,32 @@ def test_tracing_config_costs_a_call_a_fraction_of_config_patch():
     cheap = min(per_call(TracingConfig) for _ in range(3))
     patch = min(per_call(lambda: torch._dynamo.config.patch(TRACING_CONFIG)) for _ in range(3))
     assert cheap < patch / 3, (cheap, patch)
+
+
+def test_the_settings_hold_while_dynamo_traces_a_call_not_while_the_compiled_graph_runs():
+    """rec_ascend's backend context (``TracingCalls``) sets no context variable on a call: one set per call cost
+    the rest of the call 4-8 us (FM predict at batch 1); Dynamo's compile-start callback enters the settings for the
+    compiles started inside its calls, also after ``torch._dynamo.reset()`` (which clears the callbacks)."""
+    from recompile.backend import rec_ascend
+    from recompile.tracing import TracingCalls
+
+    assert rec_ascend.backend_ctx_ctor is TracingCalls
+    traced, ran = [], []
+
+    def probe(gm, inputs):
+        traced.append(torch._dynamo.config.capture_scalar_outputs)
+
+        def run(*args):
+            ran.append(torch._dynamo.config.capture_scalar_outputs)
+            return gm.forward(*args)
+        return run
+
+    probe.backend_ctx_ctor = TracingCalls
+    for _ in range(2):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x: x + 1, backend=probe)
+        for _ in range(3):
+            torch.testing.assert_close(compiled(torch.ones(2)), torch.full((2,), 2.0))
+    assert traced == [True, True] and ran == [False] * 6
+    with TracingCalls():
+        assert not torch._dynamo.config.capture_scalar_outputs
