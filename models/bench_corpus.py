@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from recompile.autotune import CHECK_CALLS
+from recompile.autotune import SHORT_CHECK_CALLS
 
 from .corpus.expected import EXPECTED, graph_breaks
 from .corpus.harness import CASES, Case, assert_equal, run
@@ -56,8 +56,9 @@ QUICK_MODELS = ("recbole/FM", "recbole/SASRec", "torchrec/DLRM", "gr/HSTU")
 ROUNDS = 5  # timed rounds of the full run, each backend once per round, interleaved
 # Untimed calls of each backend per batch size before its rounds: past rec_ascend's check of a new graph's (or size
 # bucket's) choice in place, which alternates the pick with the captured graph for its first calls (at most
-# 4 * CHECK_CALLS), so that the rounds time the steady state a server or a training loop runs in.
-WARMUP = 4 * CHECK_CALLS + 1
+# 2 * SHORT_CHECK_CALLS where each step has its backward), so that the rounds time the steady state a server or a
+# training loop runs in.
+WARMUP = 2 * SHORT_CHECK_CALLS + 1
 TABLE_START, TABLE_END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
 GEMMS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
          torch.baddbmm, torch.einsum, torch.tensordot, operator.matmul, torch.conv1d, torch.conv2d,

@@ -82,8 +82,10 @@ from recompile.passes.utils import input_metas, is_training, meta_value, written
 from recompile.pipeline import Fallback, PassContext, concrete_inputs, run_pipeline
 
 BUDGET_S = 0.6  # timing budget of one graph (regions, then the whole graph); compiles excluded
-# Real calls of each of the kept candidate and the captured graph (alternated) that check an inference choice in place.
-CHECK_CALLS = 3
+# Real calls of each of the kept candidate and the captured graph (alternated) that check a choice in place; where
+# both take under SHORT_CALL_S a call, SHORT_CHECK_CALLS of each (one call of a few microseconds is mostly jitter:
+# RecBole NARM at batch 1 gave way to eager on "0.040 ms against 0.023 ms", three calls each).
+CHECK_CALLS, SHORT_CHECK_CALLS, SHORT_CALL_S = 3, 15, 0.0005
 # Inductor is compiled only when the nodes it can fuse away take at least this share of a call (see inductor_can_win).
 MIN_FUSABLE_SHARE = 0.05
 # Calls Inductor leaves as they are (library GEMMs, lookups): its gain is bounded by the time of the other nodes.
@@ -789,8 +791,8 @@ class GraphChooser:
     def check_call(self, *args: Any) -> Any:
         """One of the first real calls after a choice (raced or cached): the pick and the captured graph run
         eagerly take turns on the caller's inputs (both are correct), each timed as Dynamo calls it, a training
-        call with its part of the caller's backward (``BackwardClock``); once each has ``CHECK_CALLS`` times, or
-        after ``4 * CHECK_CALLS`` calls (a backward that does not come), ``settle_check``."""
+        call with its part of the caller's backward (``BackwardClock``); once each has ``checks_needed`` times, or
+        after four times as many calls (a backward that does not come), ``settle_check``."""
         self.read_clocks(finished=True)
         if self.settle_when_checked():
             return self.run(*args)
@@ -807,8 +809,15 @@ class GraphChooser:
         self.settle_when_checked()
         return out
 
+    def checks_needed(self) -> int:
+        medians = [statistics.median(times) for times in self.check_s.values() if times]
+        return SHORT_CHECK_CALLS if medians and max(medians) < SHORT_CALL_S else CHECK_CALLS
+
     def settle_when_checked(self) -> bool:
-        if self.check_s and (min(map(len, self.check_s.values())) >= CHECK_CALLS or self.check_calls >= 4 * CHECK_CALLS):
+        if not self.check_s:
+            return False
+        needed = self.checks_needed()
+        if min(map(len, self.check_s.values())) >= needed or self.check_calls >= 4 * needed:
             self.run = self.settle_check()
             return True
         return False

@@ -58,6 +58,15 @@ def test_a_choice_that_holds_in_place_is_then_called_directly(_cache):
     assert {"in place:inductor", "in place:eager"} <= set(chooser.decision.timings_ms)
 
 
+def test_a_choice_of_short_calls_is_checked_over_more_calls(_cache):
+    """Calls of a few microseconds: three timings each are mostly jitter, so the check takes SHORT_CHECK_CALLS."""
+    chooser = _chooser(_fast, _fast, False)
+    _calls(chooser, 2 * autotune.CHECK_CALLS)
+    assert chooser.run == chooser.check_call
+    _calls(chooser, 2 * (autotune.SHORT_CHECK_CALLS - autotune.CHECK_CALLS))
+    assert chooser.run is _fast and chooser.decision.choice == "inductor"
+
+
 def test_an_eager_choice_is_not_checked_in_place(_cache):
     for mode in ("training", "inference"):
         decision = autotune.Decision("eager", mode=mode)

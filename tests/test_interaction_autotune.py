@@ -164,7 +164,7 @@ def test_chosen_candidate_is_called_directly_fresh_and_cached(_cache):
         with torch.no_grad():
             fn = torch.compile(model, backend=backend)
             torch.testing.assert_close(fn(x), model(x), rtol=1e-5, atol=1e-5)
-            for _ in range(2 * autotune.CHECK_CALLS):  # an inference choice is first checked in place
+            for _ in range(2 * autotune.SHORT_CHECK_CALLS):  # an inference choice is first checked in place
                 fn(x)
         chooser = compiled[-1].chooser
         assert chooser.decision.cached == (attempt == 1)
