@@ -3,7 +3,6 @@ calls after the choice (raced or cached), timed as Dynamo calls it (a training c
 backward); a choice that loses there gives way to the captured graph (a cached one is dropped, to be raced again). And Inductor does not compile the
 captured graph when its library calls alone take longer than the fastest graph eagerly."""
 import time
-import types
 
 import pytest
 import torch
@@ -166,12 +165,35 @@ def test_training_floor_counts_a_product_that_needs_a_gradient_twice(monkeypatch
     mm_w, mm_v = [n for n in gm.graph.nodes if n.target is torch.mm]
     mm_w.meta["example_value"], mm_v.meta["example_value"] = torch.mm(torch.randn(2, 64), w), torch.zeros(2, 64)
     weights = {}
-    monkeypatch.setattr(autotune, "timed_nodes", lambda gm, sandbox, fixed: weights.update(
-        {n.name: fixed(n) for n in gm.graph.nodes}) or types.SimpleNamespace(fixed=1.0))
+    monkeypatch.setattr(autotune, "calls_alone_ms", lambda gm, sandbox, weight: weights.update(
+        {n.name: weight(n) for n in gm.graph.nodes}) or 1.0)
     autotune.inductor_floor_ms(gm, None, True)
     assert (weights[mm_w.name], weights[mm_v.name], weights["add"]) == (2, 1, 0)
     autotune.inductor_floor_ms(gm, None, False)
     assert (weights[mm_w.name], weights[mm_v.name]) == (1, 1)
+
+
+def test_the_floor_times_each_library_call_alone_on_its_real_arguments(monkeypatch):
+    """Each call the floor counts runs alone, called directly on the arguments it had in an eager run of the graph
+    (timed inside the run through fx.Interpreter, a call also carried the interpreter's microseconds: on TorchRec's
+    DeepFM the floor was as long as the whole graph); the fastest of its runs counts, times its weight."""
+    x, w, v = torch.randn(4, 8), torch.randn(8, 8), torch.randn(8, 3)
+    gm = torch.fx.symbolic_trace(lambda x, w, v: torch.nn.functional.linear(torch.relu(x), w).sum() + torch.mm(x, v).sum())
+    results = {}
+
+    def race(steps, budget_s, min_rounds=autotune.MIN_ROUNDS, **kwargs):
+        results.update({name: step() for name, step in steps.items()})
+        assert min_rounds == autotune.FLOOR_ROUNDS
+        return {name: [3e-3, 1e-3, 2e-3] for name in steps}
+
+    monkeypatch.setattr(autotune, "race", race)
+    floor = autotune.calls_alone_ms(gm, autotune.Sandbox([x, w, v]), lambda n: 2 if n.target is torch.mm else
+                                    int(n.target in autotune.KEPT_BY_INDUCTOR))
+    assert floor == pytest.approx(1.0 + 2 * 1.0)
+    linear, mm = (n.name for n in gm.graph.nodes if n.target in autotune.KEPT_BY_INDUCTOR)
+    assert results.keys() == {linear, mm}
+    torch.testing.assert_close(results[linear], torch.nn.functional.linear(torch.relu(x), w))
+    torch.testing.assert_close(results[mm], torch.mm(x, v))
 
 
 def test_a_training_graph_compiles_the_captured_graph_when_its_floor_is_below(_cache, inductor_graphs, monkeypatch):
