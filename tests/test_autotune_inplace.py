@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from recompile import autotune
-from tests.test_autotune_compiles import _cache, _decisions, inductor_graphs  # noqa: F401  (fixtures)
+from tests.test_autotune_compiles import _cache, _decisions, _has_rec_ops, inductor_graphs  # noqa: F401  (fixtures)
 from tests.test_interaction_autotune import Cross
 
 
@@ -206,6 +206,7 @@ def test_a_training_graph_compiles_the_captured_graph_when_its_floor_is_below(_c
     monkeypatch.setattr(autotune, "fastest_eagerly", fastest_eagerly)
     floors = []
     monkeypatch.setattr(autotune, "inductor_floor_ms", lambda gm, sandbox, training: floors.append(training) or 0.5)
+    monkeypatch.setattr(autotune, "rewrite_floor_ms", lambda *args: 0.0)  # Inductor on the rewrite can win
     model, x = Cross(), torch.randn(8, 16)
     torch._dynamo.reset()
     out = torch.compile(model, backend="rec_ascend")(x)
@@ -213,3 +214,55 @@ def test_a_training_graph_compiles_the_captured_graph_when_its_floor_is_below(_c
     [decision] = _decisions(_cache)
     assert floors == [True]
     assert {"inductor", "inductor-captured"} <= decision["compile_s"].keys()
+
+
+def _train_cross(fastest: str, captured_floor_ms: float, rewrite_floor_ms: float, monkeypatch, dynamic=False):
+    def fastest_eagerly(graphs, sandbox, training, decision, budget_s):
+        decision.timings_ms[f"eagerly:{fastest}"] = 1.0
+        return fastest
+
+    monkeypatch.setattr(autotune, "fastest_eagerly", fastest_eagerly)
+    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda *args: captured_floor_ms)
+    monkeypatch.setattr(autotune, "rewrite_floor_ms", lambda *args: rewrite_floor_ms)
+    model = Cross()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="rec_ascend", dynamic=dynamic)
+    for rows in ((8, 11) if dynamic else (8,)):
+        x = torch.randn(rows, 16)
+        out = compiled(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+        out.sum().backward()
+
+
+def test_a_training_graph_defers_inductor_on_the_rewrite_and_skips_it_where_the_captured_graph_runs_at_its_floor(
+        _cache, inductor_graphs, monkeypatch):
+    """Training, both Inductor graphs can win: the captured graph's (plain Inductor's compile) is built while Dynamo
+    compiles, the rewrite's deferred to the first call, which does not build it where Inductor on the captured graph
+    already runs within the margin of the rewrite's floor: one Inductor compile, as plain Inductor's."""
+    _train_cross("rec+eager", 0.0, 1e6, monkeypatch)
+    [decision] = _decisions(_cache)
+    assert "inductor" not in decision["compile_s"] and "inductor-captured" in decision["compile_s"]
+    assert decision["rejected"]["inductor"].startswith("not compiled: inductor-captured ran")
+    assert decision["timings_ms"]["floor:inductor"] == 1e6
+    assert [_has_rec_ops(g) for g in inductor_graphs] == [False]
+
+
+def test_a_deferred_inductor_graph_is_built_checked_and_raced_at_the_first_call_where_it_can_win(
+        _cache, inductor_graphs, monkeypatch):
+    _train_cross("rec+eager", 0.0, 0.0, monkeypatch)
+    [decision] = _decisions(_cache)
+    assert {"inductor", "inductor-captured"} <= decision["compile_s"].keys()
+    assert {"inductor", "inductor-captured"} <= decision["timings_ms"].keys()
+    assert "before compiling inductor:inductor-captured" in decision["timings_ms"]
+    assert [_has_rec_ops(g) for g in inductor_graphs] == [False, True]  # the captured graph's first
+
+
+def test_a_training_graph_with_symbolic_sizes_builds_both_while_dynamo_compiles(_cache, inductor_graphs, monkeypatch):
+    """Inductor's compile of a graph with symbolic sizes adds guards, which only a compile inside Dynamo's keeps:
+    nothing is deferred."""
+    _train_cross("rec+eager", 0.0, 1e6, monkeypatch, dynamic=True)
+    decisions = _decisions(_cache)
+    assert decisions and all(d["key"][32:] for d in decisions)  # size buckets: the graph has symbolic sizes
+    for decision in decisions:
+        assert {"inductor", "inductor-captured"} <= decision["compile_s"].keys()
+        assert "floor:inductor" not in decision["timings_ms"]
