@@ -98,7 +98,7 @@ LIBRARY_BOUND = frozenset({
 KEPT_BY_INDUCTOR = LIBRARY_BOUND - {torch.nn.functional.embedding}
 MIN_ROUNDS, MAX_ROUNDS = 3, 50
 # Runs of each library call timed alone for ``inductor_floor_ms`` (the fastest counts: it bounds from below).
-FLOOR_ROUNDS = 5
+FLOOR_ROUNDS = 3
 # A candidate replaces the graph that runs without us (the captured graph, eagerly, then through Inductor) only
 # when faster by more than this share: this machine's run-to-run noise is larger than what is won below it.
 MARGIN = 0.04
