@@ -15,9 +15,12 @@ example inputs and within ``BUDGET_S`` seconds:
    eagerly, and the captured graph (the Inductor a user would otherwise get) only where it can still win: not
    where its library calls alone take longer than the fastest graph eagerly, nor, for an inference graph
    (``build_compiles``), than Inductor on the fastest graph (compiled and timed first): one Inductor compile
-   then, as plain Inductor's. Inference graphs skip the fastest
-   one where Inductor has little to fuse around our ops (``inductor_can_win``). Without rec regions: the captured
-   graph eagerly and through Inductor (one compile), Inductor kept unless eager wins by ``MARGIN`` (``CAPTURED_FIRST``).
+   then, as plain Inductor's. A training graph with static sizes that keeps both builds the captured graph's and
+   defers the fastest graph's to the first call, which builds it only where Inductor on the captured graph does not
+   already run within ``MARGIN`` of the fastest graph's floor (``GraphChooser.admit_deferred``). Inference graphs
+   skip the fastest one where Inductor has little to fuse around our ops (``inductor_can_win``). Without rec
+   regions: the captured graph eagerly and through Inductor (one compile), Inductor kept unless eager wins by
+   ``MARGIN`` (``CAPTURED_FIRST``).
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
@@ -97,6 +100,8 @@ LIBRARY_BOUND = frozenset({
 # F.embedding): their eager time bounds an Inductor graph's from below (``inductor_floor_ms``).
 KEPT_BY_INDUCTOR = LIBRARY_BOUND - {torch.nn.functional.embedding}
 MIN_ROUNDS, MAX_ROUNDS = 3, 50
+# Runs of each library call timed alone for ``inductor_floor_ms`` (the fastest counts: it bounds from below).
+FLOOR_ROUNDS = 3
 # A candidate replaces the graph that runs without us (the captured graph, eagerly, then through Inductor) only
 # when faster by more than this share: this machine's run-to-run noise is larger than what is won below it.
 MARGIN = 0.04
@@ -528,14 +533,14 @@ def _op_name(node: fx.Node) -> str | None:
 
 
 class _ArgRecorder(fx.Interpreter):
-    """Runs the graph and keeps the real arguments of every recompile op node."""
+    """Runs the graph and keeps the real arguments of every node ``keep`` selects (default: the recompile ops)."""
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, keep: Callable[[fx.Node], bool] = lambda n: _op_name(n) is not None):
         super().__init__(gm)
-        self.recorded: dict[str, tuple] = {}
+        self.keep, self.recorded = keep, {}
 
     def run_node(self, n: fx.Node) -> Any:
-        if _op_name(n) is not None:
+        if self.keep(n):
             self.recorded[n.name] = self.fetch_args_kwargs_from_env(n)
         return super().run_node(n)
 
@@ -645,15 +650,41 @@ def inductor_can_win(rewritten: fx.GraphModule, sandbox: Sandbox) -> bool:
     return timer.total - timer.fixed >= MIN_FUSABLE_SHARE * timer.total
 
 
+def calls_alone_ms(gm: fx.GraphModule, sandbox: Sandbox, weight: Callable[[fx.Node], int]) -> float:
+    """The ms of the calls of ``gm`` that ``weight`` counts, each timed alone on its real arguments (recorded in one
+    eager run) and counted ``weight(node)`` times: the fastest of ``FLOOR_ROUNDS`` runs, called directly. (Timed
+    inside a run of the graph, node by node through ``fx.Interpreter``, each call also carries the interpreter's
+    few microseconds: on TorchRec's DeepFM at batch 128 its 8 lookups and GEMMs took 0.08 ms that way, 0.04 ms
+    alone, as long as the whole graph run eagerly.)"""
+    recorder = _ArgRecorder(gm, lambda n: n.op == "call_function" and weight(n) > 0)
+    with torch.no_grad():
+        recorder.run(*sandbox.args)
+        sandbox.restore()
+        nodes = {n.name: n for n in gm.graph.nodes if n.name in recorder.recorded}
+        calls = {name: functools.partial(node.target, *recorder.recorded[name][0], **recorder.recorded[name][1])
+                 for name, node in nodes.items()}
+        samples = race(calls, 0.0, min_rounds=FLOOR_ROUNDS)
+    return 1e3 * sum(weight(nodes[name]) * min(times) for name, times in samples.items())
+
+
 def inductor_floor_ms(gm: fx.GraphModule, sandbox: Sandbox, training: bool) -> float:
     """A lower bound of the time of ``gm`` compiled by Inductor: the calls it hands to a library whatever
-    surrounds them (``KEPT_BY_INDUCTOR``), timed eagerly; in training, a call whose output needs a gradient counts
-    twice (the backward of a product or a lookup has at least one call of the forward's size per input needing one)."""
+    surrounds them (``KEPT_BY_INDUCTOR``), timed eagerly, each alone (``calls_alone_ms``); in training, a call whose
+    output needs a gradient counts twice (the backward of a product or a lookup has at least one call of the
+    forward's size per input needing one)."""
     def times(node: fx.Node) -> int:
         if node.target not in KEPT_BY_INDUCTOR:
             return 0
         return 2 if training and getattr(node.meta.get("example_value"), "requires_grad", False) else 1
-    return 1e3 * timed_nodes(gm, sandbox, times).fixed
+    return calls_alone_ms(gm, sandbox, times)
+
+
+def rewrite_floor_ms(gm: fx.GraphModule, sandbox: Sandbox, decision: Decision) -> float:
+    """A lower bound of a training step of ``gm`` (a graph with rec regions) compiled by Inductor: its library calls
+    alone (``inductor_floor_ms``) plus its regions' chosen kernels, forward and backward, as ``tune_regions`` timed
+    them (Inductor calls our ops as they are); a region not timed counts nothing."""
+    kernels_ms = sum(decision.timings_ms.get(f"{node}:{impl}", 0.0) for node, impl in graph_regions(gm).items())
+    return inductor_floor_ms(gm, sandbox, True) + kernels_ms
 
 
 class BackwardClock:
@@ -707,8 +738,9 @@ class GraphChooser:
     def __init__(self, candidates: dict[str, Callable], oracle: Callable, decision: Decision, budget_s: float,
                  chosen: Callable | None = None, graphs: dict[str, Callable[[], fx.GraphModule]] | None = None,
                  incumbents: Sequence[str] = INCUMBENTS, eager: Callable | None = None, rec: Callable | None = None,
-                 draws: Sequence[tuple[tuple, dict]] = ()):
+                 draws: Sequence[tuple[tuple, dict]] = (), deferred: dict[str, tuple[Callable, float]] | None = None):
         self.candidates, self.oracle, self.decision, self.budget_s = candidates, oracle, decision, budget_s
+        self.deferred = dict(deferred or {})  # name -> (builder, floor ms): built at the first call if it can win
         self.graphs, self.incumbents, self.eager, self.stored = graphs, incumbents, eager, False
         # Runs a call that fails, for its error: the rec ops name the table or op at fault.
         self.rec = rec or candidates.get("rec+eager")
@@ -746,24 +778,48 @@ class GraphChooser:
         # the choice waits for a call that runs.
         return (self.rec or self.oracle)(*args)
 
-    def choose(self, sandbox: Sandbox, want: list[torch.Tensor]) -> Callable:
-        decision, training = self.decision, self.decision.mode == "training"
-        steps = {}
-        for name, fn in self.candidates.items():
-            installed = self.as_installed(fn)
-            try:
-                why = matches(run_step(installed, sandbox.args, training), want)
-            except Exception as exc:  # a candidate that fails to run is not kept
-                why = f"{type(exc).__name__}: {exc}"
-            finally:
-                sandbox.restore()
-            if why is None:
-                steps[name] = functools.partial(run_step, installed, sandbox.args, training)
-            else:
-                decision.rejected[name] = why
-        for step in steps.values():  # a second untimed call: each candidate is timed as it runs from then on
-            step()
+    def admit(self, name: str, sandbox: Sandbox, want: list[torch.Tensor], steps: dict[str, Callable]) -> None:
+        """Candidate ``name`` checked against ``want`` (rejected with why where it fails or differs), else its step
+        added to ``steps`` after a second untimed call: it is timed as it runs from then on."""
+        training = self.decision.mode == "training"
+        installed = self.as_installed(self.candidates[name])
+        try:
+            why = matches(run_step(installed, sandbox.args, training), want)
+        except Exception as exc:  # a candidate that fails to run is not kept
+            why = f"{type(exc).__name__}: {exc}"
+        finally:
             sandbox.restore()
+        if why is not None:
+            self.decision.rejected[name] = why
+            return
+        steps[name] = functools.partial(run_step, installed, sandbox.args, training)
+        steps[name]()
+        sandbox.restore()
+
+    def admit_deferred(self, sandbox: Sandbox, want: list[torch.Tensor], steps: dict[str, Callable]) -> None:
+        """Build a deferred candidate (Inductor on the fastest graph of a training graph, ``build_compiles``) only
+        where it can still win: not where the captured graph through Inductor, timed here (its backward compiled
+        by its first step), runs within ``MARGIN`` of the deferred graph's floor (its library calls and regions
+        alone: Inductor on it cannot run faster). Then one Inductor compile, as plain Inductor's."""
+        for name, (builder, floor_ms) in self.deferred.items():
+            if "inductor-captured" in steps:
+                ms = median_ms(race({"inductor-captured": steps["inductor-captured"]}, 0.0, reset=sandbox.restore))
+                self.decision.timings_ms[f"before compiling {name}:inductor-captured"] = ms["inductor-captured"]
+                if ms["inductor-captured"] <= floor_ms * (1 + MARGIN):
+                    self.decision.rejected[name] = (f"not compiled: inductor-captured ran {ms['inductor-captured']:.3f}"
+                                                    f" ms, its library calls and regions alone take {floor_ms:.3f} ms")
+                    continue
+            self.candidates.update(build({name: builder}, self.decision))
+            if name in self.candidates:
+                self.admit(name, sandbox, want, steps)
+        self.deferred = {}
+
+    def choose(self, sandbox: Sandbox, want: list[torch.Tensor]) -> Callable:
+        decision = self.decision
+        steps: dict[str, Callable] = {}
+        for name in list(self.candidates):
+            self.admit(name, sandbox, want, steps)
+        self.admit_deferred(sandbox, want, steps)
         samples = race(steps, self.budget_s, reset=sandbox.restore)
         decision.timings_ms.update(median_ms(samples))
         safe = next((name for name in (*self.incumbents, *SAFE) if name in samples), None)
@@ -1066,13 +1122,15 @@ def fastest_eagerly(graphs: dict[str, Callable[[], fx.GraphModule]], sandbox: Sa
 
 
 def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: dict, sandbox: Sandbox,
-                    decision: Decision, training: bool, budget_s: float) -> str:
+                    decision: Decision, training: bool, budget_s: float, defer: bool = False) -> str:
     """Leave in ``builders`` only the Inductor candidates that can win: Inductor compiles what the graphs share
     alike, so it compiles the graph that ran fastest eagerly (its regions are the fastest), and the captured graph
     (the Inductor a user would otherwise get: it can win where it fuses what a region does eagerly, e.g. a short
     softmax) unless its library calls alone (``inductor_floor_ms``) take longer than the fastest graph eagerly;
     inference graphs skip the fastest one where Inductor has little to fuse around our ops (``inductor_can_win``).
-    Returns the graph that ran fastest eagerly."""
+    A training graph that keeps both, ``defer`` (static sizes), has the floor of Inductor on the fastest graph
+    measured (``rewrite_floor_ms``: ``build_compiles`` defers that compile to the first call). Returns the graph that
+    ran fastest eagerly."""
     fastest = fastest_eagerly(graphs, sandbox, training, decision, budget_s) if len(graphs) > 1 else next(iter(graphs))
     keep = {inductor_of(fastest)}
     why = f"{fastest} ran fastest eagerly"
@@ -1086,6 +1144,9 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
                                                       f"{fastest} eagerly {best_ms:.3f} ms")
         else:
             keep.add("inductor-captured")
+    if training and fastest != "eager" and "inductor-captured" in keep and defer:
+        decision.timings_ms[f"floor:{inductor_of(fastest)}"] = round(rewrite_floor_ms(graphs[fastest](), sandbox,
+                                                                                      decision), 4)
     if not training and fastest != "eager":
         if not inductor_can_win(graphs[fastest](), sandbox):
             keep.discard(inductor_of(fastest))
@@ -1098,30 +1159,37 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
 
 
 def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, sandbox: Sandbox, decision: Decision,
-                   training: bool, budget_s: float) -> dict[str, Callable]:
+                   training: bool, budget_s: float) -> tuple[dict[str, Callable], dict[str, tuple[Callable, float]]]:
     """The candidates, built. An inference graph's Inductor on the captured graph is built last and only when it can
     still win: Inductor on the graph that ran fastest eagerly is timed first (``inductor_ms``, after its first
     call), and the captured graph is not compiled where that time is within ``MARGIN`` of the captured graph's
     library calls alone (``inductor_floor_ms``: Inductor on it cannot run faster than those): one Inductor compile
     then, as plain Inductor's. (Inductor on the rewrite running ahead of the rewrite eagerly says nothing of plain
     Inductor: on RecBole's SASRec under no_grad it fuses the short softmax the rewrite replaced, 0.66 vs 0.94 ms.)
-    A training graph builds every candidate kept: timing one here would compile its backward inside Dynamo's
-    compile of the forward."""
+    A training graph is not timed here (its backward would compile inside Dynamo's compile of the forward): where
+    it keeps both Inductor graphs and the floor of the fastest graph's was measured (``choose_compiles``), the
+    captured graph's (plain Inductor's compile) is built and the fastest graph's deferred to the first call
+    (``GraphChooser.admit_deferred``), which builds it only where the captured graph's step does not already run
+    within ``MARGIN`` of that floor. Returns the candidates built and those deferred (name -> builder, floor ms)."""
     first = inductor_of(fastest)
-    deferred = not training and first != "inductor-captured" and first in builders and "inductor-captured" in builders
-    captured = builders.pop("inductor-captured") if deferred else None
+    both = first != "inductor-captured" and first in builders and "inductor-captured" in builders
+    floor_first = decision.timings_ms.get(f"floor:{first}")
+    if training and both and floor_first is not None:
+        deferred = {first: (builders.pop(first), floor_first)}
+        return build(builders, decision), deferred
+    captured = builders.pop("inductor-captured") if both and not training else None
     built = build(builders, decision)
     if captured is None:
-        return built
+        return built, {}
     if first not in built:  # Inductor failed on it (named in the decision): the captured graph may still compile
-        return {**built, **build({"inductor-captured": captured}, decision)}
+        return {**built, **build({"inductor-captured": captured}, decision)}, {}
     first_ms = inductor_ms(built[first], built[fastest], sandbox, decision, budget_s)
     floor_ms = decision.timings_ms.get(FLOOR)
     if floor_ms is not None and first_ms is not None and first_ms <= floor_ms * (1 + MARGIN):
         decision.rejected["inductor-captured"] = (f"not compiled: {first} ran {first_ms:.3f} ms, its library calls "
                                                   f"alone take {floor_ms:.3f} ms")
-        return built
-    return {**built, **build({"inductor-captured": captured}, decision)}
+        return built, {}
+    return {**built, **build({"inductor-captured": captured}, decision)}, {}
 
 
 def inductor_ms(compiled: Callable, eager: Callable, sandbox: Sandbox, decision: Decision,
@@ -1237,13 +1305,14 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
             if not random:
                 graphs = candidate_graphs(original, rewritten, ctx, decision.kernels)
                 builders = graph_builders(graphs, compile_inductor, training)
-            fastest_graph = choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8)
+            fastest_graph = choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8,
+                                            defer=not slots)
             budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
-            built = build_compiles(builders, fastest_graph, sandbox, decision, training, BUDGET_S / 8)
+            built, deferred = build_compiles(builders, fastest_graph, sandbox, decision, training, BUDGET_S / 8)
         ctx.tuning = decision.to_dict()
         cached = decision
         chooser = GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager,
-                               draws=draws)
+                               draws=draws, deferred=deferred)
     if not slots:
         return CompiledGraph(chooser)
 

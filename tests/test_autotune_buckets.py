@@ -39,6 +39,7 @@ def flipping(monkeypatch):
     monkeypatch.setattr(autotune, "fastest_eagerly", lambda *args: "rec+eager")
     monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: True)
     monkeypatch.setattr(autotune, "inductor_floor_ms", lambda *args: 0.0)
+    monkeypatch.setattr(autotune, "rewrite_floor_ms", lambda *args: 0.0)  # a deferred Inductor graph is built
     monkeypatch.setattr(autotune, "inductor_ms", lambda *args: None)
     monkeypatch.setattr(autotune.GraphChooser, "checked", lambda self, pick: pick)  # no check in place here
     return raced

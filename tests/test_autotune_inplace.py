@@ -3,13 +3,12 @@ calls after the choice (raced or cached), timed as Dynamo calls it (a training c
 backward); a choice that loses there gives way to the captured graph (a cached one is dropped, to be raced again). And Inductor does not compile the
 captured graph when its library calls alone take longer than the fastest graph eagerly."""
 import time
-import types
 
 import pytest
 import torch
 
 from recompile import autotune
-from tests.test_autotune_compiles import _cache, _decisions, inductor_graphs  # noqa: F401  (fixtures)
+from tests.test_autotune_compiles import _cache, _decisions, _has_rec_ops, inductor_graphs  # noqa: F401  (fixtures)
 from tests.test_interaction_autotune import Cross
 
 
@@ -227,12 +226,35 @@ def test_training_floor_counts_a_product_that_needs_a_gradient_twice(monkeypatch
     mm_w, mm_v = [n for n in gm.graph.nodes if n.target is torch.mm]
     mm_w.meta["example_value"], mm_v.meta["example_value"] = torch.mm(torch.randn(2, 64), w), torch.zeros(2, 64)
     weights = {}
-    monkeypatch.setattr(autotune, "timed_nodes", lambda gm, sandbox, fixed: weights.update(
-        {n.name: fixed(n) for n in gm.graph.nodes}) or types.SimpleNamespace(fixed=1.0))
+    monkeypatch.setattr(autotune, "calls_alone_ms", lambda gm, sandbox, weight: weights.update(
+        {n.name: weight(n) for n in gm.graph.nodes}) or 1.0)
     autotune.inductor_floor_ms(gm, None, True)
     assert (weights[mm_w.name], weights[mm_v.name], weights["add"]) == (2, 1, 0)
     autotune.inductor_floor_ms(gm, None, False)
     assert (weights[mm_w.name], weights[mm_v.name]) == (1, 1)
+
+
+def test_the_floor_times_each_library_call_alone_on_its_real_arguments(monkeypatch):
+    """Each call the floor counts runs alone, called directly on the arguments it had in an eager run of the graph
+    (timed inside the run through fx.Interpreter, a call also carried the interpreter's microseconds: on TorchRec's
+    DeepFM the floor was as long as the whole graph); the fastest of its runs counts, times its weight."""
+    x, w, v = torch.randn(4, 8), torch.randn(8, 8), torch.randn(8, 3)
+    gm = torch.fx.symbolic_trace(lambda x, w, v: torch.nn.functional.linear(torch.relu(x), w).sum() + torch.mm(x, v).sum())
+    results = {}
+
+    def race(steps, budget_s, min_rounds=autotune.MIN_ROUNDS, **kwargs):
+        results.update({name: step() for name, step in steps.items()})
+        assert min_rounds == autotune.FLOOR_ROUNDS
+        return {name: [3e-3, 1e-3, 2e-3] for name in steps}
+
+    monkeypatch.setattr(autotune, "race", race)
+    floor = autotune.calls_alone_ms(gm, autotune.Sandbox([x, w, v]), lambda n: 2 if n.target is torch.mm else
+                                    int(n.target in autotune.KEPT_BY_INDUCTOR))
+    assert floor == pytest.approx(1.0 + 2 * 1.0)
+    linear, mm = (n.name for n in gm.graph.nodes if n.target in autotune.KEPT_BY_INDUCTOR)
+    assert results.keys() == {linear, mm}
+    torch.testing.assert_close(results[linear], torch.nn.functional.linear(torch.relu(x), w))
+    torch.testing.assert_close(results[mm], torch.mm(x, v))
 
 
 def test_a_training_graph_compiles_the_captured_graph_when_its_floor_is_below(_cache, inductor_graphs, monkeypatch):
@@ -245,6 +267,7 @@ def test_a_training_graph_compiles_the_captured_graph_when_its_floor_is_below(_c
     monkeypatch.setattr(autotune, "fastest_eagerly", fastest_eagerly)
     floors = []
     monkeypatch.setattr(autotune, "inductor_floor_ms", lambda gm, sandbox, training: floors.append(training) or 0.5)
+    monkeypatch.setattr(autotune, "rewrite_floor_ms", lambda *args: 0.0)  # Inductor on the rewrite can win
     model, x = Cross(), torch.randn(8, 16)
     torch._dynamo.reset()
     out = torch.compile(model, backend="rec_ascend")(x)
@@ -252,3 +275,55 @@ def test_a_training_graph_compiles_the_captured_graph_when_its_floor_is_below(_c
     [decision] = _decisions(_cache)
     assert floors == [True]
     assert {"inductor", "inductor-captured"} <= decision["compile_s"].keys()
+
+
+def _train_cross(fastest: str, captured_floor_ms: float, rewrite_floor_ms: float, monkeypatch, dynamic=False):
+    def fastest_eagerly(graphs, sandbox, training, decision, budget_s):
+        decision.timings_ms[f"eagerly:{fastest}"] = 1.0
+        return fastest
+
+    monkeypatch.setattr(autotune, "fastest_eagerly", fastest_eagerly)
+    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda *args: captured_floor_ms)
+    monkeypatch.setattr(autotune, "rewrite_floor_ms", lambda *args: rewrite_floor_ms)
+    model = Cross()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="rec_ascend", dynamic=dynamic)
+    for rows in ((8, 11) if dynamic else (8,)):
+        x = torch.randn(rows, 16)
+        out = compiled(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+        out.sum().backward()
+
+
+def test_a_training_graph_defers_inductor_on_the_rewrite_and_skips_it_where_the_captured_graph_runs_at_its_floor(
+        _cache, inductor_graphs, monkeypatch):
+    """Training, both Inductor graphs can win: the captured graph's (plain Inductor's compile) is built while Dynamo
+    compiles, the rewrite's deferred to the first call, which does not build it where Inductor on the captured graph
+    already runs within the margin of the rewrite's floor: one Inductor compile, as plain Inductor's."""
+    _train_cross("rec+eager", 0.0, 1e6, monkeypatch)
+    [decision] = _decisions(_cache)
+    assert "inductor" not in decision["compile_s"] and "inductor-captured" in decision["compile_s"]
+    assert decision["rejected"]["inductor"].startswith("not compiled: inductor-captured ran")
+    assert decision["timings_ms"]["floor:inductor"] == 1e6
+    assert [_has_rec_ops(g) for g in inductor_graphs] == [False]
+
+
+def test_a_deferred_inductor_graph_is_built_checked_and_raced_at_the_first_call_where_it_can_win(
+        _cache, inductor_graphs, monkeypatch):
+    _train_cross("rec+eager", 0.0, 0.0, monkeypatch)
+    [decision] = _decisions(_cache)
+    assert {"inductor", "inductor-captured"} <= decision["compile_s"].keys()
+    assert {"inductor", "inductor-captured"} <= decision["timings_ms"].keys()
+    assert "before compiling inductor:inductor-captured" in decision["timings_ms"]
+    assert [_has_rec_ops(g) for g in inductor_graphs] == [False, True]  # the captured graph's first
+
+
+def test_a_training_graph_with_symbolic_sizes_builds_both_while_dynamo_compiles(_cache, inductor_graphs, monkeypatch):
+    """Inductor's compile of a graph with symbolic sizes adds guards, which only a compile inside Dynamo's keeps:
+    nothing is deferred."""
+    _train_cross("rec+eager", 0.0, 1e6, monkeypatch, dynamic=True)
+    decisions = _decisions(_cache)
+    assert decisions and all(d["key"][32:] for d in decisions)  # size buckets: the graph has symbolic sizes
+    for decision in decisions:
+        assert {"inductor", "inductor-captured"} <= decision["compile_s"].keys()
+        assert "floor:inductor" not in decision["timings_ms"]
