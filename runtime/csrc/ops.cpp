@@ -620,6 +620,93 @@ bool vector_cross_backward_native(torch::jit::Stack *stack) {
                     bias ? vector_grads(*grad_bias, biases, D) : std::vector<Tensor>());
 }
 
+/* Layer l's matrix as float rows [K, Dp] of a [L, K, Dp] tensor (zero-padded, Dp: D padded to a multiple of 16):
+   p_l[k, d] (downs, [K, D]) or, ``transposed``, p_l[d, k] (weights, [D, K]), read through their strides; undefined
+   when one is not a plain CPU tensor of that shape and ``dtype``. */
+Tensor cross_rows(const std::vector<Tensor> &params, bool transposed, int64_t K, int64_t D, at::ScalarType dtype) {
+    const int64_t L = (int64_t)params.size(), Dp = (D + 15) / 16 * 16;
+    for (const Tensor &p : params)
+        if (!plain_cpu(p, {dtype}) || p.dim() != 2 || p.size(0) != (transposed ? D : K) ||
+            p.size(1) != (transposed ? K : D))
+            return Tensor();
+    Tensor rows = at::zeros({L, K, Dp}, at::TensorOptions().dtype(F32));
+    float *out = ptr<float>(rows);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "cross_rows", [&] {
+        for (int64_t l = 0; l < L; l++) {
+            const scalar_t *p = ptr<const scalar_t>(params[l]);
+            const int64_t sk = params[l].stride(transposed ? 1 : 0), sd = params[l].stride(transposed ? 0 : 1);
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t d = 0; d < D; d++) out[(l * K + k) * Dp + d] = static_cast<float>(p[k * sk + d * sd]);
+        }
+    });
+    return rows;
+}
+
+/* The fused cross stack (interaction.h cross_stack_fwd) takes layers of up to CROSS_FUSED_FLOATS weight floats
+   (K * Dp: they stay in L2 across the row tiles); larger ones run as GEMMs (runtime/interaction_native.py). */
+constexpr int64_t CROSS_FUSED_FLOATS = 16384;
+bool cross_stack_fused(int64_t K, int64_t D) { return K > 0 && K * ((D + 15) / 16 * 16) <= CROSS_FUSED_FLOATS; }
+
+/* (x_L, saved) of recompile::cross_stack in one fused pass; x_L undefined when the arguments are not plain CPU
+   tensors of one float dtype the kernel reads: x0, x [B, D], L weights [D, K], L or no biases [D], L or no downs
+   [K, D] (K = D without), K * Dp within CROSS_FUSED_FLOATS. ``saved`` as runtime/interaction.py's stack_saved reads
+   it: h_l + b_l for every layer, then x_1 .. x_{L-1}. */
+std::tuple<Tensor, std::vector<Tensor>> cross_stack_try(const Tensor &x0, const Tensor &x,
+                                                        const std::vector<Tensor> &weights,
+                                                        const std::vector<Tensor> &biases,
+                                                        const std::vector<Tensor> &downs, bool save) {
+    const int64_t L = (int64_t)weights.size();
+    if (!plain_cpu(x, FLOATS) || x.dim() != 2 || !plain_cpu(x0, {x.scalar_type()}) || x0.sizes() != x.sizes() ||
+        L == 0 || (!biases.empty() && (int64_t)biases.size() != L) || (!downs.empty() && (int64_t)downs.size() != L))
+        return {};
+    const at::ScalarType dtype = x.scalar_type();
+    const int64_t B = x.size(0), D = x.size(1), Dp = (D + 15) / 16 * 16;
+    const int64_t K = downs.empty() ? D : downs[0].dim() == 2 ? downs[0].size(0) : 0;
+    if (!cross_stack_fused(K, D)) return {};
+    for (const Tensor &b : biases)
+        if (b.dim() != 1) return {};
+    const Tensor Ut = cross_rows(weights, true, K, D, dtype);
+    const OptTensor V = downs.empty() ? OptTensor() : OptTensor(cross_rows(downs, false, K, D, dtype));
+    const OptTensor bias = biases.empty() ? OptTensor() : OptTensor(vector_rows(biases, D, dtype));
+    if (!Ut.defined() || (V && !V->defined()) || (bias && !bias->defined())) return {};
+    const Tensor xc = x.contiguous(), x0c = x0.contiguous();
+    Tensor out = at::empty({B, D}, x.options());
+    std::vector<Tensor> saved;
+    std::vector<void *> rows;  /* the saved tensors' data: h_l + b_l, then the inputs */
+    for (int64_t i = 0; save && i < 2 * L - 1; i++) {
+        saved.push_back(at::empty({B, D}, x.options()));
+        rows.push_back(saved.back().data_ptr());
+    }
+    BY_DTYPE(dtype, cross_stack_fwd, T, ptr<const T>(x0c), ptr<const T>(xc), ptr<const float>(Ut),
+             ptr<const float>(V), ptr<const float>(bias), L, K, Dp, ptr<T>(out),
+             save ? (T *const *)rows.data() : nullptr, save ? (T *const *)rows.data() + L : nullptr, B, D, threads());
+    return {out, saved};
+}
+
+std::tuple<Tensor, std::vector<Tensor>> cross_stack_fwd(const Tensor &x0, const Tensor &x,
+                                                        const std::vector<Tensor> &weights,
+                                                        const std::vector<Tensor> &biases,
+                                                        const std::vector<Tensor> &downs, bool save) {
+    auto result = cross_stack_try(x0, x, weights, biases, downs, save);
+    TORCH_CHECK_VALUE(std::get<0>(result).defined(), "recompile_native.cross_stack_fwd: expected CPU tensors of one "
+                      "float dtype: x0, x [B, D], L weights [D, K], L or no biases [D], L or no downs [K, D] (K = D "
+                      "without), K * D within ", CROSS_FUSED_FLOATS, " (cross_stack_fused); got x ", x.sizes(), " ",
+                      x.scalar_type(), ", ", weights.size(), " weights, ", biases.size(), " biases, ", downs.size(),
+                      " downs");
+    return result;
+}
+
+/* recompile::cross_stack(Tensor x0, Tensor x, Tensor[] weights, Tensor[] biases, Tensor[] downs, bool save,
+ * str impl) -> (Tensor, Tensor[]) */
+bool cross_stack_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 7);
+    if (a[6].toStringRef() != "native") return false;
+    auto [out, saved] = cross_stack_try(a[0].toTensor(), a[1].toTensor(), a[2].toTensorVector(),
+                                        a[3].toTensorVector(), a[4].toTensorVector(), a[5].toBool());
+    if (!out.defined()) return false;
+    return returned(stack, 7, out, saved);
+}
+
 /* recompile::dot_interaction(Tensor[] features, Tensor? prefix, bool upper, bool self_interaction, str impl) */
 bool dot_interaction_native(torch::jit::Stack *stack) {
     const auto a = torch::jit::last(*stack, 5);
@@ -956,6 +1043,9 @@ TORCH_LIBRARY(recompile_native, m) {
     m.def("vector_cross_fwd(Tensor x0, Tensor x, Tensor W, Tensor? bias, Tensor(a!) out) -> ()");
     m.def("vector_cross_bwd(Tensor grad, Tensor x0, Tensor x, Tensor W, Tensor? bias, Tensor(a!) grad_x0, "
           "Tensor(b!) grad_x, Tensor(c!) grad_W, Tensor(d!)? grad_bias) -> ()");
+    m.def("cross_stack_fwd(Tensor x0, Tensor x, Tensor[] weights, Tensor[] biases, Tensor[] downs, bool save) "
+          "-> (Tensor, Tensor[])");
+    m.def("cross_stack_fused(int rank, int dim) -> bool");
     m.def("fm_second_order_fwd(Tensor v, bool reduce) -> Tensor");
     m.def("fm_second_order_bwd(Tensor grad, Tensor v, bool reduce) -> Tensor");
     m.def("hstu_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor offsets, int max_seq_len, float alpha, "
@@ -982,6 +1072,7 @@ TORCH_LIBRARY_IMPL(recompile_native, CPU, m) {
     m.impl("cross_epilogue_bwd", &cross_epilogue_bwd);
     m.impl("vector_cross_fwd", &vector_cross_fwd);
     m.impl("vector_cross_bwd", &vector_cross_bwd);
+    m.impl("cross_stack_fwd", &cross_stack_fwd);
     m.impl("fm_second_order_fwd", &fm_second_order_fwd);
     m.impl("fm_second_order_bwd", &fm_second_order_bwd);
     m.impl("hstu_attention_fwd", &hstu_attention_fwd);
@@ -994,6 +1085,7 @@ TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
     m.impl("dropout", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&dropout_native>>());
     m.impl("fm_second_order", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&fm_second_order_native>>());
     m.impl("vector_cross", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&vector_cross_native>>());
+    m.impl("cross_stack", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&cross_stack_native>>());
     m.impl("vector_cross_backward",
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&vector_cross_backward_native>>());
     m.impl("dot_interaction", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&dot_interaction_native>>());
@@ -1019,11 +1111,12 @@ TORCH_LIBRARY_IMPL(recompile, AutogradCPU, m) {
            torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&sampled_softmax_backward_native>>());
 }
 
-/* The instruction set ops take no tensor: they are registered for every key. */
+/* The ops that take no tensor (the instruction set, cross_stack_fused): registered for every key. */
 TORCH_LIBRARY_IMPL(recompile_native, CompositeExplicitAutograd, m) {
     m.impl("isa", &isa);
     m.impl("set_isa", &set_isa);
     m.impl("isa_available", &isa_available);
+    m.impl("cross_stack_fused", &cross_stack_fused);
 }
 
 }  // namespace recompile_native
