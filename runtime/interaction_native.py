@@ -1,6 +1,6 @@
 """The native CPU kernels of the interaction ops (``csrc/interaction.h``, the C++ ops
 ``torch.ops.recompile_native.dot_interaction[_backward]``, ``{cross_epilogue,fm_second_order,vector_cross}_{fwd,bwd}``
-and ``cross_stack_fwd``).
+and ``cross_{stack,mixture}_fwd``).
 
 Each function makes one op call (the whole batch, every feature, ``torch.get_num_threads()`` OpenMP threads);
 features are read in place through a table of their row pointers that the C++ op builds from the list.
@@ -106,6 +106,14 @@ def cross_stack(x0, x, weights, biases, downs, save):
             inputs.append(x)
         x = cross_epilogue(x0, x, h, bias, out=None if save else h, hb=h if save else None)
     return x, hbs + inputs[1:]
+
+
+def cross_mixture(x0, x, gate, downs, mids, ups, biases, activation):
+    """The output of an inference DCN-Mix layer (``recompile.runtime.interaction.cross_mixture``) in one C pass, or
+    None where its weights do not stay in cache (``cross_stack_fused`` of its E (rank + 1) rows)."""
+    if not ops.cross_stack_fused(len(downs) * (downs[0].shape[0] + 1), x.shape[1]):
+        return None
+    return ops.cross_mixture_fwd(x0, x, gate, downs, mids, ups, biases, activation)
 
 
 def cross_epilogue_backward(grad, x0, h, bias):

@@ -172,6 +172,24 @@ def test_cross_mixture_kernels_forward_and_backward(b, d, experts, rank, mid, bi
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * d * rank)
 
 
+@pytest.mark.skipif(not interaction_native.available(), reason="no C compiler: no native kernel")
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(0, 19), d=st.integers(1, 70), experts=st.integers(1, 3), rank=st.integers(1, 4),
+       mid=st.booleans(), bias=st.booleans(), activation=st.sampled_from(sorted(ACTIVATIONS)),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_native_mixture_inference(b, d, experts, rank, mid, bias, activation, dtype):
+    """The fused inference kernel (save=False) against the reference: tiles and a tail, rows of up to 5 vectors
+    (column blocks), 16-bit storage; it keeps nothing."""
+    args, sizes = _mixture_args(b, d, experts, rank, mid, bias)
+    args = [a / d ** 0.5 for a in args]
+    with torch.no_grad():
+        out, saved = _mixture_fn(lambda *a: torch.ops.recompile.cross_mixture(*a, False, "native"), sizes,
+                                 activation)(*[a.to(dtype) for a in args])
+        want = _mixture_fn(cross_mixture_reference, sizes, activation)(*[a.to(dtype).float() for a in args])
+    assert saved == [] and out.dtype == dtype and out.shape == (b, d)
+    torch.testing.assert_close(out.float(), want, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"])
+
+
 @pytest.mark.parametrize("rank", [None, 2])
 def test_cross_stack_gradcheck_and_opcheck(rank):
     args, sizes = _stack_args(3, 4, 2, rank, True, torch.float64)

@@ -39,6 +39,8 @@ register_lowering(
 register_lowering(
     "recompile::cross_mixture",
     Impl("triton", "triton", has_triton, "recompile.runtime.triton_kernels.interaction.cross_mixture"),
+    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.h: inference per tile of rows, the gate, every "
+         "expert and x0 * y + x in one pass where the weights stay in cache (training: the cpu kernel)"),
     Impl("cpu", "cpu_kernel", on_cpu, "all experts in three matmuls (concatenated V, one bmm of C, gate-scaled U)"),
     reference("recompile.runtime.interaction.cross_mixture_reference"),
 )

@@ -567,26 +567,10 @@ static inline __attribute__((always_inline)) void cs_block(float *xl, const floa
 
 #define CS_BLOCK(N, R, ...) cs_block(__VA_ARGS__, R, N)
 
-/* One layer over the tile's R rows (z: scratch of R * max(K, Dp) floats). */
-static inline __attribute__((always_inline)) void cs_layer(float *xl, const float *x0, float *z, const float *Ut,
-                                                           const float *V, const float *b, int64_t K, int64_t D,
-                                                           int64_t Dp, float *hb, const int R) {
-    int64_t zs = Dp;
-    if (V) { /* z[r, k] = x_l[r] . V[k], the tile's rows side by side */
-        zs = K;
-        for (int64_t k = 0; k < K; k++) {
-            vf acc[VC_ROWS];
-            for (int r = 0; r < R; r++) acc[r] = (vf){0};
-            for (int64_t d = 0; d < Dp; d += VL) {
-                const vf v = VC_AT(V + k * Dp + d);
-                for (int r = 0; r < R; r++) acc[r] += VC_AT(xl + r * Dp + d) * v;
-            }
-            for (int r = 0; r < R; r++) z[r * K + k] = vc_hsum(acc[r]);
-        }
-    } else {
-        memcpy(z, xl, sizeof(float) * R * Dp);
-        K = D;
-    }
+/* xl[r] += x0[r] * (b + z[r] Ut) for the tile's R rows, in column blocks of up to CS_COLS vectors (cs_block). */
+static inline __attribute__((always_inline)) void cs_up(float *xl, const float *x0, const float *z, int64_t zs,
+                                                        const float *Ut, const float *b, int64_t K, int64_t Dp,
+                                                        float *hb, const int R) {
     for (int64_t c0 = 0; c0 < Dp; c0 += CS_COLS * VL) {
         const int n = (Dp - c0) / VL < CS_COLS ? (int)((Dp - c0) / VL) : CS_COLS;
         switch (n) {
@@ -596,6 +580,60 @@ static inline __attribute__((always_inline)) void cs_layer(float *xl, const floa
 #endif
             default: CS_BLOCK(1, R, xl, x0, z, zs, Ut, b, K, Dp, c0, hb); break;
         }
+    }
+}
+
+/* z[r * zs + k] = x_l[r] . P[k] for the tile's R rows and the n rows of P (stride Dp), the rows side by side. */
+static inline __attribute__((always_inline)) void cs_dots(const float *xl, const float *P, int64_t n, int64_t Dp,
+                                                          float *z, int64_t zs, const int R) {
+    for (int64_t k = 0; k < n; k++) {
+        vf acc[VC_ROWS];
+        for (int r = 0; r < R; r++) acc[r] = (vf){0};
+        for (int64_t d = 0; d < Dp; d += VL) {
+            const vf v = VC_AT(P + k * Dp + d);
+            for (int r = 0; r < R; r++) acc[r] += VC_AT(xl + r * Dp + d) * v;
+        }
+        for (int r = 0; r < R; r++) z[r * zs + k] = vc_hsum(acc[r]);
+    }
+}
+
+/* One layer over the tile's R rows (z: scratch of R * max(K, Dp) floats). */
+static inline __attribute__((always_inline)) void cs_layer(float *xl, const float *x0, float *z, const float *Ut,
+                                                           const float *V, const float *b, int64_t K, int64_t D,
+                                                           int64_t Dp, float *hb, const int R) {
+    if (V) {
+        cs_dots(xl, V, K, Dp, z, K, R);
+        cs_up(xl, x0, z, K, Ut, b, K, Dp, hb, R);
+    } else {
+        memcpy(z, xl, sizeof(float) * R * Dp);
+        cs_up(xl, x0, z, Dp, Ut, b, D, Dp, hb, R);
+    }
+}
+
+/* One row of a DCN-Mix layer between its dot products and its up-projection: from ``dots`` (the experts' E * rank
+   pre-activations a, then the E gate logits), the gates g = softmax(logits) and z[e * rank + k] = g_e act(C_e
+   act(a_e))_k (act(a_e) without C), then z[E * rank + e] = g_e when K has room (the biases' weights). scratch:
+   rank + E floats. */
+static inline void cm_row(const float *dots, const float *C, int64_t Cs, int64_t E, int64_t rank, int64_t K,
+                          int relu, float *scratch, float *z) {
+    const float *logits = dots + E * rank;
+    float *c = scratch, *g = scratch + rank, top = logits[0], total = 0.f;
+    for (int64_t e = 1; e < E; e++) top = logits[e] > top ? logits[e] : top;
+    for (int64_t e = 0; e < E; e++) total += g[e] = expf(logits[e] - top);
+    for (int64_t e = 0; e < E; e++) {
+        const float ge = g[e] / total, *a = dots + e * rank;
+        float *ze = z + e * rank;
+        if (C) {
+            for (int64_t k = 0; k < rank; k++) c[k] = relu && a[k] < 0.f ? 0.f : a[k];
+            for (int64_t k = 0; k < rank; k++) {
+                float v = 0.f;
+                for (int64_t m = 0; m < rank; m++) v += C[(e * rank + k) * Cs + m] * c[m];
+                ze[k] = ge * (relu && v < 0.f ? 0.f : v);
+            }
+        } else {
+            for (int64_t k = 0; k < rank; k++) ze[k] = ge * (relu && a[k] < 0.f ? 0.f : a[k]);
+        }
+        if (K > E * rank) z[E * rank + e] = ge;
     }
 }
 
@@ -627,15 +665,49 @@ void cross_stack_fwd_##S(const T *x0, const T *x, const float *Ut, const float *
     }                                                                                                          \
 }
 
+/* The DCN-Mix layer (runtime/interaction.py cross_mixture), inference: per tile of rows, the gate logits and every
+ * expert's down-projection as dot products (cs_dots), softmax, act, the mids (r x r, scalar), then the gate-scaled
+ * ranks (and the gates, for the biases) through one up-projection and x0 * y + x (cs_up). V: float [E * rank, Dp]
+ * (the downs' rows), G: float [E, Dp] (the gate), C: float [E, rank, Cs] (the mids' rows, NULL without), Ut: float
+ * [K, Dp] (the ups' columns, then the biases when K = E * rank + E). */
+#define DEFINE_CROSS_MIXTURE_KERNELS(S, T)                                                                     \
+void cross_mixture_fwd_##S(const T *x0, const T *x, const float *V, const float *G, const float *C, int64_t Cs, \
+                           const float *Ut, int64_t E, int64_t rank, int64_t K, int relu, int64_t Dp, T *out,   \
+                           int64_t B, int64_t D, int threads) {                                                \
+    const int64_t tiles = (B + VC_ROWS - 1) / VC_ROWS, rows = VC_ROWS * Dp, nd = E * rank + E;                 \
+    _Pragma("omp parallel num_threads(threads)")                                                               \
+    {                                                                                                          \
+        float *xl = (float *)malloc(sizeof(float) * (2 * rows + VC_ROWS * (nd + K) + rank + E)), *x0f = xl + rows; \
+        float *dots = x0f + rows, *z = dots + VC_ROWS * nd, *c = z + VC_ROWS * K;                              \
+        _Pragma("omp for schedule(static)")                                                                    \
+        for (int64_t t = 0; t < tiles; t++) {                                                                  \
+            int64_t r0;                                                                                        \
+            const int R = vc_tile(t, B, D, &r0);                                                               \
+            vc_load_##S(xl, x + r0, R, D, Dp);                                                                 \
+            vc_load_##S(x0f, x0 + r0, R, D, Dp);                                                               \
+            VC_SWITCH(R, cs_dots, xl, V, E * rank, Dp, dots, nd)                                               \
+            VC_SWITCH(R, cs_dots, xl, G, E, Dp, dots + E * rank, nd)                                           \
+            for (int r = 0; r < R; r++)                                                                        \
+                cm_row(dots + r * nd, C, Cs, E, rank, K, relu, c, z + r * K);                                  \
+            VC_SWITCH(R, cs_up, xl, x0f, z, K, Ut, NULL, K, Dp, NULL)                                          \
+            vc_store_##S(out + r0, xl, R, D, Dp);                                                              \
+        }                                                                                                      \
+        free(xl);                                                                                              \
+    }                                                                                                          \
+}
+
 DEFINE_DOT_KERNELS(f32, float)
 DEFINE_KERNELS(f32, float)
 DEFINE_VECTOR_CROSS_KERNELS(f32, float)
 DEFINE_CROSS_STACK_KERNELS(f32, float)
+DEFINE_CROSS_MIXTURE_KERNELS(f32, float)
 DEFINE_DOT_KERNELS(f16, _Float16)
 DEFINE_KERNELS(f16, _Float16)
 DEFINE_VECTOR_CROSS_KERNELS(f16, _Float16)
 DEFINE_CROSS_STACK_KERNELS(f16, _Float16)
+DEFINE_CROSS_MIXTURE_KERNELS(f16, _Float16)
 DEFINE_DOT_KERNELS(bf16, bf16_t)
 DEFINE_KERNELS(bf16, bf16_t)
 DEFINE_VECTOR_CROSS_KERNELS(bf16, bf16_t)
 DEFINE_CROSS_STACK_KERNELS(bf16, bf16_t)
+DEFINE_CROSS_MIXTURE_KERNELS(bf16, bf16_t)
