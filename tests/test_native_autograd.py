@@ -103,6 +103,22 @@ def test_cross_stack_forward_runs_no_python_and_its_node_calls_the_backward_op()
         assert _python_calls(lambda: cross_stack(*leaves, save=False)) == []
 
 
+def test_cross_mixture_forward_runs_no_python_and_its_node_calls_the_backward_op():
+    """The node is C++ (a training call's forward is the registry's torch kernel, in Python); an inference call
+    (the fused kernel) runs no Python."""
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("recompile::cross_mixture", "AutogradCPU")
+    x0, x, gate, *p = _leaves((5, 8), (5, 8), (2, 8), (3, 8), (3, 8), (3, 3), (3, 3), (8, 3), (8, 3), (8,), (8,))
+
+    def mixture(save=True):
+        return ops.cross_mixture(x0, x, gate, p[0:2], p[2:4], p[4:6], p[6:8], "relu", save, "native")
+
+    out, saved = mixture()
+    assert "CrossMixture" in out.grad_fn.name() and len(saved) == 4 and not any(t.requires_grad for t in saved)
+    assert any("cross_mixture_backward" in c for c in _python_calls(lambda: out.sum().backward()))
+    with torch.no_grad():
+        assert _python_calls(lambda: mixture(save=False)) == []
+
+
 @pytest.mark.parametrize("impl", ["native", "cpu", "reference"])
 def test_cross_stack_cpp_autograd_matches_the_reference(impl):
     """Every kernel through the C++ node: gradients of all inputs as autograd of the reference."""

@@ -882,14 +882,15 @@ void below_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, tor
 
 /* ------------------------------------------------------------------------ the custom ops' autograd, in C++
  *
- * recompile::grouped_embedding_bag, fm_second_order, cross_stack, vector_cross and sampled_softmax_loss have their
- * autograd here, for the AutogradCPU key: it comes before the Python formula that runtime/ registers for the
- * Autograd alias (which stays for other devices), so that a CPU call runs no Python (an inference call too: the
- * Python formula's check that there is no gradient to record cost as much as the native cross stack at batch 1). Without a gradient to record the call goes below
- * autograd (the native forward, else the op's Python implementation); with one, a torch::autograd::Function
- * records a node whose backward calls the op's backward op (recompile::<op>_backward, through the dispatcher:
- * its native kernel below autograd too, or the Python op; a compiled graph's backward shows that op). The backward
- * ops are not differentiable (not_differentiable: their AutogradCPU kernel, in C++ too). */
+ * recompile::grouped_embedding_bag, fm_second_order, cross_stack, cross_mixture, vector_cross and
+ * sampled_softmax_loss have their autograd here, for the AutogradCPU key: it comes before the Python formula that
+ * runtime/ registers for the Autograd alias (which stays for other devices), so that a CPU call runs no Python (an
+ * inference call too: the Python formula's check that there is no gradient to record cost as much as the native
+ * cross stack at batch 1). Without a gradient to record the call goes below autograd (the native forward, else the
+ * op's Python implementation); with one, a torch::autograd::Function records a node whose backward calls the op's
+ * backward op (recompile::<op>_backward, through the dispatcher: its native kernel below autograd too, or the
+ * Python op; a compiled graph's backward shows that op). The backward ops are not differentiable
+ * (not_differentiable: their AutogradCPU kernel, in C++ too). */
 
 /* The call on ``stack``, below autograd: what a Function's forward runs. */
 template <bool (*native)(torch::jit::Stack *)>
@@ -1103,6 +1104,67 @@ void cross_stack_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet key
     torch::jit::push(*stack, out[0], std::vector<Tensor>(out.begin() + 1, out.end()));
 }
 
+/* cross_mixture(Tensor x0, Tensor x, Tensor gate, Tensor[] downs, Tensor[] mids, Tensor[] ups, Tensor[] biases,
+ * str activation, bool save, str impl) -> (out, saved): out differentiable, the saved intermediates not (the backward
+ * op reads them), as runtime/interaction.py's _cross_mixture_setup and _cross_mixture_backward. */
+struct CrossMixture : torch::autograd::Function<CrossMixture> {
+    static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx, const Tensor &x0,
+                                                  const Tensor &x, const Tensor &gate, at::TensorList downs,
+                                                  at::TensorList mids, at::TensorList ups, at::TensorList biases,
+                                                  const BelowAutograd<&cross_mixture_native> &below) {
+        ctx->saved_data["activation"] = torch::jit::peek(*below.stack, 7, 10);
+        below();
+        const std::vector<Tensor> saved = below.stack->back().toTensorVector();
+        ctx->mark_non_differentiable(saved);
+        ctx->set_materialize_grads(false);
+        std::vector<Tensor> kept{x0, x, gate};
+        for (at::TensorList params : {downs, mids, ups, biases}) kept.insert(kept.end(), params.begin(), params.end());
+        kept.insert(kept.end(), saved.begin(), saved.end());
+        ctx->save_for_backward(kept);
+        ctx->saved_data["sizes"] = std::vector<int64_t>{(int64_t)downs.size(), (int64_t)mids.size(),
+                                                        (int64_t)biases.size()};
+        torch::autograd::variable_list out{torch::jit::peek(*below.stack, 0, 2).toTensor()};
+        out.insert(out.end(), saved.begin(), saved.end());
+        return out;
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto sizes = ctx->saved_data["sizes"].toIntVector();
+        const int64_t E = sizes[0], M = sizes[1], NB = sizes[2], params = 2 * E + M + NB;
+        torch::autograd::variable_list result(3 + params + 1);  // the last: ``below``'s
+        if (!grads[0].defined()) return result;  // the output unused
+        const auto s = ctx->get_saved_variables();
+        const auto range = [&](int64_t from, int64_t n) {
+            return std::vector<Tensor>(s.begin() + from, s.begin() + from + n);
+        };
+        const std::vector<Tensor> saved = range(3 + params, (int64_t)s.size() - 3 - params);
+        TORCH_CHECK((int64_t)saved.size() == (M ? 4 : 3),
+                    "recompile.cross_mixture: called with save=False (an inference graph), then differentiated");
+        static const auto op = schema("recompile::cross_mixture_backward");
+        const auto out = call(op, {grads[0], s[0], s[1], s[2], range(3, E), range(3 + E, M), range(3 + E + M, E),
+                                   range(3 + 2 * E + M, NB), ctx->saved_data["activation"], saved})[0]
+                             .toTensorVector();
+        std::copy(out.begin(), out.end(), result.begin());
+        return result;
+    }
+};
+
+void cross_mixture_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 10);
+    const BelowAutograd<&cross_mixture_native> below{op, keys, stack};
+    bool needed = false;
+    for (int i = 0; i < 7; i++) needed = needed || (i < 3 ? a[i].toTensor().requires_grad() : requires_grad(a[i]));
+    if (!at::GradMode::is_enabled() || !needed) return below();
+    const Tensor x0 = a[0].toTensor(), x = a[1].toTensor(), gate = a[2].toTensor();
+    const std::vector<Tensor> downs = a[3].toTensorVector(), mids = a[4].toTensorVector(), ups = a[5].toTensorVector(),
+                              biases = a[6].toTensorVector();
+    auto out = CrossMixture::apply(x0, x, gate, at::TensorList(downs), at::TensorList(mids), at::TensorList(ups),
+                                   at::TensorList(biases), below);
+    torch::jit::drop(*stack, 2);
+    torch::jit::push(*stack, out[0], std::vector<Tensor>(out.begin() + 1, out.end()));
+}
+
 /* vector_cross(Tensor x0, Tensor x, Tensor[] weights, Tensor[] biases, str impl): the backward op recomputes the
  * layers from the inputs (as runtime/interaction.py's _vector_cross_backward). */
 struct VectorCross : torch::autograd::Function<VectorCross> {
@@ -1284,6 +1346,7 @@ TORCH_LIBRARY_IMPL(recompile, AutogradCPU, m) {
     m.impl("grouped_embedding_bag", torch::CppFunction::makeFromBoxedFunction<&grouped_embedding_bag_autograd>());
     m.impl("fm_second_order", torch::CppFunction::makeFromBoxedFunction<&fm_second_order_autograd>());
     m.impl("cross_stack", torch::CppFunction::makeFromBoxedFunction<&cross_stack_autograd>());
+    m.impl("cross_mixture", torch::CppFunction::makeFromBoxedFunction<&cross_mixture_autograd>());
     m.impl("vector_cross", torch::CppFunction::makeFromBoxedFunction<&vector_cross_autograd>());
     m.impl("vector_cross_backward",
            torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&vector_cross_backward_native>>());
