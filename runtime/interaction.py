@@ -430,7 +430,8 @@ def cross_stack_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """(grad_x0, grad_x, grad_weights, grad_biases, grad_downs), last layer first back to the first: per layer
     two (full rank) or four (low rank) matmuls; grad_x0 and the grad of x_l accumulate in place (a C pass for
-    the elementwise part measured no faster than these ATen calls)."""
+    the elementwise part measured no faster than these ATen calls). On the CPU the same calls run from C++
+    (csrc/ops.cpp ``cross_stack_backward_native``, below autograd): no Python per call."""
     grad_x0 = None
     g = grad
     grad_weights, grad_biases, grad_downs = [], [], []

@@ -471,25 +471,30 @@ static inline void vc_store_##S(T *dst, const float *src, int R, int64_t D, int6
             vc_vstore_##S(dst + r * D + d, VC_AT(src + r * Dp + d), D - d < VL ? (int)(D - d) : VL);          \
 }
 
-#define DEFINE_VECTOR_CROSS_KERNELS(S, T)                                                                      \
-DEFINE_VC_ROWS(S, T)                                                                                           \
-void vector_cross_fwd_##S(const T *x0, const T *x, const float *W, const float *bias, int64_t L, int64_t Dp,    \
-                          T *out, int64_t B, int64_t D, int threads) {                                         \
-    const int64_t tiles = (B + VC_ROWS - 1) / VC_ROWS;                                                         \
+/* The tiles of a batch of B rows of D, OpenMP over tiles: per tile of R rows (r0: its first element) x and x0
+   loaded into the float rows xl and x0f (stride Dp), the body (the last arguments) run, xl stored to out; each
+   thread has `scratch` more floats after its x0f. */
+#define VC_FOR_TILES(S, scratch, ...)                                                                          \
     _Pragma("omp parallel num_threads(threads)")                                                               \
     {                                                                                                          \
-        float *xl = (float *)malloc(sizeof(float) * 2 * VC_ROWS * Dp), *x0f = xl + VC_ROWS * Dp;               \
+        float *xl = (float *)malloc(sizeof(float) * (2 * VC_ROWS * Dp + (scratch))), *x0f = xl + VC_ROWS * Dp; \
         _Pragma("omp for schedule(static)")                                                                    \
-        for (int64_t t = 0; t < tiles; t++) {                                                                  \
+        for (int64_t t = 0; t < (B + VC_ROWS - 1) / VC_ROWS; t++) {                                            \
             int64_t r0;                                                                                        \
             const int R = vc_tile(t, B, D, &r0);                                                               \
             vc_load_##S(xl, x + r0, R, D, Dp);                                                                 \
             vc_load_##S(x0f, x0 + r0, R, D, Dp);                                                               \
-            VC_SWITCH(R, vc_forward_tile, xl, x0f, W, bias, L, Dp, NULL, NULL)                                 \
+            __VA_ARGS__                                                                                        \
             vc_store_##S(out + r0, xl, R, D, Dp);                                                              \
         }                                                                                                      \
         free(xl);                                                                                              \
-    }                                                                                                          \
+    }
+
+#define DEFINE_VECTOR_CROSS_KERNELS(S, T)                                                                      \
+DEFINE_VC_ROWS(S, T)                                                                                           \
+void vector_cross_fwd_##S(const T *x0, const T *x, const float *W, const float *bias, int64_t L, int64_t Dp,    \
+                          T *out, int64_t B, int64_t D, int threads) {                                         \
+    VC_FOR_TILES(S, 0, VC_SWITCH(R, vc_forward_tile, xl, x0f, W, bias, L, Dp, NULL, NULL))                     \
 }                                                                                                              \
                                                                                                                \
 /* The layers recomputed per tile (inputs and scalars kept), then vc_backward_tile; grad_W and grad_bias       \
@@ -531,12 +536,13 @@ void vector_cross_bwd_##S(const T *grad, const T *x0, const T *x, const float *W
 }
 
 
-/* The DCN-v2 cross stack (runtime/interaction.py cross_stack): L layers x_{l+1} = x0 * (z_l U_l^T + b_l) + x_l, z_l =
- * x_l V_l^T (low rank) or x_l (full rank, U_l = W_l), per tile of VC_ROWS samples (vc_tile) kept in float rows (L1) across the
- * layers: x and x0 read once, the output written once (and, saving for the backward, h_l + b_l and the inputs x_1 ..
- * x_{L-1}), where the GEMM path makes a GEMM, an epilogue pass and their [B, D] intermediates per layer. For weights
- * that stay in cache (the caller decides). Ut: float [L, K, Dp] (U_l^T; K the rank, or D at full rank), V: float
- * [L, K, Dp] (NULL at full rank), bias: float [L, Dp] (NULL without); rows zero-padded to Dp, a multiple of VL >= D. */
+/* The DCN-v2 cross stack (runtime/interaction.py cross_stack): L layers x_{l+1} = x0 * (z_l U_l^T + b_l) + x_l, z_l
+ * = x_l V_l^T (low rank) or x_l (full rank, U_l = W_l), per tile of VC_ROWS samples (vc_tile) kept in float rows
+ * (L1) across the layers: x and x0 read once, the output written once (and, saving for the backward, h_l + b_l and
+ * the inputs x_1 .. x_{L-1}), where the GEMM path makes a GEMM, an epilogue pass and their [B, D] intermediates per
+ * layer. For weights that stay in cache (the caller decides). Ut: float [L, K, Dp] (U_l^T; K the rank, or D at full
+ * rank), V: float [L, K, Dp] (NULL at full rank), bias: float [L, Dp] (NULL without); rows zero-padded to Dp, a
+ * multiple of VL >= D. */
 static const int CS_COLS = VL == 16 ? 3 : 1; /* register tile: VC_ROWS rows x CS_COLS vectors */
 
 /* Columns [c0, c0 + N VL) of the tile's R rows: acc = b + sum_k z[r, k] Ut[k] (register tile, each weight vector
@@ -642,27 +648,16 @@ static inline void cm_row(const float *dots, const float *C, int64_t Cs, int64_t
 void cross_stack_fwd_##S(const T *x0, const T *x, const float *Ut, const float *V, const float *bias, int64_t L, \
                          int64_t K, int64_t Dp, T *out, T *const *hbs, T *const *inputs, int64_t B, int64_t D,   \
                          int threads) {                                                                        \
-    const int64_t tiles = (B + VC_ROWS - 1) / VC_ROWS, rows = VC_ROWS * Dp, zrows = VC_ROWS * (K > Dp ? K : Dp); \
-    _Pragma("omp parallel num_threads(threads)")                                                               \
-    {                                                                                                          \
-        float *xl = (float *)malloc(sizeof(float) * (3 * rows + zrows)), *x0f = xl + rows, *hb = x0f + rows;   \
-        float *z = hb + rows;                                                                                  \
-        _Pragma("omp for schedule(static)")                                                                    \
-        for (int64_t t = 0; t < tiles; t++) {                                                                  \
-            int64_t r0;                                                                                        \
-            const int R = vc_tile(t, B, D, &r0);                                                               \
-            vc_load_##S(xl, x + r0, R, D, Dp);                                                                 \
-            vc_load_##S(x0f, x0 + r0, R, D, Dp);                                                               \
-            for (int64_t l = 0; l < L; l++) {                                                                  \
-                if (inputs && l) vc_store_##S(inputs[l - 1] + r0, xl, R, D, Dp);                               \
-                VC_SWITCH(R, cs_layer, xl, x0f, z, Ut + l * K * Dp, V ? V + l * K * Dp : NULL,                 \
-                          bias ? bias + l * Dp : NULL, K, D, Dp, hbs ? hb : NULL)                              \
-                if (hbs) vc_store_##S(hbs[l] + r0, hb, R, D, Dp);                                              \
-            }                                                                                                  \
-            vc_store_##S(out + r0, xl, R, D, Dp);                                                              \
+    const int64_t rows = VC_ROWS * Dp;                                                                         \
+    VC_FOR_TILES(S, rows + VC_ROWS * (K > Dp ? K : Dp), {                                                      \
+        float *hb = x0f + rows, *z = hb + rows;                                                                \
+        for (int64_t l = 0; l < L; l++) {                                                                      \
+            if (inputs && l) vc_store_##S(inputs[l - 1] + r0, xl, R, D, Dp);                                   \
+            VC_SWITCH(R, cs_layer, xl, x0f, z, Ut + l * K * Dp, V ? V + l * K * Dp : NULL,                     \
+                      bias ? bias + l * Dp : NULL, K, D, Dp, hbs ? hb : NULL)                                  \
+            if (hbs) vc_store_##S(hbs[l] + r0, hb, R, D, Dp);                                                  \
         }                                                                                                      \
-        free(xl);                                                                                              \
-    }                                                                                                          \
+    })                                                                                                         \
 }
 
 /* The DCN-Mix layer (runtime/interaction.py cross_mixture), inference: per tile of rows, the gate logits and every
@@ -674,26 +669,14 @@ void cross_stack_fwd_##S(const T *x0, const T *x, const float *Ut, const float *
 void cross_mixture_fwd_##S(const T *x0, const T *x, const float *V, const float *G, const float *C, int64_t Cs, \
                            const float *Ut, int64_t E, int64_t rank, int64_t K, int relu, int64_t Dp, T *out,   \
                            int64_t B, int64_t D, int threads) {                                                \
-    const int64_t tiles = (B + VC_ROWS - 1) / VC_ROWS, rows = VC_ROWS * Dp, nd = E * rank + E;                 \
-    _Pragma("omp parallel num_threads(threads)")                                                               \
-    {                                                                                                          \
-        float *xl = (float *)malloc(sizeof(float) * (2 * rows + VC_ROWS * (nd + K) + rank + E)), *x0f = xl + rows; \
-        float *dots = x0f + rows, *z = dots + VC_ROWS * nd, *c = z + VC_ROWS * K;                              \
-        _Pragma("omp for schedule(static)")                                                                    \
-        for (int64_t t = 0; t < tiles; t++) {                                                                  \
-            int64_t r0;                                                                                        \
-            const int R = vc_tile(t, B, D, &r0);                                                               \
-            vc_load_##S(xl, x + r0, R, D, Dp);                                                                 \
-            vc_load_##S(x0f, x0 + r0, R, D, Dp);                                                               \
-            VC_SWITCH(R, cs_dots, xl, V, E * rank, Dp, dots, nd)                                               \
-            VC_SWITCH(R, cs_dots, xl, G, E, Dp, dots + E * rank, nd)                                           \
-            for (int r = 0; r < R; r++)                                                                        \
-                cm_row(dots + r * nd, C, Cs, E, rank, K, relu, c, z + r * K);                                  \
-            VC_SWITCH(R, cs_up, xl, x0f, z, K, Ut, NULL, K, Dp, NULL)                                          \
-            vc_store_##S(out + r0, xl, R, D, Dp);                                                              \
-        }                                                                                                      \
-        free(xl);                                                                                              \
-    }                                                                                                          \
+    const int64_t nd = E * rank + E;                                                                           \
+    VC_FOR_TILES(S, VC_ROWS * (nd + K) + rank + E, {                                                           \
+        float *dots = x0f + VC_ROWS * Dp, *z = dots + VC_ROWS * nd, *c = z + VC_ROWS * K;                      \
+        VC_SWITCH(R, cs_dots, xl, V, E * rank, Dp, dots, nd)                                                   \
+        VC_SWITCH(R, cs_dots, xl, G, E, Dp, dots + E * rank, nd)                                               \
+        for (int r = 0; r < R; r++) cm_row(dots + r * nd, C, Cs, E, rank, K, relu, c, z + r * K);              \
+        VC_SWITCH(R, cs_up, xl, x0f, z, K, Ut, NULL, K, Dp, NULL)                                              \
+    })                                                                                                         \
 }
 
 DEFINE_DOT_KERNELS(f32, float)

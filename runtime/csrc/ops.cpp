@@ -15,8 +15,10 @@
 #include <ATen/core/stack.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_sparse_coo_tensor_unsafe.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
@@ -697,6 +699,41 @@ std::tuple<Tensor, std::vector<Tensor>> cross_stack_fwd(const Tensor &x0, const 
     return result;
 }
 
+/* recompile::cross_stack_backward(Tensor grad, Tensor x0, Tensor x, Tensor[] weights, Tensor[] downs,
+ * Tensor[] saved, bool has_bias) -> (Tensor, Tensor, Tensor[], Tensor[], Tensor[]): runtime/interaction.py's
+ * cross_stack_backward, the same ATen calls made from C++ (no Python per call), for plain CPU tensors of one float
+ * dtype; anything else goes on to the Python op. */
+bool cross_stack_backward_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 7);
+    const Tensor grad = a[0].toTensor(), x0 = a[1].toTensor(), x = a[2].toTensor();
+    const std::vector<Tensor> weights = a[3].toTensorVector(), downs = a[4].toTensorVector(),
+                              saved = a[5].toTensorVector();
+    const bool has_bias = a[6].toBool();
+    const int64_t L = (int64_t)weights.size();
+    bool ok = plain_cpu(grad, FLOATS) && L > 0 && (int64_t)saved.size() == 2 * L - 1 &&
+              (downs.empty() || (int64_t)downs.size() == L);
+    for (const auto *list : {&weights, &downs, &saved})
+        for (const Tensor &t : *list) ok = ok && plain_cpu(t, {grad.scalar_type()});
+    if (!ok || !plain_cpu(x0, {grad.scalar_type()}) || !plain_cpu(x, {grad.scalar_type()})) return false;
+    Tensor grad_x0, g = grad;
+    std::vector<Tensor> grad_weights(L), grad_biases(has_bias ? L : 0), grad_downs(downs.size());
+    for (int64_t l = L - 1; l >= 0; l--) {
+        const Tensor &x_in = l == 0 ? x : saved[L + l - 1], &hb = saved[l];
+        Tensor grad_hb = g.mul(x0);
+        grad_x0 = grad_x0.defined() ? grad_x0.addcmul_(g, hb) : g.mul(hb);
+        grad_weights[l] = at::mm(grad_hb.t(), downs.empty() ? x_in : at::mm(x_in, downs[l].t()));
+        if (has_bias) grad_biases[l] = grad_hb.sum(0);
+        Tensor weight = weights[l];
+        if (!downs.empty()) {
+            const Tensor grad_z = at::mm(grad_hb, weights[l]);
+            grad_downs[l] = at::mm(grad_z.t(), x_in);
+            grad_hb = grad_z, weight = downs[l];
+        }
+        g = g.is_same(grad) ? at::addmm(g, grad_hb, weight) : g.addmm_(grad_hb, weight);  // g is ours after one
+    }
+    return returned(stack, 7, grad_x0, g.is_same(grad) ? g.clone() : g, grad_weights, grad_biases, grad_downs);
+}
+
 /* recompile::cross_stack(Tensor x0, Tensor x, Tensor[] weights, Tensor[] biases, Tensor[] downs, bool save,
  * str impl) -> (Tensor, Tensor[]) */
 bool cross_stack_native(torch::jit::Stack *stack) {
@@ -1327,6 +1364,8 @@ TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
     m.impl("vector_cross", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&vector_cross_native>>());
     m.impl("cross_stack", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&cross_stack_native>>());
     m.impl("cross_mixture", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&cross_mixture_native>>());
+    m.impl("cross_stack_backward",
+           torch::CppFunction::makeFromBoxedFunction<&below_autograd<&cross_stack_backward_native>>());
     m.impl("vector_cross_backward",
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&vector_cross_backward_native>>());
     m.impl("dot_interaction", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&dot_interaction_native>>());
@@ -1347,6 +1386,8 @@ TORCH_LIBRARY_IMPL(recompile, AutogradCPU, m) {
     m.impl("fm_second_order", torch::CppFunction::makeFromBoxedFunction<&fm_second_order_autograd>());
     m.impl("cross_stack", torch::CppFunction::makeFromBoxedFunction<&cross_stack_autograd>());
     m.impl("cross_mixture", torch::CppFunction::makeFromBoxedFunction<&cross_mixture_autograd>());
+    m.impl("cross_stack_backward",
+           torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&cross_stack_backward_native>>());
     m.impl("vector_cross", torch::CppFunction::makeFromBoxedFunction<&vector_cross_autograd>());
     m.impl("vector_cross_backward",
            torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&vector_cross_backward_native>>());
