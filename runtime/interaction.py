@@ -26,8 +26,9 @@ Kernels: ``reference`` (plain torch, the oracle), ``cpu`` (torch), ``native`` (C
 through ``recompile.runtime.interaction_native``; chosen at compile time where it reads the inputs), ``triton``. Backward
 passes are ops of their own (``dot_interaction_backward``, ``cross_epilogue_backward``,
 ``cross_stack_backward``, ``cross_mixture_backward``, ``vector_cross_backward``, ``fm_second_order_backward``).
-``fm_second_order``'s autograd on the CPU is C++ (``csrc/ops.cpp``, the AutogradCPU key), so a CPU call runs no
-Python; the ``register_autograd`` formulas here serve the other devices (and every op on the CPU but that one).
+The autograd of ``fm_second_order``, ``cross_stack`` and ``vector_cross`` on the CPU is C++ (``csrc/ops.cpp``, the
+AutogradCPU key), so a CPU call runs no Python; the ``register_autograd`` formulas here serve the other devices (and
+the other ops on the CPU).
 """
 from __future__ import annotations
 
@@ -429,7 +430,8 @@ def cross_stack_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """(grad_x0, grad_x, grad_weights, grad_biases, grad_downs), last layer first back to the first: per layer
     two (full rank) or four (low rank) matmuls; grad_x0 and the grad of x_l accumulate in place (a C pass for
-    the elementwise part measured no faster than these ATen calls)."""
+    the elementwise part measured no faster than these ATen calls). On the CPU the same calls run from C++
+    (csrc/ops.cpp ``cross_stack_backward_native``, below autograd): no Python per call."""
     grad_x0 = None
     g = grad
     grad_weights, grad_biases, grad_downs = [], [], []
@@ -539,6 +541,17 @@ def _mixture_forward(x0, x, gate, downs, mids, ups, biases, activation, save=Tru
 
 
 register_kernel("cross_mixture", "cpu")(_mixture_forward)
+
+
+@register_kernel("cross_mixture", "native", supports=native_reads)
+def _cross_mixture_native(x0, x, gate, downs, mids, ups, biases, activation, save):
+    """Inference: per tile of rows the gate, every expert and ``x0 * y + x`` in one C pass where the weights stay in
+    cache (csrc/interaction.h; the same call, below autograd, serves compiled graphs without this Python).
+    Training: the batched torch forward, whose intermediates its backward reads."""
+    require("cross_mixture", "native", native_reads(x0=x0, x=x, gate=gate, downs=downs, mids=mids, ups=ups,
+                                                    biases=biases))
+    out = None if save else native.cross_mixture(x0, x, gate, downs, mids, ups, biases, activation)
+    return (out, []) if out is not None else _mixture_forward(x0, x, gate, downs, mids, ups, biases, activation, save)
 
 
 def _output_and_saved(kernel: Callable) -> Callable:

@@ -1,5 +1,6 @@
 """The native CPU kernels of the interaction ops (``csrc/interaction.h``, the C++ ops
-``torch.ops.recompile_native.dot_interaction[_backward]`` and ``{cross_epilogue,fm_second_order,vector_cross}_{fwd,bwd}``).
+``torch.ops.recompile_native.dot_interaction[_backward]``, ``{cross_epilogue,fm_second_order,vector_cross}_{fwd,bwd}``
+and ``cross_{stack,mixture}_fwd``).
 
 Each function makes one op call (the whole batch, every feature, ``torch.get_num_threads()`` OpenMP threads);
 features are read in place through a table of their row pointers that the C++ op builds from the list.
@@ -81,10 +82,16 @@ def _cross_stack_padded(x0, x, weights, biases, downs, width):
 
 
 def cross_stack(x0, x, weights, biases, downs, save):
-    """(x_L, saved) of ``recompile.runtime.interaction.cross_stack``: per layer the matmul (MKL, no bias: addmm would copy
-    the bias into the output first), then bias, ``x0 *`` and ``+ x`` in one C pass. An inference call writes
-    x_{l+1} over h_l (no allocation), rows of ``PAD_MIN_WIDTH`` or more padded to ``ROW_ALIGN`` elements (cached
-    padded weights); a saving one keeps h_l + b_l in h_l's buffer and x_{l+1} apart."""
+    """(x_L, saved) of ``recompile.runtime.interaction.cross_stack``. Layers whose weights stay in cache
+    (``cross_stack_fused``: rank x D up to 16K floats) run fused, all layers per tile of rows in one C pass
+    (csrc/interaction.h: x and x0 read once, x_L written once; the same call, below autograd, serves compiled
+    graphs without this Python). Larger ones per layer: the matmul (MKL, no bias: addmm would copy the bias into
+    the output first), then bias, ``x0 *`` and ``+ x`` in one C pass. An inference call writes x_{l+1} over h_l (no
+    allocation), rows of ``PAD_MIN_WIDTH`` or more padded to ``ROW_ALIGN`` elements (cached padded weights); a
+    saving one keeps h_l + b_l in h_l's buffer and x_{l+1} apart."""
+    if ops.cross_stack_fused(downs[0].shape[0] if downs else x0.shape[1], x0.shape[1]):
+        out, saved = ops.cross_stack_fwd(x0, x, weights, biases, downs, save)
+        return out, list(saved)
     width = -(-x0.shape[1] // ROW_ALIGN) * ROW_ALIGN
     if not save and width != x0.shape[1] >= PAD_MIN_WIDTH:
         return _cross_stack_padded(x0, x, weights, biases, downs, width), []
@@ -99,6 +106,14 @@ def cross_stack(x0, x, weights, biases, downs, save):
             inputs.append(x)
         x = cross_epilogue(x0, x, h, bias, out=None if save else h, hb=h if save else None)
     return x, hbs + inputs[1:]
+
+
+def cross_mixture(x0, x, gate, downs, mids, ups, biases, activation):
+    """The output of an inference DCN-Mix layer (``recompile.runtime.interaction.cross_mixture``) in one C pass, or
+    None where its weights do not stay in cache (``cross_stack_fused`` of its E (rank + 1) rows)."""
+    if not ops.cross_stack_fused(len(downs) * (downs[0].shape[0] + 1), x.shape[1]):
+        return None
+    return ops.cross_mixture_fwd(x0, x, gate, downs, mids, ups, biases, activation)
 
 
 def cross_epilogue_backward(grad, x0, h, bias):

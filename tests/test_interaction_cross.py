@@ -12,7 +12,7 @@ from torch.autograd import gradcheck
 from models.ctr import DCNConfig, DCNv2, MixtureCrossLayer
 from models.dlrm import synthetic_batch
 from recompile.runtime import interaction_native
-from recompile.runtime.interaction import ACTIVATIONS, cross_mixture_reference, cross_stack_reference
+from recompile.runtime.interaction import ACTIVATIONS, _cross_stack_torch, cross_mixture_reference, cross_stack_reference
 from recompile.runtime.kernels import KERNELS
 from tests.test_interaction_pass import _assert_same_training, _regions, pipeline_only
 
@@ -70,11 +70,14 @@ def test_cross_stack_kernels_forward_and_backward(b, d, layers, rank, bias, impl
 @settings(max_examples=25, deadline=None)
 @given(b=st.integers(0, 9), d=st.integers(1, 40), layers=st.integers(1, 3), rank=st.sampled_from([None, 1, 3]),
        bias=st.booleans(), same=st.booleans(), impl=st.sampled_from(["cpu", "native", "reference"]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), pad=st.booleans())
-def test_cross_stack_inference_kernels(b, d, layers, rank, bias, same, impl, dtype, pad):
-    """Inference calls (save=False): the native kernel pads rows to 16 elements unless d is a multiple of 16
-    (``pad``: from any width, else from its PAD_MIN_WIDTH), and must return the [B, D] contiguous result its fake
-    promises, also when x is x0."""
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), pad=st.booleans(), wide=st.booleans())
+def test_cross_stack_inference_kernels(b, d, layers, rank, bias, same, impl, dtype, pad, wide):
+    """Inference calls (save=False): the native kernel runs fused where the weights stay in cache; ``wide``
+    (full-rank rows of 129 or more) takes its GEMM path, which pads rows to 16 elements unless d is a multiple of
+    16 (``pad``: from any width, else from its PAD_MIN_WIDTH). Both must return the [B, D] contiguous result the
+    fake promises, also when x is x0."""
+    if wide:
+        d, rank = 129 + d % 16, None
     args, sizes = _stack_args(b, d, layers, rank, bias, dtype)
     if same:
         args[1] = args[0]
@@ -89,9 +92,10 @@ def test_cross_stack_inference_kernels(b, d, layers, rank, bias, same, impl, dty
 
 @pytest.mark.skipif(not interaction_native.available(), reason="no C compiler: no native kernel")
 def test_native_stack_sees_weight_updates(monkeypatch):
-    """The padded weight copies are remade after an in-place update and after ``.data`` is replaced."""
+    """The padded weight copies (the GEMM path: rows of 130) are remade after an in-place update and after
+    ``.data`` is replaced."""
     monkeypatch.setattr(interaction_native, "PAD_MIN_WIDTH", 1)
-    args, sizes = _stack_args(4, 10, 2, None, True)
+    args, sizes = _stack_args(4, 130, 2, None, True)
     x0, x, *params = args
     weights, biases = params[:2], params[2:]
 
@@ -104,8 +108,30 @@ def test_native_stack_sees_weight_updates(monkeypatch):
     weights[0].mul_(2)
     biases[1].add_(1)
     check()
-    weights[1].data = torch.randn(10, 10)
+    weights[1].data = torch.randn(130, 130) / 16
     check()
+
+
+@pytest.mark.skipif(not interaction_native.available(), reason="no C compiler: no native kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank", [None, 4])
+def test_fused_stack_tiles_and_saved(rank, dtype):
+    """The fused kernel over many row tiles and a tail (B = 21), rows of 70 (column blocks of 3 and 2 vectors),
+    a weight given as a transposed view (``x @ W``): output and saved tensors equal the GEMM path's, whether the
+    call comes through the op (C++, below autograd) or interaction_native's Python entry."""
+    torch.manual_seed(0)
+    args, sizes = _stack_args(21, 70, 3, rank, True, dtype)
+    x0, x, *p = args
+    weights, biases, downs = p[:3], p[3:6], p[6:]
+    weights[1] = weights[1].t().contiguous().t()
+    assert torch.ops.recompile_native.cross_stack_fused(rank or 70, 70)
+    want = _cross_stack_torch(*[t.float() for t in (x0, x)], [w.float() for w in weights],
+                              [b.float() for b in biases], [v.float() for v in downs], True)
+    tol = dict(rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"] * 10)
+    for got in (torch.ops.recompile.cross_stack(x0, x, weights, biases, downs, True, "native"),
+                interaction_native.cross_stack(x0, x, weights, biases, downs, True)):
+        assert len(got[1]) == 5 and all(t.dtype == dtype and t.is_contiguous() for t in (got[0], *got[1]))
+        torch.testing.assert_close([t.float() for t in (got[0], *got[1])], [want[0], *want[1]], **tol)
 
 
 @pytest.mark.parametrize("save", [False, True])
@@ -144,6 +170,24 @@ def test_cross_mixture_kernels_forward_and_backward(b, d, experts, rank, mid, bi
                                          activation), _leaves(*args))
     want = _forward_and_grads(_mixture_fn(cross_mixture_reference, sizes, activation), _leaves(*args))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * d * rank)
+
+
+@pytest.mark.skipif(not interaction_native.available(), reason="no C compiler: no native kernel")
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(0, 19), d=st.integers(1, 70), experts=st.integers(1, 3), rank=st.integers(1, 4),
+       mid=st.booleans(), bias=st.booleans(), activation=st.sampled_from(sorted(ACTIVATIONS)),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_native_mixture_inference(b, d, experts, rank, mid, bias, activation, dtype):
+    """The fused inference kernel (save=False) against the reference: tiles and a tail, rows of up to 5 vectors
+    (column blocks), 16-bit storage; it keeps nothing."""
+    args, sizes = _mixture_args(b, d, experts, rank, mid, bias)
+    args = [a / d ** 0.5 for a in args]
+    with torch.no_grad():
+        out, saved = _mixture_fn(lambda *a: torch.ops.recompile.cross_mixture(*a, False, "native"), sizes,
+                                 activation)(*[a.to(dtype) for a in args])
+        want = _mixture_fn(cross_mixture_reference, sizes, activation)(*[a.to(dtype).float() for a in args])
+    assert saved == [] and out.dtype == dtype and out.shape == (b, d)
+    torch.testing.assert_close(out.float(), want, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"])
 
 
 @pytest.mark.parametrize("rank", [None, 2])

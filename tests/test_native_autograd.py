@@ -1,6 +1,7 @@
-"""The C++ autograd of recompile::fm_second_order and sampled_softmax_loss (csrc/ops.cpp, the AutogradCPU key, as
-the grouped lookup's): no Python runs per call, forward or backward; the gradients match the references (gradcheck
-in double, hypothesis edge cases: a single row, an empty batch, fp16/bf16 where the kernel takes them, a clear error
+"""The C++ autograd of recompile::fm_second_order, vector_cross, cross_stack, cross_mixture and sampled_softmax_loss
+(csrc/ops.cpp, the AutogradCPU key, as the grouped lookup's): no Python runs per call, forward or backward
+(cross_mixture's training forward and backward are Python); the gradients match the references (gradcheck in
+double, hypothesis edge cases: a single row, an empty batch, fp16/bf16 where the kernel takes them, a clear error
 naming the op and dtype where not); double backward raises naming the op; the zoo's DeepFM and HSTU (sampled
 softmax retrieval) train compiled as in eager."""
 import os
@@ -55,8 +56,18 @@ def _python_calls(step) -> list[str]:
     return calls
 
 
+def vector_cross(x0, x, w0, w1, b0, b1, impl="native"):
+    return ops.vector_cross(x0, x, [w0, w1], [b0, b1], impl)
+
+
+def cross_stack(x0, x, w0, w1, b0, b1, v0, v1, impl="native", save=True):
+    return ops.cross_stack(x0, x, [w0, w1], [b0, b1], [v0, v1], save, impl)
+
+
+STACK_SHAPES = ((5, 8), (5, 8), (8, 3), (8, 3), (8,), (8,), (3, 8), (3, 8))
 CASES = {
     "fm_second_order": (fm, ((4, 3, 8),)),
+    "vector_cross": (vector_cross, ((5, 8), (5, 8), (8,), (8,), (8,), (8,))),
     "sampled_softmax_loss": (softmax, ((4, 1), (4, 6))),
     "sampled_softmax_loss with ids": (lambda p, n: softmax(p, n, torch.tensor([1, 2, 3, 2, 5, 6]),
                                                           torch.tensor([2, 0, 6, 1])), ((4, 1), (4, 6))),
@@ -77,6 +88,48 @@ def test_autograd_is_cpp_and_a_call_runs_no_python(case):
     assert _python_calls(lambda: out[0].sum().backward()) == []
     with torch.no_grad():
         assert _python_calls(lambda: fn(*leaves)) == []
+
+
+def test_cross_stack_runs_no_python_forward_or_backward():
+    for name in ("recompile::cross_stack", "recompile::cross_stack_backward"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutogradCPU"), name
+    leaves = _leaves(*STACK_SHAPES)
+    cross_stack(*leaves)
+    out = []
+    assert _python_calls(lambda: out.append(cross_stack(*leaves))) == []
+    (x_l, saved) = out[0]
+    assert "CrossStack" in x_l.grad_fn.name() and len(saved) == 3 and not any(t.requires_grad for t in saved)
+    assert _python_calls(lambda: x_l.sum().backward()) == []
+    with torch.no_grad():
+        assert _python_calls(lambda: cross_stack(*leaves, save=False)) == []
+
+
+def test_cross_mixture_forward_runs_no_python_and_its_node_calls_the_backward_op():
+    """The node is C++ (a training call's forward is the registry's torch kernel, in Python); an inference call
+    (the fused kernel) runs no Python."""
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("recompile::cross_mixture", "AutogradCPU")
+    x0, x, gate, *p = _leaves((5, 8), (5, 8), (2, 8), (3, 8), (3, 8), (3, 3), (3, 3), (8, 3), (8, 3), (8,), (8,))
+
+    def mixture(save=True):
+        return ops.cross_mixture(x0, x, gate, p[0:2], p[2:4], p[4:6], p[6:8], "relu", save, "native")
+
+    out, saved = mixture()
+    assert "CrossMixture" in out.grad_fn.name() and len(saved) == 4 and not any(t.requires_grad for t in saved)
+    assert any("cross_mixture_backward" in c for c in _python_calls(lambda: out.sum().backward()))
+    with torch.no_grad():
+        assert _python_calls(lambda: mixture(save=False)) == []
+
+
+@pytest.mark.parametrize("impl", ["native", "cpu", "reference"])
+def test_cross_stack_cpp_autograd_matches_the_reference(impl):
+    """Every kernel through the C++ node: gradients of all inputs as autograd of the reference."""
+    from recompile.runtime.interaction import cross_stack_reference
+
+    leaves = _leaves(*STACK_SHAPES)
+    wants = [t.detach().clone().requires_grad_() for t in leaves]
+    got = torch.autograd.grad(cross_stack(*leaves, impl=impl)[0].square().sum(), leaves)
+    want = torch.autograd.grad(cross_stack_reference(*wants[:2], wants[2:4], wants[4:6], wants[6:]).square().sum(), wants)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_other_kernels_go_through_the_cpp_autograd_to_the_python_op():
@@ -141,7 +194,7 @@ def test_sampled_softmax_native_refuses_half_types_naming_the_op_and_dtype(dtype
                                           1.0, "native")
 
 
-@pytest.mark.parametrize("case", ["fm_second_order", "sampled_softmax_loss"])
+@pytest.mark.parametrize("case", ["fm_second_order", "sampled_softmax_loss", "vector_cross"])
 def test_double_backward_raises_naming_the_backward_op(case):
     fn, shapes = CASES[case]
     leaves = _leaves(*shapes)

@@ -62,6 +62,26 @@ def test_interactions(isa, dtype, tol):
     x0, x = torch.randn(9, 45, generator=g).to(dtype), torch.randn(9, 45, generator=g).to(dtype)
     weight, bias = torch.randn(45, 45, generator=g).to(dtype) / 8, torch.randn(45, generator=g).to(dtype)
     _same(lambda *a: ops.cross_layer(*a[:4], None, a[4]), [x0, x, weight, bias], tol, tol)
+    # the cross stack, full and low rank: 9 rows (a tile of 8 and a tail) of 45 (3 AVX-512 vectors); atol: the
+    # backward reads the saved h_l + b_l and x_l rounded to 16 bits
+    for downs in ([], [torch.randn(5, 45, generator=g).to(dtype) / 8 for _ in range(2)]):
+        weights = [torch.randn(45, len(downs) and 5 or 45, generator=g).to(dtype) / 4 for _ in range(2)]
+        biases = [torch.randn(45, generator=g).to(dtype) for _ in range(2)]
+        _same(lambda x0, x, *p: ops.cross_stack(x0, x, list(p[:2]), list(p[2:4]), list(p[4:-1]), True, p[-1]),
+              [x0, x, *weights, *biases, *downs], 3 * tol, tol)
+    w, b = [torch.randn(45, generator=g).to(dtype) / 8 for _ in range(2)], [torch.randn(45, generator=g).to(dtype)] * 2
+    _same(lambda x0, x, *p: ops.vector_cross(x0, x, list(p[:2]), list(p[2:4]), p[4]), [x0, x, *w, *b], tol, tol)
+    gate, downs = torch.randn(2, 45, generator=g), [torch.randn(4, 45, generator=g) / 8 for _ in range(2)]
+    mids = [torch.randn(4, 4, generator=g) / 2 for _ in range(2)]
+    ups = [torch.randn(45, 4, generator=g) for _ in range(2)]
+
+    def mixture(impl, cast):  # inference: the fused kernel
+        lists = ([cast(t) for t in ts] for ts in (downs, mids, ups, biases))
+        return ops.cross_mixture(cast(x0), cast(x), cast(gate.to(dtype)), *lists, "relu", False, impl)[0]
+
+    with torch.no_grad():
+        torch.testing.assert_close(mixture("native", lambda t: t.to(dtype)),
+                                   mixture("reference", lambda t: t.to(dtype).float()).to(dtype), atol=tol, rtol=tol)
     v = torch.randn(6, 11, 37, generator=g).to(dtype)
     for reduce in (True, False):
         _same(lambda v, impl: ops.fm_second_order(v, reduce, impl), [v], tol, tol)

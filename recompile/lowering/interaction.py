@@ -31,13 +31,16 @@ register_lowering(
 register_lowering(
     "recompile::cross_stack",
     Impl("triton", "triton", has_triton, "recompile.runtime.triton_kernels.interaction.cross_stack (per layer tl.dot + epilogue)"),
-    Impl("native", "cpu_kernel", native_runs, "per layer mm (MKL), then csrc/interaction.h: h + b and x0 * (h + b) + x in one pass"),
+    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.h: all layers per tile of rows in one pass where the "
+         "weights stay in cache (else per layer mm (MKL), then h + b and x0 * (h + b) + x in one pass)"),
     Impl("cpu", "cpu_kernel", on_cpu, "per layer addmm (MKL) into the saved h + b, then one addcmul pass"),
     reference("recompile.runtime.interaction.cross_stack_reference"),
 )
 register_lowering(
     "recompile::cross_mixture",
     Impl("triton", "triton", has_triton, "recompile.runtime.triton_kernels.interaction.cross_mixture"),
+    Impl("native", "cpu_kernel", native_runs, "csrc/interaction.h: inference per tile of rows, the gate, every "
+         "expert and x0 * y + x in one pass where the weights stay in cache (training: the cpu kernel)"),
     Impl("cpu", "cpu_kernel", on_cpu, "all experts in three matmuls (concatenated V, one bmm of C, gate-scaled U)"),
     reference("recompile.runtime.interaction.cross_mixture_reference"),
 )

@@ -316,12 +316,20 @@ void fm_second_order_bwd_##S(const T *grad, const T *v, int64_t B, int64_t F, in
  * read once and the output written once; the tile's dot products run side by side (independent accumulators:
  * one sample's dot is a chain of dependent FMAs and a horizontal sum). W and bias are float [L, Dp], rows
  * zero-padded to Dp (a multiple of 16 >= D; bias may be NULL); x0, x, grad and the outputs [B, D] contiguous. */
-enum { VC_ROWS = 4 };
+enum { VC_ROWS = 8 };
 
-static inline float vc_hsum(vf v) {
+static inline float vc_hsum(vf v) { /* a tree of shuffles where the instruction set has them */
+#if RECOMPILE_AVX512
+    return _mm512_reduce_add_ps((__m512)v);
+#elif RECOMPILE_AVX2
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
     float s = 0.f;
     for (int i = 0; i < VL; i++) s += v[i];
     return s;
+#endif
 }
 
 #define VC_AT(p) (*(vfu *)(p))
@@ -389,6 +397,10 @@ static inline __attribute__((always_inline)) void vc_backward_tile(float *g, flo
 /* fn(args..., R) for the tile's row count R in 1..VC_ROWS, a compile-time constant in each case. */
 #define VC_SWITCH(R, fn, ...)                                                                                  \
     switch (R) {                                                                                               \
+        case 8: fn(__VA_ARGS__, 8); break;                                                                     \
+        case 7: fn(__VA_ARGS__, 7); break;                                                                     \
+        case 6: fn(__VA_ARGS__, 6); break;                                                                     \
+        case 5: fn(__VA_ARGS__, 5); break;                                                                     \
         case 4: fn(__VA_ARGS__, 4); break;                                                                     \
         case 3: fn(__VA_ARGS__, 3); break;                                                                     \
         case 2: fn(__VA_ARGS__, 2); break;                                                                     \
@@ -401,6 +413,48 @@ static inline int vc_tile(int64_t t, int64_t B, int64_t D, int64_t *r0) {
     return B - t * VC_ROWS < VC_ROWS ? (int)(B - t * VC_ROWS) : VC_ROWS;
 }
 
+/* vc_vload_<S>(p, n): the first n (0..VL) elements at p as floats, the rest zero; vc_vstore_<S>(p, v, n): v's first n
+   lanes to p. Masked loads and stores where the instruction set has them (vload_n copies through a buffer: its
+   store-to-load forwarding stall took most of a row's time at D = 40). */
+#if RECOMPILE_AVX512
+static inline __mmask16 vc_mask(int n) { return (__mmask16)((1u << n) - 1); }
+static inline vf vc_vload_f32(const float *p, int n) { return (vf)_mm512_maskz_loadu_ps(vc_mask(n), p); }
+static inline vf vc_vload_f16(const _Float16 *p, int n) {
+    return (vf)_mm512_maskz_cvtph_ps(0xFFFF, _mm256_maskz_loadu_epi16(vc_mask(n), p));
+}
+static inline vf vc_vload_bf16(const bf16_t *p, int n) {
+    const __m512i h = _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_maskz_loadu_epi16(vc_mask(n), p));
+    return (vf)_mm512_maskz_slli_epi32(0xFFFF, h, 16);
+}
+static inline void vc_vstore_f32(float *p, vf v, int n) { _mm512_mask_storeu_ps(p, vc_mask(n), (__m512)v); }
+static inline void vc_vstore_f16(_Float16 *p, vf v, int n) {
+    _mm256_mask_storeu_epi16(p, vc_mask(n), _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static inline void vc_vstore_bf16(bf16_t *p, vf v, int n) { /* round to nearest even, as store_bf16 */
+    const vi bits = (vi)v, rounded = (vi)(((__v16su)bits + 0x7fffu + (((__v16su)bits >> 16) & 1u)) >> 16);
+    _mm256_mask_storeu_epi16(p, vc_mask(n), _mm512_cvtepi32_epi16((__m512i)rounded));
+}
+#else
+#if RECOMPILE_AVX2
+static inline __m256i vc_mask(int n) { return (__m256i)((vi){0, 1, 2, 3, 4, 5, 6, 7} < n); }
+static inline vf vc_vload_f32(const float *p, int n) { return (vf)_mm256_maskload_ps(p, vc_mask(n)); }
+static inline void vc_vstore_f32(float *p, vf v, int n) { _mm256_maskstore_ps(p, vc_mask(n), (__m256)v); }
+#define VC_F32_MASKED 1
+#endif
+#define VC_BUFFERED(S, T)                                                                                      \
+static inline vf vc_vload_##S(const T *p, int n) { return vload_n_##S(p, n); }                                 \
+static inline void vc_vstore_##S(T *p, vf v, int n) {                                                          \
+    for (int i = 0; i < n; i++) store_##S(p + i, v[i]);                                                        \
+}
+#ifndef VC_F32_MASKED
+VC_BUFFERED(f32, float)
+#endif
+VC_BUFFERED(f16, _Float16)
+VC_BUFFERED(bf16, bf16_t)
+#undef VC_BUFFERED
+#undef VC_F32_MASKED
+#endif
+
 /* vc_load_<S>: R rows of src (stride D) into float rows of stride Dp (a multiple of VL), zero-padded, whole
    vectors at a time; vc_store_<S>: back. */
 #define DEFINE_VC_ROWS(S, T)                                                                                   \
@@ -408,35 +462,39 @@ static inline void vc_load_##S(float *dst, const T *src, int R, int64_t D, int64
     for (int r = 0; r < R; r++)                                                                                \
         for (int64_t d = 0; d < Dp; d += VL) {                                                                 \
             const int n = D - d <= 0 ? 0 : D - d < VL ? (int)(D - d) : VL;                                     \
-            VC_AT(dst + r * Dp + d) = vload_n_##S(src + r * D + d, n);                                         \
+            VC_AT(dst + r * Dp + d) = vc_vload_##S(src + r * D + d, n);                                        \
         }                                                                                                      \
 }                                                                                                              \
 static inline void vc_store_##S(T *dst, const float *src, int R, int64_t D, int64_t Dp) {                      \
-    for (int r = 0; r < R; r++) {                                                                              \
-        _Pragma("omp simd")                                                                                    \
-        for (int64_t d = 0; d < D; d++) store_##S(dst + r * D + d, src[r * Dp + d]);                           \
-    }                                                                                                          \
+    for (int r = 0; r < R; r++)                                                                                \
+        for (int64_t d = 0; d < D; d += VL)                                                                    \
+            vc_vstore_##S(dst + r * D + d, VC_AT(src + r * Dp + d), D - d < VL ? (int)(D - d) : VL);          \
 }
+
+/* The tiles of a batch of B rows of D, OpenMP over tiles: per tile of R rows (r0: its first element) x and x0
+   loaded into the float rows xl and x0f (stride Dp), the body (the last arguments) run, xl stored to out; each
+   thread has `scratch` more floats after its x0f. */
+#define VC_FOR_TILES(S, scratch, ...)                                                                          \
+    _Pragma("omp parallel num_threads(threads)")                                                               \
+    {                                                                                                          \
+        float *xl = (float *)malloc(sizeof(float) * (2 * VC_ROWS * Dp + (scratch))), *x0f = xl + VC_ROWS * Dp; \
+        _Pragma("omp for schedule(static)")                                                                    \
+        for (int64_t t = 0; t < (B + VC_ROWS - 1) / VC_ROWS; t++) {                                            \
+            int64_t r0;                                                                                        \
+            const int R = vc_tile(t, B, D, &r0);                                                               \
+            vc_load_##S(xl, x + r0, R, D, Dp);                                                                 \
+            vc_load_##S(x0f, x0 + r0, R, D, Dp);                                                               \
+            __VA_ARGS__                                                                                        \
+            vc_store_##S(out + r0, xl, R, D, Dp);                                                              \
+        }                                                                                                      \
+        free(xl);                                                                                              \
+    }
 
 #define DEFINE_VECTOR_CROSS_KERNELS(S, T)                                                                      \
 DEFINE_VC_ROWS(S, T)                                                                                           \
 void vector_cross_fwd_##S(const T *x0, const T *x, const float *W, const float *bias, int64_t L, int64_t Dp,    \
                           T *out, int64_t B, int64_t D, int threads) {                                         \
-    const int64_t tiles = (B + VC_ROWS - 1) / VC_ROWS;                                                         \
-    _Pragma("omp parallel num_threads(threads)")                                                               \
-    {                                                                                                          \
-        float *xl = (float *)malloc(sizeof(float) * 2 * VC_ROWS * Dp), *x0f = xl + VC_ROWS * Dp;               \
-        _Pragma("omp for schedule(static)")                                                                    \
-        for (int64_t t = 0; t < tiles; t++) {                                                                  \
-            int64_t r0;                                                                                        \
-            const int R = vc_tile(t, B, D, &r0);                                                               \
-            vc_load_##S(xl, x + r0, R, D, Dp);                                                                 \
-            vc_load_##S(x0f, x0 + r0, R, D, Dp);                                                               \
-            VC_SWITCH(R, vc_forward_tile, xl, x0f, W, bias, L, Dp, NULL, NULL)                                 \
-            vc_store_##S(out + r0, xl, R, D, Dp);                                                              \
-        }                                                                                                      \
-        free(xl);                                                                                              \
-    }                                                                                                          \
+    VC_FOR_TILES(S, 0, VC_SWITCH(R, vc_forward_tile, xl, x0f, W, bias, L, Dp, NULL, NULL))                     \
 }                                                                                                              \
                                                                                                                \
 /* The layers recomputed per tile (inputs and scalars kept), then vc_backward_tile; grad_W and grad_bias       \
@@ -477,12 +535,162 @@ void vector_cross_bwd_##S(const T *grad, const T *x0, const T *x, const float *W
     }                                                                                                          \
 }
 
+
+/* The DCN-v2 cross stack (runtime/interaction.py cross_stack): L layers x_{l+1} = x0 * (z_l U_l^T + b_l) + x_l, z_l
+ * = x_l V_l^T (low rank) or x_l (full rank, U_l = W_l), per tile of VC_ROWS samples (vc_tile) kept in float rows
+ * (L1) across the layers: x and x0 read once, the output written once (and, saving for the backward, h_l + b_l and
+ * the inputs x_1 .. x_{L-1}), where the GEMM path makes a GEMM, an epilogue pass and their [B, D] intermediates per
+ * layer. For weights that stay in cache (the caller decides). Ut: float [L, K, Dp] (U_l^T; K the rank, or D at full
+ * rank), V: float [L, K, Dp] (NULL at full rank), bias: float [L, Dp] (NULL without); rows zero-padded to Dp, a
+ * multiple of VL >= D. */
+static const int CS_COLS = VL == 16 ? 3 : 1; /* register tile: VC_ROWS rows x CS_COLS vectors */
+
+/* Columns [c0, c0 + N VL) of the tile's R rows: acc = b + sum_k z[r, k] Ut[k] (register tile, each weight vector
+   read once for the R rows), kept in hb (when given), then xl[r] += x0[r] * acc. */
+static inline __attribute__((always_inline)) void cs_block(float *xl, const float *x0, const float *z, int64_t zs,
+                                                           const float *Ut, const float *b, int64_t K, int64_t Dp,
+                                                           int64_t c0, float *hb, const int R, const int N) {
+    vf acc[VC_ROWS][CS_COLS];
+    for (int c = 0; c < N; c++) {
+        const vf bv = b ? VC_AT(b + c0 + c * VL) : (vf){0};
+        for (int r = 0; r < R; r++) acc[r][c] = bv;
+    }
+    for (int64_t k = 0; k < K; k++) {
+        vf u[CS_COLS];
+        for (int c = 0; c < N; c++) u[c] = VC_AT(Ut + k * Dp + c0 + c * VL);
+        for (int r = 0; r < R; r++) {
+            const float zr = z[r * zs + k];
+            for (int c = 0; c < N; c++) acc[r][c] += zr * u[c];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < N; c++) {
+            const int64_t at = r * Dp + c0 + c * VL;
+            if (hb) VC_AT(hb + at) = acc[r][c];
+            VC_AT(xl + at) += VC_AT(x0 + at) * acc[r][c];
+        }
+}
+
+#define CS_BLOCK(N, R, ...) cs_block(__VA_ARGS__, R, N)
+
+/* xl[r] += x0[r] * (b + z[r] Ut) for the tile's R rows, in column blocks of up to CS_COLS vectors (cs_block). */
+static inline __attribute__((always_inline)) void cs_up(float *xl, const float *x0, const float *z, int64_t zs,
+                                                        const float *Ut, const float *b, int64_t K, int64_t Dp,
+                                                        float *hb, const int R) {
+    for (int64_t c0 = 0; c0 < Dp; c0 += CS_COLS * VL) {
+        const int n = (Dp - c0) / VL < CS_COLS ? (int)((Dp - c0) / VL) : CS_COLS;
+        switch (n) {
+#if RECOMPILE_AVX512
+            case 3: CS_BLOCK(3, R, xl, x0, z, zs, Ut, b, K, Dp, c0, hb); break;
+            case 2: CS_BLOCK(2, R, xl, x0, z, zs, Ut, b, K, Dp, c0, hb); break;
+#endif
+            default: CS_BLOCK(1, R, xl, x0, z, zs, Ut, b, K, Dp, c0, hb); break;
+        }
+    }
+}
+
+/* z[r * zs + k] = x_l[r] . P[k] for the tile's R rows and the n rows of P (stride Dp), the rows side by side. */
+static inline __attribute__((always_inline)) void cs_dots(const float *xl, const float *P, int64_t n, int64_t Dp,
+                                                          float *z, int64_t zs, const int R) {
+    for (int64_t k = 0; k < n; k++) {
+        vf acc[VC_ROWS];
+        for (int r = 0; r < R; r++) acc[r] = (vf){0};
+        for (int64_t d = 0; d < Dp; d += VL) {
+            const vf v = VC_AT(P + k * Dp + d);
+            for (int r = 0; r < R; r++) acc[r] += VC_AT(xl + r * Dp + d) * v;
+        }
+        for (int r = 0; r < R; r++) z[r * zs + k] = vc_hsum(acc[r]);
+    }
+}
+
+/* One layer over the tile's R rows (z: scratch of R * max(K, Dp) floats). */
+static inline __attribute__((always_inline)) void cs_layer(float *xl, const float *x0, float *z, const float *Ut,
+                                                           const float *V, const float *b, int64_t K, int64_t D,
+                                                           int64_t Dp, float *hb, const int R) {
+    if (V) {
+        cs_dots(xl, V, K, Dp, z, K, R);
+        cs_up(xl, x0, z, K, Ut, b, K, Dp, hb, R);
+    } else {
+        memcpy(z, xl, sizeof(float) * R * Dp);
+        cs_up(xl, x0, z, Dp, Ut, b, D, Dp, hb, R);
+    }
+}
+
+/* One row of a DCN-Mix layer between its dot products and its up-projection: from ``dots`` (the experts' E * rank
+   pre-activations a, then the E gate logits), the gates g = softmax(logits) and z[e * rank + k] = g_e act(C_e
+   act(a_e))_k (act(a_e) without C), then z[E * rank + e] = g_e when K has room (the biases' weights). scratch:
+   rank + E floats. */
+static inline void cm_row(const float *dots, const float *C, int64_t Cs, int64_t E, int64_t rank, int64_t K,
+                          int relu, float *scratch, float *z) {
+    const float *logits = dots + E * rank;
+    float *c = scratch, *g = scratch + rank, top = logits[0], total = 0.f;
+    for (int64_t e = 1; e < E; e++) top = logits[e] > top ? logits[e] : top;
+    for (int64_t e = 0; e < E; e++) total += g[e] = expf(logits[e] - top);
+    for (int64_t e = 0; e < E; e++) {
+        const float ge = g[e] / total, *a = dots + e * rank;
+        float *ze = z + e * rank;
+        if (C) {
+            for (int64_t k = 0; k < rank; k++) c[k] = relu && a[k] < 0.f ? 0.f : a[k];
+            for (int64_t k = 0; k < rank; k++) {
+                float v = 0.f;
+                for (int64_t m = 0; m < rank; m++) v += C[(e * rank + k) * Cs + m] * c[m];
+                ze[k] = ge * (relu && v < 0.f ? 0.f : v);
+            }
+        } else {
+            for (int64_t k = 0; k < rank; k++) ze[k] = ge * (relu && a[k] < 0.f ? 0.f : a[k]);
+        }
+        if (K > E * rank) z[E * rank + e] = ge;
+    }
+}
+
+/* hbs: L row pointers [B, D] for h_l + b_l and inputs: L - 1 for x_1 .. x_{L-1} (both NULL when not saving). */
+#define DEFINE_CROSS_STACK_KERNELS(S, T)                                                                       \
+void cross_stack_fwd_##S(const T *x0, const T *x, const float *Ut, const float *V, const float *bias, int64_t L, \
+                         int64_t K, int64_t Dp, T *out, T *const *hbs, T *const *inputs, int64_t B, int64_t D,   \
+                         int threads) {                                                                        \
+    const int64_t rows = VC_ROWS * Dp;                                                                         \
+    VC_FOR_TILES(S, rows + VC_ROWS * (K > Dp ? K : Dp), {                                                      \
+        float *hb = x0f + rows, *z = hb + rows;                                                                \
+        for (int64_t l = 0; l < L; l++) {                                                                      \
+            if (inputs && l) vc_store_##S(inputs[l - 1] + r0, xl, R, D, Dp);                                   \
+            VC_SWITCH(R, cs_layer, xl, x0f, z, Ut + l * K * Dp, V ? V + l * K * Dp : NULL,                     \
+                      bias ? bias + l * Dp : NULL, K, D, Dp, hbs ? hb : NULL)                                  \
+            if (hbs) vc_store_##S(hbs[l] + r0, hb, R, D, Dp);                                                  \
+        }                                                                                                      \
+    })                                                                                                         \
+}
+
+/* The DCN-Mix layer (runtime/interaction.py cross_mixture), inference: per tile of rows, the gate logits and every
+ * expert's down-projection as dot products (cs_dots), softmax, act, the mids (r x r, scalar), then the gate-scaled
+ * ranks (and the gates, for the biases) through one up-projection and x0 * y + x (cs_up). V: float [E * rank, Dp]
+ * (the downs' rows), G: float [E, Dp] (the gate), C: float [E, rank, Cs] (the mids' rows, NULL without), Ut: float
+ * [K, Dp] (the ups' columns, then the biases when K = E * rank + E). */
+#define DEFINE_CROSS_MIXTURE_KERNELS(S, T)                                                                     \
+void cross_mixture_fwd_##S(const T *x0, const T *x, const float *V, const float *G, const float *C, int64_t Cs, \
+                           const float *Ut, int64_t E, int64_t rank, int64_t K, int relu, int64_t Dp, T *out,   \
+                           int64_t B, int64_t D, int threads) {                                                \
+    const int64_t nd = E * rank + E;                                                                           \
+    VC_FOR_TILES(S, VC_ROWS * (nd + K) + rank + E, {                                                           \
+        float *dots = x0f + VC_ROWS * Dp, *z = dots + VC_ROWS * nd, *c = z + VC_ROWS * K;                      \
+        VC_SWITCH(R, cs_dots, xl, V, E * rank, Dp, dots, nd)                                                   \
+        VC_SWITCH(R, cs_dots, xl, G, E, Dp, dots + E * rank, nd)                                               \
+        for (int r = 0; r < R; r++) cm_row(dots + r * nd, C, Cs, E, rank, K, relu, c, z + r * K);              \
+        VC_SWITCH(R, cs_up, xl, x0f, z, K, Ut, NULL, K, Dp, NULL)                                              \
+    })                                                                                                         \
+}
+
 DEFINE_DOT_KERNELS(f32, float)
 DEFINE_KERNELS(f32, float)
 DEFINE_VECTOR_CROSS_KERNELS(f32, float)
+DEFINE_CROSS_STACK_KERNELS(f32, float)
+DEFINE_CROSS_MIXTURE_KERNELS(f32, float)
 DEFINE_DOT_KERNELS(f16, _Float16)
 DEFINE_KERNELS(f16, _Float16)
 DEFINE_VECTOR_CROSS_KERNELS(f16, _Float16)
+DEFINE_CROSS_STACK_KERNELS(f16, _Float16)
+DEFINE_CROSS_MIXTURE_KERNELS(f16, _Float16)
 DEFINE_DOT_KERNELS(bf16, bf16_t)
 DEFINE_KERNELS(bf16, bf16_t)
 DEFINE_VECTOR_CROSS_KERNELS(bf16, bf16_t)
+DEFINE_CROSS_STACK_KERNELS(bf16, bf16_t)
+DEFINE_CROSS_MIXTURE_KERNELS(bf16, bf16_t)

@@ -99,7 +99,13 @@ int padded_attention_bwd(const padded_attention_problem *p);
                               int64_t Dp, T *out, int64_t B, int64_t D, int threads);                        \
     void vector_cross_bwd_##S(const T *grad, const T *x0, const T *x, const float *W, const float *bias,       \
                               int64_t L, int64_t Dp, T *grad_x0, T *grad_x, float *grad_W, float *grad_bias, \
-                              int64_t B, int64_t D, int threads);
+                              int64_t B, int64_t D, int threads);                                             \
+    void cross_stack_fwd_##S(const T *x0, const T *x, const float *Ut, const float *V, const float *bias,       \
+                             int64_t L, int64_t K, int64_t Dp, T *out, T *const *hbs, T *const *inputs,        \
+                             int64_t B, int64_t D, int threads);                                             \
+    void cross_mixture_fwd_##S(const T *x0, const T *x, const float *V, const float *G, const float *C,          \
+                               int64_t Cs, const float *Ut, int64_t E, int64_t rank, int64_t K, int relu,        \
+                               int64_t Dp, T *out, int64_t B, int64_t D, int threads);
 RECOMPILE_INTERACTION_API(f32, float)
 RECOMPILE_INTERACTION_API(f16, _Float16)
 RECOMPILE_INTERACTION_API(bf16, bf16_t)
@@ -110,7 +116,8 @@ RECOMPILE_INTERACTION_API(bf16, bf16_t)
     X(interaction, dot_interaction_fwd_##S) X(interaction, dot_interaction_bwd_##S)                            \
     X(interaction, cross_epilogue_fwd_##S) X(interaction, cross_epilogue_bwd_##S)                              \
     X(interaction, fm_second_order_fwd_##S) X(interaction, fm_second_order_bwd_##S)                            \
-    X(interaction, vector_cross_fwd_##S) X(interaction, vector_cross_bwd_##S)
+    X(interaction, vector_cross_fwd_##S) X(interaction, vector_cross_bwd_##S)                                  \
+    X(interaction, cross_stack_fwd_##S) X(interaction, cross_mixture_fwd_##S)
 #define RECOMPILE_ENTRIES(X)                                                                                   \
     X(dropout, dropout_f32)                                                                                    \
     X(embedding, geb_forward_pooled) X(embedding, geb_forward_sequence) X(embedding, geb_backward)             \

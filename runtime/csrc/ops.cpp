@@ -15,7 +15,10 @@
 #include <ATen/core/stack.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_sparse_coo_tensor_unsafe.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
@@ -735,6 +738,188 @@ bool vector_cross_backward_native(torch::jit::Stack *stack) {
                     bias ? vector_grads(*grad_bias, biases, D) : std::vector<Tensor>());
 }
 
+/* Layer l's matrix as float rows [K, Dp] of a [L, K, Dp] tensor (zero-padded, Dp: D padded to a multiple of 16):
+   p_l[k, d] (downs, [K, D]) or, ``transposed``, p_l[d, k] (weights, [D, K]), read through their strides; undefined
+   when one is not a plain CPU tensor of that shape and ``dtype``. */
+Tensor cross_rows(const std::vector<Tensor> &params, bool transposed, int64_t K, int64_t D, at::ScalarType dtype) {
+    const int64_t L = (int64_t)params.size(), Dp = (D + 15) / 16 * 16;
+    for (const Tensor &p : params)
+        if (!plain_cpu(p, {dtype}) || p.dim() != 2 || p.size(0) != (transposed ? D : K) ||
+            p.size(1) != (transposed ? K : D))
+            return Tensor();
+    Tensor rows = at::zeros({L, K, Dp}, at::TensorOptions().dtype(F32));
+    float *out = ptr<float>(rows);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "cross_rows", [&] {
+        for (int64_t l = 0; l < L; l++) {
+            const scalar_t *p = ptr<const scalar_t>(params[l]);
+            const int64_t sk = params[l].stride(transposed ? 1 : 0), sd = params[l].stride(transposed ? 0 : 1);
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t d = 0; d < D; d++) out[(l * K + k) * Dp + d] = static_cast<float>(p[k * sk + d * sd]);
+        }
+    });
+    return rows;
+}
+
+/* The fused cross stack (interaction.h cross_stack_fwd) takes layers of up to CROSS_FUSED_FLOATS weight floats
+   (K * Dp: they stay in L2 across the row tiles); larger ones run as GEMMs (runtime/interaction_native.py). */
+constexpr int64_t CROSS_FUSED_FLOATS = 16384;
+bool cross_stack_fused(int64_t K, int64_t D) { return K > 0 && K * ((D + 15) / 16 * 16) <= CROSS_FUSED_FLOATS; }
+
+/* (x_L, saved) of recompile::cross_stack in one fused pass; x_L undefined when the arguments are not plain CPU
+   tensors of one float dtype the kernel reads: x0, x [B, D], L weights [D, K], L or no biases [D], L or no downs
+   [K, D] (K = D without), K * Dp within CROSS_FUSED_FLOATS. ``saved`` as runtime/interaction.py's stack_saved reads
+   it: h_l + b_l for every layer, then x_1 .. x_{L-1}. */
+std::tuple<Tensor, std::vector<Tensor>> cross_stack_try(const Tensor &x0, const Tensor &x,
+                                                        const std::vector<Tensor> &weights,
+                                                        const std::vector<Tensor> &biases,
+                                                        const std::vector<Tensor> &downs, bool save) {
+    const int64_t L = (int64_t)weights.size();
+    if (!plain_cpu(x, FLOATS) || x.dim() != 2 || !plain_cpu(x0, {x.scalar_type()}) || x0.sizes() != x.sizes() ||
+        L == 0 || (!biases.empty() && (int64_t)biases.size() != L) || (!downs.empty() && (int64_t)downs.size() != L))
+        return {};
+    const at::ScalarType dtype = x.scalar_type();
+    const int64_t B = x.size(0), D = x.size(1), Dp = (D + 15) / 16 * 16;
+    const int64_t K = downs.empty() ? D : downs[0].dim() == 2 ? downs[0].size(0) : 0;
+    if (!cross_stack_fused(K, D)) return {};
+    for (const Tensor &b : biases)
+        if (b.dim() != 1) return {};
+    const Tensor Ut = cross_rows(weights, true, K, D, dtype);
+    const OptTensor V = downs.empty() ? OptTensor() : OptTensor(cross_rows(downs, false, K, D, dtype));
+    const OptTensor bias = biases.empty() ? OptTensor() : OptTensor(vector_rows(biases, D, dtype));
+    if (!Ut.defined() || (V && !V->defined()) || (bias && !bias->defined())) return {};
+    const Tensor xc = x.contiguous(), x0c = x0.contiguous();
+    Tensor out = at::empty({B, D}, x.options());
+    std::vector<Tensor> saved;
+    std::vector<void *> rows;  /* the saved tensors' data: h_l + b_l, then the inputs */
+    for (int64_t i = 0; save && i < 2 * L - 1; i++) {
+        saved.push_back(at::empty({B, D}, x.options()));
+        rows.push_back(saved.back().data_ptr());
+    }
+    BY_DTYPE(dtype, cross_stack_fwd, T, ptr<const T>(x0c), ptr<const T>(xc), ptr<const float>(Ut),
+             ptr<const float>(V), ptr<const float>(bias), L, K, Dp, ptr<T>(out),
+             save ? (T *const *)rows.data() : nullptr, save ? (T *const *)rows.data() + L : nullptr, B, D, threads());
+    return {out, saved};
+}
+
+std::tuple<Tensor, std::vector<Tensor>> cross_stack_fwd(const Tensor &x0, const Tensor &x,
+                                                        const std::vector<Tensor> &weights,
+                                                        const std::vector<Tensor> &biases,
+                                                        const std::vector<Tensor> &downs, bool save) {
+    auto result = cross_stack_try(x0, x, weights, biases, downs, save);
+    TORCH_CHECK_VALUE(std::get<0>(result).defined(), "recompile_native.cross_stack_fwd: expected CPU tensors of one "
+                      "float dtype: x0, x [B, D], L weights [D, K], L or no biases [D], L or no downs [K, D] (K = D "
+                      "without), K * D within ", CROSS_FUSED_FLOATS, " (cross_stack_fused); got x ", x.sizes(), " ",
+                      x.scalar_type(), ", ", weights.size(), " weights, ", biases.size(), " biases, ", downs.size(),
+                      " downs");
+    return result;
+}
+
+/* recompile::cross_stack_backward(Tensor grad, Tensor x0, Tensor x, Tensor[] weights, Tensor[] downs,
+ * Tensor[] saved, bool has_bias) -> (Tensor, Tensor, Tensor[], Tensor[], Tensor[]): runtime/interaction.py's
+ * cross_stack_backward, the same ATen calls made from C++ (no Python per call), for plain CPU tensors of one float
+ * dtype; anything else goes on to the Python op. */
+bool cross_stack_backward_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 7);
+    const Tensor grad = a[0].toTensor(), x0 = a[1].toTensor(), x = a[2].toTensor();
+    const std::vector<Tensor> weights = a[3].toTensorVector(), downs = a[4].toTensorVector(),
+                              saved = a[5].toTensorVector();
+    const bool has_bias = a[6].toBool();
+    const int64_t L = (int64_t)weights.size();
+    bool ok = plain_cpu(grad, FLOATS) && L > 0 && (int64_t)saved.size() == 2 * L - 1 &&
+              (downs.empty() || (int64_t)downs.size() == L);
+    for (const auto *list : {&weights, &downs, &saved})
+        for (const Tensor &t : *list) ok = ok && plain_cpu(t, {grad.scalar_type()});
+    if (!ok || !plain_cpu(x0, {grad.scalar_type()}) || !plain_cpu(x, {grad.scalar_type()})) return false;
+    Tensor grad_x0, g = grad;
+    std::vector<Tensor> grad_weights(L), grad_biases(has_bias ? L : 0), grad_downs(downs.size());
+    for (int64_t l = L - 1; l >= 0; l--) {
+        const Tensor &x_in = l == 0 ? x : saved[L + l - 1], &hb = saved[l];
+        Tensor grad_hb = g.mul(x0);
+        grad_x0 = grad_x0.defined() ? grad_x0.addcmul_(g, hb) : g.mul(hb);
+        grad_weights[l] = at::mm(grad_hb.t(), downs.empty() ? x_in : at::mm(x_in, downs[l].t()));
+        if (has_bias) grad_biases[l] = grad_hb.sum(0);
+        Tensor weight = weights[l];
+        if (!downs.empty()) {
+            const Tensor grad_z = at::mm(grad_hb, weights[l]);
+            grad_downs[l] = at::mm(grad_z.t(), x_in);
+            grad_hb = grad_z, weight = downs[l];
+        }
+        g = g.is_same(grad) ? at::addmm(g, grad_hb, weight) : g.addmm_(grad_hb, weight);  // g is ours after one
+    }
+    return returned(stack, 7, grad_x0, g.is_same(grad) ? g.clone() : g, grad_weights, grad_biases, grad_downs);
+}
+
+/* recompile::cross_stack(Tensor x0, Tensor x, Tensor[] weights, Tensor[] biases, Tensor[] downs, bool save,
+ * str impl) -> (Tensor, Tensor[]) */
+bool cross_stack_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 7);
+    if (a[6].toStringRef() != "native") return false;
+    auto [out, saved] = cross_stack_try(a[0].toTensor(), a[1].toTensor(), a[2].toTensorVector(),
+                                        a[3].toTensorVector(), a[4].toTensorVector(), a[5].toBool());
+    if (!out.defined()) return false;
+    return returned(stack, 7, out, saved);
+}
+
+/* The output of recompile::cross_mixture's inference (save false) in one fused pass (interaction.h
+   cross_mixture_fwd); undefined when the arguments are not plain CPU tensors of one float dtype the kernel reads:
+   x0, x [B, D], gate [E, D], E downs [r, D], E or no mids [r, r], E ups [D, r], E or no biases [D], activation
+   relu or identity, (E r + E) x Dp within CROSS_FUSED_FLOATS. */
+Tensor cross_mixture_try(const Tensor &x0, const Tensor &x, const Tensor &gate, const std::vector<Tensor> &downs,
+                         const std::vector<Tensor> &mids, const std::vector<Tensor> &ups,
+                         const std::vector<Tensor> &biases, const std::string &activation, bool save) {
+    const int64_t E = (int64_t)downs.size();
+    if (save || (activation != "relu" && activation != "identity") || !plain_cpu(x, FLOATS) || x.dim() != 2 ||
+        !plain_cpu(x0, {x.scalar_type()}) || x0.sizes() != x.sizes() || E == 0 || (int64_t)ups.size() != E ||
+        (!mids.empty() && (int64_t)mids.size() != E) || (!biases.empty() && (int64_t)biases.size() != E) ||
+        downs[0].dim() != 2)
+        return Tensor();
+    const at::ScalarType dtype = x.scalar_type();
+    const int64_t B = x.size(0), D = x.size(1), Dp = (D + 15) / 16 * 16, rank = downs[0].size(0);
+    const int64_t K = E * rank + (biases.empty() ? 0 : E);
+    if (!cross_stack_fused(E * rank + E, D)) return Tensor();
+    for (const Tensor &b : biases)
+        if (b.dim() != 1) return Tensor();
+    const Tensor V = cross_rows(downs, false, rank, D, dtype), G = cross_rows({gate}, false, E, D, dtype);
+    const OptTensor C = mids.empty() ? OptTensor() : OptTensor(cross_rows(mids, false, rank, rank, dtype));
+    Tensor Ut = cross_rows(ups, true, rank, D, dtype);
+    const Tensor bias = biases.empty() ? Tensor() : vector_rows(biases, D, dtype);
+    if (!V.defined() || !G.defined() || !Ut.defined() || (C && !C->defined()) || (!biases.empty() && !bias.defined()))
+        return Tensor();
+    if (bias.defined()) Ut = at::cat({Ut.view({E * rank, Dp}), bias});
+    const Tensor xc = x.contiguous(), x0c = x0.contiguous();
+    Tensor out = at::empty({B, D}, x.options());
+    BY_DTYPE(dtype, cross_mixture_fwd, T, ptr<const T>(x0c), ptr<const T>(xc), ptr<const float>(V),
+             ptr<const float>(G), ptr<const float>(C), C ? C->size(2) : 0, ptr<const float>(Ut), E, rank, K,
+             activation == "relu", Dp, ptr<T>(out), B, D, threads());
+    return out;
+}
+
+Tensor cross_mixture_fwd(const Tensor &x0, const Tensor &x, const Tensor &gate, const std::vector<Tensor> &downs,
+                         const std::vector<Tensor> &mids, const std::vector<Tensor> &ups,
+                         const std::vector<Tensor> &biases, const std::string &activation) {
+    Tensor out = cross_mixture_try(x0, x, gate, downs, mids, ups, biases, activation, false);
+    TORCH_CHECK_VALUE(out.defined(), "recompile_native.cross_mixture_fwd: expected CPU tensors of one float dtype: "
+                      "x0, x [B, D], gate [E, D], E downs [r, D], E or no mids [r, r], E ups [D, r], E or no biases "
+                      "[D], activation relu or identity, (E r + E) x D within ", CROSS_FUSED_FLOATS,
+                      " (cross_stack_fused); got x ", x.sizes(), " ", x.scalar_type(), ", gate ", gate.sizes(), ", ",
+                      downs.size(), " downs, ", mids.size(), " mids, ", ups.size(), " ups, ", biases.size(),
+                      " biases, ", activation);
+    return out;
+}
+
+/* recompile::cross_mixture(Tensor x0, Tensor x, Tensor gate, Tensor[] downs, Tensor[] mids, Tensor[] ups,
+ * Tensor[] biases, str activation, bool save, str impl) -> (Tensor, Tensor[]): inference calls; a saving one
+ * (training: the backward reads the batched torch forward's intermediates) goes on to the Python op. */
+bool cross_mixture_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 10);
+    if (a[9].toStringRef() != "native") return false;
+    Tensor out = cross_mixture_try(a[0].toTensor(), a[1].toTensor(), a[2].toTensor(), a[3].toTensorVector(),
+                                   a[4].toTensorVector(), a[5].toTensorVector(), a[6].toTensorVector(),
+                                   a[7].toStringRef(), a[8].toBool());
+    if (!out.defined()) return false;
+    return returned(stack, 10, out, std::vector<Tensor>());
+}
+
 /* recompile::dot_interaction(Tensor[] features, Tensor? prefix, bool upper, bool self_interaction, str impl) */
 bool dot_interaction_native(torch::jit::Stack *stack) {
     const auto a = torch::jit::last(*stack, 5);
@@ -849,13 +1034,15 @@ void below_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, tor
 
 /* ------------------------------------------------------------------------ the custom ops' autograd, in C++
  *
- * recompile::grouped_embedding_bag, fm_second_order and sampled_softmax_loss have their autograd here, for the
- * AutogradCPU key: it comes before the Python formula that runtime/ registers for the Autograd alias (which stays
- * for other devices), so that a CPU call runs no Python. Without a gradient to record the call goes below
- * autograd (the native forward, else the op's Python implementation); with one, a torch::autograd::Function
- * records a node whose backward calls the op's backward op (recompile::<op>_backward, through the dispatcher:
- * its native kernel below autograd too, or the Python op; a compiled graph's backward shows that op). The backward
- * ops are not differentiable (not_differentiable: their AutogradCPU kernel, in C++ too). */
+ * recompile::grouped_embedding_bag, fm_second_order, cross_stack, cross_mixture, vector_cross and
+ * sampled_softmax_loss have their autograd here, for the AutogradCPU key: it comes before the Python formula that
+ * runtime/ registers for the Autograd alias (which stays for other devices), so that a CPU call runs no Python (an
+ * inference call too: the Python formula's check that there is no gradient to record cost as much as the native
+ * cross stack at batch 1). Without a gradient to record the call goes below autograd (the native forward, else the
+ * op's Python implementation); with one, a torch::autograd::Function records a node whose backward calls the op's
+ * backward op (recompile::<op>_backward, through the dispatcher: its native kernel below autograd too, or the
+ * Python op; a compiled graph's backward shows that op). The backward ops are not differentiable
+ * (not_differentiable: their AutogradCPU kernel, in C++ too). */
 
 /* The call on ``stack``, below autograd: what a Function's forward runs. */
 template <bool (*native)(torch::jit::Stack *)>
@@ -884,22 +1071,29 @@ std::vector<c10::IValue> call(const c10::OperatorHandle &op, torch::jit::Stack a
 c10::OperatorHandle schema(const char *name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
 
 /* A backward op's AutogradCPU kernel: the call below autograd (the native kernel, else the Python op); where it
- * would be recorded (create_graph), its results get a node that raises naming the op when differentiated, as
- * PyTorch's autogradNotImplementedFallback does (which skips the ADInplaceOrView kernel, so the native one). */
+ * would be recorded (create_graph), its results (in lists too) get a node that raises naming the op when
+ * differentiated, as PyTorch's autogradNotImplementedFallback does (which skips the ADInplaceOrView kernel, so the
+ * native one). */
 template <bool (*native)(torch::jit::Stack *)>
 void not_differentiable(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
     const auto &schema = op.schema();
     std::vector<Tensor> inputs;
     if (at::GradMode::is_enabled())
-        for (const c10::IValue &a : torch::jit::last(*stack, schema.arguments().size()))
-            if (a.isTensor() && a.toTensor().requires_grad()) inputs.push_back(a.toTensor());
+        for (const c10::IValue &a : torch::jit::last(*stack, schema.arguments().size())) {
+            std::vector<Tensor> tensors = a.isTensorList() ? a.toTensorVector() : std::vector<Tensor>();
+            if (a.isTensor()) tensors.push_back(a.toTensor());
+            for (const Tensor &t : tensors)
+                if (t.requires_grad()) inputs.push_back(t);
+        }
     BelowAutograd<native>{op, keys, stack}();
     if (inputs.empty()) return;
     auto node = c10::make_intrusive<torch::autograd::NotImplemented>(schema.name());
     node->set_next_edges(torch::autograd::collect_next_edges(inputs));
     for (const c10::IValue &out : torch::jit::last(*stack, schema.returns().size())) {
-        Tensor t = out.isTensor() ? out.toTensor() : Tensor();
-        if (t.defined() && torch::autograd::isDifferentiableType(t.scalar_type())) torch::autograd::set_history(t, node);
+        std::vector<Tensor> results = out.isTensorList() ? out.toTensorVector() : std::vector<Tensor>();
+        if (out.isTensor()) results.push_back(out.toTensor());
+        for (Tensor &t : results)
+            if (t.defined() && torch::autograd::isDifferentiableType(t.scalar_type())) torch::autograd::set_history(t, node);
     }
 }
 
@@ -999,6 +1193,173 @@ void fm_second_order_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet
     stack->back() = std::move(out);
 }
 
+/* cross_stack(Tensor x0, Tensor x, Tensor[] weights, Tensor[] biases, Tensor[] downs, bool save, str impl) ->
+ * (x_L, saved): x_L differentiable, the saved results not (the backward op reads them), as runtime/interaction.py's
+ * _cross_stack_setup and _cross_stack_backward. */
+struct CrossStack : torch::autograd::Function<CrossStack> {
+    static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx, const Tensor &x0,
+                                                  const Tensor &x, at::TensorList weights, at::TensorList biases,
+                                                  at::TensorList downs,
+                                                  const BelowAutograd<&cross_stack_native> &below) {
+        below();
+        const std::vector<Tensor> saved = below.stack->back().toTensorVector();
+        ctx->mark_non_differentiable(saved);
+        ctx->set_materialize_grads(false);
+        std::vector<Tensor> kept{x0, x};
+        kept.insert(kept.end(), weights.begin(), weights.end());
+        kept.insert(kept.end(), downs.begin(), downs.end());
+        kept.insert(kept.end(), saved.begin(), saved.end());
+        ctx->save_for_backward(kept);
+        ctx->saved_data["layers"] = (int64_t)weights.size();
+        ctx->saved_data["has_bias"] = !biases.empty(), ctx->saved_data["low_rank"] = !downs.empty();
+        torch::autograd::variable_list out{torch::jit::peek(*below.stack, 0, 2).toTensor()};
+        out.insert(out.end(), saved.begin(), saved.end());
+        return out;
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        const int64_t L = ctx->saved_data["layers"].toInt();
+        const bool has_bias = ctx->saved_data["has_bias"].toBool(), low_rank = ctx->saved_data["low_rank"].toBool();
+        torch::autograd::variable_list result(2 + L * (1 + has_bias + low_rank) + 1);  // the last: ``below``'s
+        if (!grads[0].defined()) return result;  // x_L unused
+        const auto s = ctx->get_saved_variables();
+        const auto range = [&](int64_t from, int64_t n) {
+            return std::vector<Tensor>(s.begin() + from, s.begin() + from + n);
+        };
+        const int64_t kept = 2 + L * (1 + low_rank);  // x0, x, the weights and downs: the saved results follow
+        const std::vector<Tensor> weights = range(2, L), downs = range(2 + L, low_rank ? L : 0),
+                                  saved = range(kept, (int64_t)s.size() - kept);
+        TORCH_CHECK((int64_t)saved.size() == 2 * L - 1,
+                    "recompile.cross_stack: called with save=False (an inference graph), then differentiated");
+        static const auto op = schema("recompile::cross_stack_backward");
+        const auto out = call(op, {grads[0], s[0], s[1], weights, downs, saved, has_bias});
+        result[0] = out[0].toTensor(), result[1] = out[1].toTensor();
+        int64_t i = 2;
+        for (int k = 2; k < 5; k++)
+            for (const Tensor &g : out[k].toTensorVector()) result[i++] = g;
+        return result;
+    }
+};
+
+void cross_stack_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 7);
+    const BelowAutograd<&cross_stack_native> below{op, keys, stack};
+    if (!at::GradMode::is_enabled() || !(a[0].toTensor().requires_grad() || a[1].toTensor().requires_grad() ||
+                                         requires_grad(a[2]) || requires_grad(a[3]) || requires_grad(a[4])))
+        return below();
+    const Tensor x0 = a[0].toTensor(), x = a[1].toTensor();
+    const std::vector<Tensor> weights = a[2].toTensorVector(), biases = a[3].toTensorVector(),
+                              downs = a[4].toTensorVector();
+    auto out = CrossStack::apply(x0, x, at::TensorList(weights), at::TensorList(biases), at::TensorList(downs), below);
+    torch::jit::drop(*stack, 2);
+    torch::jit::push(*stack, out[0], std::vector<Tensor>(out.begin() + 1, out.end()));
+}
+
+/* cross_mixture(Tensor x0, Tensor x, Tensor gate, Tensor[] downs, Tensor[] mids, Tensor[] ups, Tensor[] biases,
+ * str activation, bool save, str impl) -> (out, saved): out differentiable, the saved intermediates not (the backward
+ * op reads them), as runtime/interaction.py's _cross_mixture_setup and _cross_mixture_backward. */
+struct CrossMixture : torch::autograd::Function<CrossMixture> {
+    static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx, const Tensor &x0,
+                                                  const Tensor &x, const Tensor &gate, at::TensorList downs,
+                                                  at::TensorList mids, at::TensorList ups, at::TensorList biases,
+                                                  const BelowAutograd<&cross_mixture_native> &below) {
+        ctx->saved_data["activation"] = torch::jit::peek(*below.stack, 7, 10);
+        below();
+        const std::vector<Tensor> saved = below.stack->back().toTensorVector();
+        ctx->mark_non_differentiable(saved);
+        ctx->set_materialize_grads(false);
+        std::vector<Tensor> kept{x0, x, gate};
+        for (at::TensorList params : {downs, mids, ups, biases}) kept.insert(kept.end(), params.begin(), params.end());
+        kept.insert(kept.end(), saved.begin(), saved.end());
+        ctx->save_for_backward(kept);
+        ctx->saved_data["sizes"] = std::vector<int64_t>{(int64_t)downs.size(), (int64_t)mids.size(),
+                                                        (int64_t)biases.size()};
+        torch::autograd::variable_list out{torch::jit::peek(*below.stack, 0, 2).toTensor()};
+        out.insert(out.end(), saved.begin(), saved.end());
+        return out;
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto sizes = ctx->saved_data["sizes"].toIntVector();
+        const int64_t E = sizes[0], M = sizes[1], NB = sizes[2], params = 2 * E + M + NB;
+        torch::autograd::variable_list result(3 + params + 1);  // the last: ``below``'s
+        if (!grads[0].defined()) return result;  // the output unused
+        const auto s = ctx->get_saved_variables();
+        const auto range = [&](int64_t from, int64_t n) {
+            return std::vector<Tensor>(s.begin() + from, s.begin() + from + n);
+        };
+        const std::vector<Tensor> saved = range(3 + params, (int64_t)s.size() - 3 - params);
+        TORCH_CHECK((int64_t)saved.size() == (M ? 4 : 3),
+                    "recompile.cross_mixture: called with save=False (an inference graph), then differentiated");
+        static const auto op = schema("recompile::cross_mixture_backward");
+        const auto out = call(op, {grads[0], s[0], s[1], s[2], range(3, E), range(3 + E, M), range(3 + E + M, E),
+                                   range(3 + 2 * E + M, NB), ctx->saved_data["activation"], saved})[0]
+                             .toTensorVector();
+        std::copy(out.begin(), out.end(), result.begin());
+        return result;
+    }
+};
+
+void cross_mixture_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 10);
+    const BelowAutograd<&cross_mixture_native> below{op, keys, stack};
+    bool needed = false;
+    for (int i = 0; i < 7; i++) needed = needed || (i < 3 ? a[i].toTensor().requires_grad() : requires_grad(a[i]));
+    if (!at::GradMode::is_enabled() || !needed) return below();
+    const Tensor x0 = a[0].toTensor(), x = a[1].toTensor(), gate = a[2].toTensor();
+    const std::vector<Tensor> downs = a[3].toTensorVector(), mids = a[4].toTensorVector(), ups = a[5].toTensorVector(),
+                              biases = a[6].toTensorVector();
+    auto out = CrossMixture::apply(x0, x, gate, at::TensorList(downs), at::TensorList(mids), at::TensorList(ups),
+                                   at::TensorList(biases), below);
+    torch::jit::drop(*stack, 2);
+    torch::jit::push(*stack, out[0], std::vector<Tensor>(out.begin() + 1, out.end()));
+}
+
+/* vector_cross(Tensor x0, Tensor x, Tensor[] weights, Tensor[] biases, str impl): the backward op recomputes the
+ * layers from the inputs (as runtime/interaction.py's _vector_cross_backward). */
+struct VectorCross : torch::autograd::Function<VectorCross> {
+    static Tensor forward(torch::autograd::AutogradContext *ctx, const Tensor &x0, const Tensor &x,
+                          at::TensorList weights, at::TensorList biases,
+                          const BelowAutograd<&vector_cross_native> &below) {
+        std::vector<Tensor> kept{x0, x};
+        kept.insert(kept.end(), weights.begin(), weights.end());
+        kept.insert(kept.end(), biases.begin(), biases.end());
+        ctx->save_for_backward(kept);
+        ctx->saved_data["layers"] = (int64_t)weights.size();
+        ctx->saved_data["impl"] = torch::jit::peek(*below.stack, 4, 5);
+        below();
+        return below.stack->back().toTensor();
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto s = ctx->get_saved_variables();
+        const int64_t L = ctx->saved_data["layers"].toInt();
+        const std::vector<Tensor> weights(s.begin() + 2, s.begin() + 2 + L), biases(s.begin() + 2 + L, s.end());
+        static const auto op = schema("recompile::vector_cross_backward");
+        const auto out = call(op, {grads[0], s[0], s[1], weights, biases, ctx->saved_data["impl"]});
+        torch::autograd::variable_list result{out[0].toTensor(), out[1].toTensor()};
+        for (int k = 2; k < 4; k++)
+            for (const Tensor &g : out[k].toTensorVector()) result.push_back(g);
+        result.emplace_back();  // ``below``'s
+        return result;
+    }
+};
+
+void vector_cross_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 5);
+    const BelowAutograd<&vector_cross_native> below{op, keys, stack};
+    if (!at::GradMode::is_enabled() || !(a[0].toTensor().requires_grad() || a[1].toTensor().requires_grad() ||
+                                         requires_grad(a[2]) || requires_grad(a[3])))
+        return below();
+    const Tensor x0 = a[0].toTensor(), x = a[1].toTensor();
+    const std::vector<Tensor> weights = a[2].toTensorVector(), biases = a[3].toTensorVector();
+    Tensor out = VectorCross::apply(x0, x, at::TensorList(weights), at::TensorList(biases), below);
+    stack->back() = std::move(out);
+}
+
 /* sampled_softmax_loss(Tensor pos, Tensor neg, Tensor? neg_ids, Tensor? target_ids, float scale, str impl) ->
  * (loss, lse): pos and neg differentiable, lse not (the backward reads it), as runtime/sampled_softmax.py's
  * _backward. */
@@ -1071,6 +1432,11 @@ TORCH_LIBRARY(recompile_native, m) {
     m.def("vector_cross_fwd(Tensor x0, Tensor x, Tensor W, Tensor? bias, Tensor(a!) out) -> ()");
     m.def("vector_cross_bwd(Tensor grad, Tensor x0, Tensor x, Tensor W, Tensor? bias, Tensor(a!) grad_x0, "
           "Tensor(b!) grad_x, Tensor(c!) grad_W, Tensor(d!)? grad_bias) -> ()");
+    m.def("cross_stack_fwd(Tensor x0, Tensor x, Tensor[] weights, Tensor[] biases, Tensor[] downs, bool save) "
+          "-> (Tensor, Tensor[])");
+    m.def("cross_stack_fused(int rank, int dim) -> bool");
+    m.def("cross_mixture_fwd(Tensor x0, Tensor x, Tensor gate, Tensor[] downs, Tensor[] mids, Tensor[] ups, "
+          "Tensor[] biases, str activation) -> Tensor");
     m.def("fm_second_order_fwd(Tensor v, bool reduce) -> Tensor");
     m.def("fm_second_order_bwd(Tensor grad, Tensor v, bool reduce) -> Tensor");
     m.def("hstu_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor offsets, int max_seq_len, float alpha, "
@@ -1100,6 +1466,8 @@ TORCH_LIBRARY_IMPL(recompile_native, CPU, m) {
     m.impl("cross_epilogue_bwd", &cross_epilogue_bwd);
     m.impl("vector_cross_fwd", &vector_cross_fwd);
     m.impl("vector_cross_bwd", &vector_cross_bwd);
+    m.impl("cross_stack_fwd", &cross_stack_fwd);
+    m.impl("cross_mixture_fwd", &cross_mixture_fwd);
     m.impl("fm_second_order_fwd", &fm_second_order_fwd);
     m.impl("fm_second_order_bwd", &fm_second_order_bwd);
     m.impl("hstu_attention_fwd", &hstu_attention_fwd);
@@ -1114,6 +1482,10 @@ TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
     m.impl("dropout", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&dropout_native>>());
     m.impl("fm_second_order", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&fm_second_order_native>>());
     m.impl("vector_cross", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&vector_cross_native>>());
+    m.impl("cross_stack", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&cross_stack_native>>());
+    m.impl("cross_mixture", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&cross_mixture_native>>());
+    m.impl("cross_stack_backward",
+           torch::CppFunction::makeFromBoxedFunction<&below_autograd<&cross_stack_backward_native>>());
     m.impl("vector_cross_backward",
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&vector_cross_backward_native>>());
     m.impl("dot_interaction", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&dot_interaction_native>>());
@@ -1136,6 +1508,13 @@ TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
 TORCH_LIBRARY_IMPL(recompile, AutogradCPU, m) {
     m.impl("grouped_embedding_bag", torch::CppFunction::makeFromBoxedFunction<&grouped_embedding_bag_autograd>());
     m.impl("fm_second_order", torch::CppFunction::makeFromBoxedFunction<&fm_second_order_autograd>());
+    m.impl("cross_stack", torch::CppFunction::makeFromBoxedFunction<&cross_stack_autograd>());
+    m.impl("cross_mixture", torch::CppFunction::makeFromBoxedFunction<&cross_mixture_autograd>());
+    m.impl("cross_stack_backward",
+           torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&cross_stack_backward_native>>());
+    m.impl("vector_cross", torch::CppFunction::makeFromBoxedFunction<&vector_cross_autograd>());
+    m.impl("vector_cross_backward",
+           torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&vector_cross_backward_native>>());
     m.impl("sampled_softmax_loss", torch::CppFunction::makeFromBoxedFunction<&sampled_softmax_autograd>());
     m.impl("fm_second_order_backward",
            torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&fm_second_order_backward_native>>());
@@ -1143,11 +1522,12 @@ TORCH_LIBRARY_IMPL(recompile, AutogradCPU, m) {
            torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&sampled_softmax_backward_native>>());
 }
 
-/* The instruction set ops take no tensor: they are registered for every key. */
+/* The ops that take no tensor (the instruction set, cross_stack_fused): registered for every key. */
 TORCH_LIBRARY_IMPL(recompile_native, CompositeExplicitAutograd, m) {
     m.impl("isa", &isa);
     m.impl("set_isa", &set_isa);
     m.impl("isa_available", &isa_available);
+    m.impl("cross_stack_fused", &cross_stack_fused);
 }
 
 }  // namespace recompile_native
