@@ -1193,6 +1193,28 @@ void fm_second_order_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet
     stack->back() = std::move(out);
 }
 
+/* The call on ``below``'s stack for an op returning (Tensor out, Tensor[] saved), in a Function's forward: the
+ * saved results are not differentiable (the backward op reads them); saves ``kept`` (the inputs the backward reads)
+ * followed by them and returns out followed by them (``push_saved`` puts that back as the op's two results). */
+template <bool (*native)(torch::jit::Stack *)>
+torch::autograd::variable_list forward_saving(torch::autograd::AutogradContext *ctx, std::vector<Tensor> kept,
+                                              const BelowAutograd<native> &below) {
+    below();
+    const std::vector<Tensor> saved = below.stack->back().toTensorVector();
+    ctx->mark_non_differentiable(saved);
+    ctx->set_materialize_grads(false);
+    kept.insert(kept.end(), saved.begin(), saved.end());
+    ctx->save_for_backward(kept);
+    torch::autograd::variable_list out{torch::jit::peek(*below.stack, 0, 2).toTensor()};
+    out.insert(out.end(), saved.begin(), saved.end());
+    return out;
+}
+
+void push_saved(torch::jit::Stack *stack, const torch::autograd::variable_list &out) {
+    torch::jit::drop(*stack, 2);
+    torch::jit::push(*stack, out[0], std::vector<Tensor>(out.begin() + 1, out.end()));
+}
+
 /* cross_stack(Tensor x0, Tensor x, Tensor[] weights, Tensor[] biases, Tensor[] downs, bool save, str impl) ->
  * (x_L, saved): x_L differentiable, the saved results not (the backward op reads them), as runtime/interaction.py's
  * _cross_stack_setup and _cross_stack_backward. */
@@ -1201,20 +1223,12 @@ struct CrossStack : torch::autograd::Function<CrossStack> {
                                                   const Tensor &x, at::TensorList weights, at::TensorList biases,
                                                   at::TensorList downs,
                                                   const BelowAutograd<&cross_stack_native> &below) {
-        below();
-        const std::vector<Tensor> saved = below.stack->back().toTensorVector();
-        ctx->mark_non_differentiable(saved);
-        ctx->set_materialize_grads(false);
+        ctx->saved_data["layers"] = (int64_t)weights.size();
+        ctx->saved_data["has_bias"] = !biases.empty(), ctx->saved_data["low_rank"] = !downs.empty();
         std::vector<Tensor> kept{x0, x};
         kept.insert(kept.end(), weights.begin(), weights.end());
         kept.insert(kept.end(), downs.begin(), downs.end());
-        kept.insert(kept.end(), saved.begin(), saved.end());
-        ctx->save_for_backward(kept);
-        ctx->saved_data["layers"] = (int64_t)weights.size();
-        ctx->saved_data["has_bias"] = !biases.empty(), ctx->saved_data["low_rank"] = !downs.empty();
-        torch::autograd::variable_list out{torch::jit::peek(*below.stack, 0, 2).toTensor()};
-        out.insert(out.end(), saved.begin(), saved.end());
-        return out;
+        return forward_saving(ctx, std::move(kept), below);
     }
 
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
@@ -1251,9 +1265,8 @@ void cross_stack_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet key
     const Tensor x0 = a[0].toTensor(), x = a[1].toTensor();
     const std::vector<Tensor> weights = a[2].toTensorVector(), biases = a[3].toTensorVector(),
                               downs = a[4].toTensorVector();
-    auto out = CrossStack::apply(x0, x, at::TensorList(weights), at::TensorList(biases), at::TensorList(downs), below);
-    torch::jit::drop(*stack, 2);
-    torch::jit::push(*stack, out[0], std::vector<Tensor>(out.begin() + 1, out.end()));
+    push_saved(stack, CrossStack::apply(x0, x, at::TensorList(weights), at::TensorList(biases), at::TensorList(downs),
+                                        below));
 }
 
 /* cross_mixture(Tensor x0, Tensor x, Tensor gate, Tensor[] downs, Tensor[] mids, Tensor[] ups, Tensor[] biases,
@@ -1265,19 +1278,11 @@ struct CrossMixture : torch::autograd::Function<CrossMixture> {
                                                   at::TensorList mids, at::TensorList ups, at::TensorList biases,
                                                   const BelowAutograd<&cross_mixture_native> &below) {
         ctx->saved_data["activation"] = torch::jit::peek(*below.stack, 7, 10);
-        below();
-        const std::vector<Tensor> saved = below.stack->back().toTensorVector();
-        ctx->mark_non_differentiable(saved);
-        ctx->set_materialize_grads(false);
-        std::vector<Tensor> kept{x0, x, gate};
-        for (at::TensorList params : {downs, mids, ups, biases}) kept.insert(kept.end(), params.begin(), params.end());
-        kept.insert(kept.end(), saved.begin(), saved.end());
-        ctx->save_for_backward(kept);
         ctx->saved_data["sizes"] = std::vector<int64_t>{(int64_t)downs.size(), (int64_t)mids.size(),
                                                         (int64_t)biases.size()};
-        torch::autograd::variable_list out{torch::jit::peek(*below.stack, 0, 2).toTensor()};
-        out.insert(out.end(), saved.begin(), saved.end());
-        return out;
+        std::vector<Tensor> kept{x0, x, gate};
+        for (at::TensorList params : {downs, mids, ups, biases}) kept.insert(kept.end(), params.begin(), params.end());
+        return forward_saving(ctx, std::move(kept), below);
     }
 
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
@@ -1311,10 +1316,8 @@ void cross_mixture_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet k
     const Tensor x0 = a[0].toTensor(), x = a[1].toTensor(), gate = a[2].toTensor();
     const std::vector<Tensor> downs = a[3].toTensorVector(), mids = a[4].toTensorVector(), ups = a[5].toTensorVector(),
                               biases = a[6].toTensorVector();
-    auto out = CrossMixture::apply(x0, x, gate, at::TensorList(downs), at::TensorList(mids), at::TensorList(ups),
-                                   at::TensorList(biases), below);
-    torch::jit::drop(*stack, 2);
-    torch::jit::push(*stack, out[0], std::vector<Tensor>(out.begin() + 1, out.end()));
+    push_saved(stack, CrossMixture::apply(x0, x, gate, at::TensorList(downs), at::TensorList(mids),
+                                          at::TensorList(ups), at::TensorList(biases), below));
 }
 
 /* vector_cross(Tensor x0, Tensor x, Tensor[] weights, Tensor[] biases, str impl): the backward op recomputes the
