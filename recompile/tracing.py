@@ -110,6 +110,32 @@ def _backend_ctx_ctor(self):
     return ctor
 
 
+def break_on_data_dependent_tolist() -> None:
+    """Make Dynamo break the graph at ``Tensor.tolist()`` of a tensor whose length is data-dependent, where it
+    raises ``GuardOnDataDependentSymNode``, a hard error. Such tensors come from ops captured under ``capture_dynamic_output_shape_ops``: RecBole's GCSAN and
+    SRGNN build their session graphs with ``torch.unique(seq).tolist()``, which failed to compile under
+    rec_ascend and breaks the graph under Dynamo's defaults. Installed with ``forward_backend_context``; other
+    tensors' ``tolist`` is Dynamo's."""
+    from torch._dynamo.exc import unimplemented
+    from torch._dynamo.variables.tensor import TensorVariable
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    traced = TensorVariable.method_tolist
+    if getattr(traced, "breaks_on_data_dependent", False):
+        return
+
+    def method_tolist(self, tx):
+        example = self.as_proxy().node.meta.get("example_value")
+        if isinstance(example, torch.Tensor) and free_unbacked_symbols(example.shape):
+            unimplemented(gb_type="Tensor.tolist() of a data-dependent length", context=str(example.shape),
+                          explanation="the tensor's length is known only when the graph runs",
+                          hints=["compute the list outside the compiled region, or keep the tensor"])
+        return traced(self, tx)
+
+    method_tolist.breaks_on_data_dependent = True
+    TensorVariable.method_tolist = method_tolist
+
+
 def forward_backend_context() -> None:
     """Make ``torch.compile(model, backend=...)`` honour the backend's ``backend_ctx_ctor``, as
     ``torch._dynamo.optimize(backend)`` does: Dynamo reads the attribute on the debug wrapper of
@@ -119,3 +145,4 @@ def forward_backend_context() -> None:
 
     if not hasattr(WrapBackendDebug, "backend_ctx_ctor"):
         WrapBackendDebug.backend_ctx_ctor = property(_backend_ctx_ctor)
+    break_on_data_dependent_tolist()

@@ -192,3 +192,22 @@ def test_a_remaining_break_is_named_with_its_place_and_fix():
 def test_break_reasons_map_to_the_setting_or_rewrite_that_removes_them(reason, fix):
     assert fix in GraphBreak(reason).remedy
     assert GraphBreak("an unheard-of reason").remedy is None
+
+
+def session_graph(seq, weight):
+    """GCSAN / SRGNN's spelling: a session's distinct items as a Python list (``torch.unique(seq).tolist()``)."""
+    items = torch.unique(seq).tolist()
+    return weight[torch.tensor(items)].sum(0) * (len(items) + seq.float().mean())
+
+
+def test_tolist_of_a_data_dependent_length_breaks_the_graph_and_does_not_fail():
+    """``unique`` is captured under the backend's settings, so its length is data-dependent; Dynamo's ``tolist``
+    of it raised GuardOnDataDependentSymNode (a hard error) and now breaks the graph, named as such."""
+    torch._dynamo.reset()
+    counters.clear()
+    weight = torch.randn(50, 4)
+    compiled = torch.compile(session_graph, backend="rec_ascend")
+    for n in (7, 11, 13):
+        seq = torch.randint(0, 50, (n,))
+        torch.testing.assert_close(compiled(seq, weight), session_graph(seq, weight))
+    assert any("tolist() of a data-dependent length" in reason for reason in counters["graph_break"])
