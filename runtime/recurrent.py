@@ -13,7 +13,7 @@ Why an op: ATen's ``gru`` is CompositeImplicitAutograd, so AOT autograd decompos
 step and layer, forward and backward, and Inductor's compile of that graph takes several times a plain
 compile's (``docs/recurrent.md``). As one op it stays one node in both graphs.
 
-Kernels: ``reference`` (plain torch: the step formulas in a loop; the backward by autograd through it) and
+Kernels: ``reference`` (plain torch: the step formulas in a loop, forward and backward through time) and
 ``native`` (``csrc/gru.h``: input projections of all steps in one GEMM, a GEMM and one fused gate pass per step;
 backward through time over the saved gates; float32, float64, bfloat16 and float16 on the CPU).
 """
@@ -74,17 +74,35 @@ def gru_backward_reference(grad_output: Optional[torch.Tensor], grad_hn: Optiona
                            input: torch.Tensor, hx: Optional[torch.Tensor], weights: list[torch.Tensor],
                            output: torch.Tensor, saved: list[torch.Tensor], has_biases: bool, num_layers: int,
                            batch_first: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Autograd through ``gru_reference`` (``saved`` unread)."""
-    leaves = [t.detach().requires_grad_() for t in (input, *weights)]
-    h0 = hx.detach().requires_grad_() if hx is not None else None
-    with torch.enable_grad():
-        out, h_n, _ = gru_reference(leaves[0], h0, leaves[1:], has_biases, num_layers, batch_first, False)
-        pairs = [(t, g) for t, g in ((out, grad_output), (h_n, grad_hn)) if g is not None]
-        wrt = leaves + ([h0] if h0 is not None else [])
-        grads = torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True,
-                                    materialize_grads=True) if pairs else [torch.zeros_like(t) for t in wrt]
-    grad_hx = grads[-1] if h0 is not None else h_n.new_zeros(h_n.shape)
-    return grads[0], grad_hx, list(grads[1:len(leaves)])
+    """Backward through time in plain torch over the gates ``gru_reference`` recomputes (``saved`` unread: a
+    custom op's implementation runs below autograd, so this cannot differentiate the forward)."""
+    dim = 1 if batch_first else 0
+    _, _, kept = gru_reference(input, hx, weights, has_biases, num_layers, batch_first, True)
+    outputs, gates = kept[:num_layers - 1] + [output], kept[num_layers - 1:]
+    batch, hidden = input.shape[1 - dim], weights[1].shape[1]
+    grad_weights, grad_h0, dy = [], [], grad_output
+    for layer in reversed(range(num_layers)):
+        w_ih, w_hh, _, _ = _layer_weights(weights, has_biases, layer)
+        x, y = input if layer == 0 else outputs[layer - 1], outputs[layer]
+        h0 = hx[layer] if hx is not None else input.new_zeros(batch, hidden)
+        dh = grad_hn[layer] if grad_hn is not None else input.new_zeros(batch, hidden)
+        ys, steps = _steps(y, batch_first), _steps(gates[layer], batch_first)
+        dys = _steps(dy, batch_first) if dy is not None else [None] * len(ys)
+        dgi, dgh = [None] * len(ys), [None] * len(ys)
+        for t in reversed(range(len(ys))):
+            dh = dh + dys[t] if dys[t] is not None else dh
+            r, z, n, hn = steps[t].chunk(4, 1)
+            dn = dh * (1 - z) * (1 - n * n)
+            dr, dz = dn * hn * r * (1 - r), dh * ((ys[t - 1] if t else h0) - n) * z * (1 - z)
+            dgi[t], dgh[t] = torch.cat([dr, dz, dn], 1), torch.cat([dr, dz, dn * r], 1)
+            dh = dh * z + dgh[t] @ w_hh
+        grad_h0.insert(0, dh)
+        dgi_all, dgh_all = torch.stack(dgi, dim).flatten(0, 1), torch.stack(dgh, dim).flatten(0, 1)
+        prev = torch.cat([h0.unsqueeze(dim), y.narrow(dim, 0, len(ys) - 1)], dim).flatten(0, 1)
+        grads = [dgi_all.T @ x.flatten(0, 1), dgh_all.T @ prev]
+        grad_weights[:0] = grads + ([dgi_all.sum(0), dgh_all.sum(0)] if has_biases else [])
+        dy = (dgi_all @ w_ih).view(x.shape)
+    return dy, torch.stack(grad_h0), grad_weights
 
 
 register_kernel(OP, "reference")(gru_reference)
