@@ -139,6 +139,8 @@ def _check(input: torch.Tensor, hx: Optional[torch.Tensor], weights: list[torch.
         raise ValueError(f"recompile.gru: {len(weights)} weights for {num_layers} layers "
                          f"({'with' if has_biases else 'without'} biases)")
     steps, batch = (input.shape[1], input.shape[0]) if batch_first else input.shape[:2]
+    if steps == 0:
+        raise ValueError("recompile.gru: input has no steps (sequence length 0), as torch.gru refuses")
     hidden = weights[1].shape[1]
     for layer in range(num_layers):
         w_ih, w_hh = _layer_weights(weights, has_biases, layer)[:2]
