@@ -19,10 +19,14 @@
 #include <ATen/ops/zeros.h>
 
 #include <cmath>
+#include <tuple>
+#include <type_traits>
 
 namespace gru {
 
 using at::Tensor;
+using recompile_native::bf16_t;
+#include "vec.h"
 
 /* A [B, C] step view: data, row stride in elements. */
 template <class T>
@@ -57,11 +61,12 @@ struct Layout {
 /* One step: gi (the input projections, biases in), gh (the hidden ones, biases in), h the previous state -> y
  * (and, with g, the saved r, z, n, hn). */
 template <class T, class A>
-void step_forward(Rows<const T> gi, Rows<const T> gh, Rows<const T> h, Rows<T> y, Rows<T> g, int64_t B, int64_t H) {
+void step_forward(Rows<const T> gi, Rows<const T> gh, Rows<const T> h, Rows<T> y, Rows<T> g, int64_t B, int64_t H,
+                  int64_t j0 = 0) {
     for (int64_t b = 0; b < B; b++) {
         const T *xi = gi.row(b), *hh = gh.row(b), *hp = h.row(b);
         T *out = y.row(b), *gs = g.data ? g.row(b) : nullptr;
-        for (int64_t j = 0; j < H; j++) {
+        for (int64_t j = j0; j < H; j++) {
             const A r = sigmoid<A>(A(xi[j]) + A(hh[j]));
             const A z = sigmoid<A>(A(xi[H + j]) + A(hh[H + j]));
             const A hn = A(hh[2 * H + j]);
@@ -77,11 +82,11 @@ void step_forward(Rows<const T> gi, Rows<const T> gh, Rows<const T> h, Rows<T> y
  * the GEMM. */
 template <class T, class A>
 void step_backward(Rows<const T> dh, Rows<const T> dy, Rows<const T> g, Rows<const T> h, Rows<T> dgi, Rows<T> dgh,
-                   Rows<T> direct, int64_t B, int64_t H) {
+                   Rows<T> direct, int64_t B, int64_t H, int64_t j0 = 0) {
     for (int64_t b = 0; b < B; b++) {
         const T *d = dh.row(b), *dyb = dy.data ? dy.row(b) : nullptr, *gs = g.row(b), *hp = h.row(b);
         T *di = dgi.row(b), *dg = dgh.row(b), *dd = direct.row(b);
-        for (int64_t j = 0; j < H; j++) {
+        for (int64_t j = j0; j < H; j++) {
             const A r = A(gs[j]), z = A(gs[H + j]), n = A(gs[2 * H + j]), hn = A(gs[3 * H + j]);
             const A grad = A(d[j]) + (dyb ? A(dyb[j]) : A(0));
             const A dn = grad * (A(1) - z) * (A(1) - n * n);
@@ -94,6 +99,54 @@ void step_backward(Rows<const T> dh, Rows<const T> dy, Rows<const T> g, Rows<con
             dd[j] = T(grad * z);
         }
     }
+}
+
+/* float32 steps over VL lanes (vec.h's vexp; tanh(x) = 1 - 2 / (exp(2x) + 1)), built for AVX2 + FMA and for the
+ * baseline, the one this CPU runs picked at load (GCC target_clones; ops.cpp is not built per instruction set). */
+static inline vf vsig(vf x) { return 1.0f / (1.0f + vexp(-x)); }
+static inline vf vtanh(vf x) { return 1.0f - 2.0f / (vexp(x + x) + 1.0f); }
+#define GRU_CLONES __attribute__((target_clones("avx2,fma", "default")))
+
+/* Lanes [0, j) of each row by vectors; the scalar step does the rest. */
+GRU_CLONES int64_t step_forward_f32(Rows<const float> gi, Rows<const float> gh, Rows<const float> h, Rows<float> y,
+                                    Rows<float> g, int64_t B, int64_t H) {
+    const int64_t J = H / VL * VL;
+    for (int64_t b = 0; b < B; b++) {
+        const float *xi = gi.row(b), *hh = gh.row(b), *hp = h.row(b);
+        float *out = y.row(b), *gs = g.data ? g.row(b) : nullptr;
+        for (int64_t j = 0; j < J; j += VL) {
+            const vf r = vsig(*(const vfu *)(xi + j) + *(const vfu *)(hh + j));
+            const vf z = vsig(*(const vfu *)(xi + H + j) + *(const vfu *)(hh + H + j));
+            const vf hn = *(const vfu *)(hh + 2 * H + j);
+            const vf n = vtanh(*(const vfu *)(xi + 2 * H + j) + r * hn);
+            *(vfu *)(out + j) = (1.0f - z) * n + z * *(const vfu *)(hp + j);
+            if (gs) *(vfu *)(gs + j) = r, *(vfu *)(gs + H + j) = z, *(vfu *)(gs + 2 * H + j) = n, *(vfu *)(gs + 3 * H + j) = hn;
+        }
+    }
+    return J;
+}
+
+GRU_CLONES int64_t step_backward_f32(Rows<const float> dh, Rows<const float> dy, Rows<const float> g,
+                                     Rows<const float> h, Rows<float> dgi, Rows<float> dgh, Rows<float> direct,
+                                     int64_t B, int64_t H) {
+    const int64_t J = H / VL * VL;
+    for (int64_t b = 0; b < B; b++) {
+        const float *d = dh.row(b), *dyb = dy.data ? dy.row(b) : nullptr, *gs = g.row(b), *hp = h.row(b);
+        float *di = dgi.row(b), *dg = dgh.row(b), *dd = direct.row(b);
+        for (int64_t j = 0; j < J; j += VL) {
+            const vf r = *(const vfu *)(gs + j), z = *(const vfu *)(gs + H + j), n = *(const vfu *)(gs + 2 * H + j),
+                     hn = *(const vfu *)(gs + 3 * H + j);
+            const vf grad = *(const vfu *)(d + j) + (dyb ? *(const vfu *)(dyb + j) : splat(0.0f));
+            const vf dn = grad * (1.0f - z) * (1.0f - n * n);
+            const vf dr = dn * hn * r * (1.0f - r);
+            const vf dz = grad * (*(const vfu *)(hp + j) - n) * z * (1.0f - z);
+            *(vfu *)(di + j) = dr, *(vfu *)(dg + j) = dr;
+            *(vfu *)(di + H + j) = dz, *(vfu *)(dg + H + j) = dz;
+            *(vfu *)(di + 2 * H + j) = dn, *(vfu *)(dg + 2 * H + j) = dn * r;
+            *(vfu *)(dd + j) = grad * z;
+        }
+    }
+    return J;
 }
 
 /* A layer's weights from the flat list [w_ih, w_hh, (b_ih, b_hh)] per layer. */
@@ -129,8 +182,11 @@ Tensor layer_forward(const Layout &lay, const Tensor &x, const Tensor &h0, const
     for (int64_t t = 0; t < T_; t++) {
         affine_out(gh, w.b_hh, h, w_hh_t);
         const Tensor yt = lay.step(y, t);
-        step_forward<T, A>(rows<const T>(lay.step(gi, t)), rows<const T>(gh), rows<const T>(h), rows<T>(yt),
-                           g.defined() ? rows<T>(lay.step(g, t)) : Rows<T>{nullptr, 0}, B, H);
+        const auto args = std::make_tuple(rows<const T>(lay.step(gi, t)), rows<const T>(gh), rows<const T>(h),
+                                          rows<T>(yt), g.defined() ? rows<T>(lay.step(g, t)) : Rows<T>{nullptr, 0}, B, H);
+        int64_t j0 = 0;
+        if constexpr (std::is_same_v<T, float>) j0 = std::apply(step_forward_f32, args);
+        std::apply(step_forward<T, A>, std::tuple_cat(args, std::make_tuple(j0)));
         h = yt;
     }
     return y;
@@ -185,9 +241,13 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> backward(const std::optional<Ten
         Tensor dh = grad_hn && grad_hn->defined() ? (*grad_hn)[l].clone(at::MemoryFormat::Contiguous) : at::zeros({B, H}, input.options());
         for (int64_t t = T_ - 1; t >= 0; t--) {
             const Tensor h = t ? lay.step(y, t - 1) : h0[l], dgh_t = lay.step(dgh, t);
-            step_backward<T, A>(rows<const T>(dh), dy.defined() ? rows<const T>(lay.step(dy, t)) : Rows<const T>{nullptr, 0},
-                                rows<const T>(lay.step(g, t)), rows<const T>(h), rows<T>(lay.step(dgi, t)),
-                                rows<T>(dgh_t), rows<T>(direct), B, H);
+            const auto args = std::make_tuple(
+                rows<const T>(dh), dy.defined() ? rows<const T>(lay.step(dy, t)) : Rows<const T>{nullptr, 0},
+                rows<const T>(lay.step(g, t)), rows<const T>(h), rows<T>(lay.step(dgi, t)), rows<T>(dgh_t),
+                rows<T>(direct), B, H);
+            int64_t j0 = 0;
+            if constexpr (std::is_same_v<T, float>) j0 = std::apply(step_backward_f32, args);
+            std::apply(step_backward<T, A>, std::tuple_cat(args, std::make_tuple(j0)));
             at::addmm_out(dh_next, direct, dgh_t, w.w_hh);
             std::swap(dh, dh_next);
         }
