@@ -1129,7 +1129,7 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
     (the Inductor a user would otherwise get: it can win where it fuses what a region does eagerly, e.g. a short
     softmax) unless its library calls alone (``inductor_floor_ms``) take longer than the fastest graph eagerly;
     inference graphs skip the fastest one where Inductor has little to fuse around our ops (``inductor_can_win``).
-    A training graph that keeps both, ``defer`` (static sizes), has the floor of Inductor on the fastest graph
+    No graph holding ATen's GRU / LSTM / RNN is compiled (``unrolls``): it runs eagerly. A training graph that keeps both, ``defer`` (static sizes), has the floor of Inductor on the fastest graph
     measured (``rewrite_floor_ms``: ``build_compiles`` defers that compile to the first call). Returns the graph that
     ran fastest eagerly."""
     fastest = fastest_eagerly(graphs, sandbox, training, decision, budget_s) if len(graphs) > 1 else next(iter(graphs))
@@ -1153,10 +1153,23 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
             keep.discard(inductor_of(fastest))
             decision.rejected[inductor_of(fastest)] = (f"not compiled: the nodes it could fuse take under "
                                                        f"{MIN_FUSABLE_SHARE:.0%} of a call")
+    for name in {inductor_of(name) for name, graph in graphs.items() if unrolls(graph())} & keep:
+        keep.discard(name)
+        decision.rejected[name] = "not compiled: Inductor would unroll its recurrent call step by step"
     for name in {inductor_of(name) for name in graphs} - keep:
         del builders[name]
         decision.rejected.setdefault(name, f"not compiled: {why}")
     return fastest
+
+
+RECURRENT = (torch.gru, torch.lstm, torch.rnn_tanh, torch.rnn_relu)
+
+
+def unrolls(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` calls ATen's GRU, LSTM or RNN (traced under rec_ascend's ``allow_rnn``), which AOT autograd
+    decomposes into ops per step: Inductor's compile of it takes several times a plain compile's, where plain
+    Inductor breaks the graph there and runs it eagerly (``docs/recurrent.md``)."""
+    return any(node.op == "call_function" and node.target in RECURRENT for node in gm.graph.nodes)
 
 
 def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, sandbox: Sandbox, decision: Decision,

@@ -28,6 +28,9 @@ TRACING_CONFIG = {
     "capture_scalar_outputs": True,
     # TorchRec's modules are traced, not skipped, so that their lookups reach the embedding pass
     "skip_torchrec": False,
+    # nn.GRU / nn.LSTM / nn.RNN are traced (one torch.gru / lstm / rnn_* call), not a graph break: the recurrent
+    # pass makes a GRU one op (docs/recurrent.md)
+    "allow_rnn": True,
 }
 
 

@@ -18,6 +18,7 @@ from . import quantized  # noqa: F401  (defines torch.ops.recompile.grouped_embe
 from . import dropout  # noqa: F401  (defines torch.ops.recompile.dropout)
 from . import sampled_softmax  # noqa: F401  (defines torch.ops.recompile.sampled_softmax_loss)
 from . import beam_decode_attention  # noqa: F401  (defines torch.ops.recompile.beam_decode_attention)
+from . import recurrent  # noqa: F401  (defines torch.ops.recompile.gru)
 from .kernels import KERNELS, get_kernel, register_kernel
 
 __all__ = ["KERNELS", "get_kernel", "register_kernel"]

@@ -188,6 +188,7 @@ def test_a_remaining_break_is_named_with_its_place_and_fix():
     ("Could not guard on data-dependent expression Eq(u0, 0)", "torch._check"),
     ("Failed to trace builtin operator\n  Explanation: Dynamo does not know how to trace builtin operator `print`",
      "reorderable_logging_functions"),
+    ("Attempted to wrap RNN, GRU, or LSTM\n  Explanation: Dynamo does not support RNN, GRU, or LSTM.", "allow_rnn"),
 ])
 def test_break_reasons_map_to_the_setting_or_rewrite_that_removes_them(reason, fix):
     assert fix in GraphBreak(reason).remedy

@@ -1,7 +1,7 @@
 """What rec_ascend should find in each corpus model, and why: the table the corpus tests and benchmark check.
 
 ``EXPECTED[model]`` lists the rec regions the model's code contains (each FM, cross net, dot interaction,
-grouped lookup and jagged attention), as (region kind, the ops that may implement it, at least how many, why).
+grouped lookup, jagged attention and GRU), as (region kind, the ops that may implement it, at least how many, why).
 ``GRAPH_BREAKS[model]`` is how many graph breaks Dynamo must make in it, and why; every other model must compile
 as one graph. An entry's ``track`` names the work that builds its recognition where main does not find it yet: its
 test is ``xfail(strict=True)``, so it fails loudly once that work lands and the mark should go.
@@ -45,6 +45,10 @@ def vector_cross(why: str) -> Expect:
     return Expect("interaction", ("recompile::vector_cross",), 1, why)
 
 
+def gru(why: str) -> Expect:
+    return Expect("recurrent", ("recompile::gru",), 1, why)
+
+
 LOOKUPS = Expect("embedding", ("recompile::grouped_embedding_bag",), 1,
                  "EmbeddingBagCollection: one pooled lookup per table, grouped into one call")
 MEAN_BAG = Expect("embedding", ("recompile::grouped_embedding_bag",), 1,
@@ -78,9 +82,11 @@ EXPECTED: dict[str, tuple[Expect, ...]] = {
     "recbole/BERT4Rec": (Expect("attention", None, recbole_zoo.SMALL["n_layers"],
                                 "TransformerEncoder: bidirectional softmax attention per layer over the padded history, "
                                 "additive mask from item_seq != 0"),),
-    "recbole/GRU4Rec": (),  # nn.GRU over the history: no rec region
+    "recbole/GRU4Rec": (gru("GRU4Rec.gru_layers: nn.GRU(embedding_size, hidden_size, batch_first=True) over the "
+                            "history's embeddings"),),
     "recbole/Caser": (),  # convolutions over the history's embedding matrix
-    "recbole/NARM": (),  # nn.GRU and additive attention: no rec region
+    "recbole/NARM": (gru("NARM.gru: nn.GRU(embedding_size, hidden_size, n_layers, batch_first=True) under its "
+                         "additive attention"),),
     # TorchRec models and modules, EmbeddingBagCollection + KeyedJaggedTensor inputs.
     "torchrec/DLRM": (LOOKUPS, Expect("interaction", ("recompile::dot_interaction",), 1,
                                       "InteractionArch: bmm of [dense, sparse] with its transpose, the pairs picked "
@@ -101,8 +107,8 @@ EXPECTED: dict[str, tuple[Expect, ...]] = {
 }
 
 GRAPH_BREAKS: dict[str, tuple[int, str, str | None]] = {
-    "recbole/GRU4Rec": (1, "nn.GRU: Dynamo does not trace RNN modules; no rec region is near it", None),
-    "recbole/NARM": (1, "nn.GRU: Dynamo does not trace RNN modules; no rec region is near it", None),
+    **dict.fromkeys(("recbole/GRU4Rec", "recbole/NARM"), (
+        0, "nn.GRU: Dynamo breaks the graph there without allow_rnn; rec_ascend's tracing context sets it", None)),
     "gr/HSTU": (0, "fbgemm.dense_to_jagged has a data-dependent output shape: Dynamo stops there without "
                    "capture_dynamic_output_shape_ops, splitting the attention region; rec_ascend's tracing context sets it", None),
 }
