@@ -690,7 +690,7 @@ def rewrite_floor_ms(gm: fx.GraphModule, sandbox: Sandbox, decision: Decision, t
 
 
 def kernels_ms(gm: fx.GraphModule, decision: Decision) -> float:
-    """The ms of ``gm``'s regions' chosen kernels, as ``tune_regions`` timed them (a region not timed counts nothing)."""
+    """The ms of ``gm``'s regions' chosen kernels as ``tune_regions`` timed them (a region not timed counts nothing)."""
     return sum(decision.timings_ms.get(f"{node}:{impl}", 0.0) for node, impl in graph_regions(gm).items())
 
 
@@ -781,7 +781,8 @@ class GraphChooser:
     def __init__(self, candidates: dict[str, Callable], oracle: Callable, decision: Decision, budget_s: float,
                  chosen: Callable | None = None, graphs: dict[str, Callable[[], fx.GraphModule]] | None = None,
                  incumbents: Sequence[str] = INCUMBENTS, eager: Callable | None = None, rec: Callable | None = None,
-                 draws: Sequence[tuple[tuple, dict]] = (), deferred: dict[str, tuple[Callable, RewriteEstimate]] | None = None):
+                 draws: Sequence[tuple[tuple, dict]] = (),
+                 deferred: dict[str, tuple[Callable, RewriteEstimate]] | None = None):
         self.candidates, self.oracle, self.decision, self.budget_s = candidates, oracle, decision, budget_s
         self.deferred = dict(deferred or {})  # name -> (builder, its estimate): built at the first call if it can win
         self.graphs, self.incumbents, self.eager, self.stored = graphs, incumbents, eager, False
@@ -1198,9 +1199,9 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
     estimate = None
     if fastest != "eager" and {"inductor-captured", inductor_of(fastest)} <= keep and defer:
         graph = graphs[fastest]()
+        timings = decision.timings_ms
         estimate = RewriteEstimate(rewrite_floor_ms(graph, sandbox, decision, training), kernels_ms(graph, decision),
-                                   decision.timings_ms.get(f"eagerly:{fastest}"), decision.timings_ms.get("eagerly:eager"),
-                                   floor_ms)
+                                   timings.get(f"eagerly:{fastest}"), timings.get("eagerly:eager"), floor_ms)
         decision.timings_ms[f"floor:{inductor_of(fastest)}"] = round(estimate.floor_ms, 4)
     for name in {inductor_of(name) for name in graphs} - keep:
         del builders[name]

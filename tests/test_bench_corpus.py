@@ -5,8 +5,8 @@ import json
 
 import torch
 
-from models.bench_corpus import (TABLE_END, TABLE_START, describe_decision, kept_rows, own_process_compile, render_table,
-                                 step_fn, verdict, write_doc)
+from models.bench_corpus import (TABLE_END, TABLE_START, describe_decision, kept_rows, own_process_compile,
+                                 render_table, step_fn, verdict, write_doc)
 from models.corpus.harness import CASES, Case
 
 DECISION = {"mode": "training", "choice": "inductor", "regions": {"padded_softmax_attention_default": "cpu"},
