@@ -23,8 +23,9 @@ Inductor and recompile cache folders, Inductor's FX-graph and AOT-autograd cache
 - the rec pass pipeline's time per captured graph.
 Writes the JSON and renders the corpus table into the doc between its ``corpus-table`` markers. Figures from a
 loaded machine are marked so by the caller; ``--quick`` is a smoke run (four models, batch 128 and 1, one round).
-The full run (48 cases, 24 models) takes about 20 min on 2 quiet cores (hours on a loaded one: ``--resume`` goes
-on from the JSON a stopped run left): ``ROUNDS`` timed rounds after ``WARMUP`` untimed
+The full run (48 cases, 24 models) takes about 28-30 min on 2 quiet cores, an estimate (22 min before the cold
+compiles ran in processes of their own; hours on a loaded machine: ``--resume`` goes on from the JSON a stopped run
+left): ``ROUNDS`` timed rounds after ``WARMUP`` untimed
 calls per backend, the regions and graph breaks read from the floor's capture rather than a second trace.
 """
 from __future__ import annotations
