@@ -15,9 +15,11 @@ example inputs and within ``BUDGET_S`` seconds:
    eagerly, and the captured graph (the Inductor a user would otherwise get) only where it can still win: not
    where its library calls alone take longer than the fastest graph eagerly, nor, for an inference graph
    (``build_compiles``), than Inductor on the fastest graph (compiled and timed first): one Inductor compile
-   then, as plain Inductor's. A training graph with static sizes that keeps both builds the captured graph's and
-   defers the fastest graph's to the first call, which builds it only where Inductor on the captured graph does not
-   already run within ``MARGIN`` of the fastest graph's floor (``GraphChooser.admit_deferred``). Inference graphs
+   then, as plain Inductor's. A graph with static sizes that keeps both, and whose fastest graph's floor leaves the
+   captured graph a chance, builds the captured graph's first (plain Inductor's compile) and the fastest graph's
+   only where it can beat that by ``MARGIN``: estimated from the captured graph's time with the regions' code
+   swapped for their kernels (``RewriteEstimate``); a training graph defers this to the first call, where its step is
+   timed (``GraphChooser.admit_deferred``). Inference graphs
    skip the fastest one where Inductor has little to fuse around our ops (``inductor_can_win``). Without rec
    regions: the captured graph eagerly and through Inductor (one compile), Inductor kept unless eager wins by
    ``MARGIN`` (``CAPTURED_FIRST``).
@@ -680,12 +682,52 @@ def inductor_floor_ms(gm: fx.GraphModule, sandbox: Sandbox, training: bool) -> f
     return calls_alone_ms(gm, sandbox, times)
 
 
-def rewrite_floor_ms(gm: fx.GraphModule, sandbox: Sandbox, decision: Decision) -> float:
-    """A lower bound of a training step of ``gm`` (a graph with rec regions) compiled by Inductor: its library calls
-    alone (``inductor_floor_ms``) plus its regions' chosen kernels, forward and backward, as ``tune_regions`` timed
-    them (Inductor calls our ops as they are); a region not timed counts nothing."""
-    kernels_ms = sum(decision.timings_ms.get(f"{node}:{impl}", 0.0) for node, impl in graph_regions(gm).items())
-    return inductor_floor_ms(gm, sandbox, True) + kernels_ms
+def rewrite_floor_ms(gm: fx.GraphModule, sandbox: Sandbox, decision: Decision, training: bool = True) -> float:
+    """A lower bound of ``gm`` (a graph with rec regions) compiled by Inductor, a training step (forward and backward)
+    or an inference call: its library calls alone (``inductor_floor_ms``) plus its regions' chosen kernels as
+    ``tune_regions`` timed them (Inductor calls our ops as they are); a region not timed counts nothing."""
+    return inductor_floor_ms(gm, sandbox, training) + kernels_ms(gm, decision)
+
+
+def kernels_ms(gm: fx.GraphModule, decision: Decision) -> float:
+    """The ms of ``gm``'s regions' chosen kernels as ``tune_regions`` timed them (a region not timed counts nothing)."""
+    return sum(decision.timings_ms.get(f"{node}:{impl}", 0.0) for node, impl in graph_regions(gm).items())
+
+
+@dataclass(frozen=True)
+class RewriteEstimate:
+    """What Inductor on the graph that ran fastest eagerly (G: the captured graph with some regions' code replaced by
+    our kernels) would take, given what Inductor on the captured graph takes: the captured graph's time, less
+    Inductor's time on the code the regions replace, plus the kernels. That code's eager time is the captured graph's
+    eagerly less G's plus the kernels; its library calls (the captured graph's less G's, ``inductor_floor_ms``) count
+    as they are, the rest sped up as much as Inductor sped up the captured graph's other calls. Never below G's floor
+    (``floor_ms``: its library calls and kernels alone). Without the eager times (one graph raced eagerly), the floor.
+    From the corpus' decisions, the estimate tells apart where Inductor on G won and lost by more than ``MARGIN``
+    (FM / NFM predict and loss, HSTU forward: lost; SASRec full sort, cross nets' forward: won)."""
+    floor_ms: float
+    kernels_ms: float
+    eager_ms: float | None = None
+    captured_eager_ms: float | None = None
+    captured_floor_ms: float = 0.0
+
+    def ms(self, captured_ms: float) -> float:
+        if self.eager_ms is None or self.captured_eager_ms is None:
+            return self.floor_ms
+        replaced = max(self.captured_eager_ms - self.eager_ms + self.kernels_ms, 0.0)
+        replaced_library = min(max(self.captured_floor_ms - (self.floor_ms - self.kernels_ms), 0.0), replaced)
+        rest = self.captured_eager_ms - self.captured_floor_ms
+        speedup = min(max((captured_ms - self.captured_floor_ms) / rest, 0.0), 1.0) if rest > 0 else 1.0
+        inductor_replaced = replaced_library + speedup * (replaced - replaced_library)
+        return max(captured_ms - inductor_replaced + self.kernels_ms, self.floor_ms)
+
+    def can_win(self, captured_ms: float) -> bool:
+        """Whether Inductor on G can be kept over Inductor on the captured graph, which the race keeps unless another
+        candidate runs faster by ``MARGIN``."""
+        return self.ms(captured_ms) * (1 + MARGIN) < captured_ms
+
+    def why_not(self, name: str, captured_ms: float) -> str:
+        return (f"not compiled: inductor-captured ran {captured_ms:.3f} ms, {name} would take about "
+                f"{self.ms(captured_ms):.3f} ms (its library calls and regions alone {self.floor_ms:.3f} ms)")
 
 
 class BackwardClock:
@@ -739,9 +781,10 @@ class GraphChooser:
     def __init__(self, candidates: dict[str, Callable], oracle: Callable, decision: Decision, budget_s: float,
                  chosen: Callable | None = None, graphs: dict[str, Callable[[], fx.GraphModule]] | None = None,
                  incumbents: Sequence[str] = INCUMBENTS, eager: Callable | None = None, rec: Callable | None = None,
-                 draws: Sequence[tuple[tuple, dict]] = (), deferred: dict[str, tuple[Callable, float]] | None = None):
+                 draws: Sequence[tuple[tuple, dict]] = (),
+                 deferred: dict[str, tuple[Callable, RewriteEstimate]] | None = None):
         self.candidates, self.oracle, self.decision, self.budget_s = candidates, oracle, decision, budget_s
-        self.deferred = dict(deferred or {})  # name -> (builder, floor ms): built at the first call if it can win
+        self.deferred = dict(deferred or {})  # name -> (builder, its estimate): built at the first call if it can win
         self.graphs, self.incumbents, self.eager, self.stored = graphs, incumbents, eager, False
         # Runs a call that fails, for its error: the rec ops name the table or op at fault.
         self.rec = rec or candidates.get("rec+eager")
@@ -800,15 +843,15 @@ class GraphChooser:
     def admit_deferred(self, sandbox: Sandbox, want: list[torch.Tensor], steps: dict[str, Callable]) -> None:
         """Build a deferred candidate (Inductor on the fastest graph of a training graph, ``build_compiles``) only
         where it can still win: not where the captured graph through Inductor, timed here (its backward compiled
-        by its first step), runs within ``MARGIN`` of the deferred graph's floor (its library calls and regions
-        alone: Inductor on it cannot run faster). Then one Inductor compile, as plain Inductor's."""
-        for name, (builder, floor_ms) in self.deferred.items():
+        by its first step), runs within ``MARGIN`` of what the deferred graph is estimated to take through Inductor
+        (``RewriteEstimate``: never below its floor, its library calls and regions alone). Then one Inductor
+        compile, as plain Inductor's."""
+        for name, (builder, estimate) in self.deferred.items():
             if "inductor-captured" in steps:
                 ms = median_ms(race({"inductor-captured": steps["inductor-captured"]}, 0.0, reset=sandbox.restore))
                 self.decision.timings_ms[f"before compiling {name}:inductor-captured"] = ms["inductor-captured"]
-                if ms["inductor-captured"] <= floor_ms * (1 + MARGIN):
-                    self.decision.rejected[name] = (f"not compiled: inductor-captured ran {ms['inductor-captured']:.3f}"
-                                                    f" ms, its library calls and regions alone take {floor_ms:.3f} ms")
+                if not estimate.can_win(ms["inductor-captured"]):
+                    self.decision.rejected[name] = estimate.why_not(name, ms["inductor-captured"])
                     continue
             self.candidates.update(build({name: builder}, self.decision))
             if name in self.candidates:
@@ -1123,18 +1166,21 @@ def fastest_eagerly(graphs: dict[str, Callable[[], fx.GraphModule]], sandbox: Sa
 
 
 def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: dict, sandbox: Sandbox,
-                    decision: Decision, training: bool, budget_s: float, defer: bool = False) -> str:
+                    decision: Decision, training: bool, budget_s: float,
+                    defer: bool = False) -> tuple[str, RewriteEstimate | None]:
     """Leave in ``builders`` only the Inductor candidates that can win: Inductor compiles what the graphs share
     alike, so it compiles the graph that ran fastest eagerly (its regions are the fastest), and the captured graph
     (the Inductor a user would otherwise get: it can win where it fuses what a region does eagerly, e.g. a short
     softmax) unless its library calls alone (``inductor_floor_ms``) take longer than the fastest graph eagerly;
     inference graphs skip the fastest one where Inductor has little to fuse around our ops (``inductor_can_win``).
-    No graph holding ATen's GRU / LSTM / RNN is compiled (``unrolls``): it runs eagerly. A training graph that keeps both, ``defer`` (static sizes), has the floor of Inductor on the fastest graph
-    measured (``rewrite_floor_ms``: ``build_compiles`` defers that compile to the first call). Returns the graph that
-    ran fastest eagerly."""
+    No graph holding ATen's GRU / LSTM / RNN is compiled (``unrolls``): it runs eagerly. A graph with static sizes
+    (``defer``) that keeps both has the floor of Inductor on the fastest graph measured (``rewrite_floor_ms``) and its
+    estimate built (``RewriteEstimate``), with which ``build_compiles`` compiles it only where it can beat Inductor on
+    the captured graph. Returns the graph that ran fastest eagerly and the estimate (None where not made)."""
     fastest = fastest_eagerly(graphs, sandbox, training, decision, budget_s) if len(graphs) > 1 else next(iter(graphs))
     keep = {inductor_of(fastest)}
     why = f"{fastest} ran fastest eagerly"
+    floor_ms = 0.0
     if "eager" in graphs:
         best_ms = decision.timings_ms.get(f"eagerly:{fastest}")
         floor_ms = inductor_floor_ms(graphs["eager"](), sandbox, training) if fastest != "eager" and best_ms else 0.0
@@ -1145,9 +1191,6 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
                                                       f"{fastest} eagerly {best_ms:.3f} ms")
         else:
             keep.add("inductor-captured")
-    if training and fastest != "eager" and "inductor-captured" in keep and defer:
-        decision.timings_ms[f"floor:{inductor_of(fastest)}"] = round(rewrite_floor_ms(graphs[fastest](), sandbox,
-                                                                                      decision), 4)
     if not training and fastest != "eager":
         if not inductor_can_win(graphs[fastest](), sandbox):
             keep.discard(inductor_of(fastest))
@@ -1156,10 +1199,17 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
     for name in {inductor_of(name) for name, graph in graphs.items() if unrolls(graph())} & keep:
         keep.discard(name)
         decision.rejected[name] = "not compiled: Inductor would unroll its recurrent call step by step"
+    estimate = None
+    if fastest != "eager" and {"inductor-captured", inductor_of(fastest)} <= keep and defer:
+        graph = graphs[fastest]()
+        timings = decision.timings_ms
+        estimate = RewriteEstimate(rewrite_floor_ms(graph, sandbox, decision, training), kernels_ms(graph, decision),
+                                   timings.get(f"eagerly:{fastest}"), timings.get("eagerly:eager"), floor_ms)
+        decision.timings_ms[f"floor:{inductor_of(fastest)}"] = round(estimate.floor_ms, 4)
     for name in {inductor_of(name) for name in graphs} - keep:
         del builders[name]
         decision.rejected.setdefault(name, f"not compiled: {why}")
-    return fastest
+    return fastest, estimate
 
 
 RECURRENT = (torch.gru, torch.lstm, torch.rnn_tanh, torch.rnn_relu)
@@ -1172,25 +1222,41 @@ def unrolls(gm: fx.GraphModule) -> bool:
     return any(node.op == "call_function" and node.target in RECURRENT for node in gm.graph.nodes)
 
 
-def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, sandbox: Sandbox, decision: Decision,
-                   training: bool, budget_s: float) -> tuple[dict[str, Callable], dict[str, tuple[Callable, float]]]:
-    """The candidates, built. An inference graph's Inductor on the captured graph is built last and only when it can
-    still win: Inductor on the graph that ran fastest eagerly is timed first (``inductor_ms``, after its first
-    call), and the captured graph is not compiled where that time is within ``MARGIN`` of the captured graph's
-    library calls alone (``inductor_floor_ms``: Inductor on it cannot run faster than those): one Inductor compile
-    then, as plain Inductor's. (Inductor on the rewrite running ahead of the rewrite eagerly says nothing of plain
-    Inductor: on RecBole's SASRec under no_grad it fuses the short softmax the rewrite replaced, 0.66 vs 0.94 ms.)
-    A training graph is not timed here (its backward would compile inside Dynamo's compile of the forward): where
-    it keeps both Inductor graphs and the floor of the fastest graph's was measured (``choose_compiles``), the
-    captured graph's (plain Inductor's compile) is built and the fastest graph's deferred to the first call
-    (``GraphChooser.admit_deferred``), which builds it only where the captured graph's step does not already run
-    within ``MARGIN`` of that floor. Returns the candidates built and those deferred (name -> builder, floor ms)."""
+def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, estimate: RewriteEstimate | None,
+                   sandbox: Sandbox, decision: Decision, training: bool,
+                   budget_s: float) -> tuple[dict[str, Callable], dict[str, tuple[Callable, RewriteEstimate]]]:
+    """The candidates, built, each Inductor graph only where it can win. Where both Inductor graphs are kept, one
+    is compiled first and the other only where the first's time leaves it a chance:
+
+    - Inductor on the captured graph first (plain Inductor's compile), where the graph has static sizes
+      (``estimate``) and, for an inference graph, the order below could not skip it (the fastest graph's floor is
+      above the captured graph's library calls alone). The fastest graph's Inductor is then compiled only where
+      its ``RewriteEstimate`` beats the captured graph's time by ``MARGIN``: an inference graph's is timed here
+      (``inductor_ms``); a training graph is not timed inside Dynamo's compile (its backward would compile there), so
+      its fastest graph's compile is deferred to the first call (``GraphChooser.admit_deferred``).
+    - Else Inductor on the fastest graph first; an inference graph's is timed (``inductor_ms``) and the captured
+      graph not compiled where that time is within ``MARGIN`` of the captured graph's library calls alone
+      (``inductor_floor_ms``: Inductor on it cannot run faster than those). (Inductor on the rewrite running ahead of
+      the rewrite eagerly says nothing of plain Inductor: on RecBole's SASRec under no_grad it fuses the short softmax
+      the rewrite replaced, 0.66 vs 0.94 ms.)
+
+    Returns the candidates built and those deferred (name -> builder, estimate)."""
     first = inductor_of(fastest)
     both = first != "inductor-captured" and first in builders and "inductor-captured" in builders
-    floor_first = decision.timings_ms.get(f"floor:{first}")
-    if training and both and floor_first is not None:
-        deferred = {first: (builders.pop(first), floor_first)}
-        return build(builders, decision), deferred
+    captured_floor_ms = decision.timings_ms.get(FLOOR, 0.0)
+    if both and estimate is not None and (training or estimate.floor_ms > captured_floor_ms * (1 + MARGIN)):
+        rewrite = builders.pop(first)
+        built = build(builders, decision)
+        if training:
+            return built, {first: (rewrite, estimate)}
+        captured_ms = None
+        if "inductor-captured" in built:
+            captured_ms = inductor_ms(built["inductor-captured"], built["eager"], sandbox, decision, budget_s,
+                                      "inductor-captured", first)
+        if captured_ms is not None and not estimate.can_win(captured_ms):
+            decision.rejected[first] = estimate.why_not(first, captured_ms)
+            return built, {}
+        return {**built, **build({first: rewrite}, decision)}, {}
     captured = builders.pop("inductor-captured") if both and not training else None
     built = build(builders, decision)
     if captured is None:
@@ -1206,13 +1272,13 @@ def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, sa
     return {**built, **build({"inductor-captured": captured}, decision)}, {}
 
 
-def inductor_ms(compiled: Callable, eager: Callable, sandbox: Sandbox, decision: Decision,
-                budget_s: float) -> float | None:
-    """The median ms of ``compiled`` (an inference graph through Inductor) raced round by round against ``eager`` (its
-    graph run eagerly) on the sandbox's inputs after a first untimed call of each; None where it fails or does not
-    give ``eager``'s results."""
+def inductor_ms(compiled: Callable, eager: Callable, sandbox: Sandbox, decision: Decision, budget_s: float,
+                name: str = "inductor", before: str = "inductor-captured") -> float | None:
+    """The median ms of ``compiled`` (an inference graph through Inductor, candidate ``name``) raced round by round
+    against ``eager`` (its graph run eagerly) on the sandbox's inputs after a first untimed call of each, recorded as
+    timed before compiling candidate ``before``; None where it fails or does not give ``eager``'s results."""
     steps = {"eager": functools.partial(run_step, eager, sandbox.args, False),
-             "inductor": functools.partial(run_step, compiled, sandbox.args, False)}
+             name: functools.partial(run_step, compiled, sandbox.args, False)}
     try:
         results = []
         for step in steps.values():
@@ -1223,8 +1289,8 @@ def inductor_ms(compiled: Callable, eager: Callable, sandbox: Sandbox, decision:
     if matches(results[1], results[0]) is not None:
         return None
     ms = median_ms(race(steps, budget_s, reset=sandbox.restore))
-    decision.timings_ms.update({f"before compiling inductor-captured:{name}": t for name, t in ms.items()})
-    return ms["inductor"]
+    decision.timings_ms.update({f"before compiling {before}:{step}": t for step, t in ms.items()})
+    return ms[name]
 
 
 def build(builders: dict[str, Callable[[], Callable]], decision: Decision) -> dict[str, Callable]:
@@ -1319,10 +1385,11 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
             if not random:
                 graphs = candidate_graphs(original, rewritten, ctx, decision.kernels)
                 builders = graph_builders(graphs, compile_inductor, training)
-            fastest_graph = choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8,
-                                            defer=not slots)
+            fastest_graph, estimate = choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8,
+                                                      defer=not slots)
             budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
-            built, deferred = build_compiles(builders, fastest_graph, sandbox, decision, training, BUDGET_S / 8)
+            built, deferred = build_compiles(builders, fastest_graph, estimate, sandbox, decision, training,
+                                              BUDGET_S / 8)
         ctx.tuning = decision.to_dict()
         cached = decision
         chooser = GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager,

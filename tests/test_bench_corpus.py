@@ -5,7 +5,8 @@ import json
 
 import torch
 
-from models.bench_corpus import TABLE_END, TABLE_START, describe_decision, kept_rows, step_fn, verdict, write_doc
+from models.bench_corpus import (TABLE_END, TABLE_START, describe_decision, kept_rows, own_process_compile,
+                                 render_table, step_fn, verdict, write_doc)
 from models.corpus.harness import CASES, Case
 
 DECISION = {"mode": "training", "choice": "inductor", "regions": {"padded_softmax_attention_default": "cpu"},
@@ -66,3 +67,33 @@ def test_resume_keeps_every_row_replace_only_the_other_cases(tmp_path):
     assert [r["case"] for r in kept_rows(str(path), fm_loss, resume=False, replace=True)] == ["recbole/FM:predict"]
     assert kept_rows(str(path), fm_loss, resume=False, replace=False) == []
     assert kept_rows(str(tmp_path / "none.json"), fm_loss, resume=True, replace=False) == []
+
+
+def _tiny_case(make=lambda seed: torch.nn.Linear(4, 2)):
+    return Case("m/tiny", "forward", False, make, lambda rows, seed: (torch.randn(rows, 4),))
+
+
+def test_each_backends_cold_compile_runs_in_a_process_of_its_own(monkeypatch, tmp_path):
+    """Forked, with caches of its own: the parent's recompile cache folder and Dynamo state stay as they were, and a
+    failure comes back as the error, not as a dead benchmark."""
+    monkeypatch.setenv("RECOMPILE_CACHE_DIR", str(tmp_path))
+    import os
+
+    cold = own_process_compile(_tiny_case(), "eager", 8)
+    assert cold.keys() == {"wall_s", "cpu_s"} and cold["wall_s"] >= 0 and cold["cpu_s"] >= 0
+    assert os.environ["RECOMPILE_CACHE_DIR"] == str(tmp_path) and not list(tmp_path.iterdir())
+
+    def broken(seed):
+        raise ValueError("no such table")
+
+    assert own_process_compile(_tiny_case(broken), "eager", 8) == {"error": "ValueError: no such table"}
+
+
+def test_the_table_compares_cold_compiles_in_cpu_seconds_with_the_wall_clock_ratio_beside():
+    row = {"case": "recbole/FM:loss", "regions_expected": [], "numbers_equal": True,
+           "ms": {"128": {"eager": 2.0, "inductor": 1.0, "rec_ascend": 0.5}}, "floor": {"128": FLOOR},
+           "compile_s": {"inductor": 8.0, "rec_ascend": 12.0}, "compile_cpu_s": {"inductor": 4.0, "rec_ascend": 5.0}}
+    assert render_table([row], cpu=True).endswith("| 5.0 s / 4.0 s (1.25x; wall 1.50x) |")
+    assert render_table([row]).endswith("| 12.0 s / 8.0 s (1.50x) |")
+    del row["compile_cpu_s"]  # a row measured before: its one (wall-clock) figure
+    assert render_table([row], cpu=True).endswith("| 12.0 s / 8.0 s (1.50x) |")
