@@ -108,7 +108,7 @@ CASES: dict[str, Case] = {
 }
 
 
-# The wider RecBole sweep (``python -m models.check_wide``): numbers, compile count, regions and graph breaks only.
+# The wider RecBole corpus (``python -m models.check_corpus_wide``): numbers, compile count, regions and graph breaks only.
 WIDE_CASES: dict[str, Case] = {
     c.name: c for n in recbole_zoo.WIDE_CONTEXT + recbole_zoo.WIDE_SEQUENTIAL for c in _recbole_cases(n)}
 

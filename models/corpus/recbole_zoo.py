@@ -34,7 +34,7 @@ NUMPY_ALIASES = {"float_": np.float64, "complex_": np.complex128, "unicode_": np
 CONTEXT = ("DCNV2", "DCN", "DeepFM", "WideDeep", "xDeepFM", "AutoInt", "AFM", "FwFM", "NFM", "PNN", "FM")
 SEQUENTIAL = ("SASRec", "BERT4Rec", "GRU4Rec", "Caser", "NARM")
 # Further RecBole models, checked for numbers, compile count, regions and graph breaks (``python -m
-# models.check_wide``, tests/test_corpus_wide.py), not benchmarked. Left out: FEARec (its HybridAttention's slide
+# models.check_corpus_wide``, tests/test_corpus_wide.py), not benchmarked. Left out: FEARec (its HybridAttention's slide
 # step divides by zero at SMALL's sizes), FPMC and TransRec (BPR losses over sampled negatives; the corpus trains
 # sequential models with CE).
 WIDE_CONTEXT = ("DSSM", "EulerNet", "FFM", "FiGNN", "FNN", "KD_DAGFM", "LR")
