@@ -719,14 +719,16 @@ def _field_attention(gm: fx.GraphModule, ctx: PassContext) -> None:
         n, embed = (size_hint(s) for s in (tensor_meta(match.x).shape[0], tensor_meta(match.x).shape[-1]))
         heads, scale = match.num_heads, 1.0 / math.sqrt(embed // match.num_heads)
         chain = _Chain(node)
-        qkv = chain(torch.chunk, chain(F.linear, match.x, match.in_weight, match.in_bias), 3, -1)
+        # batch first ([B, N, E]: AutoInt's x is the transpose of one), so that a sequence's rows lie together
+        rows = chain(torch.transpose, match.x, 0, 1)
+        qkv = chain(torch.chunk, chain(F.linear, rows, match.in_weight, match.in_bias), 3, -1)
         q, k, v = (chain(torch.permute, chain("unflatten", chain(operator.getitem, qkv, i), -1,
-                                              (heads, embed // heads), method=True), (1, 2, 0, 3)) for i in range(3))
+                                              (heads, embed // heads), method=True), (0, 2, 1, 3)) for i in range(3))
         mask = chain("new_zeros", match.x, (1, 1, 1, n), method=True)
         impl = ctx.lower(op, q, k, v, mask, scale)
         attended = chain(torch.ops.recompile.padded_softmax_attention.default, q, k, v, mask, scale, impl.impl)
-        out = chain(F.linear, chain(torch.flatten, chain(torch.permute, attended, (2, 0, 1, 3)), -2),
-                    match.out_weight, match.out_bias)
+        merged = chain(torch.flatten, chain(torch.permute, attended, (0, 2, 1, 3)), -2)
+        out = chain(torch.transpose, chain(F.linear, merged, match.out_weight, match.out_bias), 0, 1)
         for user in list(node.users):
             if user.args[1] == 0:
                 replace_node(user, out)
