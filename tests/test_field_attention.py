@@ -94,6 +94,7 @@ def test_multihead_attention_becomes_the_dense_op_and_equals_eager(batch_first, 
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.usefixtures("quick_race")
 @pytest.mark.parametrize("batch_first, need_weights", [(False, True), (True, False)])
 def test_rec_ascend_equals_eager_and_compiles_at_most_twice(batch_first, need_weights):
     torch._dynamo.reset()
@@ -107,7 +108,7 @@ def test_rec_ascend_equals_eager_and_compiles_at_most_twice(batch_first, need_we
 
     counting.backend_ctx_ctor = rec_ascend.backend_ctx_ctor
     compiled = torch.compile(model, backend=counting)
-    for batch in (3, 5, 9, 17):
+    for batch in (3, 5, 9):
         x = torch.randn(batch, 7, 8)
         for got, want in zip(outputs_and_grads(compiled, model, x), outputs_and_grads(model, model, x)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -7,8 +7,9 @@
  * VL-padded tiles cost most of the work. Here the query rows are the vector lanes (blocks of VL rows) and the keys a
  * scalar loop, so the scores, the softmax over the keys (max, exp, sum), and the product with v are all vertical:
  * S^T[j] = sum_d k[j, d] Q^T[d], P^T[j] = exp(S^T[j] - max_j) / sum_j, O^T[d] = sum_j v[j, d] P^T[j]; backward
- * dP^T[j] = sum_d v[j, d] G^T[d], dS^T[j] = P^T[j] (dP^T[j] - sum_j P^T dP^T) scale, dQ^T[d] = sum_j k[j, d] dS^T[j],
- * and the key-side sums dk[j, d] = sum_i dS[i, j] q[i, d], dv[j, d] = sum_i P[i, j] g[i, d] reduce over the lanes.
+ * dP^T[j] = sum_d v[j, d] G^T[d], dS^T[j] = P^T[j] (dP^T[j] - sum_j P^T dP^T) scale, dQ^T[d] = sum_j k[j, d] dS^T[j];
+ * the key-side sums dk[j, :] = sum_i dS[i, j] q[i, :] and dv[j, :] = sum_i P[i, j] g[i, :] take the lanes one by one
+ * as scalars against q's and g's rows (vectors over the dims), so nothing reduces across lanes.
  * Padded lanes (rows past nq in the last block) read zeros and are never stored. */
 
 enum { DENSE_KEYS = 64 };
@@ -17,15 +18,11 @@ static int dense_problem(const padded_attention_problem *p) {
     return !p->rows && p->n <= DENSE_KEYS && p->mask_stride[0] == 0 && p->mask_stride[2] == 0;
 }
 
-static float vsum(vf x) {
-    float s = 0.0f;
-    for (int l = 0; l < VL; l++) s += x[l];
-    return s;
-}
-
 typedef struct {
-    float *k, *v, *dk, *dv;   /* [n, dim], [n, dim_v] */
-    vf *qt, *gt, *ot, *p, *ds; /* [dim], [dim_v], [max(dim, dim_v)], [n], [n] vectors over the block's rows */
+    float *k, *v;                /* [n, dim], [n, dim_v] */
+    vf *qt, *gt, *ot, *p, *ds;   /* [dim], [dim_v], [max(dim, dim_v)], [n], [n] vectors over the block's rows */
+    vf *qr, *gr, *dk, *dv;       /* backward, rows of ldd = dim and ldv = dim_v rounded up to VL: [VL], [VL], [n], [n] */
+    int64_t ldd, ldv;
 } dense_buffers;
 
 static const char *dense_row(const padded_attention_problem *p, const void *x, const int64_t *stride, int64_t b,
@@ -74,7 +71,8 @@ static void dense_item(const padded_attention_problem *p, int64_t b, int64_t h, 
         load_row(p->dtype, dense_row(p, p->k, p->k_stride, b, h, j), w->k + j * D, 1, D);
         load_row(p->dtype, dense_row(p, p->v, p->v_stride, b, h, j), w->v + j * Dv, 1, Dv);
     }
-    if (backward) memset(w->dk, 0, sizeof(float) * n * D), memset(w->dv, 0, sizeof(float) * n * Dv);
+    const int64_t cd = w->ldd / VL, cv = w->ldv / VL; /* vectors per row of dk, dv */
+    if (backward) memset(w->dk, 0, sizeof(vf) * n * cd), memset(w->dv, 0, sizeof(vf) * n * cv);
     for (int64_t i0 = 0; i0 < nq; i0 += VL) {
         const int64_t m = min64(VL, nq - i0);
         dense_pack_t(p, p->q, p->q_stride, b, h, i0, m, D, w->qt);
@@ -89,6 +87,10 @@ static void dense_item(const padded_attention_problem *p, int64_t b, int64_t h, 
             continue;
         }
         dense_pack_t(p, p->grad, p->grad_stride, b, h, i0, m, Dv, w->gt);
+        for (int64_t r = 0; r < m; r++) {
+            load_row(p->dtype, dense_row(p, p->q, p->q_stride, b, h, i0 + r), (float *)(w->qr + r * cd), 1, D);
+            load_row(p->dtype, dense_row(p, p->grad, p->grad_stride, b, h, i0 + r), (float *)(w->gr + r * cv), 1, Dv);
+        }
         vf dot = splat(0.0f);
         for (int64_t j = 0; j < n; j++) { /* dP^T, then dS^T in place */
             vf dp = splat(0.0f);
@@ -98,8 +100,11 @@ static void dense_item(const padded_attention_problem *p, int64_t b, int64_t h, 
         }
         for (int64_t j = 0; j < n; j++) {
             w->ds[j] = w->p[j] * (w->ds[j] - dot) * p->scale;
-            for (int64_t d = 0; d < D; d++) w->dk[j * D + d] += vsum(w->ds[j] * w->qt[d]);
-            for (int64_t d = 0; d < Dv; d++) w->dv[j * Dv + d] += vsum(w->p[j] * w->gt[d]);
+            for (int64_t r = 0; r < m; r++) {
+                const float ds = w->ds[j][r], pr = w->p[j][r];
+                for (int64_t c = 0; c < cd; c++) w->dk[j * cd + c] += ds * w->qr[r * cd + c];
+                for (int64_t c = 0; c < cv; c++) w->dv[j * cv + c] += pr * w->gr[r * cv + c];
+            }
         }
         for (int64_t d = 0; d < D; d++) {
             vf dq = splat(0.0f);
@@ -110,8 +115,8 @@ static void dense_item(const padded_attention_problem *p, int64_t b, int64_t h, 
     }
     if (!backward) return;
     for (int64_t j = 0; j < n; j++) {
-        store_row(p->dtype, w->dk + j * D, 1, 1.0f, dense_out_row(p, p->dk, n, D, b, h, j), D);
-        store_row(p->dtype, w->dv + j * Dv, 1, 1.0f, dense_out_row(p, p->dv, n, Dv, b, h, j), Dv);
+        store_row(p->dtype, (const float *)(w->dk + j * cd), 1, 1.0f, dense_out_row(p, p->dk, n, D, b, h, j), D);
+        store_row(p->dtype, (const float *)(w->dv + j * cv), 1, 1.0f, dense_out_row(p, p->dv, n, Dv, b, h, j), Dv);
     }
 }
 
@@ -122,14 +127,15 @@ static int dense_run(const padded_attention_problem *p, int backward) {
 #pragma omp parallel num_threads(max64(min64(p->threads, B * H), 1)) reduction(| : failed)
     {
         dense_buffers w;
-        w.k = alloc(n * D), w.v = alloc(n * Dv), w.dk = alloc(n * D), w.dv = alloc(n * Dv);
+        w.ldd = round_up(D, VL), w.ldv = round_up(Dv, VL);
+        w.k = alloc(n * D), w.v = alloc(n * Dv), w.dk = alloc(n * w.ldd), w.dv = alloc(n * w.ldv);
         w.qt = alloc(D * VL), w.gt = alloc(Dv * VL), w.ot = alloc(max64(D, Dv) * VL);
-        w.p = alloc(n * VL), w.ds = alloc(n * VL);
-        failed = !w.k || !w.v || !w.dk || !w.dv || !w.qt || !w.gt || !w.ot || !w.p || !w.ds;
+        w.p = alloc(n * VL), w.ds = alloc(n * VL), w.qr = alloc(VL * w.ldd), w.gr = alloc(VL * w.ldv);
+        failed = !w.k || !w.v || !w.dk || !w.dv || !w.qt || !w.gt || !w.ot || !w.p || !w.ds || !w.qr || !w.gr;
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * H; bh++)
             if (!failed) dense_item(p, bh / H, bh % H, backward, &w);
-        void *buffers[] = {w.k, w.v, w.dk, w.dv, w.qt, w.gt, w.ot, w.p, w.ds};
+        void *buffers[] = {w.k, w.v, w.dk, w.dv, w.qt, w.gt, w.ot, w.p, w.ds, w.qr, w.gr};
         for (void *x : buffers) free(x);
     }
     return failed ? -1 : 0;
