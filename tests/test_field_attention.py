@@ -86,33 +86,34 @@ def test_multihead_attention_becomes_the_dense_op_and_equals_eager(batch_first, 
     torch.manual_seed(0)
     model = Fields(batch_first, bias, need_weights).eval()
     assert attention_regions(model, torch.randn(4, 7, 8)) == (["recompile::padded_softmax_attention"], [])
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=rec_passes_aot_eager)
-    for batch in (1, 6, 11):
-        x = torch.randn(batch, 7, 8)
-        for got, want in zip(outputs_and_grads(compiled, model, x), outputs_and_grads(model, model, x)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_equal_over_batches(model, rec_passes_aot_eager, (1, 6, 11))
 
 
-@pytest.mark.usefixtures("quick_race")
-@pytest.mark.parametrize("batch_first, need_weights", [(False, True), (True, False)])
-def test_rec_ascend_equals_eager_and_compiles_at_most_twice(batch_first, need_weights):
+def assert_equal_over_batches(model, backend, batches):
+    """Outputs and gradients equal eager's on each batch size, compiled at most twice (static, then dynamic)."""
     torch._dynamo.reset()
-    torch.manual_seed(1)
-    model = Fields(batch_first, True, need_weights).eval()
     compiles = []
 
     def counting(gm, example_inputs):
         compiles.append(gm)
-        return rec_ascend(gm, example_inputs)
+        return backend(gm, example_inputs)
 
     counting.backend_ctx_ctor = rec_ascend.backend_ctx_ctor
     compiled = torch.compile(model, backend=counting)
-    for batch in (3, 5, 9):
+    for batch in batches:
         x = torch.randn(batch, 7, 8)
         for got, want in zip(outputs_and_grads(compiled, model, x), outputs_and_grads(model, model, x)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert len(compiles) <= 2
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("quick_race")
+@pytest.mark.parametrize("batch_first, need_weights", [(False, True), (True, False)])
+def test_rec_ascend_equals_eager_and_compiles_at_most_twice(batch_first, need_weights):
+    """Through Inductor and the race (slow: Inductor compiles forward and backward, static then dynamic)."""
+    torch.manual_seed(1)
+    assert_equal_over_batches(Fields(batch_first, True, need_weights).eval(), rec_ascend, (3, 5, 9))
 
 
 def test_training_dropout_and_used_weights_stay_unfused_with_the_reason():
