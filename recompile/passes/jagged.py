@@ -26,6 +26,10 @@ Patterns and replacements:
   proven to be read at one row per sequence (``gather(h, 1, item_seq_len - 1 ...)``, through row-wise ops and
   attentions on the same mask: ``recompile.passes.jagged_rows``), the op gets those rows and computes only the
   query rows they depend on (checked on the mask at run time), 0 in the others.
+- dense self-attention over a model's fields (AutoInt): ``nn.MultiheadAttention`` with no mask over a batched
+  ``[N, B, E]`` of fixed N, weights unused, no dropout in training -> in-projection,
+  ``recompile.padded_softmax_attention`` with a zero ``[1, 1, 1, N]`` mask (the native kernel's dense path), out-
+  projection (``_field_attention``).
 A padded node whose users cannot all be proven position-wise keeps its padded computation; a gather
 back that is not reached by a jagged equivalent stays, and the report says why.
 """
