@@ -71,7 +71,10 @@ EXPECTED: dict[str, tuple[Expect, ...]] = {
                            "pairs built by Python loops: a dot interaction"), MEAN_BAG),
     "recbole/WideDeep": (MEAN_BAG,),
     "recbole/xDeepFM": (MEAN_BAG,),  # CIN: outer products through conv1d, no region of ours
-    "recbole/AutoInt": (MEAN_BAG,),  # multi-head self-attention over the F fields, dense: no jagged region
+    "recbole/AutoInt": (Expect("attention", ("recompile::padded_softmax_attention",), 1,
+                               "AutoInt.self_attns: nn.MultiheadAttention over the F fields, no mask, weights unused "
+                               "(eval: its attention dropout is off), one per layer: the dense path of the padded "
+                               "attention op between the in- and out-projections"), MEAN_BAG),
     "recbole/AFM": (MEAN_BAG,),  # pairwise element-wise products weighted by attention, not summed: no dot region
     "recbole/FwFM": (MEAN_BAG,),  # pairwise dots weighted per field pair: no plain dot region
     # RecBole sequential models: padded histories [B, MAX_ITEM_LIST_LENGTH], padding id 0.

@@ -26,6 +26,10 @@ Patterns and replacements:
   proven to be read at one row per sequence (``gather(h, 1, item_seq_len - 1 ...)``, through row-wise ops and
   attentions on the same mask: ``recompile.passes.jagged_rows``), the op gets those rows and computes only the
   query rows they depend on (checked on the mask at run time), 0 in the others.
+- dense self-attention over a model's fields (AutoInt): ``nn.MultiheadAttention`` with no mask over a batched
+  ``[N, B, E]`` of fixed N, weights unused, no dropout in training -> in-projection,
+  ``recompile.padded_softmax_attention`` with a zero ``[1, 1, 1, N]`` mask (the native kernel's dense path), out-
+  projection (``_field_attention``).
 A padded node whose users cannot all be proven position-wise keeps its padded computation; a gather
 back that is not reached by a jagged equivalent stays, and the report says why.
 """
@@ -44,6 +48,7 @@ import torch.nn.functional as F
 
 from recompile.passes.jagged_attention import (
     AttentionMatch, Lengths, ScoreBias, Unproven, is_score_product, match_attention, match_mha,
+    has_mha_mask, match_dense_mha,
     match_padded_attention, prove_bias, prove_mask, prove_mha_mask, same_sizes, size_hint,
 )
 from recompile.passes.jagged_index import (
@@ -698,6 +703,43 @@ def _padded_attention(gm: fx.GraphModule, ctx: PassContext) -> None:
         _cut_query_rows(group)
 
 
+def _field_attention(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """``nn.MultiheadAttention`` self-attention with no mask over ``x [N, B, E]`` (AutoInt's interacting layers
+    over a CTR model's N fields; ``F.multi_head_attention_forward``, one call in Dynamo's graph, its weights
+    unused) -> the in-projection, ``recompile.padded_softmax_attention`` on ``[B, H, N, E / H]`` views of it with a
+    zero ``[1, 1, 1, N]`` mask (the native kernel's dense path, ``csrc/field_attention.h``), the out-projection.
+    Why: ATen runs the core as ``B * H`` products of N x N tiny matrices (baddbmm, softmax, bmm) or, without the
+    weights, CPU flash attention on 4-wide heads: most of AutoInt's time. Masked ones are the lifter's; dropout
+    on the weights in training is left to ATen (reported)."""
+    op = "recompile::padded_softmax_attention"
+    for node in list(gm.graph.nodes):
+        if not is_call(node, F.multi_head_attention_forward) or has_mha_mask(node):
+            continue
+        try:
+            match = match_dense_mha(node)
+        except Unproven as why:
+            ctx.fallbacks.append(Fallback(ctx.current_pass, f"left unfused at {node.name}: {why}"))
+            continue
+        n, embed = (size_hint(s) for s in (tensor_meta(match.x).shape[0], tensor_meta(match.x).shape[-1]))
+        heads, scale = match.num_heads, 1.0 / math.sqrt(embed // match.num_heads)
+        chain = _Chain(node)
+        # batch first ([B, N, E]: AutoInt's x is the transpose of one), so that a sequence's rows lie together
+        rows = chain(torch.transpose, match.x, 0, 1)
+        qkv = chain(torch.chunk, chain(F.linear, rows, match.in_weight, match.in_bias), 3, -1)
+        q, k, v = (chain(torch.permute, chain("unflatten", chain(operator.getitem, qkv, i), -1,
+                                              (heads, embed // heads), method=True), (0, 2, 1, 3)) for i in range(3))
+        mask = chain("new_zeros", match.x, (1, 1, 1, n), method=True)
+        impl = ctx.lower(op, q, k, v, mask, scale)
+        attended = chain(torch.ops.recompile.padded_softmax_attention.default, q, k, v, mask, scale, impl.impl)
+        merged = chain(torch.flatten, chain(torch.permute, attended, (0, 2, 1, 3)), -2)
+        out = chain(torch.transpose, chain(F.linear, merged, match.out_weight, match.out_bias), 0, 1)
+        for user in list(node.users):
+            if user.args[1] == 0:
+                replace_node(user, out)
+        ctx.record_region("attention", [node], op, impl)
+    eliminate_dead_code(gm)
+
+
 def _cut_query_rows(group: list[fx.Node]) -> None:
     """Give the attentions of one mask the rows their outputs are read at, where ``read_rows`` proves it: they
     then compute only the query rows those rows depend on (``recompile.runtime.padded_attention``). Unproven: every row,
@@ -716,4 +758,5 @@ def jagged(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     _rewrite_offsets(gm, ctx)
     _lift_padded_regions(gm, ctx)
     _padded_attention(gm, ctx)
+    _field_attention(gm, ctx)
     return gm

@@ -228,7 +228,9 @@ class MHAMatch:
     attn_mask: Any
 
 
-def match_mha(node: fx.Node) -> MHAMatch:
+def _mha_arguments(node: fx.Node) -> dict[str, Any]:
+    """``F.multi_head_attention_forward``'s arguments by name, where it is a self-attention of one packed
+    in-projection whose attention weights (output 1) are unused; else Unproven."""
     names = list(inspect.signature(F.multi_head_attention_forward).parameters)
     a = {name: arg(node, i, name) for i, name in enumerate(names)}
     if not (a["query"] is a["key"] is a["value"]):
@@ -239,14 +241,39 @@ def match_mha(node: fx.Node) -> MHAMatch:
         "static_k/static_v": a["static_k"] is not None or a["static_v"] is not None,
         "dropout in training": bool(a["training"]) and scalar(a["dropout_p"]) != 0.0,
         "need_weights (the weights are used)": a["need_weights"] is not False
-        and any(not (is_call(u, operator.getitem) and u.args[1] == 0) for u in node.users),
+        and any(u.users and not (is_call(u, operator.getitem) and u.args[1] == 0) for u in node.users),
     }
     if any(unsupported.values()):
         raise Unproven(f"{node.name}: multi-head attention with {', '.join(k for k, v in unsupported.items() if v)}")
-    if a["key_padding_mask"] is None and a["attn_mask"] is None:
-        raise Unproven(f"{node.name}: no mask, so padded keys are attended to")
+    return a
+
+
+def _mha_match(a: dict[str, Any]) -> MHAMatch:
     return MHAMatch(a["query"], a["num_heads"], a["in_proj_weight"], a["in_proj_bias"], a["out_proj_weight"],
                     a["out_proj_bias"], a["key_padding_mask"], a["attn_mask"])
+
+
+def match_mha(node: fx.Node) -> MHAMatch:
+    a = _mha_arguments(node)
+    if a["key_padding_mask"] is None and a["attn_mask"] is None:
+        raise Unproven(f"{node.name}: no mask, so padded keys are attended to")
+    return _mha_match(a)
+
+
+def has_mha_mask(node: fx.Node) -> bool:
+    return arg(node, 14, "key_padding_mask") is not None or arg(node, 16, "attn_mask") is not None
+
+
+def match_dense_mha(node: fx.Node) -> MHAMatch:
+    """``nn.MultiheadAttention`` self-attention with no mask over a batched ``x [N, B, E]`` of a fixed N:
+    every one of the N rows (a CTR model's fields) attends to all N."""
+    a = _mha_arguments(node)
+    if has_mha_mask(node) or bool(a["is_causal"]):
+        raise Unproven(f"{node.name}: a masked multi-head attention")
+    meta = tensor_meta(a["query"])
+    if meta is None or meta.dim() != 3 or isinstance(meta.shape[0], torch.SymInt):
+        raise Unproven(f"{node.name}: the queries are not a batched [N, B, E] of a fixed N")
+    return _mha_match(a)
 
 
 def prove_mha_mask(match: MHAMatch, lengths: Lengths, n: int) -> bool:

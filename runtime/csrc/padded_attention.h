@@ -134,6 +134,7 @@ static void backward_item(const padded_attention_problem *p, const attention_ite
 /* entry points: 0, or -1 out of memory */
 
 static int run(const padded_attention_problem *p, int backward) {
+    if (dense_problem(p)) return dense_run(p, backward); /* field_attention.h */
     const int64_t B = p->batch, H = p->heads, nq = p->nq, n = p->n, mh = p->mask_heads;
     const int64_t ldk = round_up(max64(n, 1), VL), ldd = round_up(p->dim, VL), ldv = round_up(p->dim_v, VL),
                   ldo = max64(ldd, ldv), rows_max = max64(nq, 1), keys_max = max64(n, 1);
