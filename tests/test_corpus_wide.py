@@ -29,14 +29,19 @@ def test_compiled_equals_eager_and_compiles_at_most_twice(case):
 
 
 def test_the_check_script_writes_its_row_and_table(tmp_path):
-    """``python -m models.check_corpus_wide`` on one case: the JSON row and the doc's table between its markers."""
+    """``python -m models.check_corpus_wide`` on one case with ``--replace``: the JSON row (the other rows kept) and
+    the doc's table between its markers."""
     from models import check_corpus_wide
 
     doc = tmp_path / "doc.md"
     doc.write_text(f"before\n{check_corpus_wide.TABLE_START}\nold\n{check_corpus_wide.TABLE_END}\nafter\n")
     out = tmp_path / "wide.json"
-    check_corpus_wide.main(["--cases", "recbole/LR:predict", "--json", str(out), "--doc", str(doc)])
-    row, = json.loads(out.read_text())["rows"]
+    earlier = {"case": "recbole/DSSM:loss", "numbers_equal": True, "graphs": 1, "compiles": 2, "breaks": [],
+               "regions": {}}
+    out.write_text(json.dumps({"commit": "abc1234", "rows": [earlier, {**earlier, "case": "recbole/LR:predict"}]}))
+    check_corpus_wide.main(["--cases", "recbole/LR:predict", "--replace", "--json", str(out), "--doc", str(doc)])
+    kept, row = json.loads(out.read_text())["rows"]  # --replace keeps the other case's row, with its commit
+    assert kept == {**earlier, "commit": "abc1234"}
     assert row["numbers_equal"] is True and row["graphs"] == 1 and row["compiles"] <= 2, row
     assert row["regions"] == {"embedding recompile::grouped_embedding_bag": 1}, row
     text = doc.read_text()
