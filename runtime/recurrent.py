@@ -166,8 +166,7 @@ def gru(input: torch.Tensor, hx: Optional[torch.Tensor], weights: list[torch.Ten
 
 @gru.register_fake
 def _(input, hx, weights, has_biases, num_layers, batch_first, save, impl):
-    _, _, hidden = _check(input, hx, weights, has_biases, num_layers, batch_first)
-    batch = input.shape[0] if batch_first else input.shape[1]
+    _, batch, hidden = _check(input, hx, weights, has_biases, num_layers, batch_first)
     sequence = input.new_empty(*input.shape[:2], hidden)
     saved = [sequence.new_empty(sequence.shape) for _ in range(num_layers - 1)] + [
         input.new_empty(*input.shape[:2], 4 * hidden) for _ in range(num_layers)] if save else []

@@ -228,11 +228,17 @@ class MHAMatch:
     attn_mask: Any
 
 
+MHA_PARAMETERS = tuple(inspect.signature(F.multi_head_attention_forward).parameters)
+
+
+def _mha_argument(node: fx.Node, name: str) -> Any:
+    return arg(node, MHA_PARAMETERS.index(name), name)
+
+
 def _mha_arguments(node: fx.Node) -> dict[str, Any]:
     """``F.multi_head_attention_forward``'s arguments by name, where it is a self-attention of one packed
     in-projection whose attention weights (output 1) are unused; else Unproven."""
-    names = list(inspect.signature(F.multi_head_attention_forward).parameters)
-    a = {name: arg(node, i, name) for i, name in enumerate(names)}
+    a = {name: _mha_argument(node, name) for name in MHA_PARAMETERS}
     if not (a["query"] is a["key"] is a["value"]):
         raise Unproven(f"{node.name}: multi-head attention with other keys or values than its queries")
     unsupported = {
@@ -261,7 +267,7 @@ def match_mha(node: fx.Node) -> MHAMatch:
 
 
 def has_mha_mask(node: fx.Node) -> bool:
-    return arg(node, 14, "key_padding_mask") is not None or arg(node, 16, "attn_mask") is not None
+    return _mha_argument(node, "key_padding_mask") is not None or _mha_argument(node, "attn_mask") is not None
 
 
 def match_dense_mha(node: fx.Node) -> MHAMatch:
