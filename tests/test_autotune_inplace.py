@@ -21,6 +21,11 @@ def _fast(x):
     return x * 2
 
 
+def _short(x):  # slower than _fast, yet a short call (under SHORT_CALL_S)
+    time.sleep(0.0005)
+    return x * 2
+
+
 def _chooser(pick, eager, cached: bool):
     decision = autotune.Decision("inductor", mode="inference", cached=cached, key="k" * 32)
     autotune.store(decision)
@@ -58,8 +63,9 @@ def test_a_choice_that_holds_in_place_is_then_called_directly(_cache):
 
 
 def test_a_choice_of_short_calls_is_checked_over_more_calls(_cache):
-    """Calls of a few microseconds: three timings each are mostly jitter, so the check takes SHORT_CHECK_CALLS."""
-    chooser = _chooser(_fast, _fast, False)
+    """Calls under SHORT_CALL_S: three timings each are mostly jitter, so the check takes SHORT_CHECK_CALLS (the
+    captured graph a short call that is slower, so that the choice holds whatever the jitter)."""
+    chooser = _chooser(_fast, _short, False)
     _calls(chooser, 2 * autotune.CHECK_CALLS)
     assert chooser.run == chooser.check_call
     _calls(chooser, 2 * (autotune.SHORT_CHECK_CALLS - autotune.CHECK_CALLS))
