@@ -7,8 +7,8 @@ Per case of ``recbole_zoo.WIDE_CONTEXT`` / ``WIDE_SEQUENTIAL`` (``calculate_loss
 ``full_sort_predict``), in one process with cold caches (``bench_corpus.cold_caches``): the case compiled with
 rec_ascend as a user compiles it (Inductor, the autotune race on) on batches of 16, 24 and 37 rows, each output and
 gradient against eager's (``harness.check``: 1e-5 / 1e-4 relative), the compilations per graph captured, the graph
-breaks Dynamo made and why (its counters, which hold a break before which nothing was captured, and the breaks
-``recompile.explain`` reads from the graphs), and the regions ``recompile.explain`` finds. A known difference from eager that plain ``torch.compile`` shares is named from
+breaks Dynamo made, why and where (``recompile.explain`` listens to Dynamo's graph-break log: also a break that ends
+no captured graph), and the regions ``recompile.explain`` finds. A known difference from eager that plain ``torch.compile`` shares is named from
 ``expected.DIFFERENCES``. Writes the JSON and renders the table between the doc's ``wide-table`` markers.
 """
 from __future__ import annotations
@@ -45,14 +45,13 @@ def check_case(case: Case) -> dict:
         row.update(numbers_equal=False, error=_first_line(e))
     except Exception as e:  # noqa: BLE001 - a failure to compile is the row's finding
         row.update(numbers_equal=None, error=_first_line(e))
-    breaks = set(counters["graph_break"])
     try:
         found = found_regions(case)
         row["regions"] = {f"{kind} {op}": n for (kind, op), n in sorted(found.regions.items())}
-        breaks.update(found.breaks)
+        row["breaks"] = found.breaks
     except Exception as e:  # noqa: BLE001
         row["regions"], row["explain_error"] = {}, _first_line(e)
-    row["breaks"] = sorted({reason.strip().splitlines()[0] for reason in breaks})
+        row["breaks"] = sorted({reason.strip().splitlines()[0] for reason in counters["graph_break"]})
     if case.name in DIFFERENCES:
         row["known_difference"] = DIFFERENCES[case.name]
     return row

@@ -1,11 +1,15 @@
 """``recompile.explain``: capture a model with Dynamo and run the pipeline, without compiling it."""
 from __future__ import annotations
 
+import contextlib
+import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
+from torch._dynamo import symbolic_convert
 
 from recompile import autotune
 from recompile.backend import detect_target
@@ -23,6 +27,46 @@ def _graph_break(gm: torch.fx.GraphModule) -> GraphBreak | None:
     frame = reason.user_stack[-1] if reason.user_stack else None
     where = f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}" if frame else None
     return GraphBreak(str(reason.reason), where)
+
+
+# Dynamo's graph-break log line: "Graph break [(user stack suppressed ...)] in user code at FILE:LINE\nGraph Break
+# Reason: REASON", then the stack.
+_LOGGED_BREAK = re.compile(r"in user code at (?P<where>.+?:\d+)\nGraph Break Reason: (?P<reason>.*?)"
+                           r"(?:\n\n(?:Stack variable source attribution|User code traceback)|\Z)", re.S)
+
+
+class _BreakLog(logging.Handler):
+    """Every graph break Dynamo logs, also one that ends no captured graph: a break before the frame's first op,
+    or a break in a loop, after which Dynamo runs the whole function eagerly."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.breaks: list[GraphBreak] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = _LOGGED_BREAK.search(record.getMessage())
+        if match:
+            found = GraphBreak(match["reason"].strip(), match["where"])
+            # Dynamo logs a break once per enclosing frame it traced, and again when it restarts an analysis.
+            if all((b.summary, b.where) != (found.summary, found.where) for b in self.breaks):
+                self.breaks.append(found)
+
+
+@contextlib.contextmanager
+def _logged_breaks():
+    """Listen to Dynamo's graph-break log (the ``graph_breaks`` artifact of TORCH_LOGS) while ``explain`` traces,
+    without printing it; the logger's settings are restored after."""
+    log, handler = symbolic_convert.graph_break_log, _BreakLog()
+    level, propagate = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    try:
+        yield handler.breaks
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
 
 
 @dataclass
@@ -54,5 +98,7 @@ def explain(model, *example_inputs, options: RecompileOptions | Mapping[str, Any
         return gm.forward
 
     capture.backend_ctx_ctor = TracingConfig  # Dynamo traces as it does for rec_ascend
-    torch.compile(model, backend=capture)(*example_inputs)
+    with _logged_breaks() as breaks:
+        torch.compile(model, backend=capture)(*example_inputs)
+    report.breaks = breaks
     return report

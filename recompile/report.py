@@ -47,6 +47,9 @@ BREAK_REMEDIES = (
     (re.compile(r"generic_jump|[Dd]ata-dependent branching"),
      "a Python `if` on a tensor's value: write it as torch.where(...) or torch.cond(...), or move the check out "
      "of the compiled model"),
+    (re.compile(r"graph break in loop"),
+     "a break inside a for/while loop: Dynamo runs the whole function holding the loop eagerly; remove the break "
+     "named above it (often a Python number read from a tensor in the loop), or write the loop as tensor ops"),
     (re.compile(r"builtin operator `print`|logging"),
      "a print or log call: remove it, or list the function in torch._dynamo.config.reorderable_logging_functions"),
     (re.compile(r"FBCODE_SKIP_TORCHREC|skip_torchrec"),
@@ -70,6 +73,15 @@ class GraphBreak:
     @property
     def remedy(self) -> str | None:
         return next((fix for pattern, fix in BREAK_REMEDIES if pattern.search(self.reason)), None)
+
+    @property
+    def summary(self) -> str:
+        """The reason's first line that says something: Dynamo heads some with a line ending in ':'."""
+        lines = [line.strip() for line in self.reason.splitlines() if line.strip()]
+        return next((line for line in lines if not line.endswith(":")), lines[0] if lines else "")
+
+    def to_dict(self) -> dict:
+        return {"reason": self.reason, "summary": self.summary, "at": self.where, "remedy": self.remedy}
 
 
 def runs_as(region: Region, target: Target) -> str:
@@ -194,6 +206,9 @@ class Report:
     # Region id -> measured times (recompile.profile); why nothing was measured, when it was asked for.
     profile: dict[int, dict] = field(default_factory=dict)
     profile_note: str | None = None
+    # Every graph break Dynamo made, in order: also those that end no captured graph (a break before a frame's
+    # first op, a break in a loop after which Dynamo runs the whole function eagerly).
+    breaks: list[GraphBreak] = field(default_factory=list)
 
     def regions(self) -> Iterator[tuple[GraphReport, Region]]:
         for g in self.graphs:
@@ -216,6 +231,7 @@ class Report:
             "target": self.target.to_dict(),
             "executed": self.target.available,
             "graphs": [g.to_dict() for g in self.graphs],
+            "breaks": [b.to_dict() for b in self.breaks],
             "passes": [p for g in self.graphs for p in g.pass_dicts()],
             "stages": [s for g in self.graphs for s in g.stage_dicts()],
             "regions": regions,
@@ -249,6 +265,11 @@ class Report:
             lines.append(f"  graph {g['id']}: {g['num_nodes_before']} -> {g['num_nodes_after']} nodes{brk}")
             lines.extend(f"      {line.strip()}" for line in (g["break_reason"] or "").splitlines() if line.strip())
             lines.extend(f"      {label}: {g[key]}" for label, key in (("at", "break_at"), ("fix", "break_remedy")) if g[key])
+        if d["breaks"]:
+            lines.append(f"graph breaks Dynamo made: {len(d['breaks'])}")
+        for b in d["breaks"]:
+            lines.append(f"  {b['summary']}")
+            lines.extend(f"      {label}: {b[key]}" for label, key in (("at", "at"), ("fix", "remedy")) if b[key])
         lines.append("passes:")
         lines.extend(_pass_line(p) for p in d["passes"])
         lines.append(f"regions: {len(d['regions'])}")

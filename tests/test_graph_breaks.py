@@ -212,3 +212,37 @@ def test_tolist_of_a_data_dependent_length_breaks_the_graph_and_does_not_fail():
         seq = torch.randint(0, 50, (n,))
         torch.testing.assert_close(compiled(seq, weight), session_graph(seq, weight))
     assert any("tolist() of a data-dependent length" in reason for reason in counters["graph_break"])
+
+
+def reversed_prefixes(seq, lengths):
+    """HRM's spelling: each row's first ``length`` items moved to its end, as Python lists, in a loop over rows."""
+    rows = []
+    for items, length in zip(seq, lengths):
+        rows.append(list(items[length:]) + list(items[:length]))
+    return torch.tensor(rows)
+
+
+class LoopedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(30, C)
+
+    def forward(self, seq, lengths):
+        return self.embedding(reversed_prefixes(seq, lengths)).sum(1)
+
+
+def test_a_break_that_ends_no_captured_graph_is_named():
+    """A slice by a tensor length inside a loop: Dynamo breaks before any op of the frame (no graph ends there) and
+    then runs the whole loop's function eagerly; ``explain`` names both breaks from Dynamo's log, with place and fix,
+    and leaves the log's settings as they were (nothing printed)."""
+    log = torch._dynamo.symbolic_convert.graph_break_log
+    settings = (log.level, log.propagate, list(log.handlers))
+    seq, lengths = torch.randint(1, 30, (4, 6)), torch.tensor([2, 6, 1, 4])
+    report = recompile.explain(LoopedModel(), seq, lengths)
+    breaks = report.to_dict()["breaks"]
+    assert all(g["break_reason"] is None for g in report.to_dict()["graphs"])  # no captured graph ends at them
+    assert [b["summary"] for b in breaks][-1] == "graph break in loop"
+    assert all("test_graph_breaks.py" in b["at"] for b in breaks) and all(b["remedy"] for b in breaks)
+    text = report.to_text()
+    assert f"graph breaks Dynamo made: {len(breaks)}" in text and "fix: a break inside a for/while loop" in text
+    assert (log.level, log.propagate, list(log.handlers)) == settings

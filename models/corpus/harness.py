@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -196,7 +197,7 @@ def check(case: Case, options: dict | None = None, batches=BATCHES, seed: int = 
 @dataclass
 class Found:
     regions: collections.Counter  # (kind, op) -> how many
-    breaks: list[str]  # why Dynamo ended a graph early, per graph break
+    breaks: list[str]  # each graph break Dynamo made: why, and where (file:line)
     fallbacks: list[dict]
 
 
@@ -210,4 +211,4 @@ def found_regions(case: Case, rows: int = BATCHES[0], seed: int = 0, options: di
     with torch.set_grad_enabled(case.training):
         report = recompile.explain(module, *inputs, options=options).to_dict()
     return Found(collections.Counter((r["kind"], r["op"]) for r in report["regions"]),
-                 [g["break_reason"] for g in report["graphs"] if g["break_reason"]], report["fallbacks"])
+                 [f"{b['summary']} ({os.path.basename(b['at'] or '?')})" for b in report["breaks"]], report["fallbacks"])
