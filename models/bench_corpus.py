@@ -227,9 +227,11 @@ def _hint(size) -> int:
     return optimization_hint(size, fallback=1)
 
 
-def capture(case: Case, inputs) -> tuple[list[fx.GraphModule], list[float], collections.Counter]:
-    """Dynamo's graphs of ``case`` on ``inputs``, the rec pipeline's time on each, and the regions it found."""
+def capture(case: Case, inputs) -> tuple[list[fx.GraphModule], list[float], collections.Counter, int]:
+    """Dynamo's graphs of ``case`` on ``inputs``, the rec pipeline's time on each, the regions it found, and the
+    graph breaks Dynamo logged (``recompile.explain.logged_breaks``: also one that ends no captured graph)."""
     from recompile.backend import resolve_target
+    from recompile.explain import logged_breaks
     from recompile.options import RecompileOptions
     from recompile.pipeline import PassContext, run_pipeline
     from recompile.tracing import TracingConfig
@@ -248,9 +250,9 @@ def capture(case: Case, inputs) -> tuple[list[fx.GraphModule], list[float], coll
 
     backend.backend_ctx_ctor = TracingConfig  # Dynamo traces as it does for rec_ascend
     torch._dynamo.reset()
-    with torch.set_grad_enabled(case.training):
+    with torch.set_grad_enabled(case.training), logged_breaks() as breaks:
         torch.compile(case.make(0), backend=backend)(*inputs)
-    return graphs, pass_ms, regions
+    return graphs, pass_ms, regions, len(breaks)
 
 
 def equal(case: Case, compiled, module, reference, inputs) -> bool:
@@ -357,19 +359,19 @@ def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False, clock=t
         started = time.time()
         errors.update({f"{name} at batch {b}": why for name, why in failed.items()})
         try:
-            graphs, pass_ms, regions = capture(case, inputs[b])
+            graphs, pass_ms, regions, breaks = capture(case, inputs[b])
         except Exception as exc:  # noqa: BLE001  (reported; the run goes on to the next case)
             errors[f"capture at batch {b}"] = error_text(exc)
-            graphs, pass_ms, regions = [], [], collections.Counter()
+            graphs, pass_ms, regions, breaks = [], [], collections.Counter(), None
         floors[b] = floor_ms(graphs, case.training, gbs, rounds, clock)
-        found[b] = (pass_ms, regions, len(graphs) - 1 if graphs else None)
+        found[b] = (pass_ms, regions, breaks)
     pass_ms, regions, breaks = found[first]
     expected = EXPECTED[case.model]
     return {
         "case": case.name, "training": case.training, "commit": commit(),
         "regions_expected": [{"label": e.label, "found": e.found(regions) >= e.count, "track": e.track} for e in expected],
         "regions_found": {f"{k} {op}": n for (k, op), n in sorted(regions.items())},
-        "graph_breaks": {"found": breaks, "expected": graph_breaks(case.model)[0]},
+        "graph_breaks": {"found": breaks, "expected": graph_breaks(case.name)[0]},
         "autotune": {str(b): d for b, d in decisions.items()},
         "numbers_equal": numbers_equal,
         "compile_s": compile_s,

@@ -53,7 +53,7 @@ class _BreakLog(logging.Handler):
 
 
 @contextlib.contextmanager
-def _logged_breaks():
+def logged_breaks():
     """Listen to Dynamo's graph-break log (the ``graph_breaks`` artifact of TORCH_LOGS) while ``explain`` traces,
     without printing it; the logger's settings are restored after."""
     log, handler = symbolic_convert.graph_break_log, _BreakLog()
@@ -98,7 +98,7 @@ def explain(model, *example_inputs, options: RecompileOptions | Mapping[str, Any
         return gm.forward
 
     capture.backend_ctx_ctor = TracingConfig  # Dynamo traces as it does for rec_ascend
-    with _logged_breaks() as breaks:
+    with logged_breaks() as breaks:
         torch.compile(model, backend=capture)(*example_inputs)
     report.breaks = breaks
     return report

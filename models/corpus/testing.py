@@ -32,7 +32,7 @@ def breaks(prefix: str) -> list:
     params = []
     for case in CASES.values():
         if case.model.startswith(prefix):
-            track = graph_breaks(case.model)[2]
+            track = graph_breaks(case.name)[2]
             marks = [pytest.mark.xfail(strict=True, reason=track)] if track else []
             params.append(pytest.param(case, id=case.name, marks=marks))
     return params
@@ -60,6 +60,6 @@ def check_region(case, expect) -> None:
 
 
 def check_graph_breaks(case) -> None:
-    want, why, _ = graph_breaks(case.model)
+    want, why, _ = graph_breaks(case.name)
     got = found(case).breaks
     assert len(got) == want, f"{case.name}: {len(got)} graph breaks, expected {want} ({why or 'one graph'}): {got}"
