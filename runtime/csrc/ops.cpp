@@ -1535,42 +1535,67 @@ TORCH_LIBRARY_IMPL(recompile_native, CompositeExplicitAutograd, m) {
 
 }  // namespace recompile_native
 
-/* ------------------------------------------------------------------------ recompile::gru's kernels (gru.h)
- * gru_fwd / gru_bwd: runtime/recurrent.py's native kernels of recompile::gru and recompile::gru_backward. */
+/* ------------------------------------------------------------------------ recompile::gru / lstm's kernels
+ * gru_fwd / gru_bwd, lstm_fwd / lstm_bwd: runtime/recurrent.py's native kernels of recompile::gru, recompile::lstm
+ * and their backward ops (gru.h, lstm.h). */
 #include "gru.h"
+#include "lstm.h"
 
 namespace recompile_native {
 namespace {
 
-#define GRU_DISPATCH(input, call)                                                                            \
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, (input).scalar_type(), "recompile_native.gru", \
+#define RECURRENT_DISPATCH(input, call)                                                                            \
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, (input).scalar_type(), "recompile_native.recurrent", \
                                     [&] { return call<scalar_t, at::opmath_type<scalar_t>>; })
 
-void gru_check(const Tensor &input, at::TensorList weights, bool has_biases, int64_t num_layers) {
-    TORCH_CHECK(input.dim() == 3, "recompile_native.gru: input must be 3-D, got ", input.dim(), "-D");
-    TORCH_CHECK((int64_t)weights.size() == num_layers * (has_biases ? 4 : 2), "recompile_native.gru: ",
+void recurrent_check(const char *op, const Tensor &input, at::TensorList weights, bool has_biases,
+                     int64_t num_layers) {
+    TORCH_CHECK(input.dim() == 3, "recompile_native.", op, ": input must be 3-D, got ", input.dim(), "-D");
+    TORCH_CHECK((int64_t)weights.size() == num_layers * (has_biases ? 4 : 2), "recompile_native.", op, ": ",
                 weights.size(), " weights for ", num_layers, " layers", has_biases ? " with biases" : "");
     for (const Tensor &w : weights)
-        TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == input.scalar_type(),
-                    "recompile_native.gru: every weight must be a CPU tensor of the input's dtype ", input.scalar_type());
+        TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == input.scalar_type(), "recompile_native.", op,
+                    ": every weight must be a CPU tensor of the input's dtype ", input.scalar_type());
 }
 
 std::tuple<Tensor, Tensor, std::vector<Tensor>> gru_fwd(const Tensor &input, const OptTensor &hx, at::TensorList weights,
                                                         bool has_biases, int64_t num_layers, bool batch_first,
                                                         bool save) {
-    gru_check(input, weights, has_biases, num_layers);
+    recurrent_check("gru", input, weights, has_biases, num_layers);
     at::AutoDispatchBelowADInplaceOrView guard;  // the GEMMs inside record no autograd
-    return GRU_DISPATCH(input, gru::forward)(input, hx, weights, has_biases, num_layers, batch_first, save);
+    return RECURRENT_DISPATCH(input, gru::forward)(input, hx, weights, has_biases, num_layers, batch_first, save);
 }
 
 std::tuple<Tensor, Tensor, std::vector<Tensor>> gru_bwd(const OptTensor &grad_output, const OptTensor &grad_hn,
                                                         const Tensor &input, const OptTensor &hx, at::TensorList weights,
                                                         const Tensor &output, at::TensorList saved, bool has_biases,
                                                         int64_t num_layers, bool batch_first) {
-    gru_check(input, weights, has_biases, num_layers);
+    recurrent_check("gru", input, weights, has_biases, num_layers);
     at::AutoDispatchBelowADInplaceOrView guard;
-    return GRU_DISPATCH(input, gru::backward)(grad_output, grad_hn, input, hx, weights, output, saved, has_biases,
-                                              num_layers, batch_first);
+    return RECURRENT_DISPATCH(input, gru::backward)(grad_output, grad_hn, input, hx, weights, output, saved,
+                                                    has_biases, num_layers, batch_first);
+}
+
+std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> lstm_fwd(const Tensor &input, const OptTensor &hx,
+                                                                 const OptTensor &cx, at::TensorList weights,
+                                                                 bool has_biases, int64_t num_layers,
+                                                                 bool batch_first, bool save) {
+    recurrent_check("lstm", input, weights, has_biases, num_layers);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return RECURRENT_DISPATCH(input, lstm::forward)(input, hx, cx, weights, has_biases, num_layers, batch_first, save);
+}
+
+std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> lstm_bwd(const OptTensor &grad_output,
+                                                                 const OptTensor &grad_hn, const OptTensor &grad_cn,
+                                                                 const Tensor &input, const OptTensor &hx,
+                                                                 const OptTensor &cx, at::TensorList weights,
+                                                                 const Tensor &output, at::TensorList saved,
+                                                                 bool has_biases, int64_t num_layers,
+                                                                 bool batch_first) {
+    recurrent_check("lstm", input, weights, has_biases, num_layers);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return RECURRENT_DISPATCH(input, lstm::backward)(grad_output, grad_hn, grad_cn, input, hx, cx, weights, output,
+                                                     saved, has_biases, num_layers, batch_first);
 }
 
 }  // namespace
@@ -1580,11 +1605,18 @@ TORCH_LIBRARY_FRAGMENT(recompile_native, m) {
           "bool save) -> (Tensor, Tensor, Tensor[])");
     m.def("gru_bwd(Tensor? grad_output, Tensor? grad_hn, Tensor input, Tensor? hx, Tensor[] weights, Tensor output, "
           "Tensor[] saved, bool has_biases, int num_layers, bool batch_first) -> (Tensor, Tensor, Tensor[])");
+    m.def("lstm_fwd(Tensor input, Tensor? hx, Tensor? cx, Tensor[] weights, bool has_biases, int num_layers, "
+          "bool batch_first, bool save) -> (Tensor, Tensor, Tensor, Tensor[])");
+    m.def("lstm_bwd(Tensor? grad_output, Tensor? grad_hn, Tensor? grad_cn, Tensor input, Tensor? hx, Tensor? cx, "
+          "Tensor[] weights, Tensor output, Tensor[] saved, bool has_biases, int num_layers, bool batch_first) "
+          "-> (Tensor, Tensor, Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(recompile_native, CPU, m) {
     m.impl("gru_fwd", &gru_fwd);
     m.impl("gru_bwd", &gru_bwd);
+    m.impl("lstm_fwd", &lstm_fwd);
+    m.impl("lstm_bwd", &lstm_bwd);
 }
 
 }  // namespace recompile_native
