@@ -326,6 +326,29 @@ def _lstm_backward_native(grad_output, grad_hn, grad_cn, input, hx, cx, weights,
                                                has_biases, num_layers, batch_first)
 
 
+def aten_reads(input: torch.Tensor, hx: Optional[torch.Tensor] = None, cx: Optional[torch.Tensor] = None,
+               weights: list = (), save: bool = False, **_) -> bool | str:
+    """ATen's LSTM runs an inference call (``save`` off: the backward reads gates it does not keep) through oneDNN
+    on the CPU for float32 and bfloat16, its GEMMs faster than a GEMM per step (``docs/recurrent.md``)."""
+    if save:
+        return "save: the op's backward reads gates ATen's LSTM does not keep"
+    if not torch._C._get_mkldnn_enabled():
+        return "oneDNN is off (torch.backends.mkldnn)"
+    for t in (input, hx, cx, *weights):
+        if t is not None and (t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16)):
+            return f"a {t.dtype} tensor on {t.device}: ATen's oneDNN LSTM takes float32 and bfloat16 on the CPU"
+    return True
+
+
+@register_kernel("lstm", "aten", supports=aten_reads)
+def _lstm_aten(input, hx, cx, weights, has_biases, num_layers, batch_first, save):
+    require("lstm", "aten", aten_reads(input, hx, cx, weights, save))
+    shape = (num_layers, input.shape[0 if batch_first else 1], weights[1].shape[1])
+    states = tuple(s if s is not None else input.new_zeros(shape) for s in (hx, cx))
+    out, h, c = torch.lstm(input, states, weights, has_biases, num_layers, 0.0, False, False, batch_first)
+    return out.contiguous(), h.contiguous(), c.contiguous(), []  # batch_first: a transposed [T, B, H] (the fake's)
+
+
 # Autograd: both ops' inputs are (input, *states, weights, has_biases, num_layers, batch_first, save, impl), their
 # outputs (output, *final states, saved); the backward op takes (grad_output, *grad_finals, input, *states,
 # weights, output, saved, has_biases, num_layers, batch_first, impl).

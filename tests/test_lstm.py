@@ -10,8 +10,9 @@ import recompile
 from recompile.runtime import recurrent
 from recompile.runtime.kernels import KERNELS
 
+# the kernels that keep gates for a backward ("aten", inference only, has its own test)
 IMPLS = [pytest.param(name, marks=[] if name == "reference" or recurrent.available() else
-                      pytest.mark.skip(reason="native kernels not built")) for name in KERNELS["lstm"]]
+                      pytest.mark.skip(reason="native kernels not built")) for name in KERNELS["lstm"] if name != "aten"]
 
 
 def lstm_case(batch, steps, layers, batch_first, bias, states, hidden=6, dtype=torch.float32, seed=0):
@@ -70,6 +71,20 @@ def test_op_matches_nn_lstm(impl, batch, steps, layers, batch_first, bias, state
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.bfloat16, 5e-2), (torch.float16, 5e-3)])
 def test_dtypes(impl, dtype, tol):
     assert_matches_module(*lstm_case(3, 4, 2, True, True, "hc", hidden=9, dtype=dtype), impl, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layers, batch_first, states", [(1, True, ""), (2, False, "hc"), (2, True, "c")])
+def test_aten_kernel_for_inference(layers, batch_first, states, dtype):
+    """The "aten" kernel (ATen's oneDNN LSTM below autograd) equals nn.LSTM on inference calls; it refuses to
+    save gates, so training calls lower to the native kernel (test_compiled_model_...)."""
+    module, x, initial = lstm_case(3, 4, layers, batch_first, True, states, hidden=9, dtype=dtype)
+    with torch.no_grad():
+        got = torch.ops.recompile.lstm(x, *initial, module._flat_weights, True, layers, batch_first, False, "aten")
+        for g, w in zip(got[:3], module_call(module, x, initial)):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            assert g.is_contiguous()  # as the fake says
+    assert "save" in recurrent.aten_reads(x, weights=module._flat_weights, save=True)
 
 
 @pytest.mark.parametrize("read", ["output", "h_n", "c_n"])
@@ -138,7 +153,8 @@ def test_compiled_model_equals_eager_one_graph_two_compiles():
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     report = recompile.explain(model, torch.randint(0, 50, (4, 5)))
-    assert [(r.kind, r.op) for _, r in report.regions()] == [("recurrent", "recompile::lstm")]
+    assert [(r.kind, r.op, r.impl.impl) for _, r in report.regions()] == [
+        ("recurrent", "recompile::lstm", "native" if recurrent.available() else "reference")]
 
 
 def test_initial_states_are_the_ops():
@@ -150,8 +166,9 @@ def test_initial_states_are_the_ops():
     compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids, state), model(ids, state), rtol=1e-5, atol=1e-5)
-    report = recompile.explain(model, ids, state)
-    assert [(r.kind, r.op) for _, r in report.regions()] == [("recurrent", "recompile::lstm")]
+    with torch.no_grad():
+        report = recompile.explain(model, ids, state)
+    assert [(r.kind, r.op, r.impl.impl) for _, r in report.regions()] == [("recurrent", "recompile::lstm", "aten")]
 
 
 @pytest.mark.parametrize("lstm", [{"bidirectional": True}, {"dropout": 0.5, "layers": 2}, {"proj_size": 4}],
