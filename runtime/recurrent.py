@@ -18,9 +18,12 @@ compile's (``docs/recurrent.md``). As one op each stays one node in both graphs,
 rec_ascend traces, Dynamo computes ``torch.gru`` / ``torch.lstm``'s example values through these ops
 (``symbolic_steps``) rather than ATen's step loop, which fixes the sequence length.
 
-Kernels: ``reference`` (plain torch: the step formulas in a loop, forward and backward through time) and
+Kernels: ``reference`` (plain torch: the step formulas in a loop, forward and backward through time),
 ``native`` (``csrc/gru.h``, ``csrc/lstm.h``: input projections of all steps in one GEMM, a GEMM and one fused gate
-pass per step; backward through time over the saved gates; float32, float64, bfloat16 and float16 on the CPU).
+pass per step; backward through time over the saved gates; float32, float64, bfloat16 and float16 on the CPU) and,
+for an LSTM's inference call, ``aten`` (ATen's LSTM below autograd: oneDNN's on the CPU). Autograd: the formula
+below for the Autograd key; on the CPU ``csrc/ops.cpp`` registers the same in C++ for AutogradCPU (no Python per
+call, forward or backward).
 """
 from __future__ import annotations
 

@@ -181,3 +181,31 @@ def test_what_the_op_does_not_compute_stays_aten(lstm):
         model.out = torch.nn.Linear(4, 8)
     report = recompile.explain(model, torch.randint(0, 50, (4, 5)))
     assert not [r for _, r in report.regions() if r.kind == "recurrent"]
+
+
+@pytest.mark.skipif(not recurrent.available(), reason="native kernels not built")
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_autograd_is_cpp_and_a_call_runs_no_python(kind):
+    """recompile::gru / lstm have their autograd in C++ (csrc/ops.cpp, the AutogradCPU key, as the house's other
+    CPU ops): a call, its backward and an inference call run no Python; differentiating a call that saved nothing
+    raises naming the op."""
+    from tests.test_native_autograd import _python_calls
+
+    for name in (f"recompile::{kind}", f"recompile::{kind}_backward"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutogradCPU"), name
+    module = (torch.nn.GRU if kind == "gru" else torch.nn.LSTM)(5, 6, num_layers=2)
+    x = torch.randn(4, 3, 5, requires_grad=True)
+    op, states = getattr(torch.ops.recompile, kind), [None] * (1 + (kind == "lstm"))
+
+    def call(save=True):
+        return op(x, *states, module._flat_weights, True, 2, False, save, "native")
+
+    call()  # the backward op's handle is looked up once
+    out = []
+    assert _python_calls(lambda: out.append(call())) == []
+    assert "Recurrent" in out[0][0].grad_fn.name() and not any(t.requires_grad for t in out[0][-1])
+    assert _python_calls(lambda: out[0][1].sum().backward()) == []
+    with torch.no_grad():
+        assert _python_calls(lambda: call(save=False)) == []
+    with pytest.raises(RuntimeError, match=f"recompile.{kind}: differentiated after a forward that saved nothing"):
+        call(save=False)[0].sum().backward()

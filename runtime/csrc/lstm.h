@@ -204,8 +204,8 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> backward(
     Tensor dy = grad_output && grad_output->defined() ? grad_output->contiguous() : Tensor();
     for (int64_t l = L - 1; l >= 0; l--) {
         const Weights w = layer_weights(weights, has_biases, l);
-        const Tensor x = l ? saved[l - 1] : input.contiguous(), y = l + 1 < L ? saved[l] : output.contiguous();
-        const Tensor g = saved[L - 1 + l], c0l = c0[l].contiguous();
+        const Tensor x = (l ? saved[l - 1] : input).contiguous(), y = (l + 1 < L ? saved[l] : output).contiguous();
+        const Tensor g = saved[L - 1 + l].contiguous(), c0l = c0[l].contiguous();
         Tensor dg = lay.empty(input, T_, B, 4 * H);
         Tensor dh = final_grad(grad_hn, l, B, H, input), dc = final_grad(grad_cn, l, B, H, input);
         for (int64_t t = T_ - 1; t >= 0; t--) {
