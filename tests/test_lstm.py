@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 import recompile
 from recompile.runtime import recurrent
 from recompile.runtime.kernels import KERNELS
+from tests.test_gru import compiled_trains_as_eager
 
 # the kernels that keep gates for a backward ("aten", inference only, has its own test)
 IMPLS = [pytest.param(name, marks=[] if name == "reference" or recurrent.available() else
@@ -137,24 +138,9 @@ def train_step(model, *inputs):
 def test_compiled_model_equals_eager_one_graph_two_compiles():
     """Batch size and sequence length change every batch: outputs and gradients equal eager's, Dynamo breaks
     nowhere, the graph compiles at most twice (static, then dynamic in both), its LSTM one recompile::lstm."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
     torch.manual_seed(0)
-    model = LSTM4Rec(layers=2)
-    compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
-    for batch, steps in [(4, 5), (7, 8), (3, 6)]:
-        ids = torch.randint(0, 50, (batch, steps))
-        got, want = train_step(compiled, ids), train_step(model, ids)
-        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-        for g, w in zip(got[1], want[1]):
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
-    report = recompile.explain(model, torch.randint(0, 50, (4, 5)))
-    assert [(r.kind, r.op, r.impl.impl) for _, r in report.regions()] == [
-        ("recurrent", "recompile::lstm", "native" if recurrent.available() else "reference")]
+    regions = compiled_trains_as_eager(LSTM4Rec(layers=2), train_step, [(4, 5), (7, 8), (3, 6)], rtol=1e-4)
+    assert regions == [("recurrent", "recompile::lstm", "native" if recurrent.available() else "reference")]
 
 
 def test_initial_states_are_the_ops():
