@@ -55,8 +55,8 @@ BREAK_REMEDIES = (
     (re.compile(r"FBCODE_SKIP_TORCHREC|skip_torchrec"),
      "a TorchRec module Dynamo skips: compile with backend='rec_ascend' (it traces with skip_torchrec=False)"),
     (re.compile(r"RNN, GRU, or LSTM|allow_rnn"),
-     "an nn.GRU / nn.LSTM / nn.RNN: compile with backend='rec_ascend' (it traces with allow_rnn=True; a GRU becomes "
-     "one op, recompile::gru) or set torch._dynamo.config.allow_rnn = True"),
+     "an nn.GRU / nn.LSTM / nn.RNN: compile with backend='rec_ascend' (it traces with allow_rnn=True; a GRU or an "
+     "LSTM becomes one op, recompile::gru / lstm) or set torch._dynamo.config.allow_rnn = True"),
     (re.compile(r"marked as skipped|skip_files|[Ss]kipped"),
      "a call Dynamo does not trace: wrap it as a custom op (torch.library.custom_op) or allow it in the graph "
      "with torch.compiler.allow_in_graph"),

@@ -55,13 +55,18 @@ def _changed() -> None:
 class TracingConfig:
     """Dynamo's config with ``TRACING_CONFIG`` while entered (while Dynamo traces a call of rec_ascend's, ``TracingCalls``); nests."""
 
-    __slots__ = ("_tokens",)
+    __slots__ = ("_tokens", "_steps")
 
     def __enter__(self) -> None:
+        from recompile.runtime.recurrent import symbolic_steps  # GRU / LSTM example values keep their length symbolic
+
         self._tokens = [var.set(value) for var, value in _variables()[0]]
         _changed()
+        self._steps = symbolic_steps()
+        self._steps.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        self._steps.__exit__(None, None, None)
         for (var, _), token in zip(_variables()[0], self._tokens):
             var.reset(token)
         _changed()

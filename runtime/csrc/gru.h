@@ -2,7 +2,7 @@
  * backward, as torch.gru computes it (gates r, z, n in PyTorch's row order of weight_ih / weight_hh):
  *     r = sigmoid(x W_ir^T + b_ir + h W_hr^T + b_hr)      z = sigmoid(x W_iz^T + b_iz + h W_hz^T + b_hz)
  *     n = tanh(x W_in^T + b_in + r * hn),  hn = h W_hn^T + b_hn      h' = (1 - z) * n + z * h
- * Included by ops.cpp (after its Tensor / OptTensor aliases). Per layer, the input projections of every step are
+ * Included by ops.cpp (after kernels.h). Per layer, the input projections of every step are
  * one GEMM (at::addmm, as ATen does); each step is one GEMM of the hidden state (at::addmm_out into a buffer) and
  * one pass over the gates. A sequence tensor keeps the layout of the op's input ([T, B, C], or [B, T, C] with
  * batch_first): a step is a [B, C] view with a row stride, so no transpose is copied. With ``save`` the forward
@@ -235,8 +235,8 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> backward(const std::optional<Ten
     Tensor dh_next = at::empty({B, H}, input.options()), direct = at::empty({B, H}, input.options());
     for (int64_t l = L - 1; l >= 0; l--) {
         const Weights w = layer_weights(weights, has_biases, l);
-        const Tensor x = l ? saved[l - 1] : input.contiguous(), y = l + 1 < L ? saved[l] : output.contiguous();
-        const Tensor g = saved[L - 1 + l];
+        const Tensor x = (l ? saved[l - 1] : input).contiguous(), y = (l + 1 < L ? saved[l] : output).contiguous();
+        const Tensor g = saved[L - 1 + l].contiguous();
         Tensor dgi = lay.empty(input, T_, B, 3 * H), dgh = lay.empty(input, T_, B, 3 * H);
         Tensor dh = grad_hn && grad_hn->defined() ? (*grad_hn)[l].clone(at::MemoryFormat::Contiguous) : at::zeros({B, H}, input.options());
         for (int64_t t = T_ - 1; t >= 0; t--) {

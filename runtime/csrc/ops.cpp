@@ -34,6 +34,8 @@
 #include <algorithm>
 
 #include "kernels.h"
+#include "gru.h"
+#include "lstm.h"
 
 namespace recompile_native {
 namespace {
@@ -1410,6 +1412,227 @@ std::string set_isa(const std::string &name) {
 }
 bool isa_available(const std::string &name) { return has_isa(name.c_str()); }
 
+/* ------------------------------------------------------------------------ recompile::gru / lstm (gru.h, lstm.h)
+ * gru_fwd / gru_bwd, lstm_fwd / lstm_bwd: runtime/recurrent.py's native kernels of recompile::gru, recompile::lstm
+ * and their backward ops; the ops' boxed native kernels (below autograd) and their autograd (Recurrent, for the
+ * AutogradCPU key, as the other ops' above: no Python per call). S, the states: 1 (a GRU's h), 2 (an LSTM's h, c). */
+
+#define RECURRENT_DISPATCH(input, call)                                                                            \
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, (input).scalar_type(), "recompile_native.recurrent", \
+                                    [&] { return call<scalar_t, at::opmath_type<scalar_t>>; })
+
+void recurrent_check(const char *op, const Tensor &input, at::TensorList weights, bool has_biases,
+                     int64_t num_layers) {
+    TORCH_CHECK(input.dim() == 3, "recompile_native.", op, ": input must be 3-D, got ", input.dim(), "-D");
+    TORCH_CHECK((int64_t)weights.size() == num_layers * (has_biases ? 4 : 2), "recompile_native.", op, ": ",
+                weights.size(), " weights for ", num_layers, " layers", has_biases ? " with biases" : "");
+    for (const Tensor &w : weights)
+        TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == input.scalar_type(), "recompile_native.", op,
+                    ": every weight must be a CPU tensor of the input's dtype ", input.scalar_type());
+}
+
+std::tuple<Tensor, Tensor, std::vector<Tensor>> gru_fwd(const Tensor &input, const OptTensor &hx, at::TensorList weights,
+                                                        bool has_biases, int64_t num_layers, bool batch_first,
+                                                        bool save) {
+    recurrent_check("gru", input, weights, has_biases, num_layers);
+    at::AutoDispatchBelowADInplaceOrView guard;  // the GEMMs inside record no autograd
+    return RECURRENT_DISPATCH(input, gru::forward)(input, hx, weights, has_biases, num_layers, batch_first, save);
+}
+
+std::tuple<Tensor, Tensor, std::vector<Tensor>> gru_bwd(const OptTensor &grad_output, const OptTensor &grad_hn,
+                                                        const Tensor &input, const OptTensor &hx, at::TensorList weights,
+                                                        const Tensor &output, at::TensorList saved, bool has_biases,
+                                                        int64_t num_layers, bool batch_first) {
+    recurrent_check("gru", input, weights, has_biases, num_layers);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return RECURRENT_DISPATCH(input, gru::backward)(grad_output, grad_hn, input, hx, weights, output, saved,
+                                                    has_biases, num_layers, batch_first);
+}
+
+std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> lstm_fwd(const Tensor &input, const OptTensor &hx,
+                                                                 const OptTensor &cx, at::TensorList weights,
+                                                                 bool has_biases, int64_t num_layers,
+                                                                 bool batch_first, bool save) {
+    recurrent_check("lstm", input, weights, has_biases, num_layers);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return RECURRENT_DISPATCH(input, lstm::forward)(input, hx, cx, weights, has_biases, num_layers, batch_first, save);
+}
+
+std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> lstm_bwd(const OptTensor &grad_output,
+                                                                 const OptTensor &grad_hn, const OptTensor &grad_cn,
+                                                                 const Tensor &input, const OptTensor &hx,
+                                                                 const OptTensor &cx, at::TensorList weights,
+                                                                 const Tensor &output, at::TensorList saved,
+                                                                 bool has_biases, int64_t num_layers,
+                                                                 bool batch_first) {
+    recurrent_check("lstm", input, weights, has_biases, num_layers);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return RECURRENT_DISPATCH(input, lstm::backward)(grad_output, grad_hn, grad_cn, input, hx, cx, weights, output,
+                                                     saved, has_biases, num_layers, batch_first);
+}
+
+Tensor optional_tensor(const c10::IValue &v) { return v.isNone() ? Tensor() : v.toTensor(); }
+
+/* Whether the native kernels read a call: plain CPU tensors of the input's float dtype, a 3-D input with steps,
+ * each layer's weights (gates x H rows) and the states ([L, B, H], or undefined) of the sizes runtime/recurrent.py's
+ * _check states; else the Python op runs (and raises naming the argument at fault). */
+bool recurrent_plain(const Tensor &input, const std::vector<Tensor> &states, const std::vector<Tensor> &weights,
+                     bool has_biases, int64_t L, bool batch_first, int64_t gates) {
+    const int64_t k = has_biases ? 4 : 2;
+    if (!plain_cpu(input, {F32, F64, F16, BF16}) || input.dim() != 3 || L < 1 || (int64_t)weights.size() != L * k ||
+        weights[1].dim() != 2 || input.size(batch_first ? 1 : 0) == 0)
+        return false;
+    const auto dtype = input.scalar_type();
+    const int64_t B = input.size(batch_first ? 0 : 1), H = weights[1].size(1);
+    for (int64_t l = 0; l < L; l++)
+        for (int64_t j = 0; j < k; j++) {
+            const Tensor &w = weights[l * k + j];
+            const std::vector<int64_t> want = j == 0 ? std::vector<int64_t>{gates * H, l ? H : input.size(2)}
+                                              : j == 1 ? std::vector<int64_t>{gates * H, H}
+                                                       : std::vector<int64_t>{gates * H};
+            if (!plain_cpu(w, {dtype}) || w.sizes() != at::IntArrayRef(want)) return false;
+        }
+    for (const Tensor &s : states)
+        if (s.defined() && (!plain_cpu(s, {dtype}) || s.sizes() != at::IntArrayRef({L, B, H}))) return false;
+    return true;
+}
+
+/* recompile::gru(Tensor input, Tensor? hx, Tensor[] weights, bool has_biases, int num_layers, bool batch_first,
+ * bool save, str impl) -> (Tensor, Tensor, Tensor[]); recompile::lstm(Tensor input, Tensor? hx, Tensor? cx, ...)
+ * -> (Tensor, Tensor, Tensor, Tensor[]) */
+template <int S>
+bool recurrent_native(torch::jit::Stack *stack) {
+    constexpr size_t N = 7 + S;
+    const auto a = torch::jit::last(*stack, N);
+    if (a[N - 1].toStringRef() != "native") return false;
+    const Tensor input = a[0].toTensor(), hx = optional_tensor(a[1]), cx = S == 2 ? optional_tensor(a[2]) : Tensor();
+    const std::vector<Tensor> weights = a[S + 1].toTensorVector();
+    const bool has_biases = a[S + 2].toBool(), batch_first = a[S + 4].toBool(), save = a[S + 5].toBool();
+    const int64_t L = a[S + 3].toInt();
+    if (!recurrent_plain(input, {hx, cx}, weights, has_biases, L, batch_first, S == 1 ? 3 : 4)) return false;
+    if constexpr (S == 1) {
+        auto [out, hn, saved] = gru_fwd(input, hx, weights, has_biases, L, batch_first, save);
+        return returned(stack, N, out, hn, saved);
+    } else {
+        auto [out, hn, cn, saved] = lstm_fwd(input, hx, cx, weights, has_biases, L, batch_first, save);
+        return returned(stack, N, out, hn, cn, saved);
+    }
+}
+
+/* recompile::gru_backward(Tensor? grad_output, Tensor? grad_hn, Tensor input, Tensor? hx, Tensor[] weights,
+ * Tensor output, Tensor[] saved, bool has_biases, int num_layers, bool batch_first, str impl)
+ * -> (Tensor, Tensor, Tensor[]); recompile::lstm_backward(Tensor? grad_output, Tensor? grad_hn, Tensor? grad_cn,
+ * Tensor input, Tensor? hx, Tensor? cx, ...) -> (Tensor, Tensor, Tensor, Tensor[]) */
+template <int S>
+bool recurrent_backward_native(torch::jit::Stack *stack) {
+    constexpr size_t N = 2 * S + 9;
+    const auto a = torch::jit::last(*stack, N);
+    if (a[N - 1].toStringRef() != "native") return false;
+    const Tensor input = a[S + 1].toTensor(), hx = optional_tensor(a[S + 2]);
+    const Tensor cx = S == 2 ? optional_tensor(a[S + 3]) : Tensor(), output = a[2 * S + 3].toTensor();
+    const std::vector<Tensor> weights = a[2 * S + 2].toTensorVector(), saved = a[2 * S + 4].toTensorVector();
+    const bool has_biases = a[2 * S + 5].toBool(), batch_first = a[2 * S + 7].toBool();
+    const int64_t L = a[2 * S + 6].toInt();
+    std::vector<Tensor> grads;
+    for (int i = 0; i <= S; i++) grads.push_back(optional_tensor(a[i]));
+    if (!recurrent_plain(input, {hx, cx}, weights, has_biases, L, batch_first, S == 1 ? 3 : 4)) return false;
+    const auto dtype = input.scalar_type();
+    const int64_t H = weights[1].size(1), B = input.size(batch_first ? 0 : 1);
+    const std::vector<int64_t> sequence{input.size(0), input.size(1), H}, gates{input.size(0), input.size(1), (S + 3) * H};
+    const auto fits = [&](const Tensor &t, const std::vector<int64_t> &sizes) {
+        return plain_cpu(t, {dtype}) && t.sizes() == at::IntArrayRef(sizes);
+    };
+    if (!fits(output, sequence) || (grads[0].defined() && !fits(grads[0], sequence)) ||
+        (int64_t)saved.size() != 2 * L - 1)
+        return false;
+    for (int i = 1; i <= S; i++)
+        if (grads[i].defined() && !fits(grads[i], {L, B, H})) return false;
+    for (int64_t i = 0; i < 2 * L - 1; i++)
+        if (!fits(saved[i], i < L - 1 ? sequence : gates)) return false;
+    if constexpr (S == 1) {
+        auto [grad_input, grad_hx, grad_weights] = gru_bwd(grads[0], grads[1], input, hx, weights, output, saved,
+                                                           has_biases, L, batch_first);
+        return returned(stack, N, grad_input, grad_hx, grad_weights);
+    } else {
+        auto [grad_input, grad_hx, grad_cx, grad_weights] = lstm_bwd(grads[0], grads[1], grads[2], input, hx, cx,
+                                                                     weights, output, saved, has_biases, L, batch_first);
+        return returned(stack, N, grad_input, grad_hx, grad_cx, grad_weights);
+    }
+}
+
+/* gru / lstm: output and the final states differentiable, the saved gates not (the backward op reads them), as
+ * runtime/recurrent.py's _autograd. The inputs: input, hx, cx (none for a GRU, or where not given), the weights;
+ * the op's other arguments are read from ``below``'s stack. */
+template <int S>
+struct Recurrent : torch::autograd::Function<Recurrent<S>> {
+    static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx, const Tensor &input,
+                                                  const OptTensor &hx, const OptTensor &cx, at::TensorList weights,
+                                                  const BelowAutograd<&recurrent_native<S>> &below) {
+        const auto a = torch::jit::last(*below.stack, 7 + S);
+        const char *names[] = {"has_biases", "num_layers", "batch_first", "save", "impl"};
+        for (int i = 0; i < 5; i++) ctx->saved_data[names[i]] = a[S + 2 + i];
+        ctx->saved_data["weights"] = (int64_t)weights.size();
+        below();
+        const auto r = torch::jit::last(*below.stack, S + 2);  // output, the final states, saved
+        const std::vector<Tensor> saved = r[S + 1].toTensorVector();
+        ctx->mark_non_differentiable(saved);
+        ctx->set_materialize_grads(false);
+        std::vector<Tensor> kept{input, hx.value_or(Tensor()), cx.value_or(Tensor()), r[0].toTensor()};
+        kept.insert(kept.end(), weights.begin(), weights.end());
+        kept.insert(kept.end(), saved.begin(), saved.end());
+        ctx->save_for_backward(kept);
+        torch::autograd::variable_list out;
+        for (int i = 0; i <= S; i++) out.push_back(r[i].toTensor());
+        out.insert(out.end(), saved.begin(), saved.end());
+        return out;
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        const int64_t n = ctx->saved_data["weights"].toInt();
+        torch::autograd::variable_list result(3 + n + 1);  // input, hx, cx, the weights, ``below``
+        if (std::none_of(grads.begin(), grads.begin() + S + 1, [](const Tensor &g) { return g.defined(); }))
+            return result;
+        TORCH_CHECK(ctx->saved_data["save"].toBool(), "recompile.", S == 1 ? "gru" : "lstm",
+                    ": differentiated after a forward that saved nothing (save=False)");
+        const auto s = ctx->get_saved_variables();
+        const auto optional = [](const Tensor &t) { return t.defined() ? c10::IValue(t) : c10::IValue(); };
+        torch::jit::Stack arguments;
+        for (int i = 0; i <= S; i++) arguments.push_back(optional(grads[i]));
+        arguments.push_back(s[0]);
+        for (int i = 1; i <= S; i++) arguments.push_back(optional(s[i]));
+        arguments.emplace_back(std::vector<Tensor>(s.begin() + 4, s.begin() + 4 + n));
+        arguments.push_back(s[3]);
+        arguments.emplace_back(std::vector<Tensor>(s.begin() + 4 + n, s.end()));
+        for (const char *name : {"has_biases", "num_layers", "batch_first", "impl"})
+            arguments.push_back(ctx->saved_data[name]);
+        static const auto op = schema(S == 1 ? "recompile::gru_backward" : "recompile::lstm_backward");
+        const auto out = call(op, std::move(arguments));  // grad_input, the states' gradients, grad_weights
+        result[0] = out[0].toTensor();
+        for (int i = 1; i <= S; i++)
+            if (s[i].defined()) result[i] = out[i].toTensor();
+        const std::vector<Tensor> grad_weights = out[S + 1].toTensorVector();
+        std::copy(grad_weights.begin(), grad_weights.end(), result.begin() + 3);
+        return result;
+    }
+};
+
+template <int S>
+void recurrent_autograd(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 7 + S);
+    const BelowAutograd<&recurrent_native<S>> below{op, keys, stack};
+    const Tensor input = a[0].toTensor(), hx = optional_tensor(a[1]), cx = S == 2 ? optional_tensor(a[2]) : Tensor();
+    const auto grad = [](const Tensor &t) { return t.defined() && t.requires_grad(); };
+    if (!at::GradMode::is_enabled() || !(grad(input) || grad(hx) || grad(cx) || requires_grad(a[S + 1])))
+        return below();
+    const std::vector<Tensor> weights = a[S + 1].toTensorVector();
+    const auto given = [](const Tensor &t) { return t.defined() ? OptTensor(t) : OptTensor(); };
+    const auto out = Recurrent<S>::apply(input, given(hx), given(cx), at::TensorList(weights), below);
+    torch::jit::drop(*stack, S + 2);
+    for (int i = 0; i <= S; i++) torch::jit::push(*stack, out[i]);
+    torch::jit::push(*stack, std::vector<Tensor>(out.begin() + S + 1, out.end()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(recompile_native, m) {
@@ -1455,6 +1678,15 @@ TORCH_LIBRARY(recompile_native, m) {
           "float scale) -> (Tensor, Tensor)");
     m.def("sampled_softmax_bwd(Tensor grad, Tensor pos, Tensor neg, Tensor? sorted, Tensor? order, "
           "Tensor? targets, Tensor lse, float scale) -> (Tensor, Tensor)");
+    m.def("gru_fwd(Tensor input, Tensor? hx, Tensor[] weights, bool has_biases, int num_layers, bool batch_first, "
+          "bool save) -> (Tensor, Tensor, Tensor[])");
+    m.def("gru_bwd(Tensor? grad_output, Tensor? grad_hn, Tensor input, Tensor? hx, Tensor[] weights, Tensor output, "
+          "Tensor[] saved, bool has_biases, int num_layers, bool batch_first) -> (Tensor, Tensor, Tensor[])");
+    m.def("lstm_fwd(Tensor input, Tensor? hx, Tensor? cx, Tensor[] weights, bool has_biases, int num_layers, "
+          "bool batch_first, bool save) -> (Tensor, Tensor, Tensor, Tensor[])");
+    m.def("lstm_bwd(Tensor? grad_output, Tensor? grad_hn, Tensor? grad_cn, Tensor input, Tensor? hx, Tensor? cx, "
+          "Tensor[] weights, Tensor output, Tensor[] saved, bool has_biases, int num_layers, bool batch_first) "
+          "-> (Tensor, Tensor, Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(recompile_native, CPU, m) {
@@ -1479,6 +1711,10 @@ TORCH_LIBRARY_IMPL(recompile_native, CPU, m) {
     m.impl("padded_attention_bwd", &padded_attention_bwd);
     m.impl("sampled_softmax_fwd", &sampled_softmax_fwd);
     m.impl("sampled_softmax_bwd", &sampled_softmax_bwd);
+    m.impl("gru_fwd", &gru_fwd);
+    m.impl("gru_bwd", &gru_bwd);
+    m.impl("lstm_fwd", &lstm_fwd);
+    m.impl("lstm_bwd", &lstm_bwd);
 }
 
 TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
@@ -1506,6 +1742,10 @@ TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&padded_attention_native>>());
     m.impl("padded_softmax_attention_backward",
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&padded_attention_backward_native>>());
+    m.impl("gru", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&recurrent_native<1>>>());
+    m.impl("lstm", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&recurrent_native<2>>>());
+    m.impl("gru_backward", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&recurrent_backward_native<1>>>());
+    m.impl("lstm_backward", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&recurrent_backward_native<2>>>());
 }
 
 TORCH_LIBRARY_IMPL(recompile, AutogradCPU, m) {
@@ -1523,6 +1763,12 @@ TORCH_LIBRARY_IMPL(recompile, AutogradCPU, m) {
            torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&fm_second_order_backward_native>>());
     m.impl("sampled_softmax_loss_backward",
            torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&sampled_softmax_backward_native>>());
+    m.impl("gru", torch::CppFunction::makeFromBoxedFunction<&recurrent_autograd<1>>());
+    m.impl("lstm", torch::CppFunction::makeFromBoxedFunction<&recurrent_autograd<2>>());
+    m.impl("gru_backward",
+           torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&recurrent_backward_native<1>>>());
+    m.impl("lstm_backward",
+           torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&recurrent_backward_native<2>>>());
 }
 
 /* The ops that take no tensor (the instruction set, cross_stack_fused): registered for every key. */
@@ -1531,60 +1777,6 @@ TORCH_LIBRARY_IMPL(recompile_native, CompositeExplicitAutograd, m) {
     m.impl("set_isa", &set_isa);
     m.impl("isa_available", &isa_available);
     m.impl("cross_stack_fused", &cross_stack_fused);
-}
-
-}  // namespace recompile_native
-
-/* ------------------------------------------------------------------------ recompile::gru's kernels (gru.h)
- * gru_fwd / gru_bwd: runtime/recurrent.py's native kernels of recompile::gru and recompile::gru_backward. */
-#include "gru.h"
-
-namespace recompile_native {
-namespace {
-
-#define GRU_DISPATCH(input, call)                                                                            \
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, (input).scalar_type(), "recompile_native.gru", \
-                                    [&] { return call<scalar_t, at::opmath_type<scalar_t>>; })
-
-void gru_check(const Tensor &input, at::TensorList weights, bool has_biases, int64_t num_layers) {
-    TORCH_CHECK(input.dim() == 3, "recompile_native.gru: input must be 3-D, got ", input.dim(), "-D");
-    TORCH_CHECK((int64_t)weights.size() == num_layers * (has_biases ? 4 : 2), "recompile_native.gru: ",
-                weights.size(), " weights for ", num_layers, " layers", has_biases ? " with biases" : "");
-    for (const Tensor &w : weights)
-        TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == input.scalar_type(),
-                    "recompile_native.gru: every weight must be a CPU tensor of the input's dtype ", input.scalar_type());
-}
-
-std::tuple<Tensor, Tensor, std::vector<Tensor>> gru_fwd(const Tensor &input, const OptTensor &hx, at::TensorList weights,
-                                                        bool has_biases, int64_t num_layers, bool batch_first,
-                                                        bool save) {
-    gru_check(input, weights, has_biases, num_layers);
-    at::AutoDispatchBelowADInplaceOrView guard;  // the GEMMs inside record no autograd
-    return GRU_DISPATCH(input, gru::forward)(input, hx, weights, has_biases, num_layers, batch_first, save);
-}
-
-std::tuple<Tensor, Tensor, std::vector<Tensor>> gru_bwd(const OptTensor &grad_output, const OptTensor &grad_hn,
-                                                        const Tensor &input, const OptTensor &hx, at::TensorList weights,
-                                                        const Tensor &output, at::TensorList saved, bool has_biases,
-                                                        int64_t num_layers, bool batch_first) {
-    gru_check(input, weights, has_biases, num_layers);
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return GRU_DISPATCH(input, gru::backward)(grad_output, grad_hn, input, hx, weights, output, saved, has_biases,
-                                              num_layers, batch_first);
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(recompile_native, m) {
-    m.def("gru_fwd(Tensor input, Tensor? hx, Tensor[] weights, bool has_biases, int num_layers, bool batch_first, "
-          "bool save) -> (Tensor, Tensor, Tensor[])");
-    m.def("gru_bwd(Tensor? grad_output, Tensor? grad_hn, Tensor input, Tensor? hx, Tensor[] weights, Tensor output, "
-          "Tensor[] saved, bool has_biases, int num_layers, bool batch_first) -> (Tensor, Tensor, Tensor[])");
-}
-
-TORCH_LIBRARY_IMPL(recompile_native, CPU, m) {
-    m.impl("gru_fwd", &gru_fwd);
-    m.impl("gru_bwd", &gru_bwd);
 }
 
 }  // namespace recompile_native
