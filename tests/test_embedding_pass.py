@@ -1,6 +1,8 @@
 """The embedding pass: lookups grouped into one grouped_embedding_bag, numbers equal to eager."""
 import copy
 
+import numpy as np
+
 import pytest
 import torch
 import torch.nn as nn
@@ -136,3 +138,79 @@ def test_sparse_tables_get_sparse_gradients_equal_to_eager():
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert p.grad.is_sparse == q.grad.is_sparse, name
         torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), msg=name)
+
+
+class FieldLookups(nn.Module):
+    """RecBole's ContextRecommender written small: ``FMEmbedding`` (every field's id plus its field's offset, a NumPy
+    array, looked up in one table) feeding an FM, then ``FMFirstOrderLinear`` (the same ids and offsets, another
+    array, in a width-1 table, summed over the fields with keepdim, plus a bias). The second-order lookup is used
+    before the first-order ids are made, as in RecBole's graph."""
+
+    def __init__(self, field_dims=(7, 5, 11), dim=4, sparse=False, padding_idx=None):
+        super().__init__()
+        self.offsets = np.array((0, *np.cumsum(field_dims)[:-1]), dtype=np.int64)
+        self.first_offsets = self.offsets.copy()
+        self.embedding = nn.Embedding(sum(field_dims), dim, sparse=sparse, padding_idx=padding_idx)
+        self.first = nn.Embedding(sum(field_dims), 1, sparse=sparse)
+        self.bias = nn.Parameter(torch.randn(1))
+
+    def forward(self, *fields):
+        ids = torch.cat([f.unsqueeze(1) for f in fields], dim=1)
+        v = self.embedding(ids + ids.new_tensor(self.offsets).unsqueeze(0))  # [B, F, D]
+        fm = 0.5 * (v.sum(1) ** 2 - (v ** 2).sum(1)).sum(1, keepdim=True)
+        first_ids = torch.cat([f.unsqueeze(1) for f in fields], dim=1)
+        first = self.first(first_ids + first_ids.new_tensor(self.first_offsets).unsqueeze(0))
+        return torch.sigmoid((torch.sum(first, dim=1, keepdim=True).sum(1) + self.bias + fm).squeeze(-1))
+
+
+def _fields(batch, dims=(7, 5, 11), dtype=torch.int64):
+    return tuple(torch.randint(0, n, (batch,), dtype=dtype) for n in dims)
+
+
+NO_RACE = {"autotune": False}  # the rewrite is what runs, so it is what is compared
+
+
+def test_field_lookups_become_one_concat_call_reading_both_tables():
+    report = recompile.explain(FieldLookups(), *_fields(6)).to_dict()
+    (region,) = [r for r in report["regions"] if r["kind"] == "embedding"]
+    assert region["op"] == "recompile::grouped_embedding_bag" and len(region["replaced"]) == 2  # both F.embedding
+    code = _embedding_stage(report)
+    assert code.count("torch.ops.recompile.grouped_embedding_bag.default(") == 1 and "'concat'" in code
+    assert "functional.embedding(" not in code
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_field_lookups_numbers_and_gradients_equal_eager(ids_dtype):
+    assert_compiled_equals_eager(FieldLookups(), _fields(9, dtype=ids_dtype), options=NO_RACE)
+
+
+def test_sparse_field_tables_get_sparse_gradients_equal_to_eager():
+    """Through AOT autograd run eagerly (Inductor does not compile a graph producing sparse gradients: the race
+    rejects it, and the rewrite runs eagerly)."""
+    from models.corpus.harness import rec_passes_aot_eager
+
+    model = FieldLookups(sparse=True)
+    eager, args = copy.deepcopy(model), _fields(8)
+    torch.compile(model, backend=rec_passes_aot_eager)(*args).sum().backward()
+    eager(*args).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert p.grad.is_sparse == q.grad.is_sparse, name
+        torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), msg=name)
+
+
+def test_field_lookups_compile_at_most_twice_over_batch_sizes():
+    model = FieldLookups()
+    counter = CompileCounterWithBackend("rec_ascend")
+    compiled = torch.compile(model, backend=counter)
+    for batch in (8, 13, 21):
+        args = _fields(batch)
+        torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-5, atol=1e-6)
+    assert counter.frame_count <= 2
+
+
+def test_field_table_with_padding_idx_is_left_alone_and_reported():
+    model, args = FieldLookups(padding_idx=0), _fields(5)
+    report = recompile.explain(model, *args).to_dict()
+    assert not [r for r in report["regions"] if r["kind"] == "embedding"]
+    assert any("padding_idx row is read forward" in f["reason"] for f in report["fallbacks"])
+    assert_compiled_equals_eager(model, args, options=NO_RACE)
