@@ -232,3 +232,31 @@ def test_field_table_with_padding_idx_is_left_alone_and_reported():
     assert not [r for r in report["regions"] if r["kind"] == "embedding"]
     assert any("padding_idx row is read forward" in f["reason"] for f in report["fallbacks"])
     assert_compiled_equals_eager(model, args, options=NO_RACE)
+
+
+class IdsFromALookup(nn.Module):
+    """The second lookup's ids are made from the first lookup's values, after its first use: no group."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Embedding(10, 4), nn.Embedding(10, 2)
+
+    def forward(self, ids):
+        v = self.a(ids)
+        used = v.sum()
+        return used + self.b((v.argmax(-1) + ids) % 10).sum()
+
+
+def test_field_lookup_whose_ids_come_from_another_is_left_alone():
+    model, ids = IdsFromALookup(), torch.randint(0, 10, (5, 3))
+    report = recompile.explain(model, ids).to_dict()
+    assert not [r for r in report["regions"] if r["kind"] == "embedding"]
+    assert any("from a lookup" in f["reason"] for f in report["fallbacks"])
+
+
+def test_field_lookups_of_an_empty_batch_equal_eager():
+    from models.corpus.harness import rec_passes_aot_eager
+
+    model = FieldLookups()
+    args = _fields(0)
+    torch.testing.assert_close(torch.compile(model, backend=rec_passes_aot_eager)(*args), model(*args))

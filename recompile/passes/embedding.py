@@ -604,16 +604,17 @@ def _group_fields(gm: fx.GraphModule, ctx: PassContext) -> None:
             _rewrite_fields(gm, ctx, group)
 
 
-def _hoisted(graph: fx.Graph, inputs: list[fx.Node], before: fx.Node) -> bool:
+def _hoisted(graph: fx.Graph, inputs: list[fx.Node], before: fx.Node, replaced: set[fx.Node]) -> bool:
     """Move the nodes making ``inputs`` that come after ``before`` up before it, in order; False (nothing moved)
-    where one of them, or a node they would move past, has effects."""
+    where one of them, or a node they would move past, has effects, or one of them reads a node of ``replaced``."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     late, stack = set(), [n for n in inputs if order[n] >= order[before]]
     while stack:
         node = stack.pop()
         if node in late:
             continue
-        if node.op not in ("call_function", "call_method") or has_effects(node):
+        if (node.op not in ("call_function", "call_method") or has_effects(node)
+                or any(n in replaced for n in node.all_input_nodes)):
             return False
         late.add(node)
         stack += [n for n in node.all_input_nodes if order[n] >= order[before]]
@@ -633,10 +634,10 @@ def _rewrite_fields(gm: fx.GraphModule, ctx: PassContext, group: list[Lookup]) -
     position = min((u for x in group for u in x.erased[0].users), key=order.__getitem__, default=None)
     if position is None:
         return
-    if not _hoisted(graph, [n for x in group for n in (x.weight, x.indices)], position):
+    if not _hoisted(graph, [n for x in group for n in (x.weight, x.indices)], position, {x.erased[0] for x in group}):
         names = ", ".join(x.erased[0].name for x in group)
-        ctx.fallbacks.append(Fallback("embedding", f"field lookups {names} left alone: their ids are made after an "
-                                                   "effect that follows their first use"))
+        ctx.fallbacks.append(Fallback("embedding", f"field lookups {names} left alone: some ids are made after an "
+                                                   "effect, or from a lookup, that follows the first use of another"))
         return
     with graph.inserting_before(position):
         flat = [_call(graph, torch.reshape, (x.indices, (-1, 1))) for x in group]
@@ -647,7 +648,9 @@ def _rewrite_fields(gm: fx.GraphModule, ctx: PassContext, group: list[Lookup]) -
             dim = x.table.shape[1]
             part = _call(graph, torch.narrow, (grouped, 1, start, dim))
             start += dim
-            shape = (-1, *tensor_meta(x.indices).shape[1:], dim)
+            batch = graph.call_method("size", (x.indices, 0))  # not -1: a batch of 0 would leave it ambiguous
+            batch.meta["example_value"] = tensor_meta(x.indices).shape[0]
+            shape = (batch, *tensor_meta(x.indices).shape[1:], dim)
             x.erased[0].replace_all_uses_with(_call(graph, torch.reshape, (part, shape)))
     for x in group:
         graph.erase_node(x.erased[0])
