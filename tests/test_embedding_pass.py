@@ -1,5 +1,8 @@
 """The embedding pass: lookups grouped into one grouped_embedding_bag, numbers equal to eager."""
 import copy
+import functools
+
+import numpy as np
 
 import pytest
 import torch
@@ -136,3 +139,124 @@ def test_sparse_tables_get_sparse_gradients_equal_to_eager():
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert p.grad.is_sparse == q.grad.is_sparse, name
         torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), msg=name)
+
+
+class FieldLookups(nn.Module):
+    """RecBole's ContextRecommender written small: ``FMEmbedding`` (every field's id plus its field's offset, a NumPy
+    array, looked up in one table) feeding an FM, then ``FMFirstOrderLinear`` (the same ids and offsets, another
+    array, in a width-1 table, summed over the fields with keepdim, plus a bias). The second-order lookup is used
+    before the first-order ids are made, as in RecBole's graph."""
+
+    def __init__(self, field_dims=(7, 5, 11), dim=4, sparse=False, padding_idx=None):
+        super().__init__()
+        self.offsets = np.array((0, *np.cumsum(field_dims)[:-1]), dtype=np.int64)
+        self.first_offsets = self.offsets.copy()
+        self.embedding = nn.Embedding(sum(field_dims), dim, sparse=sparse, padding_idx=padding_idx)
+        self.first = nn.Embedding(sum(field_dims), 1, sparse=sparse)
+        self.bias = nn.Parameter(torch.randn(1))
+
+    def forward(self, *fields):
+        ids = torch.cat([f.unsqueeze(1) for f in fields], dim=1)
+        v = self.embedding(ids + ids.new_tensor(self.offsets).unsqueeze(0))  # [B, F, D]
+        fm = 0.5 * (v.sum(1) ** 2 - (v ** 2).sum(1)).sum(1, keepdim=True)
+        first_ids = torch.cat([f.unsqueeze(1) for f in fields], dim=1)
+        first = self.first(first_ids + first_ids.new_tensor(self.first_offsets).unsqueeze(0))
+        return torch.sigmoid((torch.sum(first, dim=1, keepdim=True).sum(1) + self.bias + fm).squeeze(-1))
+
+
+def _fields(batch, dims=(7, 5, 11), dtype=torch.int64):
+    return tuple(torch.randint(0, n, (batch,), dtype=dtype) for n in dims)
+
+
+NO_RACE = {"autotune": False}  # the rewrite is what runs, so it is what is compared
+
+
+def test_field_lookups_become_one_concat_call_reading_both_tables():
+    report = recompile.explain(FieldLookups(), *_fields(6)).to_dict()
+    (region,) = [r for r in report["regions"] if r["kind"] == "embedding"]
+    assert region["op"] == "recompile::grouped_embedding_bag" and len(region["replaced"]) == 2  # both F.embedding
+    code = _embedding_stage(report)
+    assert code.count("torch.ops.recompile.grouped_embedding_bag.default(") == 1 and "'concat'" in code
+    assert "functional.embedding(" not in code
+
+
+def test_field_lookups_numbers_and_gradients_equal_eager():
+    assert_compiled_equals_eager(FieldLookups(), _fields(9), options=NO_RACE)
+
+
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+def test_field_lookups_with_int32_ids_equal_eager_exactly(table_dtype):
+    """A bag of one id is its row: equal to eager's bit for bit, gradients too (through AOT autograd run eagerly,
+    no Inductor compile)."""
+    from models.corpus.harness import rec_passes_aot_eager
+
+    model = FieldLookups().to(table_dtype)
+    eager, args = copy.deepcopy(model), _fields(7, dtype=torch.int32)
+    lookups_only = functools.partial(rec_passes_aot_eager, options={"passes": {"interaction": False}})  # FM as written
+    compiled = torch.compile(model, backend=lookups_only)
+    got, want = compiled(*args), eager(*args)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got.sum().backward()
+    want.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+def test_sparse_field_tables_get_sparse_gradients_equal_to_eager():
+    """Through AOT autograd run eagerly (Inductor does not compile a graph producing sparse gradients: the race
+    rejects it, and the rewrite runs eagerly)."""
+    from models.corpus.harness import rec_passes_aot_eager
+
+    model = FieldLookups(sparse=True)
+    eager, args = copy.deepcopy(model), _fields(8)
+    torch.compile(model, backend=rec_passes_aot_eager)(*args).sum().backward()
+    eager(*args).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert p.grad.is_sparse == q.grad.is_sparse, name
+        torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), msg=name)
+
+
+def test_field_lookups_compile_at_most_twice_over_batch_sizes():
+    model = FieldLookups()
+    counter = CompileCounterWithBackend("rec_ascend")
+    compiled = torch.compile(model, backend=counter)
+    for batch in (8, 13, 21):
+        args = _fields(batch)
+        torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-5, atol=1e-6)
+    assert counter.frame_count <= 2
+
+
+def test_field_table_with_padding_idx_is_left_alone_and_reported():
+    model, args = FieldLookups(padding_idx=0), _fields(5)
+    report = recompile.explain(model, *args).to_dict()
+    assert not [r for r in report["regions"] if r["kind"] == "embedding"]
+    assert any("padding_idx row is read forward" in f["reason"] for f in report["fallbacks"])
+    assert_compiled_equals_eager(model, args, options=NO_RACE)
+
+
+class IdsFromALookup(nn.Module):
+    """The second lookup's ids are made from the first lookup's values, after its first use: no group."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Embedding(10, 4), nn.Embedding(10, 2)
+
+    def forward(self, ids):
+        v = self.a(ids)
+        used = v.sum()
+        return used + self.b((v.argmax(-1) + ids) % 10).sum()
+
+
+def test_field_lookup_whose_ids_come_from_another_is_left_alone():
+    model, ids = IdsFromALookup(), torch.randint(0, 10, (5, 3))
+    report = recompile.explain(model, ids).to_dict()
+    assert not [r for r in report["regions"] if r["kind"] == "embedding"]
+    assert any("from a lookup" in f["reason"] for f in report["fallbacks"])
+
+
+def test_field_lookups_of_an_empty_batch_equal_eager():
+    from models.corpus.harness import rec_passes_aot_eager
+
+    model = FieldLookups()
+    args = _fields(0)
+    torch.testing.assert_close(torch.compile(model, backend=rec_passes_aot_eager)(*args), model(*args))

@@ -56,12 +56,18 @@ MEAN_BAG = Expect("embedding", ("recompile::grouped_embedding_bag",), 1,
                   "lookup then a mean over the non-zero ids (mask = seq != 0, sum / count): an embedding bag (SUM "
                   "with padding_idx 0, RecBole's own division after it)")
 
+# Counted with MEAN_BAG (one op, so at least two regions of it): the genre bag's call and this one.
+FIELDS = Expect("embedding", ("recompile::grouped_embedding_bag",), 2,
+                "FMEmbedding (token fields' ids plus their offsets in one table) and FMFirstOrderLinear's width-1 "
+                "table read with the same [B, F] ids: one grouped call of both, beside the genre bag's")
+
 EXPECTED: dict[str, tuple[Expect, ...]] = {
     # RecBole context-aware models: every one embeds the genre list through embed_token_seq_fields.
-    "recbole/FM": (fm("BaseFactorizationMachine: 0.5 * (sum(v, 1)^2 - sum(v^2, 1)) summed over the embedding"), MEAN_BAG),
-    "recbole/DeepFM": (fm("BaseFactorizationMachine, the FM half of DeepFM"), MEAN_BAG),
+    "recbole/FM": (fm("BaseFactorizationMachine: 0.5 * (sum(v, 1)^2 - sum(v^2, 1)) summed over the embedding"), MEAN_BAG,
+                   FIELDS),
+    "recbole/DeepFM": (fm("BaseFactorizationMachine, the FM half of DeepFM"), MEAN_BAG, FIELDS),
     "recbole/NFM": (fm("BaseFactorizationMachine(reduce_sum=False): the bi-interaction pooling under NFM's MLP"),
-                    MEAN_BAG),
+                    MEAN_BAG, FIELDS),
     "recbole/DCN": (vector_cross("DCN.cross_network: x_l+1 = x0 * tensordot(x_l, w_l) + b_l + x_l, raw Parameters "
                                  "(a vector cross layer), cross_layer_num layers in one op"), MEAN_BAG),
     "recbole/DCNV2": (cross("DCNV2.cross_network: x_l+1 = x0 * (matmul(W_l, x_l.unsqueeze(2)) + b_l) + x_l, raw "
@@ -69,14 +75,14 @@ EXPECTED: dict[str, tuple[Expect, ...]] = {
     "recbole/PNN": (Expect("interaction", ("recompile::dot_interaction",), 1,
                            "InnerProductLayer: (feat_emb[:, row] * feat_emb[:, col]).sum(-1) over the upper-triangle "
                            "pairs built by Python loops: a dot interaction"), MEAN_BAG),
-    "recbole/WideDeep": (MEAN_BAG,),
-    "recbole/xDeepFM": (MEAN_BAG,),  # CIN: outer products through conv1d, no region of ours
+    "recbole/WideDeep": (MEAN_BAG, FIELDS),
+    "recbole/xDeepFM": (MEAN_BAG, FIELDS),  # CIN: outer products through conv1d, no region of ours
     "recbole/AutoInt": (Expect("attention", ("recompile::padded_softmax_attention",), 1,
                                "AutoInt.self_attns: nn.MultiheadAttention over the F fields, no mask, weights unused "
                                "(eval: its attention dropout is off), one per layer: the dense path of the padded "
-                               "attention op between the in- and out-projections"), MEAN_BAG),
-    "recbole/AFM": (MEAN_BAG,),  # pairwise element-wise products weighted by attention, not summed: no dot region
-    "recbole/FwFM": (MEAN_BAG,),  # pairwise dots weighted per field pair: no plain dot region
+                               "attention op between the in- and out-projections"), MEAN_BAG, FIELDS),
+    "recbole/AFM": (MEAN_BAG, FIELDS),  # pairwise element-wise products weighted by attention, not summed: no dot region
+    "recbole/FwFM": (MEAN_BAG, FIELDS),  # pairwise dots weighted per field pair: no plain dot region
     # RecBole sequential models: padded histories [B, MAX_ITEM_LIST_LENGTH], padding id 0.
     "recbole/SASRec": (Expect("attention", None, recbole_zoo.SMALL["n_layers"],
                               "TransformerEncoder: causal softmax attention per layer over the padded history, additive "

@@ -36,6 +36,15 @@ reads the table rows once instead of materialising ``[B, L, D]``. Left alone: a 
 test (``ids > 0``) or a non-constant ``p``, a table whose own ``padding_idx`` is another id, a product that
 promotes the table's dtype (a bag would round its sum to the table's dtype), an ``emb`` with other users.
 
+Field lookups (RecBole's ``FMEmbedding``: every token field's id plus its field's offset, looked up in one table;
+``FMFirstOrderLinear``: the same ids in a width-1 table): ``F.embedding(ids, weight)`` with ``ids`` of two or more
+dims ``[B, F, ...]`` that nothing pools, on distinct tables of one dtype and device whose ids have one shape, become
+one ``"concat"`` call over bags of one id (``ids.reshape(-1, 1)`` per table, ``[B * F, sum(D)]``); each lookup's
+value is its slice ``narrow(grouped, 1, start, D).reshape(-1, F, ..., D)``. The ids are what the graph computes
+(the offsets stay an add Inductor fuses), so one call reads the second-order and the first-order tables; pure
+nodes making a later lookup's ids move up to the call. Left alone: a table with a ``padding_idx`` (its row is
+read forward, but a bag would drop it), ids whose trailing dims are not static.
+
 Lookups left alone are reported as notes in ``ctx.fallbacks`` with the reason (``max`` pooling,
 ``max_norm``, ``scale_grad_by_freq``, a lookup with other users, no stack/cat consumer, ...).
 """
@@ -542,6 +551,111 @@ def _rewrite_unpooled(gm: fx.GraphModule, ctx: PassContext, members: list[tuple]
             graph.erase_node(node)
 
 
+def _field_lookup(node: fx.Node) -> tuple[Lookup, str | None] | None:
+    """``F.embedding(ids, weight)`` with ``ids`` ``[B, F, ...]`` as a lookup of bags of one id, with why it is left
+    alone (None where it is not); None for another call."""
+    if not is_call(node, *EMBEDDING):
+        return None
+    a = _bound(node)
+    ids, table = tensor_meta(a["input"]), tensor_meta(a["weight"])
+    if ids is None or ids.dim() < 2 or table is None or table.dim() != 2:
+        return None
+    lookup = Lookup([node], a["weight"], a["input"], None, None, SUM, -1, False, bool(a["sparse"]))
+    try:
+        _check_common(a)
+        if a["padding_idx"] is not None:
+            raise NotGroupable("its padding_idx row is read forward, but a bag of one id would drop it")
+        if not all(isinstance(n, int) for n in ids.shape[1:]):
+            raise NotGroupable("its ids' trailing dims are not static")
+    except NotGroupable as why:
+        return lookup, str(why)
+    return lookup, None
+
+
+def _field_key(lookup: Lookup) -> tuple:
+    ids, table = tensor_meta(lookup.indices), lookup.table
+    return table.dtype, table.device, tuple(ids.shape[1:])
+
+
+def _group_fields(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Group the unpooled lookups of ``[B, F, ...]`` ids (``_field_lookup``) whose ids have one shape, on distinct
+    tables of one dtype and device, into one "concat" call each (see the module docstring). A lookup left alone
+    is reported where another lookup of its ids' shape was found (a lone one is no group to miss)."""
+    groups: dict[tuple, list[Lookup]] = {}
+    refused: dict[tuple, list[tuple[fx.Node, str]]] = {}
+    for node in list(gm.graph.nodes):
+        found = _field_lookup(node)
+        if found is None:
+            continue
+        lookup, why = found
+        if why is not None:
+            refused.setdefault(_field_key(lookup), []).append((node, why))
+            continue
+        group = groups.setdefault(_field_key(lookup), [])
+        same_batch = not group or statically_known_true(
+            sym_eq(tensor_meta(lookup.indices).shape[0], tensor_meta(group[0].indices).shape[0]))
+        if same_batch and all(x.weight is not lookup.weight for x in group):
+            group.append(lookup)
+    for key, nodes in refused.items():
+        if len(nodes) + len(groups.get(key, ())) >= 2:
+            ctx.fallbacks += [Fallback("embedding", f"lookup {node.name} left alone: {why}") for node, why in nodes]
+    for group in groups.values():
+        if len(group) >= 2:
+            _rewrite_fields(gm, ctx, group)
+
+
+def _hoisted(graph: fx.Graph, inputs: list[fx.Node], before: fx.Node, replaced: set[fx.Node]) -> bool:
+    """Move the nodes making ``inputs`` that come after ``before`` up before it, in order; False (nothing moved)
+    where one of them, or a node they would move past, has effects, or one of them reads a node of ``replaced``."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    late, stack = set(), [n for n in inputs if order[n] >= order[before]]
+    while stack:
+        node = stack.pop()
+        if node in late:
+            continue
+        if (node.op not in ("call_function", "call_method") or has_effects(node)
+                or any(n in replaced for n in node.all_input_nodes)):
+            return False
+        late.add(node)
+        stack += [n for n in node.all_input_nodes if order[n] >= order[before]]
+    if not late:
+        return True
+    last = max(order[n] for n in late)
+    if any(has_effects(n) for n in graph.nodes if order[before] <= order[n] < last and n not in late):
+        return False
+    for node in sorted(late, key=order.__getitem__):
+        before.prepend(node)
+    return True
+
+
+def _rewrite_fields(gm: fx.GraphModule, ctx: PassContext, group: list[Lookup]) -> None:
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    position = min((u for x in group for u in x.erased[0].users), key=order.__getitem__, default=None)
+    if position is None:
+        return
+    if not _hoisted(graph, [n for x in group for n in (x.weight, x.indices)], position, {x.erased[0] for x in group}):
+        names = ", ".join(x.erased[0].name for x in group)
+        ctx.fallbacks.append(Fallback("embedding", f"field lookups {names} left alone: some ids are made after an "
+                                                   "effect, or from a lookup, that follows the first use of another"))
+        return
+    with graph.inserting_before(position):
+        flat = [_call(graph, torch.reshape, (x.indices, (-1, 1))) for x in group]
+        flat_lookups = [Lookup(x.erased, x.weight, ids, None, None, SUM, -1, False, x.sparse) for x, ids in zip(group, flat)]
+        grouped = _grouped_call(gm, ctx, flat_lookups, "concat")
+        start = 0
+        for x in group:
+            dim = x.table.shape[1]
+            part = _call(graph, torch.narrow, (grouped, 1, start, dim))
+            start += dim
+            batch = graph.call_method("size", (x.indices, 0))  # not -1: a batch of 0 would leave it ambiguous
+            batch.meta["example_value"] = tensor_meta(x.indices).shape[0]
+            shape = (batch, *tensor_meta(x.indices).shape[1:], dim)
+            x.erased[0].replace_all_uses_with(_call(graph, torch.reshape, (part, shape)))
+    for x in group:
+        graph.erase_node(x.erased[0])
+
+
 @register_pass("embedding", order=10, regions={"embedding": "#9fd3ff"})
 def embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     lookups: dict[fx.Node, Lookup] = {}
@@ -567,4 +681,5 @@ def embedding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         _rewrite_consumer(gm, ctx, consumer, _consumer_layout(consumer), lookups, alone)
     _group_alone(gm, ctx, alone)
     _group_unpooled(gm, ctx)
+    _group_fields(gm, ctx)
     return gm
