@@ -27,8 +27,7 @@ call, forward or backward).
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -421,19 +420,32 @@ def _example(kind: str, decomposition: Callable) -> Callable:
     return call
 
 
-@contextlib.contextmanager
-def symbolic_steps() -> Iterator[None]:
+class symbolic_steps:
     """While entered, ATen's GRU and LSTM under the Python dispatcher (Dynamo computes example values under it) run
     as ``recompile.gru`` / ``lstm`` where those compute the call. ATen's Python decompositions of them loop over the
     steps and so fix the sequence length (a guard, one compile per length); the ops' fakes keep it symbolic. Held
-    while rec_ascend traces (``recompile.tracing.TracingConfig``); restored on exit, nests."""
-    saved = {kind: {key: op.py_kernels[key] for key in KEYS if key in op.py_kernels} for kind, op in ATEN.items()}
-    try:
+    while rec_ascend traces (``recompile.tracing.TracingConfig``, entered per compile); restored on the outermost
+    exit. The kernels are built once: entering costs two dict updates."""
+
+    _depth = 0
+    _kernels: dict[str, tuple[dict, dict]] = {}  # kind -> (ATen's kernels, ours), per dispatch key
+
+    @classmethod
+    def _install(cls, which: int) -> None:
+        if not cls._kernels:
+            for kind, op in ATEN.items():
+                saved = {key: op.py_kernels[key] for key in KEYS if key in op.py_kernels}
+                cls._kernels[kind] = (saved, {key: _example(kind, fn) for key, fn in saved.items()})
         for kind, op in ATEN.items():
-            op.py_kernels.update({key: _example(kind, fn) for key, fn in saved[kind].items()})
+            op.py_kernels.update(cls._kernels[kind][which])
             op._dispatch_cache.clear()
-        yield
-    finally:
-        for kind, op in ATEN.items():
-            op.py_kernels.update(saved[kind])
-            op._dispatch_cache.clear()
+
+    def __enter__(self) -> None:
+        if symbolic_steps._depth == 0:
+            self._install(1)
+        symbolic_steps._depth += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        symbolic_steps._depth -= 1
+        if symbolic_steps._depth == 0:
+            self._install(0)
