@@ -1189,16 +1189,17 @@ def fastest_eagerly(graphs: dict[str, Callable[[], fx.GraphModule]], sandbox: Sa
 
 def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: dict, sandbox: Sandbox,
                     decision: Decision, training: bool, budget_s: float,
-                    defer: bool = False) -> tuple[str, RewriteEstimate | None]:
+                    static: bool = False) -> tuple[str, RewriteEstimate | None]:
     """Leave in ``builders`` only the Inductor candidates that can win: Inductor compiles what the graphs share
     alike, so it compiles the graph that ran fastest eagerly (its regions are the fastest), and the captured graph
     (the Inductor a user would otherwise get: it can win where it fuses what a region does eagerly, e.g. a short
     softmax) unless its library calls alone (``inductor_floor_ms``) take longer than the fastest graph eagerly;
     inference graphs skip the fastest one where Inductor has little to fuse around our ops (``inductor_can_win``).
-    No graph holding ATen's GRU / LSTM / RNN is compiled (``unrolls``): it runs eagerly. A graph with static sizes
-    (``defer``) that keeps both has the floor of Inductor on the fastest graph measured (``rewrite_floor_ms``) and its
-    estimate built (``RewriteEstimate``), with which ``build_compiles`` compiles it only where it can beat Inductor on
-    the captured graph. Returns the graph that ran fastest eagerly and the estimate (None where not made)."""
+    No graph holding ATen's GRU / LSTM / RNN is compiled (``unrolls``): it runs eagerly. A graph that keeps both, with
+    static sizes (``static``) or not training, has the floor of Inductor on the fastest graph measured
+    (``rewrite_floor_ms``) and its estimate built (``RewriteEstimate``), with which ``build_compiles`` compiles one of
+    them only where it can beat the other. Returns the graph that ran fastest eagerly and the estimate (None where not
+    made)."""
     fastest = fastest_eagerly(graphs, sandbox, training, decision, budget_s) if len(graphs) > 1 else next(iter(graphs))
     keep = {inductor_of(fastest)}
     why = f"{fastest} ran fastest eagerly"
@@ -1222,7 +1223,7 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
         keep.discard(name)
         decision.rejected[name] = "not compiled: Inductor would unroll its recurrent call step by step"
     estimate = None
-    if fastest != "eager" and {"inductor-captured", inductor_of(fastest)} <= keep and defer:
+    if fastest != "eager" and {"inductor-captured", inductor_of(fastest)} <= keep and (static or not training):
         graph = graphs[fastest]()
         timings = decision.timings_ms
         estimate = RewriteEstimate(rewrite_floor_ms(graph, sandbox, decision, training), kernels_ms(graph, decision),
@@ -1245,20 +1246,21 @@ def unrolls(gm: fx.GraphModule) -> bool:
 
 
 def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, estimate: RewriteEstimate | None,
-                   sandbox: Sandbox, decision: Decision, training: bool,
-                   budget_s: float) -> tuple[dict[str, Callable], dict[str, tuple[Callable, RewriteEstimate]]]:
+                   sandbox: Sandbox, decision: Decision, training: bool, budget_s: float,
+                   static: bool = True) -> tuple[dict[str, Callable], dict[str, tuple[Callable, RewriteEstimate]]]:
     """The candidates, built, each Inductor graph only where it can win. Where both Inductor graphs are kept, one
     is compiled first and the other only where the first's time leaves it a chance:
 
-    - Inductor on the captured graph first (plain Inductor's compile), where the graph has static sizes
-      (``estimate``) and, for an inference graph, the order below could not skip it (the fastest graph's floor is
+    - Inductor on the captured graph first (plain Inductor's compile), where the graph has ``static`` sizes and an
+      ``estimate`` and, for an inference graph, the order below could not skip it (the fastest graph's floor is
       above the captured graph's library calls alone). The fastest graph's Inductor is then compiled only where
       its ``RewriteEstimate`` beats the captured graph's time by ``MARGIN``: an inference graph's is timed here
       (``inductor_ms``); a training graph is not timed inside Dynamo's compile (its backward would compile there), so
       its fastest graph's compile is deferred to the first call (``GraphChooser.admit_deferred``).
     - Else Inductor on the fastest graph first; an inference graph's is timed (``inductor_ms``) and the captured
-      graph not compiled where that time is within ``MARGIN`` of the captured graph's library calls alone
-      (``inductor_floor_ms``: Inductor on it cannot run faster than those). (Inductor on the rewrite running ahead of
+      graph not compiled where that time is within ``MARGIN`` of the least it can take (``captured_cannot_win``: its
+      library calls alone, and given the ``estimate`` that time with the regions' kernels swapped back for the
+      library calls they replaced). A graph with symbolic sizes takes this order: its buckets race what is built. (Inductor on the rewrite running ahead of
       the rewrite eagerly says nothing of plain Inductor: on RecBole's SASRec under no_grad it fuses the short softmax
       the rewrite replaced, 0.66 vs 0.94 ms.)
 
@@ -1266,7 +1268,7 @@ def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, es
     first = inductor_of(fastest)
     both = first != "inductor-captured" and first in builders and "inductor-captured" in builders
     captured_floor_ms = decision.timings_ms.get(FLOOR, 0.0)
-    if both and estimate is not None and (training or estimate.floor_ms > captured_floor_ms * (1 + MARGIN)):
+    if both and static and estimate is not None and (training or estimate.floor_ms > captured_floor_ms * (1 + MARGIN)):
         rewrite = builders.pop(first)
         built = build(builders, decision)
         if training:
@@ -1422,10 +1424,10 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
                 graphs = candidate_graphs(original, rewritten, ctx, decision.kernels)
                 builders = graph_builders(graphs, compile_inductor, training)
             fastest_graph, estimate = choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8,
-                                                      defer=not slots)
+                                                      static=not slots)
             budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
             built, deferred = build_compiles(builders, fastest_graph, estimate, sandbox, decision, training,
-                                              BUDGET_S / 8)
+                                              BUDGET_S / 8, static=not slots)
         ctx.tuning = decision.to_dict()
         cached = decision
         chooser = GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager,

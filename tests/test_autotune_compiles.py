@@ -49,10 +49,10 @@ def _has_rec_ops(graph) -> bool:
     return any(autotune._op_name(node) for node in graph.graph.nodes)
 
 
-def _run(model, x, training):
+def _run(model, x, training, dynamic=None):
     torch._dynamo.reset()
     with torch.set_grad_enabled(training):
-        out = torch.compile(model, backend="rec_ascend")(x)
+        out = torch.compile(model, backend="rec_ascend", dynamic=dynamic)(x)
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
     if training:
         out.sum().backward()
@@ -425,14 +425,16 @@ def test_a_deferred_training_compile_is_skipped_where_its_estimate_cannot_beat_t
     assert [_has_rec_ops(g) for g in inductor_graphs] == [False]
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("captured_eager_ms, compiled", [(2.0, 1), (None, 2)])
-def test_a_static_inference_graph_whose_rewrite_floor_is_the_captured_graphs_compiles_only_inductor_on_the_rewrite(
-        _cache, inductor_graphs, monkeypatch, captured_eager_ms, compiled):
+def test_an_inference_graph_whose_rewrite_floor_is_the_captured_graphs_compiles_only_inductor_on_the_rewrite(
+        _cache, inductor_graphs, monkeypatch, captured_eager_ms, compiled, dynamic):
     """The cross nets' forward: the rewrite's floor (library calls 0.3 ms and kernels 0.2 ms) is within the margin of the
     captured graph's library calls (0.6 ms), so Inductor on the rewrite is compiled and timed first (1.0 ms). The
     captured graph through Inductor takes at least that time with the kernels swapped back for the library calls they
     replaced (0.3 ms, no more than the captured graph's 2.0 ms less the rewrite's 1.5 ms eagerly plus the kernels):
-    1.1 ms, no win: one Inductor compile. Without the captured graph's eager time only its floor bounds it: both."""
+    1.1 ms, no win: one Inductor compile. Without the captured graph's eager time only its floor bounds it: both. A
+    graph with symbolic sizes (its buckets race what is built) alike."""
     def fastest_eagerly(graphs, sandbox, training, decision, budget_s):
         decision.timings_ms["eagerly:rec+eager"] = 1.5
         if captured_eager_ms is not None:
@@ -445,8 +447,9 @@ def test_a_static_inference_graph_whose_rewrite_floor_is_the_captured_graphs_com
     monkeypatch.setattr(autotune, "rewrite_floor_ms", lambda *args: 0.5)
     monkeypatch.setattr(autotune, "kernels_ms", lambda *args: 0.2)
     monkeypatch.setattr(autotune, "inductor_ms", lambda *args: 1.0)
-    _run(Cross(), torch.randn(8, 16), False)
+    _run(Cross(), torch.randn(8, 16), False, dynamic)
     [decision] = _decisions(_cache)
+    assert bool(autotune.size_slots(inductor_graphs[0])) == dynamic
     assert [_has_rec_ops(g) for g in inductor_graphs] == [True, False][:compiled]
     assert ("inductor-captured" in decision["compile_s"]) == (compiled == 2)
     if compiled == 1:
