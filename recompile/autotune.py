@@ -14,10 +14,11 @@ example inputs and within ``BUDGET_S`` seconds:
    the graphs differ only in their rec regions, so Inductor compiles the one whose regions ran fastest
    eagerly, and the captured graph (the Inductor a user would otherwise get) only where it can still win: not
    where its library calls alone take longer than the fastest graph eagerly, nor, for an inference graph
-   (``build_compiles``), than Inductor on the fastest graph (compiled and timed first): one Inductor compile
-   then, as plain Inductor's. A graph with static sizes that keeps both, and whose fastest graph's floor leaves the
+   (``build_compiles``), than Inductor on the fastest graph (compiled and timed first) with the regions' kernels
+   swapped back for the library calls they replaced (``captured_cannot_win``): one Inductor compile then, as plain
+   Inductor's. A graph with static sizes that keeps both, and whose fastest graph's floor leaves the
    captured graph a chance, builds the captured graph's first (plain Inductor's compile) and the fastest graph's
-   only where it can beat that by ``MARGIN``: estimated from the captured graph's time with the regions' code
+   only where it can beat that by ``ESTIMATE_MARGIN``: estimated from the captured graph's time with the regions' code
    swapped for their kernels (``RewriteEstimate``); a training graph defers this to the first call, where its step is
    timed (``GraphChooser.admit_deferred``). Inference graphs
    skip the fastest one where Inductor has little to fuse around our ops (``inductor_can_win``). Without rec
@@ -865,7 +866,7 @@ class GraphChooser:
     def admit_deferred(self, sandbox: Sandbox, want: list[torch.Tensor], steps: dict[str, Callable]) -> None:
         """Build a deferred candidate (Inductor on the fastest graph of a training graph, ``build_compiles``) only
         where it can still win: not where the captured graph through Inductor, timed here (its backward compiled
-        by its first step), runs within ``MARGIN`` of what the deferred graph is estimated to take through Inductor
+        by its first step), runs within ``ESTIMATE_MARGIN`` of what the deferred graph is estimated to take through Inductor
         (``RewriteEstimate``: never below its floor, its library calls and regions alone). Then one Inductor
         compile, as plain Inductor's."""
         for name, (builder, estimate) in self.deferred.items():
@@ -1254,7 +1255,7 @@ def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, es
     - Inductor on the captured graph first (plain Inductor's compile), where the graph has ``static`` sizes and an
       ``estimate`` and, for an inference graph, the order below could not skip it (the fastest graph's floor is
       above the captured graph's library calls alone). The fastest graph's Inductor is then compiled only where
-      its ``RewriteEstimate`` beats the captured graph's time by ``MARGIN``: an inference graph's is timed here
+      its ``RewriteEstimate`` beats the captured graph's time by ``ESTIMATE_MARGIN``: an inference graph's is timed here
       (``inductor_ms``); a training graph is not timed inside Dynamo's compile (its backward would compile there), so
       its fastest graph's compile is deferred to the first call (``GraphChooser.admit_deferred``).
     - Else Inductor on the fastest graph first; an inference graph's is timed (``inductor_ms``) and the captured
