@@ -866,8 +866,8 @@ class GraphChooser:
     def admit_deferred(self, sandbox: Sandbox, want: list[torch.Tensor], steps: dict[str, Callable]) -> None:
         """Build a deferred candidate (Inductor on the fastest graph of a training graph, ``build_compiles``) only
         where it can still win: not where the captured graph through Inductor, timed here (its backward compiled
-        by its first step), runs within ``ESTIMATE_MARGIN`` of what the deferred graph is estimated to take through Inductor
-        (``RewriteEstimate``: never below its floor, its library calls and regions alone). Then one Inductor
+        by its first step), runs within ``ESTIMATE_MARGIN`` of what the deferred graph is estimated to take through
+        Inductor (``RewriteEstimate``: never below its floor, its library calls and regions alone). Then one Inductor
         compile, as plain Inductor's."""
         for name, (builder, estimate) in self.deferred.items():
             if "inductor-captured" in steps:
@@ -1261,9 +1261,9 @@ def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, es
     - Else Inductor on the fastest graph first; an inference graph's is timed (``inductor_ms``) and the captured
       graph not compiled where that time is within ``MARGIN`` of the least it can take (``captured_cannot_win``: its
       library calls alone, and given the ``estimate`` that time with the regions' kernels swapped back for the
-      library calls they replaced). A graph with symbolic sizes takes this order: its buckets race what is built. (Inductor on the rewrite running ahead of
-      the rewrite eagerly says nothing of plain Inductor: on RecBole's SASRec under no_grad it fuses the short softmax
-      the rewrite replaced, 0.66 vs 0.94 ms.)
+      library calls they replaced). A graph with symbolic sizes takes this order: its buckets race what is built.
+      (Inductor on the rewrite running ahead of the rewrite eagerly says nothing of plain Inductor: on RecBole's SASRec
+      under no_grad it fuses the short softmax the rewrite replaced, 0.66 vs 0.94 ms.)
 
     Returns the candidates built and those deferred (name -> builder, estimate)."""
     first = inductor_of(fastest)
