@@ -18,11 +18,10 @@ example inputs and within ``BUDGET_S`` seconds:
    swapped back for the library calls they replaced (``captured_cannot_win``): one Inductor compile then, as plain
    Inductor's. A graph with static sizes that keeps both, and whose fastest graph's floor leaves the
    captured graph a chance, builds the captured graph's first (plain Inductor's compile) and the fastest graph's
-   only where it can beat that by ``ESTIMATE_MARGIN``: estimated from the captured graph's time with the regions' code
-   swapped for their kernels (``RewriteEstimate``); a training graph defers this to the first call, where its step is
-   timed (``GraphChooser.admit_deferred``). Inference graphs
-   skip the fastest one where Inductor has little to fuse around our ops (``inductor_can_win``). Without rec
-   regions: the captured graph eagerly and through Inductor (one compile), Inductor kept unless eager wins by
+   only where it can beat that by ``ESTIMATE_MARGIN``: estimated from the captured graph's time with the regions'
+   code swapped for their kernels (``RewriteEstimate``); a training graph defers this to the first call, where its
+   step is timed (``GraphChooser.admit_deferred``). Inference graphs skip the fastest one where Inductor has little
+   to fuse around our ops (``inductor_can_win``). Without rec regions: the captured graph eagerly and through Inductor (one compile), Inductor kept unless eager wins by
    ``MARGIN`` (``CAPTURED_FIRST``).
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
@@ -1255,9 +1254,9 @@ def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, es
     - Inductor on the captured graph first (plain Inductor's compile), where the graph has ``static`` sizes and an
       ``estimate`` and, for an inference graph, the order below could not skip it (the fastest graph's floor is
       above the captured graph's library calls alone). The fastest graph's Inductor is then compiled only where
-      its ``RewriteEstimate`` beats the captured graph's time by ``ESTIMATE_MARGIN``: an inference graph's is timed here
-      (``inductor_ms``); a training graph is not timed inside Dynamo's compile (its backward would compile there), so
-      its fastest graph's compile is deferred to the first call (``GraphChooser.admit_deferred``).
+      its ``RewriteEstimate`` beats the captured graph's time by ``ESTIMATE_MARGIN``: an inference graph's is timed
+      here (``inductor_ms``); a training graph is not timed inside Dynamo's compile (its backward would compile
+      there), so its fastest graph's compile is deferred to the first call (``GraphChooser.admit_deferred``).
     - Else Inductor on the fastest graph first; an inference graph's is timed (``inductor_ms``) and the captured
       graph not compiled where that time is within ``MARGIN`` of the least it can take (``captured_cannot_win``: its
       library calls alone, and given the ``estimate`` that time with the regions' kernels swapped back for the
@@ -1299,7 +1298,7 @@ def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, es
 def captured_cannot_win(name: str, ms: float, estimate: RewriteEstimate | None, floor_ms: float | None) -> str | None:
     """Why Inductor on the captured graph cannot beat ``name`` (Inductor on the graph fastest eagerly, which ran ``ms``)
     by ``MARGIN``, or None where it can: not where ``ms`` is within the margin of the least the captured graph takes,
-    its library calls alone (``inductor_floor_ms``) or, given the estimate (a graph with static sizes), ``ms`` with the
+    its library calls alone (``inductor_floor_ms``) or, given the estimate (an inference graph's), ``ms`` with the
     regions' kernels swapped back for the library calls they replaced (``RewriteEstimate.captured_least_ms``)."""
     floor_ms = floor_ms or 0.0
     least = estimate.captured_least_ms(ms) if estimate is not None else 0.0
