@@ -21,8 +21,8 @@ example inputs and within ``BUDGET_S`` seconds:
    only where it can beat that by ``ESTIMATE_MARGIN``: estimated from the captured graph's time with the regions'
    code swapped for their kernels (``RewriteEstimate``); a training graph defers this to the first call, where its
    step is timed (``GraphChooser.admit_deferred``). Inference graphs skip the fastest one where Inductor has little
-   to fuse around our ops (``inductor_can_win``). Without rec regions: the captured graph eagerly and through Inductor (one compile), Inductor kept unless eager wins by
-   ``MARGIN`` (``CAPTURED_FIRST``).
+   to fuse around our ops (``inductor_can_win``). Without rec regions: the captured graph eagerly and through
+   Inductor (one compile), Inductor kept unless eager wins by ``MARGIN`` (``CAPTURED_FIRST``).
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
