@@ -14,15 +14,15 @@ example inputs and within ``BUDGET_S`` seconds:
    the graphs differ only in their rec regions, so Inductor compiles the one whose regions ran fastest
    eagerly, and the captured graph (the Inductor a user would otherwise get) only where it can still win: not
    where its library calls alone take longer than the fastest graph eagerly, nor, for an inference graph
-   (``build_compiles``), than Inductor on the fastest graph (compiled and timed first): one Inductor compile
-   then, as plain Inductor's. A graph with static sizes that keeps both, and whose fastest graph's floor leaves the
+   (``build_compiles``), than Inductor on the fastest graph (compiled and timed first) with the regions' kernels
+   swapped back for the library calls they replaced (``captured_cannot_win``): one Inductor compile then, as plain
+   Inductor's. A graph with static sizes that keeps both, and whose fastest graph's floor leaves the
    captured graph a chance, builds the captured graph's first (plain Inductor's compile) and the fastest graph's
-   only where it can beat that by ``MARGIN``: estimated from the captured graph's time with the regions' code
-   swapped for their kernels (``RewriteEstimate``); a training graph defers this to the first call, where its step is
-   timed (``GraphChooser.admit_deferred``). Inference graphs
-   skip the fastest one where Inductor has little to fuse around our ops (``inductor_can_win``). Without rec
-   regions: the captured graph eagerly and through Inductor (one compile), Inductor kept unless eager wins by
-   ``MARGIN`` (``CAPTURED_FIRST``).
+   only where it can beat that by ``ESTIMATE_MARGIN``: estimated from the captured graph's time with the regions'
+   code swapped for their kernels (``RewriteEstimate``); a training graph defers this to the first call, where its
+   step is timed (``GraphChooser.admit_deferred``). Inference graphs skip the fastest one where Inductor has little
+   to fuse around our ops (``inductor_can_win``). Without rec regions: the captured graph eagerly and through
+   Inductor (one compile), Inductor kept unless eager wins by ``MARGIN`` (``CAPTURED_FIRST``).
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
@@ -108,6 +108,11 @@ FLOOR_ROUNDS = 3
 # A candidate replaces the graph that runs without us (the captured graph, eagerly, then through Inductor) only
 # when faster by more than this share: this machine's run-to-run noise is larger than what is won below it.
 MARGIN = 0.04
+# What Inductor on the fastest graph must be estimated to win over Inductor on the captured graph, already compiled, for
+# a second Inductor compile (``RewriteEstimate.can_win``): the estimate errs by more than ``MARGIN`` (GR HSTU's forward
+# at batch 128: estimated 0.636 ms against the captured graph's 0.680, it ran 0.681), and a compile costs about
+# plain Inductor's again; where it is skipped, what runs is at least plain Inductor's graph.
+ESTIMATE_MARGIN = 2 * MARGIN
 INCUMBENTS = ("eager", "inductor-captured")
 # The incumbents of a graph without rec regions (its candidates: the captured graph eagerly and through Inductor):
 # Inductor, what backend="inductor" runs on it, unless eager runs faster by more than ``MARGIN`` (a few small
@@ -714,20 +719,37 @@ class RewriteEstimate:
         if self.eager_ms is None or self.captured_eager_ms is None:
             return self.floor_ms
         replaced = max(self.captured_eager_ms - self.eager_ms + self.kernels_ms, 0.0)
-        replaced_library = min(max(self.captured_floor_ms - (self.floor_ms - self.kernels_ms), 0.0), replaced)
+        replaced_library = self.replaced_library_ms()
         rest = self.captured_eager_ms - self.captured_floor_ms
         speedup = min(max((captured_ms - self.captured_floor_ms) / rest, 0.0), 1.0) if rest > 0 else 1.0
         inductor_replaced = replaced_library + speedup * (replaced - replaced_library)
         return max(captured_ms - inductor_replaced + self.kernels_ms, self.floor_ms)
 
     def can_win(self, captured_ms: float) -> bool:
-        """Whether Inductor on G can be kept over Inductor on the captured graph, which the race keeps unless another
-        candidate runs faster by ``MARGIN``."""
-        return self.ms(captured_ms) * (1 + MARGIN) < captured_ms
+        """Whether Inductor on G is estimated to beat Inductor on the captured graph (which the race keeps unless
+        another candidate runs faster by ``MARGIN``) by ``ESTIMATE_MARGIN``: the estimate's error besides the race's."""
+        return self.ms(captured_ms) * (1 + ESTIMATE_MARGIN) < captured_ms
 
     def why_not(self, name: str, captured_ms: float) -> str:
         return (f"not compiled: inductor-captured ran {captured_ms:.3f} ms, {name} would take about "
                 f"{self.ms(captured_ms):.3f} ms (its library calls and regions alone {self.floor_ms:.3f} ms)")
+
+    def replaced_library_ms(self) -> float:
+        """The captured graph's library calls that G's regions replaced (its ``inductor_floor_ms`` less G's, at most
+        the code they replaced), as they run alone: Inductor runs them as they are. 0 without the eager times."""
+        if self.eager_ms is None or self.captured_eager_ms is None:
+            return 0.0
+        replaced = max(self.captured_eager_ms - self.eager_ms + self.kernels_ms, 0.0)
+        return min(max(self.captured_floor_ms - max(self.floor_ms - self.kernels_ms, 0.0), 0.0), replaced)
+
+    def captured_least_ms(self, ms: float) -> float:
+        """The least Inductor on the captured graph can take where Inductor on G took ``ms``: G's time with its kernels
+        swapped back for the library calls they replaced, the other code they replaced counted as nothing (as if
+        Inductor fused it away). Unlike ``ms``, no speed-up is assumed: it does not hold the captured graph back where
+        Inductor fuses a region's code better than our kernel runs it (a short softmax)."""
+        if self.eager_ms is None or self.captured_eager_ms is None:
+            return 0.0
+        return ms - self.kernels_ms + self.replaced_library_ms()
 
 
 class BackwardClock:
@@ -843,8 +865,8 @@ class GraphChooser:
     def admit_deferred(self, sandbox: Sandbox, want: list[torch.Tensor], steps: dict[str, Callable]) -> None:
         """Build a deferred candidate (Inductor on the fastest graph of a training graph, ``build_compiles``) only
         where it can still win: not where the captured graph through Inductor, timed here (its backward compiled
-        by its first step), runs within ``MARGIN`` of what the deferred graph is estimated to take through Inductor
-        (``RewriteEstimate``: never below its floor, its library calls and regions alone). Then one Inductor
+        by its first step), runs within ``ESTIMATE_MARGIN`` of what the deferred graph is estimated to take through
+        Inductor (``RewriteEstimate``: never below its floor, its library calls and regions alone). Then one Inductor
         compile, as plain Inductor's."""
         for name, (builder, estimate) in self.deferred.items():
             if "inductor-captured" in steps:
@@ -1167,16 +1189,17 @@ def fastest_eagerly(graphs: dict[str, Callable[[], fx.GraphModule]], sandbox: Sa
 
 def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: dict, sandbox: Sandbox,
                     decision: Decision, training: bool, budget_s: float,
-                    defer: bool = False) -> tuple[str, RewriteEstimate | None]:
+                    static: bool = False) -> tuple[str, RewriteEstimate | None]:
     """Leave in ``builders`` only the Inductor candidates that can win: Inductor compiles what the graphs share
     alike, so it compiles the graph that ran fastest eagerly (its regions are the fastest), and the captured graph
     (the Inductor a user would otherwise get: it can win where it fuses what a region does eagerly, e.g. a short
     softmax) unless its library calls alone (``inductor_floor_ms``) take longer than the fastest graph eagerly;
     inference graphs skip the fastest one where Inductor has little to fuse around our ops (``inductor_can_win``).
-    No graph holding ATen's GRU / LSTM / RNN is compiled (``unrolls``): it runs eagerly. A graph with static sizes
-    (``defer``) that keeps both has the floor of Inductor on the fastest graph measured (``rewrite_floor_ms``) and its
-    estimate built (``RewriteEstimate``), with which ``build_compiles`` compiles it only where it can beat Inductor on
-    the captured graph. Returns the graph that ran fastest eagerly and the estimate (None where not made)."""
+    No graph holding ATen's GRU / LSTM / RNN is compiled (``unrolls``): it runs eagerly. A graph that keeps both, with
+    static sizes (``static``) or not training, has the floor of Inductor on the fastest graph measured
+    (``rewrite_floor_ms``) and its estimate built (``RewriteEstimate``), with which ``build_compiles`` compiles one of
+    them only where it can beat the other. Returns the graph that ran fastest eagerly and the estimate (None where not
+    made)."""
     fastest = fastest_eagerly(graphs, sandbox, training, decision, budget_s) if len(graphs) > 1 else next(iter(graphs))
     keep = {inductor_of(fastest)}
     why = f"{fastest} ran fastest eagerly"
@@ -1200,7 +1223,7 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
         keep.discard(name)
         decision.rejected[name] = "not compiled: Inductor would unroll its recurrent call step by step"
     estimate = None
-    if fastest != "eager" and {"inductor-captured", inductor_of(fastest)} <= keep and defer:
+    if fastest != "eager" and {"inductor-captured", inductor_of(fastest)} <= keep and (static or not training):
         graph = graphs[fastest]()
         timings = decision.timings_ms
         estimate = RewriteEstimate(rewrite_floor_ms(graph, sandbox, decision, training), kernels_ms(graph, decision),
@@ -1223,28 +1246,29 @@ def unrolls(gm: fx.GraphModule) -> bool:
 
 
 def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, estimate: RewriteEstimate | None,
-                   sandbox: Sandbox, decision: Decision, training: bool,
-                   budget_s: float) -> tuple[dict[str, Callable], dict[str, tuple[Callable, RewriteEstimate]]]:
+                   sandbox: Sandbox, decision: Decision, training: bool, budget_s: float,
+                   static: bool = True) -> tuple[dict[str, Callable], dict[str, tuple[Callable, RewriteEstimate]]]:
     """The candidates, built, each Inductor graph only where it can win. Where both Inductor graphs are kept, one
     is compiled first and the other only where the first's time leaves it a chance:
 
-    - Inductor on the captured graph first (plain Inductor's compile), where the graph has static sizes
-      (``estimate``) and, for an inference graph, the order below could not skip it (the fastest graph's floor is
+    - Inductor on the captured graph first (plain Inductor's compile), where the graph has ``static`` sizes and an
+      ``estimate`` and, for an inference graph, the order below could not skip it (the fastest graph's floor is
       above the captured graph's library calls alone). The fastest graph's Inductor is then compiled only where
-      its ``RewriteEstimate`` beats the captured graph's time by ``MARGIN``: an inference graph's is timed here
-      (``inductor_ms``); a training graph is not timed inside Dynamo's compile (its backward would compile there), so
-      its fastest graph's compile is deferred to the first call (``GraphChooser.admit_deferred``).
+      its ``RewriteEstimate`` beats the captured graph's time by ``ESTIMATE_MARGIN``: an inference graph's is timed
+      here (``inductor_ms``); a training graph is not timed inside Dynamo's compile (its backward would compile
+      there), so its fastest graph's compile is deferred to the first call (``GraphChooser.admit_deferred``).
     - Else Inductor on the fastest graph first; an inference graph's is timed (``inductor_ms``) and the captured
-      graph not compiled where that time is within ``MARGIN`` of the captured graph's library calls alone
-      (``inductor_floor_ms``: Inductor on it cannot run faster than those). (Inductor on the rewrite running ahead of
-      the rewrite eagerly says nothing of plain Inductor: on RecBole's SASRec under no_grad it fuses the short softmax
-      the rewrite replaced, 0.66 vs 0.94 ms.)
+      graph not compiled where that time is within ``MARGIN`` of the least it can take (``captured_cannot_win``: its
+      library calls alone, and given the ``estimate`` that time with the regions' kernels swapped back for the
+      library calls they replaced). A graph with symbolic sizes takes this order: its buckets race what is built.
+      (Inductor on the rewrite running ahead of the rewrite eagerly says nothing of plain Inductor: on RecBole's SASRec
+      under no_grad it fuses the short softmax the rewrite replaced, 0.66 vs 0.94 ms.)
 
     Returns the candidates built and those deferred (name -> builder, estimate)."""
     first = inductor_of(fastest)
     both = first != "inductor-captured" and first in builders and "inductor-captured" in builders
     captured_floor_ms = decision.timings_ms.get(FLOOR, 0.0)
-    if both and estimate is not None and (training or estimate.floor_ms > captured_floor_ms * (1 + MARGIN)):
+    if both and static and estimate is not None and (training or estimate.floor_ms > captured_floor_ms * (1 + MARGIN)):
         rewrite = builders.pop(first)
         built = build(builders, decision)
         if training:
@@ -1264,12 +1288,26 @@ def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, es
     if first not in built:  # Inductor failed on it (named in the decision): the captured graph may still compile
         return {**built, **build({"inductor-captured": captured}, decision)}, {}
     first_ms = inductor_ms(built[first], built[fastest], sandbox, decision, budget_s)
-    floor_ms = decision.timings_ms.get(FLOOR)
-    if floor_ms is not None and first_ms is not None and first_ms <= floor_ms * (1 + MARGIN):
-        decision.rejected["inductor-captured"] = (f"not compiled: {first} ran {first_ms:.3f} ms, its library calls "
-                                                  f"alone take {floor_ms:.3f} ms")
+    why = None if first_ms is None else captured_cannot_win(first, first_ms, estimate, decision.timings_ms.get(FLOOR))
+    if why is not None:
+        decision.rejected["inductor-captured"] = why
         return built, {}
     return {**built, **build({"inductor-captured": captured}, decision)}, {}
+
+
+def captured_cannot_win(name: str, ms: float, estimate: RewriteEstimate | None, floor_ms: float | None) -> str | None:
+    """Why Inductor on the captured graph cannot beat ``name`` (Inductor on the graph fastest eagerly, which ran ``ms``)
+    by ``MARGIN``, or None where it can: not where ``ms`` is within the margin of the least the captured graph takes,
+    its library calls alone (``inductor_floor_ms``) or, given the estimate (an inference graph's), ``ms`` with the
+    regions' kernels swapped back for the library calls they replaced (``RewriteEstimate.captured_least_ms``)."""
+    floor_ms = floor_ms or 0.0
+    least = estimate.captured_least_ms(ms) if estimate is not None else 0.0
+    if ms > max(least, floor_ms) * (1 + MARGIN):
+        return None
+    if least > floor_ms:
+        return (f"not compiled: {name} ran {ms:.3f} ms, inductor-captured would take at least {least:.3f} ms (its "
+                f"library calls alone {floor_ms:.3f} ms)")
+    return f"not compiled: {name} ran {ms:.3f} ms, its library calls alone take {floor_ms:.3f} ms"
 
 
 def inductor_ms(compiled: Callable, eager: Callable, sandbox: Sandbox, decision: Decision, budget_s: float,
@@ -1386,10 +1424,10 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
                 graphs = candidate_graphs(original, rewritten, ctx, decision.kernels)
                 builders = graph_builders(graphs, compile_inductor, training)
             fastest_graph, estimate = choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8,
-                                                      defer=not slots)
+                                                      static=not slots)
             budget = max(BUDGET_S - (time.perf_counter() - start), BUDGET_S / 4)
             built, deferred = build_compiles(builders, fastest_graph, estimate, sandbox, decision, training,
-                                              BUDGET_S / 8)
+                                              BUDGET_S / 8, static=not slots)
         ctx.tuning = decision.to_dict()
         cached = decision
         chooser = GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager,

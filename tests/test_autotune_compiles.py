@@ -49,10 +49,10 @@ def _has_rec_ops(graph) -> bool:
     return any(autotune._op_name(node) for node in graph.graph.nodes)
 
 
-def _run(model, x, training):
+def _run(model, x, training, dynamic=None):
     torch._dynamo.reset()
     with torch.set_grad_enabled(training):
-        out = torch.compile(model, backend="rec_ascend")(x)
+        out = torch.compile(model, backend="rec_ascend", dynamic=dynamic)(x)
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
     if training:
         out.sum().backward()
@@ -423,3 +423,67 @@ def test_a_deferred_training_compile_is_skipped_where_its_estimate_cannot_beat_t
     assert "inductor" not in decision["compile_s"] and "inductor-captured" in decision["compile_s"]
     assert decision["rejected"]["inductor"].startswith("not compiled: inductor-captured ran")
     assert [_has_rec_ops(g) for g in inductor_graphs] == [False]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("captured_eager_ms, compiled", [(2.0, 1), (None, 2)])
+def test_an_inference_graph_whose_rewrite_floor_is_the_captured_graphs_compiles_only_inductor_on_the_rewrite(
+        _cache, inductor_graphs, monkeypatch, captured_eager_ms, compiled, dynamic):
+    """The cross nets' forward: the rewrite's floor (library calls 0.3 ms and kernels 0.2 ms) is within the margin of the
+    captured graph's library calls (0.6 ms), so Inductor on the rewrite is compiled and timed first (1.0 ms). The
+    captured graph through Inductor takes at least that time with the kernels swapped back for the library calls they
+    replaced (0.3 ms, no more than the captured graph's 2.0 ms less the rewrite's 1.5 ms eagerly plus the kernels):
+    1.1 ms, no win: one Inductor compile. Without the captured graph's eager time only its floor bounds it: both. A
+    graph with symbolic sizes (its buckets race what is built) alike."""
+    def fastest_eagerly(graphs, sandbox, training, decision, budget_s):
+        decision.timings_ms["eagerly:rec+eager"] = 1.5
+        if captured_eager_ms is not None:
+            decision.timings_ms["eagerly:eager"] = captured_eager_ms
+        return "rec+eager"
+
+    monkeypatch.setattr(autotune, "fastest_eagerly", fastest_eagerly)
+    monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: True)
+    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda *args: 0.6)
+    monkeypatch.setattr(autotune, "rewrite_floor_ms", lambda *args: 0.5)
+    monkeypatch.setattr(autotune, "kernels_ms", lambda *args: 0.2)
+    monkeypatch.setattr(autotune, "inductor_ms", lambda *args: 1.0)
+    _run(Cross(), torch.randn(8, 16), False, dynamic)
+    [decision] = _decisions(_cache)
+    assert bool(autotune.size_slots(inductor_graphs[0])) == dynamic
+    assert [_has_rec_ops(g) for g in inductor_graphs] == [True, False][:compiled]
+    assert ("inductor-captured" in decision["compile_s"]) == (compiled == 2)
+    if compiled == 1:
+        assert decision["rejected"]["inductor-captured"] == (
+            "not compiled: inductor ran 1.000 ms, inductor-captured would take at least 1.100 ms (its library calls "
+            "alone 0.600 ms)")
+
+
+def test_the_captured_graph_takes_at_least_the_rewrites_time_with_its_kernels_swapped_for_the_calls_they_replaced():
+    """TorchRec CrossNet's forward at batch 128 (ms, corpus decisions): the lookups grouped (kernel 0.022) replace
+    embedding_bag calls (captured floor 0.059, the rewrite's GEMMs 0.029); Inductor on the rewrite ran 0.063, on the
+    captured graph 0.094. A region that replaced no library call (a softmax): the kernel's time alone comes off."""
+    cross = autotune.RewriteEstimate(floor_ms=0.051, kernels_ms=0.022, eager_ms=0.065, captured_eager_ms=0.081,
+                                     captured_floor_ms=0.059)
+    assert cross.replaced_library_ms() == pytest.approx(0.059 - 0.029)
+    assert cross.captured_least_ms(0.063) == pytest.approx(0.063 - 0.022 + 0.030)
+    assert autotune.captured_cannot_win("inductor", 0.063, cross, 0.059).startswith(
+        "not compiled: inductor ran 0.063 ms, inductor-captured would take at least 0.071 ms")
+    softmax = autotune.RewriteEstimate(floor_ms=0.175, kernels_ms=0.175, eager_ms=0.738, captured_eager_ms=1.15)
+    assert softmax.captured_least_ms(0.94) == pytest.approx(0.94 - 0.175)
+    assert autotune.captured_cannot_win("inductor", 0.94, softmax, 0.0) is None
+    # no eager times: only the captured graph's library calls bound it
+    assert autotune.RewriteEstimate(floor_ms=0.5, kernels_ms=0.1).captured_least_ms(1.0) == 0.0
+    assert autotune.captured_cannot_win("inductor", 0.52, None, 0.5) == (
+        "not compiled: inductor ran 0.520 ms, its library calls alone take 0.500 ms")
+
+
+def test_a_second_inductor_compile_needs_an_estimated_win_beyond_the_estimates_error():
+    """GR HSTU's forward at batch 128 (ms, corpus decisions): Inductor on the captured graph 0.680; on the rewrite (two
+    attention kernels, six jagged regions run by their reference) estimated 0.636, within ESTIMATE_MARGIN; it ran 0.681.
+    Not compiled: plain Inductor's graph runs, one compile. SASRec's full sort (estimated 0.439 against 0.540) is."""
+    hstu = autotune.RewriteEstimate(floor_ms=0.503, kernels_ms=0.444, eager_ms=0.683, captured_eager_ms=0.898,
+                                    captured_floor_ms=0.0592)
+    assert hstu.ms(0.68) == pytest.approx(0.636, abs=1e-3)
+    assert hstu.ms(0.68) * (1 + autotune.MARGIN) < 0.68 and not hstu.can_win(0.68)
+    sasrec = autotune.RewriteEstimate(floor_ms=0.175, kernels_ms=0.175, eager_ms=0.738, captured_eager_ms=1.15)
+    assert sasrec.can_win(0.54)
