@@ -21,6 +21,7 @@ whole graph, so their regions are found in every layer as before, and the outlin
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import operator
@@ -32,10 +33,14 @@ import torch
 import torch.fx as fx
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.tools_common import legalize_graph
 from torch.fx.passes.utils.fuser_utils import validate_partition
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from recompile.passes.dropout import SPELLINGS
+from recompile.passes.utils import arg
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,10 @@ _identifiers = itertools.count()
 _INDEXED_CHILD = re.compile(r"^(?P<container>.*?)(?:\.(?P<dot>\d+)|\[(?P<bracket>\d+)\])(?=$|[.\[])")
 
 _CALLS = ("call_function", "call_method")
+
+# Fewer computing nodes than this (a lone ``nn.Linear`` of a Sequential) are left inline: what outlining saves is
+# the layer's compile, what it costs is fusion across the layer's edges.
+MIN_LAYER_NODES = 4
 
 
 def layer_of(node: fx.Node) -> tuple[str, int] | None:
@@ -93,6 +102,11 @@ class Region:
         members = set(nodes)
         self.inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members))
         self.outputs = [n for n in nodes if any(u not in members for u in n.users)]
+        values = [_value(n) for n in self.inputs]
+        given = {v.node.expr for v in values if isinstance(v, torch.SymInt)}
+        # Inductor lowers the subgraph on its own: each size symbol of its inputs must come in as an operand of its
+        # own, as Dynamo lifts them for nested_compile_region ("For s2 + 1, expected [s2] to have been codegen-ed")
+        self.symbols = sorted(set().union(*map(free_symbols, values)) - given, key=str)
 
     def key(self) -> Hashable | None:
         """The layer's structure: equal keys compute the same function of their inputs; None if it cannot be
@@ -109,7 +123,7 @@ class Region:
         return (body, tuple(_value_key(n) for n in self.inputs), tuple(local[n] for n in self.outputs))
 
     def why_not(self) -> str | None:
-        """Why the layer cannot be outlined, None if it can."""
+        """Why the layer cannot be outlined, read from its nodes; None if nothing there forbids it."""
         for node in self.nodes:
             if node.op not in _CALLS:
                 return f"{node.name} is a {node.op}"
@@ -117,25 +131,38 @@ class Region:
                 return f"{node.name} ({node.target}) mutates or draws random numbers"
         if not self.outputs:
             return "nothing outside reads it"
-        if any(not isinstance(_value(n), torch.Tensor) for n in self.outputs):
-            return "it returns a value that is not a tensor"
+        if sum(n.target is not operator.getitem for n in self.nodes) < MIN_LAYER_NODES:
+            return f"it has fewer than {MIN_LAYER_NODES} nodes"
         if not validate_partition(self.nodes):
             return "a value leaving it comes back into it"
         return None
 
-    def creates_sizes(self) -> bool:
-        """Whether it creates a data-dependent size (an unbacked symbol its inputs do not have). Its nodes are run
-        again on fake inputs: a rec pass's replacement keeps the example value of the node it replaced (a jagged
-        region's output still carries the symbol ``dense_to_jagged`` created)."""
+    def why_not_run(self, training: bool) -> str | None:
+        """Why the layer cannot be outlined, read from its nodes run again as a subgraph on its inputs' fake values
+        (a rec pass's replacement keeps the example value of the node it replaced: a jagged region's output still
+        carries the size ``dense_to_jagged`` created), None if nothing there forbids it. ``invoke_subgraph`` wants
+        tensors out, none of them aliasing an input or another output; a graph needing gradients, no new
+        data-dependent size."""
         inputs = [_value(n) for n in self.inputs]
         fake_mode = next((v.fake_mode for v in inputs if isinstance(v, FakeTensor)), None)
-        if fake_mode is None or fake_mode.shape_env is None:
-            return False
-        given = set().union(*map(free_unbacked_symbols, inputs))
+        if fake_mode is None:
+            return "its inputs have no fake values"
         subgraph = layer_subgraph(self)
-        with fake_mode.shape_env.ignore_fresh_unbacked_symbols():
-            FakeTensorProp(subgraph, fake_mode).propagate_dont_convert_inputs(*inputs)
-        return any(free_unbacked_symbols(n.meta.get("val")) - given for n in subgraph.graph.nodes)
+        shape_env = fake_mode.shape_env
+        try:
+            with shape_env.ignore_fresh_unbacked_symbols() if shape_env else contextlib.nullcontext():
+                outputs = FakeTensorProp(subgraph, fake_mode).propagate_dont_convert_inputs(*inputs)
+        except Exception as exc:  # noqa: BLE001  (left inline, as the graph was)
+            return f"it does not run on fake inputs ({type(exc).__name__}: {exc})"
+        if not all(isinstance(v, torch.Tensor) for v in outputs):
+            return "it returns a value that is not a tensor"
+        storages = [StorageWeakRef(v.untyped_storage()) for v in (*inputs, *outputs) if isinstance(v, torch.Tensor)]
+        if len(set(storages)) < len(storages):
+            return "an output aliases an input or another output"
+        given = set().union(*map(free_unbacked_symbols, inputs))
+        if training and any(free_unbacked_symbols(n.meta.get("val")) - given for n in subgraph.graph.nodes):
+            return "it creates a data-dependent size in a graph that needs gradients"
+        return None
 
 
 def _value(node: fx.Node) -> Any:
@@ -186,10 +213,15 @@ _RANDOM = frozenset({
 
 def _mutates_or_draws(node: fx.Node) -> bool:
     target = node.target
+    if "out" in node.kwargs:
+        return True
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
     if target in (operator.setitem, operator.iadd, operator.imul, operator.isub, operator.itruediv):
         return True
+    spelling = SPELLINGS.get(target) if node.op == "call_function" else None
+    if spelling is not None:  # dropout draws only while training
+        return arg(node, *spelling.training) is not False
     name = target if node.op == "call_method" else getattr(target, "__name__", "")
     return name in _RANDOM or (name.endswith("_") and not name.startswith("_"))
 
@@ -200,17 +232,23 @@ def find_repeated_layers(gm: fx.GraphModule, training: bool) -> list[list[Region
     for node, layer in assign_layers(gm.graph).items():
         by_layer[layer].append(node)
     groups: dict[Hashable, list[Region]] = defaultdict(list)
-    for (container, _), nodes in sorted(by_layer.items(), key=lambda item: item[0]):
+    for (container, index), nodes in sorted(by_layer.items(), key=lambda item: item[0]):
         region = Region(sorted(nodes, key=_order(gm.graph)))
         key = region.key()
         if key is None:
-            log.debug("repeated_layers: %s left inline: %s", container, region.why_not())
-            continue
-        if training and region.creates_sizes():
-            log.debug("repeated_layers: %s left inline: a data-dependent size in a training graph", container)
+            log.debug("repeated_layers: %s.%d left inline: %s", container, index, region.why_not())
             continue
         groups[(container, key)].append(region)
-    return [regions for regions in groups.values() if len(regions) > 1]
+    found = []
+    for (container, _), regions in groups.items():
+        if len(regions) < 2:
+            continue
+        why = regions[0].why_not_run(training)  # the same nodes on inputs of the same kinds: one run tells for all
+        if why is None:
+            found.append(regions)
+        else:
+            log.debug("repeated_layers: %s (%d layers) left inline: %s", container, len(regions), why)
+    return found
 
 
 def _order(graph: fx.Graph):
@@ -218,11 +256,12 @@ def _order(graph: fx.Graph):
     return position.__getitem__
 
 
-def layer_subgraph(region: Region) -> fx.GraphModule:
-    """The region's nodes as a graph of their own: its inputs as placeholders, its outputs as a tuple."""
+def layer_subgraph(region: Region, symbols: Sequence[fx.Node] = ()) -> fx.GraphModule:
+    """The region's nodes as a graph of their own: ``symbols`` (nodes of its size symbols) then its inputs as
+    placeholders, its outputs as a tuple."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for node in region.inputs:
+    for node in (*symbols, *region.inputs):
         env[node] = graph.placeholder(node.name)
         env[node].meta.update({k: node.meta[k] for k in ("example_value", "val") if k in node.meta})
     for node in region.nodes:
@@ -231,12 +270,41 @@ def layer_subgraph(region: Region) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-def outline(gm: fx.GraphModule, groups: list[list[Region]]) -> None:
-    """Replace each region of each group by a call of the group's one subgraph, in place."""
+def symbol_nodes(graph: fx.Graph, symbols: set, inside: set[fx.Node]) -> dict:
+    """A node outside the layers (``inside``) for each of ``symbols``: a SymInt node that is the symbol, else a new
+    ``sym_size`` of a tensor, a graph input first, one of whose sizes is the symbol. Symbols with none are left out."""
+    outside = [n for n in graph.nodes if n not in inside and n.op != "output"]
+    found = {}
+    for node in outside:
+        value = _value(node)
+        if isinstance(value, torch.SymInt) and value.node.expr in symbols:
+            found.setdefault(value.node.expr, node)
+    last_input = max((n for n in outside if n.op == "placeholder"), key=_order(graph), default=None)
+    for node in sorted(outside, key=lambda n: n.op != "placeholder"):
+        value = _value(node)
+        for dim, size in enumerate(getattr(value, "shape", ()) if isinstance(value, torch.Tensor) else ()):
+            if isinstance(size, torch.SymInt) and size.node.expr in symbols and size.node.expr not in found:
+                with graph.inserting_after(last_input if node.op == "placeholder" else node):
+                    found[size.node.expr] = graph.call_function(torch.ops.aten.sym_size.int, (node, dim))
+                found[size.node.expr].meta["example_value"] = size
+    return found
+
+
+def outline(gm: fx.GraphModule, groups: list[list[Region]]) -> list[int]:
+    """Replace each region of each group by a call of the group's one subgraph, in place; the number of layers of
+    each group outlined."""
     graph = gm.graph
+    inside = {n for regions in groups for region in regions for n in region.nodes}
+    sources = symbol_nodes(graph, {s for regions in groups for s in regions[0].symbols}, inside)
+    outlined = []
     for regions in groups:
+        if any(s not in sources for s in regions[0].symbols):
+            log.debug("repeated_layers: %d layers left inline: no node for their size symbols", len(regions))
+            continue
+        symbols = [sources[s] for s in regions[0].symbols]
+        outlined.append(len(regions))
         identifier = f"repeated_layer_{next(_identifiers)}"
-        gm.register_module(identifier, layer_subgraph(Region(regions[0].nodes)))
+        gm.register_module(identifier, layer_subgraph(Region(regions[0].nodes), symbols))
         for region in regions:
             region = Region(region.nodes)  # its inputs as they are now: an earlier group's outputs were replaced
             members = set(region.nodes)
@@ -244,7 +312,7 @@ def outline(gm: fx.GraphModule, groups: list[list[Region]]) -> None:
             with graph.inserting_after(last):
                 subgraph = graph.get_attr(identifier)
             with graph.inserting_after(subgraph):
-                call = graph.call_function(invoke_subgraph, (subgraph, identifier, *region.inputs))
+                call = graph.call_function(invoke_subgraph, (subgraph, identifier, *symbols, *region.inputs))
             call.meta["example_value"] = tuple(_value(n) for n in region.outputs)
             for i, node in enumerate(region.outputs):
                 with graph.inserting_after(call):
@@ -254,19 +322,19 @@ def outline(gm: fx.GraphModule, groups: list[list[Region]]) -> None:
             for node in reversed(region.nodes):
                 graph.erase_node(node)
     legalize_graph(gm)
+    return outlined
 
 
 def outline_repeated_layers(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
     """``gm`` with each group of identical layers calling one shared subgraph (a new GraphModule; ``gm`` is left as
-    it is), or ``gm`` itself where there is none."""
+    it is: the race runs it eagerly), or ``gm`` itself where there is none."""
     training = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
-    if not find_repeated_layers(gm, training):
-        return gm
     copy = fx.GraphModule(gm, _copy_graph(gm.graph))
-    groups = find_repeated_layers(copy, training)
-    outline(copy, groups)
+    outlined = outline(copy, find_repeated_layers(copy, training))
+    if not outlined:
+        return gm
     copy.recompile()
-    log.debug("repeated_layers: %d groups outlined (%s)", len(groups), [len(g) for g in groups])
+    log.debug("repeated_layers: %s layers call one subgraph each", outlined)
     return copy
 
 

@@ -42,13 +42,15 @@ class Stack(nn.Module):
 
 @pytest.fixture
 def inductor_graphs(monkeypatch):
-    """The graphs rec_ascend hands to Inductor, as a list filled while the test compiles."""
+    """The graphs rec_ascend hands to Inductor and Inductor compiled (a graph it fails on is run eagerly, so the
+    numbers alone would not tell), as a list filled while the test compiles."""
     graphs = []
     compile_fx = recompile.backend.compile_fx
 
     def spy(gm, *args, **kwargs):
+        compiled = compile_fx(gm, *args, **kwargs)
         graphs.append(gm)
-        return compile_fx(gm, *args, **kwargs)
+        return compiled
 
     monkeypatch.setattr(recompile.backend, "compile_fx", spy)
     return graphs
@@ -123,16 +125,21 @@ def test_layers_that_differ_stay_inline(inductor_graphs):
 
 def test_hstu_layers_keep_their_regions(inductor_graphs):
     """The generative-recommenders HSTU (corpus): the rec passes run first on the whole graph, so each layer's jagged
-    attention region is found as before, and the two rewritten layers call one subgraph holding the region's op."""
+    attention region is found as before, and the two rewritten layers call one subgraph holding the region's op;
+    with symbolic sizes too (the second batch size), where the offsets' size ``s + 1`` is the layer's input and the
+    symbol ``s`` an operand of its own."""
     from models.corpus import gr_hstu
 
+    counters.clear()
     model = gr_hstu.build()
-    seq, lengths, _ = gr_hstu.batch(16)
     compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
     with torch.no_grad():
-        torch.testing.assert_close(compiled(seq, lengths), model(seq, lengths), rtol=1e-5, atol=1e-6)
-    (gm,) = inductor_graphs
-    calls = layer_calls(gm)
-    assert len(calls) == gr_hstu.LAYERS and len({c.args[0].target for c in calls}) == 1
-    layer = getattr(gm, calls[0].args[0].target)
-    assert [n.target for n in layer.graph.nodes].count(torch.ops.recompile.hstu_attention.default) == 1
+        for batch in (16, 23):
+            seq, lengths, _ = gr_hstu.batch(batch)
+            torch.testing.assert_close(compiled(seq, lengths), model(seq, lengths), rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 2 and len(inductor_graphs) == 2
+    for gm in inductor_graphs:
+        calls = layer_calls(gm)
+        assert len(calls) == gr_hstu.LAYERS and len({c.args[0].target for c in calls}) == 1
+        layer = getattr(gm, calls[0].args[0].target)
+        assert [n.target for n in layer.graph.nodes].count(torch.ops.recompile.hstu_attention.default) == 1
