@@ -1,0 +1,145 @@
+"""A stack of identical layers is compiled once (recompile.repeated_layers): outputs and gradients equal eager's, the
+graph Inductor gets calls one shared subgraph per layer, Inductor generates the layer's code once, batch sizes
+changing compile twice at most, and layers that differ are left inline."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+from torch._inductor.utils import fresh_cache, run_and_get_code
+
+import recompile.backend
+from tests.checks import grads
+
+DIM = 16
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int = 2 * DIM):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, hidden)
+        self.down = nn.Linear(hidden, DIM)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)  # so that the first block's input requires grad as the others' do
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).squeeze(-1)
+
+
+@pytest.fixture
+def inductor_graphs(monkeypatch):
+    """The graphs rec_ascend hands to Inductor and Inductor compiled (a graph it fails on is run eagerly, so the
+    numbers alone would not tell), as a list filled while the test compiles."""
+    graphs = []
+    compile_fx = recompile.backend.compile_fx
+
+    def spy(gm, *args, **kwargs):
+        compiled = compile_fx(gm, *args, **kwargs)
+        graphs.append(gm)
+        return compiled
+
+    monkeypatch.setattr(recompile.backend, "compile_fx", spy)
+    return graphs
+
+
+def layer_calls(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is invoke_subgraph]
+
+
+def step(model, x):
+    model.zero_grad()
+    out = model(x)
+    out.pow(2).mean().backward()
+    return out.detach(), grads(model)
+
+
+def test_identical_layers_call_one_subgraph(inductor_graphs):
+    """Three identical blocks: one subgraph, called three times with each block's own parameters; outputs and every
+    gradient equal eager's over changing batch sizes, which compile twice (static, then dynamic)."""
+    counters.clear()
+    model = Stack([Block() for _ in range(3)])
+    compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
+    for batch in (8, 13, 21, 5):
+        x = torch.randn(batch, DIM)
+        (out_c, grads_c), (out_e, grads_e) = step(compiled, x), step(model, x)
+        torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+        assert grads_c.keys() == grads_e.keys() and len(grads_e) == 3 * 6 + 4
+        for name in grads_e:
+            torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    assert inductor_graphs
+    for gm in inductor_graphs:
+        calls = layer_calls(gm)
+        assert len(calls) == 3 and len({c.args[0].target for c in calls}) == 1, gm.code
+        # each call passes its own block's parameters (6 each) beside the layer's input
+        assert len({frozenset(map(str, c.args[2:])) for c in calls}) == 3
+
+
+def count_layer_code(model, x):
+    """Inductor's output code for the compiled model's first forward: (C++ kernels defined, matmuls called)."""
+    with fresh_cache():
+        _, codes = run_and_get_code(torch.compile(model, backend="rec_ascend", options={"autotune": False}), x)
+    code = "\n".join(codes)
+    return code.count("async_compile.cpp_pybinding("), code.count("extern_kernels.addmm(")
+
+
+def test_the_layer_code_is_generated_once(monkeypatch):
+    """Inductor generates and compiles the block's kernels once for three blocks: as many matmuls in the output code
+    as one block has, and fewer C++ kernels than the same graph with its blocks inline."""
+    model = Stack([Block() for _ in range(3)]).eval()
+    x = torch.randn(8, DIM)
+    with torch.no_grad():
+        kernels, matmuls = count_layer_code(model, x)
+        torch._dynamo.reset()
+        monkeypatch.setattr(recompile.backend, "outline_repeated_layers", lambda gm, inputs: gm)
+        kernels_inline, matmuls_inline = count_layer_code(model, x)
+    assert (matmuls, matmuls_inline) == (2 + 2, 3 * 2 + 2)  # the blocks' two linears, embed's and head's
+    assert kernels_inline >= kernels + 2, (kernels, kernels_inline)
+
+
+def test_layers_that_differ_stay_inline(inductor_graphs):
+    """Blocks of different widths compute different functions: no subgraph, and the numbers are eager's."""
+    model = Stack([Block(2 * DIM), Block(3 * DIM)])
+    compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
+    x = torch.randn(8, DIM)
+    (out_c, grads_c), (out_e, grads_e) = step(compiled, x), step(model, x)
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert inductor_graphs and not any(layer_calls(gm) for gm in inductor_graphs)
+
+
+def test_hstu_layers_keep_their_regions(inductor_graphs):
+    """The generative-recommenders HSTU (corpus): the rec passes run first on the whole graph, so each layer's jagged
+    attention region is found as before, and the two rewritten layers call one subgraph holding the region's op;
+    with symbolic sizes too (the second batch size), where the offsets' size ``s + 1`` is the layer's input and the
+    symbol ``s`` an operand of its own."""
+    from models.corpus import gr_hstu
+
+    counters.clear()
+    model = gr_hstu.build()
+    compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
+    with torch.no_grad():
+        for batch in (16, 23):
+            seq, lengths, _ = gr_hstu.batch(batch)
+            torch.testing.assert_close(compiled(seq, lengths), model(seq, lengths), rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 2 and len(inductor_graphs) == 2
+    for gm in inductor_graphs:
+        calls = layer_calls(gm)
+        assert len(calls) == gr_hstu.LAYERS and len({c.args[0].target for c in calls}) == 1
+        layer = getattr(gm, calls[0].args[0].target)
+        assert [n.target for n in layer.graph.nodes].count(torch.ops.recompile.hstu_attention.default) == 1
