@@ -560,13 +560,13 @@ def _field_lookup(node: fx.Node) -> tuple[Lookup, str | None] | None:
     ids, table = tensor_meta(a["input"]), tensor_meta(a["weight"])
     if ids is None or ids.dim() < 2 or table is None or table.dim() != 2:
         return None
+    if not all(isinstance(n, int) for n in ids.shape[1:]):  # fields are static; a history of dynamic length is not
+        return None
     lookup = Lookup([node], a["weight"], a["input"], None, None, SUM, -1, False, bool(a["sparse"]))
     try:
         _check_common(a)
         if a["padding_idx"] is not None:
             raise NotGroupable("its padding_idx row is read forward, but a bag of one id would drop it")
-        if not all(isinstance(n, int) for n in ids.shape[1:]):
-            raise NotGroupable("its ids' trailing dims are not static")
     except NotGroupable as why:
         return lookup, str(why)
     return lookup, None
