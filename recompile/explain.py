@@ -54,8 +54,8 @@ class _BreakLog(logging.Handler):
 
 @contextlib.contextmanager
 def logged_breaks():
-    """Listen to Dynamo's graph-break log (the ``graph_breaks`` artifact of TORCH_LOGS) while ``explain`` traces,
-    without printing it; the logger's settings are restored after."""
+    """Listen to Dynamo's graph-break log (the ``graph_breaks`` artifact of TORCH_LOGS) while Dynamo traces
+    (``explain``, ``models.bench_corpus``), without printing it; the logger's settings are restored after."""
     log, handler = symbolic_convert.graph_break_log, _BreakLog()
     level, propagate = log.level, log.propagate
     log.addHandler(handler)
