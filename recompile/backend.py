@@ -83,7 +83,7 @@ def rec_ascend(
     def inductor(graph: fx.GraphModule, inputs: Sequence[Any] = example_inputs):
         decompositions = inductor_decompositions(bool(autotune.size_slots(graph)))
         # Each stack of identical layers calls one subgraph, compiled once (recompile.repeated_layers).
-        graph = outline_repeated_layers(graph, inputs)
+        graph = outline_repeated_layers(graph)
         return compile_fx(graph, inputs, config_patches=config_patches, decompositions=decompositions)
 
     return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor)

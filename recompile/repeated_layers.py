@@ -41,7 +41,7 @@ from torch.fx.passes.utils.fuser_utils import validate_partition
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from recompile.passes.dropout import SPELLINGS
-from recompile.passes.utils import arg
+from recompile.passes.utils import arg, is_training, meta_value
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class Region:
         members = set(nodes)
         self.inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members))
         self.outputs = [n for n in nodes if any(u not in members for u in n.users)]
-        values = [_value(n) for n in self.inputs]
+        values = [meta_value(n) for n in self.inputs]
         given = {v.node.expr for v in values if isinstance(v, torch.SymInt)}
         # Inductor lowers the subgraph on its own: each size symbol of its inputs must come in as an operand of its
         # own, as Dynamo lifts them for nested_compile_region ("For s2 + 1, expected [s2] to have been codegen-ed")
@@ -143,7 +143,7 @@ class Region:
         (a rec pass's replacement keeps the example value of the node it replaced: a jagged region's output still
         carries the size ``dense_to_jagged`` created), None if nothing there forbids it. ``invoke_subgraph`` wants
         tensors out, none of them aliasing an input or another output."""
-        inputs = [_value(n) for n in self.inputs]
+        inputs = [meta_value(n) for n in self.inputs]
         fake_mode = next((v.fake_mode for v in inputs if isinstance(v, FakeTensor)), None)
         if fake_mode is None:
             return "its inputs have no fake values"
@@ -162,14 +162,10 @@ class Region:
         return None
 
 
-def _value(node: fx.Node) -> Any:
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
 def _value_key(node: fx.Node) -> Hashable:
     """What a subgraph traced once for one layer's input assumes of another's: kind, dtype, sizes, strides, device,
     requires_grad (sizes as their symbolic expressions)."""
-    value = _value(node)
+    value = meta_value(node)
     if isinstance(value, torch.Tensor):
         return ("tensor", value.dtype, tuple(map(str, value.shape)), tuple(map(str, value.stride())),
                 str(value.device), value.requires_grad, type(value).__name__)
@@ -273,12 +269,12 @@ def symbol_nodes(graph: fx.Graph, symbols: set, inside: set[fx.Node]) -> dict:
     outside = [n for n in graph.nodes if n not in inside and n.op != "output"]
     found = {}
     for node in outside:
-        value = _value(node)
+        value = meta_value(node)
         if isinstance(value, torch.SymInt) and value.node.expr in symbols:
             found.setdefault(value.node.expr, node)
     last_input = max((n for n in outside if n.op == "placeholder"), key=_order(graph), default=None)
     for node in sorted(outside, key=lambda n: n.op != "placeholder"):
-        value = _value(node)
+        value = meta_value(node)
         for dim, size in enumerate(getattr(value, "shape", ()) if isinstance(value, torch.Tensor) else ()):
             if isinstance(size, torch.SymInt) and size.node.expr in symbols and size.node.expr not in found:
                 with graph.inserting_after(last_input if node.op == "placeholder" else node):
@@ -310,7 +306,7 @@ def outline(gm: fx.GraphModule, groups: list[list[Region]]) -> list[int]:
                 subgraph = graph.get_attr(identifier)
             with graph.inserting_after(subgraph):
                 call = graph.call_function(invoke_subgraph, (subgraph, identifier, *symbols, *region.inputs))
-            call.meta["example_value"] = tuple(_value(n) for n in region.outputs)
+            call.meta["example_value"] = tuple(meta_value(n) for n in region.outputs)
             for i, node in enumerate(region.outputs):
                 with graph.inserting_after(call):
                     item = graph.call_function(operator.getitem, (call, i))
@@ -322,10 +318,10 @@ def outline(gm: fx.GraphModule, groups: list[list[Region]]) -> list[int]:
     return outlined
 
 
-def outline_repeated_layers(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+def outline_repeated_layers(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with each group of identical layers calling one shared subgraph (a new GraphModule; ``gm`` is left as
     it is: the race runs it eagerly), or ``gm`` itself where there is none."""
-    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+    if is_training(gm):
         # Inference graphs only: two pre-norm attention blocks (tests/test_padded_rows.py QueryNormed) outlined in
         # training got gradients up to 0.07 off eager's (outputs right) through invoke_subgraph's backward.
         return gm
