@@ -20,7 +20,8 @@ from recompile.report import GraphBreak, GraphReport, Report
 
 
 def _graph_break(gm: torch.fx.GraphModule) -> GraphBreak | None:
-    """Why Dynamo ended ``gm`` early, and where in the user's code; None if it ended with its frame."""
+    """Why Dynamo ended ``gm`` early, and where in the user's code (FILE:LINE in FUNCTION: CODE); None if it ended
+    with its frame."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None or not getattr(reason, "graph_break", False):
         return None
@@ -69,6 +70,20 @@ def logged_breaks():
         log.propagate = propagate
 
 
+def _one_list(breaks: list[GraphBreak], ended: list[tuple[GraphReport, GraphBreak | None]]) -> None:
+    """Point each graph that ends at a break to that break in Dynamo's log (``breaks``: FILE:LINE only; the graph's
+    reason adds the function and the line of code), so a break is reported once."""
+    for graph, own in ended:
+        if own is None:
+            continue
+        logged = next((b for b in breaks if b.where and own.where and own.where.startswith(f"{b.where} ")), None)
+        if logged is None:
+            breaks.append(own)
+        else:
+            logged.where = own.where
+        graph.graph_break = logged or own
+
+
 @dataclass
 class _RecordingContext(PassContext):
     """A PassContext that also keeps each stage's graph module, for drawing, diffing and profiling."""
@@ -90,15 +105,18 @@ def explain(model, *example_inputs, options: RecompileOptions | Mapping[str, Any
     """
     opts = RecompileOptions.coerce(options)
     report = Report(detect_target(opts.target))
+    ended = []
 
     def capture(gm: torch.fx.GraphModule, inputs):
         ctx = _RecordingContext(opts, report.target, None, graph_id=len(report.graphs))
         ctx.tuning = autotune.cached_decision(run_pipeline(gm, ctx), report.target.name)
-        report.graphs.append(GraphReport(ctx, _graph_break(gm), ctx.modules, list(inputs)))
+        report.graphs.append(GraphReport(ctx, None, ctx.modules, list(inputs)))
+        ended.append((report.graphs[-1], _graph_break(gm)))
         return gm.forward
 
     capture.backend_ctx_ctor = TracingConfig  # Dynamo traces as it does for rec_ascend
     with logged_breaks() as breaks:
         torch.compile(model, backend=capture)(*example_inputs)
+    _one_list(breaks, ended)
     report.breaks = breaks
     return report

@@ -47,9 +47,13 @@ def _cells(*values, cls: str = "") -> str:
     return "".join(f"<td{attr}>{v}</td>" for v in values)
 
 
+def _break_reason(data: dict, graph: dict) -> str:
+    return "" if graph["break"] is None else data["breaks"][graph["break"]]["reason"]
+
+
 def _summary(data: dict) -> str:
     graphs = [
-        f"<tr>{_cells(g['id'], g['num_nodes_before'], g['num_nodes_after'], _e(g['break_reason'] or ''))}</tr>"
+        f"<tr>{_cells(g['id'], g['num_nodes_before'], g['num_nodes_after'], _e(_break_reason(data, g)))}</tr>"
         for g in data["graphs"]
     ]
     passes = [
@@ -158,7 +162,7 @@ def _graph_section(data: dict, graph: dict) -> str:
             f"{graph_svg(stage['nodes'], prefix, mark)}"
             f"<details><summary>code</summary>{_code(stage, prefix, mark)}</details></div>"
         )
-    brk = f" &middot; graph break: {_e(graph['break_reason'])}" if graph["break_reason"] else ""
+    brk = f" &middot; graph break: {_e(_break_reason(data, graph))}" if graph["break"] is not None else ""
     return (
         f'<section class="graph" id="graph-{graph["id"]}"><h2>Graph {graph["id"]}: stages{brk}</h2>'
         f'<div class="stages">{"".join(columns)}</div></section>'

@@ -133,7 +133,7 @@ def _is_rec_op(node: fx.Node) -> bool:
 @dataclass
 class GraphReport:
     ctx: PassContext
-    graph_break: GraphBreak | None  # why Dynamo ended this graph early, None at the frame's end
+    graph_break: GraphBreak | None  # the break (one of Report.breaks) that ended this graph, None at the frame's end
     modules: list[fx.GraphModule] = field(default_factory=list)  # the graph at each stage, as ctx.stages
     inputs: list | None = None  # the inputs Dynamo passed to this graph; profiling runs the stages on them
 
@@ -141,9 +141,6 @@ class GraphReport:
         stages = self.ctx.stages
         return {
             "id": self.ctx.graph_id,
-            "break_reason": self.graph_break and self.graph_break.reason,
-            "break_at": self.graph_break and self.graph_break.where,
-            "break_remedy": self.graph_break and self.graph_break.remedy,
             "num_nodes_before": stages[0].num_nodes,
             "num_nodes_after": stages[-1].num_nodes,
             "inductor_nodes": sum(1 for n in self.modules[-1].graph.nodes if n.op.startswith("call") and not _is_rec_op(n)),
@@ -230,7 +227,7 @@ class Report:
         return {
             "target": self.target.to_dict(),
             "executed": self.target.available,
-            "graphs": [g.to_dict() for g in self.graphs],
+            "graphs": [{**g.to_dict(), "break": self._break_index(g)} for g in self.graphs],
             "breaks": [b.to_dict() for b in self.breaks],
             "passes": [p for g in self.graphs for p in g.pass_dicts()],
             "stages": [s for g in self.graphs for s in g.stage_dicts()],
@@ -240,6 +237,10 @@ class Report:
             "profile_note": self.profile_note,
             "autotune": [{"graph": c.graph_id, **c.tuning} for c in contexts if c.tuning],
         }
+
+    def _break_index(self, graph: GraphReport) -> int | None:
+        """Which of ``breaks`` ended ``graph``, None if it ended with its frame."""
+        return next((i for i, b in enumerate(self.breaks) if b is graph.graph_break), None)
 
     def _plan(self, regions: list[dict]) -> dict[str, list[str]]:
         """Where each region runs on the target (every library and kernel kind the target has, even if
@@ -261,14 +262,12 @@ class Report:
             lines.append("  plan only: this target is not present here; nothing was executed on it")
         lines.append(f"graphs captured: {len(self.graphs)}")
         for g in d["graphs"]:
-            brk = "; ended by a graph break:" if g["break_reason"] else ""
+            brk = "" if g["break"] is None else f"; ended by graph break #{g['break']}"
             lines.append(f"  graph {g['id']}: {g['num_nodes_before']} -> {g['num_nodes_after']} nodes{brk}")
-            lines.extend(f"      {line.strip()}" for line in (g["break_reason"] or "").splitlines() if line.strip())
-            lines.extend(f"      {label}: {g[key]}" for label, key in (("at", "break_at"), ("fix", "break_remedy")) if g[key])
         if d["breaks"]:
             lines.append(f"graph breaks Dynamo made: {len(d['breaks'])}")
-        for b in d["breaks"]:
-            lines.append(f"  {b['summary']}")
+        for i, b in enumerate(d["breaks"]):
+            lines.append(f"  #{i} {b['summary']}")
             lines.extend(f"      {label}: {b[key]}" for label, key in (("at", "at"), ("fix", "remedy")) if b[key])
         lines.append("passes:")
         lines.extend(_pass_line(p) for p in d["passes"])

@@ -142,7 +142,7 @@ def test_explain_documented_keys_and_graph_breaks():
     report = recompile.explain(with_break, torch.randn(3))
     d = report.to_dict()
     assert {"stages", "regions", "fallbacks"} <= d.keys()
-    assert len(d["graphs"]) == 2 and d["graphs"][0]["break_reason"]
+    assert len(d["graphs"]) == 2 and d["breaks"][d["graphs"][0]["break"]]["reason"]
     for stage in d["stages"]:
         assert {"name", "code", "num_nodes"} <= stage.keys()
     assert [s["name"] for s in d["stages"] if s["graph"] == 0][0] == "captured"

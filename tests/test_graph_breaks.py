@@ -174,11 +174,13 @@ def test_a_remaining_break_is_named_with_its_place_and_fix():
         return y
 
     report = recompile.explain(branchy, torch.randn(4, C), torch.tensor([3, 5]))
-    [first, _] = report.to_dict()["graphs"]
-    assert "test_graph_breaks.py" in first["break_at"] and "if lengths.max() > 4" in first["break_at"]
-    assert "torch.where" in first["break_remedy"]
+    d = report.to_dict()
+    [brk] = d["breaks"]  # named once: Dynamo's log and the graph it ended are the same break
+    assert [g["break"] for g in d["graphs"]] == [0, None]
+    assert "test_graph_breaks.py" in brk["at"] and "if lengths.max() > 4" in brk["at"]
+    assert "torch.where" in brk["remedy"]
     text = report.to_text()
-    assert f"at: {first['break_at']}" in text and f"fix: {first['break_remedy']}" in text
+    assert "ended by graph break #0" in text and f"at: {brk['at']}" in text and f"fix: {brk['remedy']}" in text
 
 
 @pytest.mark.parametrize("reason, fix", [
@@ -240,7 +242,7 @@ def test_a_break_that_ends_no_captured_graph_is_named():
     seq, lengths = torch.randint(1, 30, (4, 6)), torch.tensor([2, 6, 1, 4])
     report = recompile.explain(LoopedModel(), seq, lengths)
     breaks = report.to_dict()["breaks"]
-    assert all(g["break_reason"] is None for g in report.to_dict()["graphs"])  # no captured graph ends at them
+    assert all(g["break"] is None for g in report.to_dict()["graphs"])  # no captured graph ends at them
     assert [b["summary"] for b in breaks][-1] == "graph break in loop"
     assert all("test_graph_breaks.py" in b["at"] for b in breaks) and all(b["remedy"] for b in breaks)
     text = report.to_text()

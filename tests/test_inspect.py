@@ -170,11 +170,11 @@ def test_runs_as_names_where_a_region_runs(op, kind, describe, target, expected)
 
 def test_graph_breaks_are_reported(tmp_path, capsys):
     data = inspect_json(tmp_path, f"{HERE}:with_graph_break")
-    assert len(data["graphs"]) == 2 and data["graphs"][0]["break_reason"]
+    assert len(data["graphs"]) == 2 and data["graphs"][0]["break"] == 0 and data["graphs"][1]["break"] is None
     assert {s["graph"] for s in data["stages"]} == {0, 1}
     text = capsys.readouterr().out
-    reason = data["graphs"][0]["break_reason"].splitlines()[0]
-    assert "graphs captured: 2" in text and f"nodes; ended by a graph break:\n      {reason}" in text
+    summary = data["breaks"][0]["summary"]
+    assert "graphs captured: 2" in text and "nodes; ended by graph break #0" in text and f"  #0 {summary}" in text
 
 
 def test_zoo_name_resolves_through_registry(tmp_path, monkeypatch, capsys):
