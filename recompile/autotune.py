@@ -1287,7 +1287,7 @@ def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, es
         return built, {}
     if first not in built:  # Inductor failed on it (named in the decision): the captured graph may still compile
         return {**built, **build({"inductor-captured": captured}, decision)}, {}
-    first_ms = inductor_ms(built[first], built[fastest], sandbox, decision, budget_s)
+    first_ms = inductor_ms(built[first], built[fastest], sandbox, decision, budget_s, first)
     why = None if first_ms is None else captured_cannot_win(first, first_ms, estimate, decision.timings_ms.get(FLOOR))
     if why is not None:
         decision.rejected["inductor-captured"] = why
@@ -1313,9 +1313,10 @@ def captured_cannot_win(name: str, ms: float, estimate: RewriteEstimate | None, 
 def inductor_ms(compiled: Callable, eager: Callable, sandbox: Sandbox, decision: Decision, budget_s: float,
                 name: str = "inductor", before: str = "inductor-captured") -> float | None:
     """The median ms of ``compiled`` (an inference graph through Inductor, candidate ``name``) raced round by round
-    against ``eager`` (its graph run eagerly) on the sandbox's inputs after a first untimed call of each, recorded as
-    timed before compiling candidate ``before``; None where it fails or does not give ``eager``'s results."""
-    steps = {"eager": functools.partial(run_step, eager, sandbox.args, False),
+    against ``eager`` (its graph run eagerly, candidate ``graph_of(name)``) on the sandbox's inputs after a first
+    untimed call of each, recorded under both names as timed before compiling candidate ``before``; None where it
+    fails or does not give ``eager``'s results."""
+    steps = {graph_of(name): functools.partial(run_step, eager, sandbox.args, False),
              name: functools.partial(run_step, compiled, sandbox.args, False)}
     try:
         results = []

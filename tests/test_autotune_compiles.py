@@ -204,6 +204,7 @@ def test_the_captured_graph_is_compiled_only_when_it_can_beat_inductor_on_the_re
     [decision] = _decisions(_cache)
     assert decision["compile_s"].keys() & {"inductor", "inductor-captured"} == compiled
     assert len(inductor_graphs) == len(compiled) and len(ahead) == (not training)
+    assert all(args[5:] == ("inductor",) for args in ahead)  # timed under the name of the graph it compiled
     # inference: Inductor on the rewrite first; training: the captured graph's, the rewrite's deferred to the call
     assert _has_rec_ops(inductor_graphs[0]) == (not training)
     if len(compiled) == 1:
@@ -211,14 +212,20 @@ def test_the_captured_graph_is_compiled_only_when_it_can_beat_inductor_on_the_re
             f"not compiled: inductor ran {first_ms:.3f} ms, its library calls alone take {floor_ms:.3f} ms")
 
 
-def test_inductor_ms_is_its_median_raced_against_eager_and_none_where_results_differ(monkeypatch):
+@pytest.mark.parametrize("name, graph, before", [
+    ("inductor", "rec+eager", "inductor-captured"),
+    ("inductor-embedding", "rec+eager-embedding", "inductor-captured"),  # the rewrite without one pass's regions
+    ("inductor-captured", "eager", "inductor"),
+])
+def test_inductor_ms_is_its_median_raced_against_its_graph_eagerly_and_none_where_results_differ(
+        monkeypatch, name, graph, before):
+    """Recorded under the names of the candidates timed: the Inductor graph and the graph it compiles, run eagerly."""
     sandbox = autotune.Sandbox([torch.randn(8)])
-    monkeypatch.setattr(autotune, "race", lambda steps, budget_s, **kwargs: {"eager": [1.0] * 3, "inductor": [0.5] * 3})
+    monkeypatch.setattr(autotune, "race", lambda steps, budget_s, **kwargs: dict(zip(steps, ([1.0] * 3, [0.5] * 3))))
     decision = autotune.Decision("eager")
-    assert autotune.inductor_ms(lambda x: x * 2, lambda x: x * 2, sandbox, decision, 0.0) == 500.0
-    assert decision.timings_ms["before compiling inductor-captured:inductor"] == 500.0
-    assert decision.timings_ms["before compiling inductor-captured:eager"] == 1000.0
-    assert autotune.inductor_ms(lambda x: x * 3, lambda x: x * 2, sandbox, decision, 0.0) is None  # wrong
+    assert autotune.inductor_ms(lambda x: x * 2, lambda x: x * 2, sandbox, decision, 0.0, name, before) == 500.0
+    assert decision.timings_ms == {f"before compiling {before}:{name}": 500.0, f"before compiling {before}:{graph}": 1000.0}
+    assert autotune.inductor_ms(lambda x: x * 3, lambda x: x * 2, sandbox, decision, 0.0, name, before) is None  # wrong
 
 
 def test_fastest_eagerly_times_every_graph_and_returns_the_fastest():
