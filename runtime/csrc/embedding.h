@@ -246,6 +246,16 @@ static void pool_tail(const table_t *t, int64_t start, int64_t end, int64_t c, f
  * inlined (one specialisation per element type). */
 static inline __attribute__((always_inline)) void pool_bags(const table_t *t, int64_t first, int64_t last, void *out,
                                                            int64_t out_stride, int64_t *err, int stream, int dt) {
+    if (t->offs == NULL && t->n_offs == 1) { /* bags of one id (a field's lookup): its row times its weight */
+        const int64_t size = ELEMENT_SIZE[dt];
+        for (int64_t b = first; b < last; b++) {
+            prefetch_row((const char *)t->w, t->stride * size, t->dim * size, t->ids, t->ids64, t->n, b + PREFETCH);
+            int64_t row = row_of(t, b, err), o = b * out_stride + t->at, r = row * t->stride;
+            float s = sample_weight(t, b, dt);
+            for (int64_t k = 0; k < t->dim; k++) store1(out, o + k, row == t->pad ? 0.f : s * load1(t->w, r + k, dt), dt);
+        }
+        return;
+    }
     for (int64_t b = first; b < last; b++) {
         int64_t start = 0, end = 0, c = 0, o = b * out_stride + t->at;
         if (!(*err & ERR_OFFSETS)) bag_range(t, b, &start, &end);
