@@ -253,8 +253,9 @@ def test_backward_op_runs_in_cpp(monkeypatch, dtype, sparse, psw_grad, strided, 
     weights, features, psws, pooling, pads, layout, grad = _group(**group)
     weights, grad = [w.to(dtype) for w in weights], grad.to(dtype)
     psws = [None if p is None else p.to(dtype) for p in psws]
-    if strided:  # a slice of a wider gradient (rows read in place) or a transposed copy (made contiguous)
-        grad = torch.cat([grad, grad[..., :1]], -1)[..., :-1] if layout != "stack" else grad.transpose(1, 2).contiguous().transpose(1, 2)
+    if strided:  # a slice of a wider gradient (rows read in place), or a stack's gradient with strided rows (copied)
+        grad = (torch.cat([grad, grad[..., :1]], -1)[..., :-1] if layout != "stack"
+                else grad.transpose(1, 2).contiguous().transpose(1, 2))
     num = len(weights)
     wants = [psw_grad and p is not None for p in psws]
     monkeypatch.setattr(embedding, "get_kernel", python_kernel)

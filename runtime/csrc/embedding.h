@@ -370,6 +370,19 @@ static void scaled_row(void *out, int64_t o, const void *grad, int64_t g, float 
         store1(out, o + k, (accumulate ? load1(out, o + k, dt) : 0.f) + scale * load1(grad, g + k, dt), dt);
 }
 
+/* The dense gradient of a table whose bags are one id each (a field's lookup): every id's gradient row times its
+ * factor added to its row, in id order, as FOR_EACH_ID adds them without its per-bag work; ``dt`` a constant where
+ * this is inlined. */
+static inline __attribute__((always_inline)) void add_id_rows(const table_t *t, void *out, const void *grad,
+                                                             int64_t grad_stride, int64_t *err, int dt) {
+    for (int64_t j = 0; j < t->n; j++) {
+        int64_t row = row_of(t, j, err), o = row * t->dim, g = j * grad_stride + t->at;
+        float scale = row == t->pad ? 0.f : sample_weight(t, j, dt);
+        if (scale == 0.f) continue;
+        for (int64_t k = 0; k < t->dim; k++) store1(out, o + k, load1(out, o + k, dt) + scale * load1(grad, g + k, dt), dt);
+    }
+}
+
 /* Backward: per table, the dense gradient [rows, D] (dense[t] != 0), else the gradient of every id's row
  * [N, D]; and where psw_out[t] != 0, the gradient of every per-sample weight (dot(g, row), 0 for padding).
  * Gradients have the tables' element type; products are summed in fp32. */
@@ -387,6 +400,12 @@ void geb_backward(int64_t T, const int64_t *meta, int64_t B, const void *grad, i
         }
         if (!offsets_ok(&t)) {
             err[ti] |= ERR_OFFSETS;
+            continue;
+        }
+        if (t.offs == NULL && t.n_offs == 1 && t.pooling != NONE && dense[ti] && !dpsw) {
+            if (t.dt == F16) add_id_rows(&t, out, grad, grad_stride, err + ti, F16);
+            else if (t.dt == BF16) add_id_rows(&t, out, grad, grad_stride, err + ti, BF16);
+            else add_id_rows(&t, out, grad, grad_stride, err + ti, F32);
             continue;
         }
         FOR_EACH_ID(t, grad, grad_stride, B, err + ti, {

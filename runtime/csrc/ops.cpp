@@ -1069,8 +1069,10 @@ bool grouped_embedding_bag_backward_native(torch::jit::Stack *stack) {
     for (int64_t t = 0; t < plan.tables; t++) {
         const Tensor &w = weights[t].toTensor(), &psw = psws[t].toTensor();
         dense[t] = !sparse[t].toBool();
-        out[t] = dense[t] ? at::empty(w.sizes(), w.options()) : at::empty({plan.meta[META * t + N_IDS], w.size(1)}, w.options());
-        out[plan.tables + t] = psw_grad[t].toBool() ? at::empty(psw.sizes(), psw.options()) : at::empty({0}, grad.options());
+        out[t] = dense[t] ? at::empty(w.sizes(), w.options())
+                          : at::empty({plan.meta[META * t + N_IDS], w.size(1)}, w.options());
+        out[plan.tables + t] = psw_grad[t].toBool() ? at::empty(psw.sizes(), psw.options())
+                                                    : at::empty({0}, grad.options());
         table_out[t] = reinterpret_cast<int64_t>(out[t].data_ptr());
         psw_out[t] = psw_grad[t].toBool() ? reinterpret_cast<int64_t>(out[plan.tables + t].data_ptr()) : 0;
     }
