@@ -234,3 +234,49 @@ def test_autograd_runs_in_cpp(monkeypatch, sparse, impl, bounds_check, **group):
         assert got[t].is_sparse == sparse[t]
         torch.testing.assert_close(got[t].to_dense(), want[t], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[num + t], want[num + t] if psws[t] is not None else torch.zeros(0))
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # one patch for all
+@given(dtype=st.sampled_from([torch.float32, *HALF_TOL]), sparse=st.lists(st.booleans(), min_size=3, max_size=3),
+       psw_grad=st.booleans(), strided=st.booleans(), **GROUPS)
+def test_backward_op_runs_in_cpp(monkeypatch, dtype, sparse, psw_grad, strided, **group):
+    """The backward op with impl "native" is one C++ call (runtime/csrc/ops.cpp): with the op's Python kernels made
+    to raise, it gives the reference's dense or per-id table gradients and per-sample weight gradients (empty where
+    not asked) for fp32/fp16/bf16 tables, int32/int64 ids, empty bags and batches, one-row tables, a gradient read
+    in place from a wider one or copied."""
+    from recompile.runtime import embedding
+
+    def python_kernel(*_, **__):
+        raise AssertionError("the Python op ran")
+
+    weights, features, psws, pooling, pads, layout, grad = _group(**group)
+    weights, grad = [w.to(dtype) for w in weights], grad.to(dtype)
+    psws = [None if p is None else p.to(dtype) for p in psws]
+    if strided:  # a slice of a wider gradient (rows read in place), or a stack's gradient with strided rows (copied)
+        grad = (torch.cat([grad, grad[..., :1]], -1)[..., :-1] if layout != "stack"
+                else grad.transpose(1, 2).contiguous().transpose(1, 2))
+    num = len(weights)
+    wants = [psw_grad and p is not None for p in psws]
+    monkeypatch.setattr(embedding, "get_kernel", python_kernel)
+    got = torch.ops.recompile.grouped_embedding_bag_backward(
+        grad, weights, [f.ids for f in features], [f.offsets for f in features],
+        [torch.empty(0, dtype=dtype) if p is None else p for p in psws], pooling, pads, [False] * num, sparse[:num],
+        wants, layout, ",".join(f"f{t}" for t in range(num)), "fatal", "native")
+    monkeypatch.undo()
+    want = table_gradients(grad, weights, features, psws, pooling, pads, layout, sparse[:num], wants)
+    assert len(got) == 2 * num
+    for t in range(num):
+        assert got[t].dtype == dtype and got[t].shape == want[t].shape
+        torch.testing.assert_close(got[t], want[t], **HALF_TOL.get(dtype, dict(rtol=1e-5, atol=1e-5)))
+        assert got[num + t].shape == (want[num + t].shape if wants[t] else (0,))
+        if wants[t]:
+            torch.testing.assert_close(got[num + t], want[num + t], **HALF_TOL.get(dtype, dict(rtol=1e-5, atol=1e-5)))
+
+
+def test_backward_op_bad_offsets_raise():
+    """Offsets the C++ backward rejects go on to the Python op, which raises naming the tables."""
+    args = (torch.randn(2, 4), [torch.randn(3, 4)], [torch.tensor([0, 1, 2])], [torch.tensor([0, 5])], [torch.empty(0)],
+            [SUM], [-1], [False], [False], [False], "concat", "f0", "fatal", "native")
+    with pytest.raises(RuntimeError, match=r"rejected the offsets of tables \[0\] \(in the backward\)"):
+        torch.ops.recompile.grouped_embedding_bag_backward(*args)

@@ -110,6 +110,35 @@ def test_property_matches_eager(tables, batch, max_len, dtype, index_dtype, impl
     _assert_same(features, "concat", impl, dtype)
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    tables=st.lists(st.tuples(st.integers(1, 20), st.sampled_from([1, 8, 70]), st.sampled_from([SUM, MEAN]),
+                              st.booleans(), st.one_of(st.none(), st.integers(0, 20))), min_size=1, max_size=3),
+    batch=st.integers(0, 40),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    seed=st.integers(0, 2**16),
+)
+def test_bags_of_one_id_match_eager(tables, batch, dtype, index_dtype, seed):
+    """[N, 1] ids (the field lookups' form, the native kernel's row copy): a row, times its sample weight, 0 for
+    padding (MEAN too), forward and backward, int32/int64, fp16/bf16, one-row and width-1 tables, no rows. Against
+    eager in fp32 (the kernels sum in fp32 and round once, where eager's fp16/bf16 backward rounds every add)."""
+    gen = torch.Generator().manual_seed(seed)
+    features = [_feature(rows, dim, batch, 1, dtype, index_dtype, "2d", pooling, weighted and pooling == SUM, pad, gen)
+                for rows, dim, pooling, weighted, pad in tables]
+    wide = [{**f, "weight": f["weight"].detach().float().requires_grad_(),
+             "psw": None if f["psw"] is None else f["psw"].detach().float().requires_grad_()} for f in features]
+    want = torch.cat([_eager(f) for f in wide], 1)
+    got = _grouped(features, "concat", "native")
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    grad = torch.randn(want.shape, generator=gen).to(dtype)
+    want_grads = torch.autograd.grad(want, _leaves(wide), grad.float())
+    for g, w in zip(torch.autograd.grad(got, _leaves(features), grad), want_grads):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.float(), w, **TOL[dtype])
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_no_pooling_sequence_layout(impl):
     gen = torch.Generator().manual_seed(2)

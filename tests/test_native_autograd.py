@@ -1,5 +1,5 @@
-"""The C++ autograd of recompile::fm_second_order, vector_cross, cross_stack, cross_mixture and sampled_softmax_loss
-(csrc/ops.cpp, the AutogradCPU key, as the grouped lookup's): no Python runs per call, forward or backward
+"""The C++ autograd of recompile::grouped_embedding_bag, fm_second_order, vector_cross, cross_stack, cross_mixture and
+sampled_softmax_loss (csrc/ops.cpp, the AutogradCPU key): no Python runs per call, forward or backward
 (cross_mixture's training forward and backward are Python); the gradients match the references (gradcheck in
 double, hypothesis edge cases: a single row, an empty batch, fp16/bf16 where the kernel takes them, a clear error
 naming the op and dtype where not); double backward raises naming the op; the zoo's DeepFM and HSTU (sampled
@@ -64,8 +64,15 @@ def cross_stack(x0, x, w0, w1, b0, b1, v0, v1, impl="native", save=True):
     return ops.cross_stack(x0, x, [w0, w1], [b0, b1], [v0, v1], save, impl)
 
 
+def fields(w0, w1, ids=torch.tensor([[3], [0], [9], [3], [4]])):
+    """A field lookup's call (the embedding pass's grouping of RecBole's FM tables): bags of one id, two tables."""
+    return ops.grouped_embedding_bag([w0, w1], [ids, ids.int()], [None, None], [torch.empty(0)] * 2, [0, 0], [-1, -1],
+                                     [False, False], [False, False], "concat", "v,first_order", "fatal", "native")
+
+
 STACK_SHAPES = ((5, 8), (5, 8), (8, 3), (8, 3), (8,), (8,), (3, 8), (3, 8))
 CASES = {
+    "grouped_embedding_bag": (fields, ((10, 8), (10, 1))),
     "fm_second_order": (fm, ((4, 3, 8),)),
     "vector_cross": (vector_cross, ((5, 8), (5, 8), (8,), (8,), (8,), (8,))),
     "sampled_softmax_loss": (softmax, ((4, 1), (4, 6))),
@@ -194,7 +201,7 @@ def test_sampled_softmax_native_refuses_half_types_naming_the_op_and_dtype(dtype
                                           1.0, "native")
 
 
-@pytest.mark.parametrize("case", ["fm_second_order", "sampled_softmax_loss", "vector_cross"])
+@pytest.mark.parametrize("case", ["fm_second_order", "sampled_softmax_loss", "vector_cross", "grouped_embedding_bag"])
 def test_double_backward_raises_naming_the_backward_op(case):
     fn, shapes = CASES[case]
     leaves = _leaves(*shapes)

@@ -246,6 +246,16 @@ static void pool_tail(const table_t *t, int64_t start, int64_t end, int64_t c, f
  * inlined (one specialisation per element type). */
 static inline __attribute__((always_inline)) void pool_bags(const table_t *t, int64_t first, int64_t last, void *out,
                                                            int64_t out_stride, int64_t *err, int stream, int dt) {
+    if (t->offs == NULL && t->n_offs == 1) { /* bags of one id (a field's lookup): its row times its weight */
+        const int64_t size = ELEMENT_SIZE[dt];
+        for (int64_t b = first; b < last; b++) {
+            prefetch_row((const char *)t->w, t->stride * size, t->dim * size, t->ids, t->ids64, t->n, b + PREFETCH);
+            int64_t row = row_of(t, b, err), o = b * out_stride + t->at, r = row * t->stride;
+            float s = sample_weight(t, b, dt);
+            for (int64_t k = 0; k < t->dim; k++) store1(out, o + k, row == t->pad ? 0.f : s * load1(t->w, r + k, dt), dt);
+        }
+        return;
+    }
     for (int64_t b = first; b < last; b++) {
         int64_t start = 0, end = 0, c = 0, o = b * out_stride + t->at;
         if (!(*err & ERR_OFFSETS)) bag_range(t, b, &start, &end);
@@ -360,6 +370,19 @@ static void scaled_row(void *out, int64_t o, const void *grad, int64_t g, float 
         store1(out, o + k, (accumulate ? load1(out, o + k, dt) : 0.f) + scale * load1(grad, g + k, dt), dt);
 }
 
+/* The dense gradient of a table whose bags are one id each (a field's lookup): every id's gradient row times its
+ * factor added to its row, in id order, as FOR_EACH_ID adds them without its per-bag work; ``dt`` a constant where
+ * this is inlined. */
+static inline __attribute__((always_inline)) void add_id_rows(const table_t *t, void *out, const void *grad,
+                                                             int64_t grad_stride, int64_t *err, int dt) {
+    for (int64_t j = 0; j < t->n; j++) {
+        int64_t row = row_of(t, j, err), o = row * t->dim, g = j * grad_stride + t->at;
+        float scale = row == t->pad ? 0.f : sample_weight(t, j, dt);
+        if (scale == 0.f) continue;
+        for (int64_t k = 0; k < t->dim; k++) store1(out, o + k, load1(out, o + k, dt) + scale * load1(grad, g + k, dt), dt);
+    }
+}
+
 /* Backward: per table, the dense gradient [rows, D] (dense[t] != 0), else the gradient of every id's row
  * [N, D]; and where psw_out[t] != 0, the gradient of every per-sample weight (dot(g, row), 0 for padding).
  * Gradients have the tables' element type; products are summed in fp32. */
@@ -377,6 +400,12 @@ void geb_backward(int64_t T, const int64_t *meta, int64_t B, const void *grad, i
         }
         if (!offsets_ok(&t)) {
             err[ti] |= ERR_OFFSETS;
+            continue;
+        }
+        if (t.offs == NULL && t.n_offs == 1 && t.pooling != NONE && dense[ti] && !dpsw) {
+            if (t.dt == F16) add_id_rows(&t, out, grad, grad_stride, err + ti, F16);
+            else if (t.dt == BF16) add_id_rows(&t, out, grad, grad_stride, err + ti, BF16);
+            else add_id_rows(&t, out, grad, grad_stride, err + ti, F32);
             continue;
         }
         FOR_EACH_ID(t, grad, grad_stride, B, err + ti, {

@@ -950,23 +950,27 @@ bool dot_interaction_backward_native(torch::jit::Stack *stack) {
     return returned(stack, 6, dot_interaction_backward(grad, items, k, a[3].toBool(), a[4].toBool()));
 }
 
-/* recompile::grouped_embedding_bag(Tensor[] weights, Tensor[] indices, Tensor?[] offsets, Tensor[] per_sample_weights,
- * int[] pooling, int[] padding_idx, bool[] include_last_offset, bool[] sparse, str layout, str names,
- * str bounds_check, str impl) -> Tensor: the "native" forward with its table of tables (embedding.h's meta rows,
- * as runtime/embedding_native.py's _Plan writes them) built here. Anything but plain CPU tensors the kernels read
- * as given, and any id or offset the kernel marks, goes on to the Python op (its checks raise or warn, naming the
- * feature; it makes what it can read as given). */
 enum Meta { W_PTR, ROWS, DIM, W_STRIDE, IDS, N_IDS, OFFS, N_OFFS, PSW, POOLING, PAD, OUT_AT, FLAGS, META };
 constexpr int64_t IDS_I64 = 1, OFFS_I64 = 2, LAST_OFFSET = 4, DTYPE_SHIFT = 3, NONE_POOLING = 2, GRAIN = 2048,
-                  STREAM_BYTES = 4 << 20;
+                  STREAM_BYTES = 4 << 20, ERR_OFFSETS = 1;
 
-bool grouped_embedding_bag_native(torch::jit::Stack *stack) {
-    const auto a = torch::jit::last(*stack, 12);
-    if (a[11].toStringRef() != "native") return false;
-    /* the lists read in place (no vector of them per call) */
+/* A grouped lookup as the kernels read it: embedding.h's meta rows (as runtime/embedding_native.py's _Plan writes
+ * them), the output's rows (bags, or ids for "sequence"), the ids looked up and the "concat" width. */
+struct GebPlan {
+    std::vector<int64_t> meta;
+    at::ScalarType dtype;
+    int64_t tables = 0, rows = -1, looked_up = 0, width = 0, dim = 0;
+    bool sequence = false, stacked = false;
+
+    int64_t stride() const { return stacked ? tables * dim : sequence ? dim : width; }
+};
+
+/* The plan of a lookup's arguments (LOOKUP_SCHEMA: weights, indices, offsets, per_sample_weights, pooling,
+ * padding_idx, include_last_offset) for ``layout``; false where they are not plain CPU tensors the kernels read as
+ * given. */
+bool geb_plan(c10::ArrayRef<c10::IValue> a, const std::string &layout, GebPlan &plan) {
     const auto weights = a[0].toListRef(), indices = a[1].toListRef(), offsets = a[2].toListRef(),
                psws = a[3].toListRef(), pooling = a[4].toListRef(), padding = a[5].toListRef(), last = a[6].toListRef();
-    const std::string &layout = a[8].toStringRef();
     const size_t n = weights.size();
     if (n == 0 || indices.size() != n || offsets.size() != n || psws.size() != n || pooling.size() != n ||
         padding.size() != n || last.size() != n)
@@ -982,8 +986,8 @@ bool grouped_embedding_bag_native(torch::jit::Stack *stack) {
         const Tensor &w = weights[t].toTensor(), &ids = indices[t].toTensor(), &psw = psws[t].toTensor();
         const int64_t mode = pooling[t].toInt();
         const bool with_last = last[t].toBool();
-        if (!plain_cpu(w, {dtype}) || w.dim() != 2 || w.stride(1) != 1 || !plain_cpu(ids, {I64, I32}) ||
-            !ids.is_contiguous() || (layout != "concat" && w.size(1) != first.size(1)))
+        if (!plain_cpu(w, FLOATS) || w.scalar_type() != dtype || w.dim() != 2 || w.stride(1) != 1 ||
+            !plain_cpu(ids, {I64, I32}) || !ids.is_contiguous() || (layout != "concat" && w.size(1) != first.size(1)))
             return false;
         int64_t *row = meta.data() + META * t, bags, flags = ids.scalar_type() == I64 ? IDS_I64 : 0;
         if (offsets[t].isNone()) {
@@ -1012,20 +1016,71 @@ bool grouped_embedding_bag_native(torch::jit::Stack *stack) {
         looked_up += ids.numel(), width += w.size(1);
     }
     if (batch < 0) return false;
-    const int64_t dim = first.size(1), rows = sequence ? looked_up : batch;
-    const int64_t stride = stacked ? n * dim : sequence ? dim : width;
-    Tensor out = stacked ? at::empty({rows, (int64_t)n, dim}, first.options())
-                         : at::empty({rows, sequence ? dim : width}, first.options());
-    std::vector<int64_t> err(n, 0);
-    const int nthreads = (int)std::max<int64_t>(1, std::min<int64_t>(threads(), looked_up / GRAIN));
-    if (sequence)
-        kernels().geb_forward_sequence(n, meta.data(), ptr(out), stride, err.data(), nthreads);
+    plan = {std::move(meta), dtype, (int64_t)n, sequence ? looked_up : batch, looked_up, width, first.size(1), sequence,
+            stacked};
+    return true;
+}
+
+/* recompile::grouped_embedding_bag(Tensor[] weights, Tensor[] indices, Tensor?[] offsets, Tensor[] per_sample_weights,
+ * int[] pooling, int[] padding_idx, bool[] include_last_offset, bool[] sparse, str layout, str names,
+ * str bounds_check, str impl) -> Tensor: the "native" forward with its plan built here. Anything but plain CPU
+ * tensors the kernels read as given, and any id or offset the kernel marks, goes on to the Python op (its checks
+ * raise or warn, naming the feature; it makes what it can read as given). */
+bool grouped_embedding_bag_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 12);
+    GebPlan plan;
+    if (a[11].toStringRef() != "native" || !geb_plan(a.slice(0, 7), a[8].toStringRef(), plan)) return false;
+    const auto options = a[0].toListRef()[0].toTensor().options();
+    Tensor out = plan.stacked ? at::empty({plan.rows, plan.tables, plan.dim}, options)
+                              : at::empty({plan.rows, plan.sequence ? plan.dim : plan.width}, options);
+    std::vector<int64_t> err(plan.tables, 0);
+    const int nthreads = (int)std::max<int64_t>(1, std::min<int64_t>(threads(), plan.looked_up / GRAIN));
+    if (plan.sequence)
+        kernels().geb_forward_sequence(plan.tables, plan.meta.data(), ptr(out), plan.stride(), err.data(), nthreads);
     else
-        kernels().geb_forward_pooled(n, meta.data(), rows, ptr(out), stride, err.data(),
+        kernels().geb_forward_pooled(plan.tables, plan.meta.data(), plan.rows, ptr(out), plan.stride(), err.data(),
                                      out.numel() * out.element_size() > STREAM_BYTES, nthreads);
     for (int64_t e : err)
         if (e) return false;  // the Python op runs the checks: they raise or warn naming the feature
     return returned(stack, 12, out);
+}
+
+/* recompile::grouped_embedding_bag_backward(Tensor grad, <the lookup>, bool[] sparse, bool[] psw_grad, str layout,
+ * str names, str bounds_check, str impl) -> Tensor[]: the "native" backward (runtime/embedding_native.py's
+ * backward): per table its dense gradient, or where sparse every id's row gradient; then each sample weight's
+ * gradient (empty where not wanted). The gradient is read in place where its rows are dense (a slice of a larger
+ * one), else copied. An id out of its table reads row 0 (what the forward looked up unless fatal, when it raised);
+ * offsets the kernel rejects go on to the Python op, which raises. */
+bool grouped_embedding_bag_backward_native(torch::jit::Stack *stack) {
+    const auto a = torch::jit::last(*stack, 14);
+    GebPlan plan;
+    if (a[13].toStringRef() != "native" || !geb_plan(a.slice(1, 7), a[10].toStringRef(), plan)) return false;
+    Tensor grad = a[0].toTensor();
+    const int64_t cols = plan.stacked ? plan.tables * plan.dim : plan.sequence ? plan.dim : plan.width;
+    if (!plain_cpu(grad, {plan.dtype}) || grad.dim() != 2 + plan.stacked || grad.size(0) != plan.rows ||
+        (plan.stacked ? grad.size(1) != plan.tables || grad.size(2) != plan.dim : grad.size(1) != cols))
+        return false;
+    const bool dense_rows = grad.stride(-1) == 1 && (!plan.stacked || grad.stride(1) == plan.dim);
+    if (!dense_rows || grad.stride(0) < cols) grad = grad.contiguous();
+    const auto weights = a[1].toListRef(), psws = a[4].toListRef(), sparse = a[8].toListRef(),
+               psw_grad = a[9].toListRef();
+    std::vector<Tensor> out(2 * plan.tables);
+    std::vector<int64_t> table_out(plan.tables), dense(plan.tables), psw_out(plan.tables), err(plan.tables, 0);
+    for (int64_t t = 0; t < plan.tables; t++) {
+        const Tensor &w = weights[t].toTensor(), &psw = psws[t].toTensor();
+        dense[t] = !sparse[t].toBool();
+        out[t] = dense[t] ? at::empty(w.sizes(), w.options())
+                          : at::empty({plan.meta[META * t + N_IDS], w.size(1)}, w.options());
+        out[plan.tables + t] = psw_grad[t].toBool() ? at::empty(psw.sizes(), psw.options())
+                                                    : at::empty({0}, grad.options());
+        table_out[t] = reinterpret_cast<int64_t>(out[t].data_ptr());
+        psw_out[t] = psw_grad[t].toBool() ? reinterpret_cast<int64_t>(out[plan.tables + t].data_ptr()) : 0;
+    }
+    kernels().geb_backward(plan.tables, plan.meta.data(), plan.rows, ptr(grad), grad.stride(0), table_out.data(),
+                           dense.data(), psw_out.data(), err.data(), threads());
+    for (int64_t e : err)
+        if (e & ERR_OFFSETS) return false;
+    return returned(stack, 14, out);
 }
 
 template <bool (*native)(torch::jit::Stack *)>
@@ -1730,6 +1785,8 @@ TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
     m.impl("dot_interaction", torch::CppFunction::makeFromBoxedFunction<&below_autograd<&dot_interaction_native>>());
     m.impl("grouped_embedding_bag",
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&grouped_embedding_bag_native>>());
+    m.impl("grouped_embedding_bag_backward",
+           torch::CppFunction::makeFromBoxedFunction<&below_autograd<&grouped_embedding_bag_backward_native>>());
     m.impl("dot_interaction_backward",
            torch::CppFunction::makeFromBoxedFunction<&below_autograd<&dot_interaction_backward_native>>());
     m.impl("sampled_softmax_loss",
@@ -1750,6 +1807,8 @@ TORCH_LIBRARY_IMPL(recompile, ADInplaceOrView, m) {
 
 TORCH_LIBRARY_IMPL(recompile, AutogradCPU, m) {
     m.impl("grouped_embedding_bag", torch::CppFunction::makeFromBoxedFunction<&grouped_embedding_bag_autograd>());
+    m.impl("grouped_embedding_bag_backward",
+           torch::CppFunction::makeFromBoxedFunction<&not_differentiable<&grouped_embedding_bag_backward_native>>());
     m.impl("fm_second_order", torch::CppFunction::makeFromBoxedFunction<&fm_second_order_autograd>());
     m.impl("cross_stack", torch::CppFunction::makeFromBoxedFunction<&cross_stack_autograd>());
     m.impl("cross_mixture", torch::CppFunction::makeFromBoxedFunction<&cross_mixture_autograd>());
