@@ -163,7 +163,7 @@ _DETECT = {"cpu": _cpu, "cuda": _cuda, "npu": _npu}
 
 
 def accelerators_started() -> dict[str, Any]:
-    """The accelerators this process has started, by device type: their torch modules (``torch.cuda``, ``torch.npu``)."""
+    """The accelerators this process has started, by device type: their modules (``torch.cuda``, ``torch.npu``)."""
     modules = {"cuda": torch.cuda, "npu": getattr(torch, "npu", None)}
     return {kind: module for kind, module in modules.items() if module is not None and module.is_initialized()}
 
