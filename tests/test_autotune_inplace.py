@@ -12,8 +12,16 @@ from tests.test_autotune_compiles import _cache, _decisions, _has_rec_ops, induc
 from tests.test_interaction_autotune import Cross
 
 
+def _busy(seconds: float) -> None:
+    """Work ``seconds`` of the calling thread's CPU time: slow on every clock of the race (a sleep is not, on the
+    thread's CPU time: ``autotune.clock_name``)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 def _slow(x):
-    time.sleep(0.003)
+    _busy(0.003)
     return x * 2
 
 
@@ -22,7 +30,7 @@ def _fast(x):
 
 
 def _short(x):  # slower than _fast, yet a short call (under SHORT_CALL_S)
-    time.sleep(0.0005)
+    _busy(0.0005)
     return x * 2
 
 
@@ -79,7 +87,7 @@ def test_an_eager_choice_is_not_checked_in_place(_cache):
 
 
 class SlowBackward(torch.autograd.Function):
-    """x * 2, whose backward sleeps: a forward as fast as the other candidate's, a slower training step."""
+    """x * 2, whose backward works 4 ms: a forward as fast as the other candidate's, a slower training step."""
 
     @staticmethod
     def forward(ctx, x):
@@ -87,7 +95,7 @@ class SlowBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(0.004)
+        _busy(0.004)
         return grad * 2
 
 
@@ -139,7 +147,7 @@ def test_a_training_choice_that_holds_in_place_is_kept(_cache, grad):
 
 
 class SleepingBackward(torch.autograd.Function):
-    """x * 2, whose backward sleeps ``seconds``."""
+    """x * 2, whose backward works ``seconds``."""
 
     @staticmethod
     def forward(ctx, x, seconds):
@@ -148,7 +156,7 @@ class SleepingBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.seconds)
+        _busy(ctx.seconds)
         return grad * 2, None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -161,15 +162,18 @@ def _npu() -> Target:
 _DETECT = {"cpu": _cpu, "cuda": _cuda, "npu": _npu}
 
 
+def accelerators_started() -> dict[str, Any]:
+    """The accelerators this process has started, by device type: their modules (``torch.cuda``, ``torch.npu``)."""
+    modules = {"cuda": torch.cuda, "npu": getattr(torch, "npu", None)}
+    return {kind: module for kind, module in modules.items() if module is not None and module.is_initialized()}
+
+
 def synchronize(device: torch.device | None = None) -> None:
     """Wait until ``device`` (None: every accelerator this process has started) has run the work queued on it,
     so that a timer stopped after this counts the kernels, not their launches. Nothing to wait for on CPU."""
-    kind = None if device is None else device.type
-    if kind in (None, "cuda") and torch.cuda.is_initialized():
-        torch.cuda.synchronize(device)
-    npu = getattr(torch, "npu", None)
-    if kind in (None, "npu") and npu is not None and npu.is_initialized():
-        npu.synchronize(device)
+    for kind, module in accelerators_started().items():
+        if device is None or device.type == kind:
+            module.synchronize(device)
 
 
 def detect_target(requested: str = "auto") -> Target:
