@@ -18,7 +18,7 @@ from recompile import autotune
 from recompile.lowering import Target, detect_target
 from recompile.options import RecompileOptions
 from recompile.pipeline import PassContext, run_pipeline
-from recompile.repeated_layers import outline_repeated_layers
+from recompile.repeated_layers import layer_config_patches, outline_repeated_layers
 from recompile.tracing import TRACING_CONFIG, TracingCalls, forward_backend_context  # noqa: F401  (TRACING_CONFIG: re-exported)
 
 _graph_ids = itertools.count()
@@ -84,7 +84,8 @@ def rec_ascend(
         decompositions = inductor_decompositions(bool(autotune.size_slots(graph)))
         # Each stack of identical layers calls one subgraph, compiled once (recompile.repeated_layers).
         graph = outline_repeated_layers(graph)
-        return compile_fx(graph, inputs, config_patches=config_patches, decompositions=decompositions)
+        patches = {**config_patches, **layer_config_patches(graph)}
+        return compile_fx(graph, inputs, config_patches=patches, decompositions=decompositions)
 
     return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor)
 

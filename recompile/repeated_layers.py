@@ -14,10 +14,9 @@ inside a layer and Dynamo reuses the compiled layer frame for the next.
 
 A layer is left inline where it cannot be proven identical to another, where moving it out would reorder the graph
 (a value leaving it comes back into it), where it mutates a tensor, draws random numbers, calls a submodule or
-returns a value that is not a tensor. Graphs that need gradients are left inline: a stack of pre-norm attention
-blocks outlined in training got wrong gradients through ``invoke_subgraph``'s backward (outputs right), and a layer
-creating a data-dependent size failed in Inductor's backward (``AssertionError: u17 not in dict_keys([u0])``,
-torch 2.13). The rec passes run before, on the
+returns a value that is not a tensor, or, in a graph that needs gradients, creates a data-dependent size (Inductor's
+backward fails on it, torch 2.13). A graph calling a layer subgraph in training compiles with Inductor's buffer reuse
+off (``BUFFER_REUSE_OFF``: Inductor overwrote values the layer's backward saved). The rec passes run before, on the
 whole graph, so their regions are found in every layer as before, and the outlined layer holds its rewritten ops.
 """
 from __future__ import annotations
@@ -34,7 +33,7 @@ import torch
 import torch.fx as fx
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.symbolic_shapes import free_symbols
+from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.tools_common import legalize_graph
 from torch.fx.passes.utils.fuser_utils import validate_partition
@@ -53,6 +52,16 @@ _identifiers = itertools.count()
 _INDEXED_CHILD = re.compile(r"^(?P<container>.*?)(?:\.(?P<dot>\d+)|\[(?P<bracket>\d+)\])(?=$|[.\[])")
 
 _CALLS = ("call_function", "call_method")
+
+# torch 2.13's Inductor does not know that the outputs of an ``invoke_subgraph`` call can share storage with each
+# other or with its operands: the partitioned forward of a layer returns the values its backward saves beside the
+# layer's outputs, and these are often the same buffer (``tanh(x)`` is both), or a view of an output or an operand
+# (``qx.t()``, ``x.t()`` for a matmul's weight gradient). Once the outer graph has read an output or an operand for
+# the last time it writes another value into that buffer (``inplace_buffers``: a residual add in place;
+# ``allow_buffer_reuse``: a later allocation), and the backward reads the overwritten saved value: outputs right,
+# gradients wrong. Plain ``nested_compile_region`` with backend="inductor" does the same (docs/repeated_layers.md has
+# the repro); aot_eager is right. A graph calling a layer subgraph in training compiles with both off.
+BUFFER_REUSE_OFF = {"inplace_buffers": False, "allow_buffer_reuse": False}
 
 # Fewer computing nodes than this (a lone ``nn.Linear`` of a Sequential) are left inline: what outlining saves is
 # the layer's compile, what it costs is fusion across the layer's edges.
@@ -138,11 +147,12 @@ class Region:
             return "a value leaving it comes back into it"
         return None
 
-    def why_not_run(self) -> str | None:
+    def why_not_run(self, training: bool) -> str | None:
         """Why the layer cannot be outlined, read from its nodes run again as a subgraph on its inputs' fake values
         (a rec pass's replacement keeps the example value of the node it replaced: a jagged region's output still
         carries the size ``dense_to_jagged`` created), None if nothing there forbids it. ``invoke_subgraph`` wants
-        tensors out, none of them aliasing an input or another output."""
+        tensors out, none of them aliasing an input or another output; in a graph that needs gradients, no size
+        created inside (Inductor's backward of such a layer fails in torch 2.13: ``u19 not in dict_keys([u0])``)."""
         inputs = [meta_value(n) for n in self.inputs]
         fake_mode = next((v.fake_mode for v in inputs if isinstance(v, FakeTensor)), None)
         if fake_mode is None:
@@ -159,6 +169,9 @@ class Region:
         storages = [StorageWeakRef(v.untyped_storage()) for v in (*inputs, *outputs) if isinstance(v, torch.Tensor)]
         if len(set(storages)) < len(storages):
             return "an output aliases an input or another output"
+        given = free_unbacked_symbols(inputs)
+        if training and any(free_unbacked_symbols(n.meta.get("val")) - given for n in subgraph.graph.nodes):
+            return "it creates a data-dependent size in a graph that needs gradients"
         return None
 
 
@@ -232,11 +245,11 @@ def find_repeated_layers(gm: fx.GraphModule) -> list[list[Region]]:
             log.debug("repeated_layers: %s.%d left inline: %s", container, index, region.why_not())
             continue
         groups[(container, key)].append(region)
-    found = []
+    found, training = [], is_training(gm)
     for (container, _), regions in groups.items():
         if len(regions) < 2:
             continue
-        why = regions[0].why_not_run()  # the same nodes on inputs of the same kinds: one run tells for all
+        why = regions[0].why_not_run(training)  # the same nodes on inputs of the same kinds: one run tells for all
         if why is None:
             found.append(regions)
         else:
@@ -321,10 +334,6 @@ def outline(gm: fx.GraphModule, groups: list[list[Region]]) -> list[int]:
 def outline_repeated_layers(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with each group of identical layers calling one shared subgraph (a new GraphModule; ``gm`` is left as
     it is: the race runs it eagerly), or ``gm`` itself where there is none."""
-    if is_training(gm):
-        # Inference graphs only: two pre-norm attention blocks (tests/test_padded_rows.py QueryNormed) outlined in
-        # training got gradients up to 0.07 off eager's (outputs right) through invoke_subgraph's backward.
-        return gm
     copy = fx.GraphModule(gm, _copy_graph(gm.graph))
     outlined = outline(copy, find_repeated_layers(copy))
     if not outlined:
@@ -332,6 +341,12 @@ def outline_repeated_layers(gm: fx.GraphModule) -> fx.GraphModule:
     copy.recompile()
     log.debug("repeated_layers: %s layers call one subgraph each", outlined)
     return copy
+
+
+def layer_config_patches(gm: fx.GraphModule) -> dict[str, Any]:
+    """Inductor settings ``gm`` needs: ``BUFFER_REUSE_OFF`` where it calls a layer subgraph in training."""
+    calls = gm.graph.find_nodes(op="call_function", target=invoke_subgraph)
+    return dict(BUFFER_REUSE_OFF) if calls and is_training(gm) else {}
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

@@ -10,7 +10,7 @@ from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
 import recompile.backend
-from tests.checks import grads
+from tests.checks import train_step
 
 DIM = 16
 
@@ -60,13 +60,6 @@ def layer_calls(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is invoke_subgraph]
 
 
-def step(model, x):
-    model.zero_grad()
-    out = model(x)
-    out.pow(2).mean().backward()
-    return out.detach(), grads(model)
-
-
 def test_identical_layers_call_one_subgraph(inductor_graphs):
     """Three identical blocks at inference: one subgraph, called three times with each block's own parameters;
     outputs equal eager's over changing batch sizes, which compile twice (static, then dynamic)."""
@@ -86,19 +79,37 @@ def test_identical_layers_call_one_subgraph(inductor_graphs):
         assert len({frozenset(map(str, c.args[2:])) for c in calls}) == 3
 
 
-def test_training_graphs_stay_inline_and_train_as_eager(inductor_graphs):
-    """Graphs that need gradients are not outlined (a pre-norm attention stack got wrong gradients through
-    invoke_subgraph's backward): outputs and every gradient equal eager's."""
+def test_training_layers_call_one_subgraph_and_train_as_eager(inductor_graphs):
+    """Three identical blocks in training: one subgraph called three times, compiled with Inductor's buffer reuse
+    off (``BUFFER_REUSE_OFF``); outputs and every gradient equal eager's."""
     model = Stack([Block() for _ in range(3)])
     compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
     for batch in (8, 13):
         x = torch.randn(batch, DIM)
-        (out_c, grads_c), (out_e, grads_e) = step(compiled, x), step(model, x)
+        (out_c, grads_c), (out_e, grads_e) = train_step(compiled, (x,)), train_step(model, (x,))
         torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
         assert grads_c.keys() == grads_e.keys() and len(grads_e) == 3 * 6 + 4
         for name in grads_e:
             torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=name)
-    assert inductor_graphs and not any(layer_calls(gm) for gm in inductor_graphs)
+    assert inductor_graphs and all(len(layer_calls(gm)) == 3 for gm in inductor_graphs)
+
+
+def test_saved_values_of_a_layer_are_not_overwritten(inductor_graphs):
+    """Two pre-norm attention blocks whose layer returns its LayerNorm output (the residual add is outside the
+    block's modules), which its backward also saves (as ``qx.t()`` for the query weight's gradient): Inductor wrote
+    the residual add into that buffer in place, and the first block's query weight got a wrong gradient (outputs
+    right). Training, changing batch sizes and lengths, gradients against eager."""
+    from tests.test_padded_rows import QueryNormed, batch
+
+    model = QueryNormed().train()
+    compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
+    for lengths in ([3, 12, 1, 6], [5, 2, 7, 8, 4]):
+        inputs = batch(lengths)
+        (out_c, grads_c), (out_e, grads_e) = train_step(compiled, inputs), train_step(model, inputs)
+        torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-5)
+        for name in grads_e:
+            torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert inductor_graphs and all(len(layer_calls(gm)) == 2 for gm in inductor_graphs)
 
 
 def count_layer_code(model, x):
@@ -128,7 +139,7 @@ def test_layers_that_differ_stay_inline(inductor_graphs):
     model = Stack([Block(2 * DIM), Block(3 * DIM)])
     compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
     x = torch.randn(8, DIM)
-    (out_c, grads_c), (out_e, grads_e) = step(compiled, x), step(model, x)
+    (out_c, grads_c), (out_e, grads_e) = train_step(compiled, (x,)), train_step(model, (x,))
     torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
     for name in grads_e:
         torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -155,3 +166,49 @@ def test_hstu_layers_keep_their_regions(inductor_graphs):
         assert len(calls) == gr_hstu.LAYERS and len({c.args[0].target for c in calls}) == 1
         layer = getattr(gm, calls[0].args[0].target)
         assert [n.target for n in layer.graph.nodes].count(torch.ops.recompile.hstu_attention.default) == 1
+
+
+def test_hstu_trains_through_its_layer_subgraph(inductor_graphs):
+    """The corpus HSTU in training: its two layers call one subgraph (jagged attention region inside), and every
+    gradient equals eager's, static then symbolic batch size."""
+    from models.corpus import gr_hstu
+
+    model = gr_hstu.build()
+    compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
+    for batch in (16, 23):
+        seq, lengths, _ = gr_hstu.batch(batch)
+        (out_c, grads_c), (out_e, grads_e) = train_step(compiled, (seq, lengths)), train_step(model, (seq, lengths))
+        torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+        assert grads_c.keys() == grads_e.keys() and grads_e
+        for name in grads_e:
+            torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert len(inductor_graphs) == 2 and all(len(layer_calls(gm)) == gr_hstu.LAYERS for gm in inductor_graphs)
+
+
+def test_layers_creating_a_size_stay_inline_in_training():
+    """HSTU's captured graph without the rec passes: ``fbgemm.dense_to_jagged`` in each layer creates a
+    data-dependent size. Outlined at inference; left inline in training, where Inductor's backward of such a
+    subgraph fails (torch 2.13: ``u19 not in dict_keys([u0])``); gradients equal eager's."""
+    from models.corpus import gr_hstu
+    from recompile.repeated_layers import layer_config_patches, outline_repeated_layers
+
+    outlined = []
+
+    def backend(gm, inputs):
+        graph = outline_repeated_layers(gm)
+        outlined.append(len(layer_calls(graph)))
+        return recompile.backend.compile_fx(graph, inputs, config_patches=layer_config_patches(graph))
+
+    model = gr_hstu.build()
+    seq, lengths, _ = gr_hstu.batch(16)
+    with torch._dynamo.config.patch(recompile.backend.TRACING_CONFIG):
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(model, backend=backend)(seq, lengths), model(seq, lengths))
+        assert outlined == [gr_hstu.LAYERS]
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend)
+        (out_c, grads_c), (out_e, grads_e) = train_step(compiled, (seq, lengths)), train_step(model, (seq, lengths))
+    assert outlined[1:] == [0]
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=name)
