@@ -2,6 +2,7 @@
 calls after the choice (raced or cached), timed as Dynamo calls it (a training call with its part of the caller's
 backward); a choice that loses there gives way to the captured graph (a cached one is dropped, to be raced again). And Inductor does not compile the
 captured graph when its library calls alone take longer than the fastest graph eagerly."""
+import functools
 import time
 
 import pytest
@@ -146,28 +147,28 @@ def test_a_training_choice_that_holds_in_place_is_kept(_cache, grad):
     assert not x._backward_hooks
 
 
-class SleepingBackward(torch.autograd.Function):
-    """x * 2, whose backward works ``seconds``."""
+class WorkingBackward(torch.autograd.Function):
+    """x * 2, whose backward runs ``step`` (work, or a fake machine's charge)."""
 
     @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
+    def forward(ctx, x, step):
+        ctx.step = step
         return x * 2
 
     @staticmethod
     def backward(ctx, grad):
-        _busy(ctx.seconds)
+        ctx.step()
         return grad * 2, None
 
 
 def _one_node(x, w):
     """A compiled graph's backward: one autograd node gives both inputs their gradients, in 2 ms."""
-    return SleepingBackward.apply(x + w, 0.002)
+    return WorkingBackward.apply(x + w, functools.partial(_busy, 0.002))
 
 
 def _node_by_node(x, w):
     """The same graph run eagerly: ``x``'s gradient comes at once, ``w``'s after a 6 ms node."""
-    return SleepingBackward.apply(w, 0.006) + x * 2
+    return WorkingBackward.apply(w, functools.partial(_busy, 0.006)) + x * 2
 
 
 def test_a_training_check_times_the_backward_to_the_last_input_reached(_cache):

@@ -13,6 +13,7 @@ import recompile
 from recompile import autotune
 from recompile import backend as rec_backend
 from tests.test_autotune_compiles import _cache, _decisions  # noqa: F401  (fixtures)
+from tests.test_autotune_inplace import WorkingBackward
 from tests.test_interaction_autotune import Cross
 
 MS = 1e-3
@@ -36,6 +37,15 @@ class FakeClock:
         return run
 
 
+def _race_from_rec_eager(monkeypatch):
+    """The rewrite run eagerly is fastest eagerly, every Inductor graph can win and is raced, no check in place."""
+    monkeypatch.setattr(autotune, "fastest_eagerly", lambda *args: "rec+eager")
+    monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: True)
+    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda *args: 0.0)
+    monkeypatch.setattr(autotune, "inductor_ms", lambda *args: None)
+    monkeypatch.setattr(autotune.GraphChooser, "checked", lambda self, pick: pick)
+
+
 @pytest.fixture
 def clock(monkeypatch):
     """Eager candidates cost 2 ms a call, Inductor ones (the graph run eagerly, no compile) 1 ms: bare, Inductor
@@ -51,11 +61,7 @@ def clock(monkeypatch):
         return run
 
     monkeypatch.setattr(rec_backend, "compile_fx", compile_fx)
-    monkeypatch.setattr(autotune, "fastest_eagerly", lambda *args: "rec+eager")
-    monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: True)
-    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda *args: 0.0)
-    monkeypatch.setattr(autotune, "inductor_ms", lambda *args: None)
-    monkeypatch.setattr(autotune.GraphChooser, "checked", lambda self, pick: pick)
+    _race_from_rec_eager(monkeypatch)
     return clock
 
 
@@ -245,11 +251,7 @@ def loaded(machine, monkeypatch):
                         lambda gm, training: machine.charge(eager_forward(gm, training), 2 * MS))
     monkeypatch.setattr(rec_backend, "compile_fx", lambda graph, example_inputs, **kwargs: machine.charge(
         graph.forward, 1 * MS, preempted=3 * MS))
-    monkeypatch.setattr(autotune, "fastest_eagerly", lambda *args: "rec+eager")
-    monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: True)
-    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda *args: 0.0)
-    monkeypatch.setattr(autotune, "inductor_ms", lambda *args: None)
-    monkeypatch.setattr(autotune.GraphChooser, "checked", lambda self, pick: pick)
+    _race_from_rec_eager(monkeypatch)
     return machine
 
 
@@ -272,20 +274,6 @@ def test_a_candidate_put_aside_by_other_processes_still_wins_the_race(_cache, lo
         assert f"  timed on: {loaded.clock} clock" in recompile.explain(model, x).to_text().splitlines()
 
 
-class _Backward(torch.autograd.Function):
-    """x * 2 whose backward runs ``step``."""
-
-    @staticmethod
-    def forward(ctx, x, step):
-        ctx.step = step
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.step()
-        return grad * 2, None
-
-
 @pytest.mark.parametrize("training", [False, True])
 def test_a_choice_put_aside_in_place_is_kept(machine, training):
     """The check in place of a choice (``check_call``; a training call with its backward, ``BackwardClock``) reads the
@@ -293,7 +281,7 @@ def test_a_choice_put_aside_in_place_is_kept(machine, training):
     works 2 ms; the pick gives way only on the wall clock."""
     def call(seconds, preempted=0.0):
         work = machine.charge(lambda: None, seconds, preempted)
-        return machine.charge(lambda x: _Backward.apply(x, work), seconds, preempted)
+        return machine.charge(lambda x: WorkingBackward.apply(x, work), seconds, preempted)
     pick, eager = call(1 * MS, 3 * MS), call(2 * MS)
     decision = autotune.Decision("inductor", mode="training" if training else "inference", key="c" * 32)
     chooser = autotune.GraphChooser({"inductor": pick}, eager, decision, 0.0, chosen=pick, eager=eager)
