@@ -1056,7 +1056,7 @@ bool grouped_embedding_bag_backward_native(torch::jit::Stack *stack) {
     GebPlan plan;
     if (a[13].toStringRef() != "native" || !geb_plan(a.slice(1, 7), a[10].toStringRef(), plan)) return false;
     Tensor grad = a[0].toTensor();
-    const int64_t cols = plan.stacked ? plan.tables * plan.dim : plan.sequence ? plan.dim : plan.width;
+    const int64_t cols = plan.stride();  // the output's row width, which the gradient has
     if (!plain_cpu(grad, {plan.dtype}) || grad.dim() != 2 + plan.stacked || grad.size(0) != plan.rows ||
         (plan.stacked ? grad.size(1) != plan.tables || grad.size(2) != plan.dim : grad.size(1) != cols))
         return false;
