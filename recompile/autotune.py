@@ -621,8 +621,8 @@ def _fresh(args: tuple, training: bool) -> tuple:
 
 
 def tune_regions(gm: fx.GraphModule, sandbox: Sandbox, target, training: bool, decision: Decision,
-                 deadline: float) -> None:
-    """Pick each rec op node's fastest correct kernel; rewrite its ``impl`` argument. ``deadline``: on ``timer()``."""
+                 clock: Callable[[], float], deadline: float) -> None:
+    """Pick each rec op node's fastest correct kernel; rewrite its ``impl`` argument. ``deadline``: on ``clock``."""
     recorder = _ArgRecorder(gm)
     with torch.no_grad():
         recorder.run(*sandbox.args)
@@ -647,8 +647,8 @@ def tune_regions(gm: fx.GraphModule, sandbox: Sandbox, target, training: bool, d
                 steps[impl] = functools.partial(run_step, fn, inputs, training)
             else:
                 decision.rejected[f"{node.name}:{impl}"] = why
-        budget = max(deadline - timer()(), 0.0) / (2 * max(len(recorder.recorded), 1))
-        samples = race(steps, budget)
+        budget = max(deadline - clock(), 0.0) / (2 * max(len(recorder.recorded), 1))
+        samples = race(steps, budget, clock=clock)
         decision.timings_ms.update({f"{node.name}:{impl}": ms for impl, ms in median_ms(samples).items()})
         decision.kernels[node.name] = fastest(samples) or node.args[-1]
     apply_regions(gm, decision.kernels)
@@ -1475,7 +1475,7 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
         start = clock()
         with Sandbox(concrete_inputs(inputs)) as sandbox:
             if ctx.regions:
-                tune_regions(rewritten, sandbox, ctx.target, training, decision, start + BUDGET_S / 2)
+                tune_regions(rewritten, sandbox, ctx.target, training, decision, clock, start + BUDGET_S / 2)
             if not random:
                 graphs = candidate_graphs(original, rewritten, ctx, decision.kernels)
                 builders = graph_builders(graphs, compile_inductor, training)

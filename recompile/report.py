@@ -298,8 +298,7 @@ class Report:
             lines.append(f"autotune graph {t['graph']} ({t['mode']}, {source}): {t['choice']} [{timings}]")
             ran = ", ".join(f"{node}: {impl}" for node, impl in t["regions"].items())
             lines.append(f"  regions it runs: {ran or 'none (the captured graph)'}")
-            if "clock" in t["conditions"]:
-                lines.append(f"  timed on: {t['conditions']['clock']} clock")
+            lines.append(f"  timed on: {t['conditions']['clock']} clock")
             lines.extend(f"  rejected {name}: {why}" for name, why in t["rejected"].items())
         return "\n".join(lines)
 
