@@ -42,7 +42,8 @@ def captured(model, args, merge: bool, training: bool = False):
 
 def test_hstu_pads_each_split_once():
     """The generative-recommenders HSTU (corpus): q, k and v, pieces of ``split(silu(x @ uvqk))``, are padded by one
-    call per layer, whose source Inductor computes in one kernel (three before: one per piece); outputs equal eager's."""
+    call per layer, whose source Inductor computes in one kernel (three before: one per piece); outputs equal
+    eager's."""
     from models.corpus import gr_hstu
 
     model = gr_hstu.build()

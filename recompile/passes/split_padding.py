@@ -130,7 +130,8 @@ def _merge(graph: fx.Graph, calls: list[tuple[fx.Node, tuple[int, int]]], x: fx.
     first = calls[0][0]
     start, end = min(c[0] for _, c in calls), max(c[1] for _, c in calls)
     width = tensor_meta(x).shape[1]
-    source = x if (start, end) == (0, width) else _call(graph, operator.getitem, (x, (slice(None), slice(start, end))), first)
+    columns = (slice(None), slice(start, end))
+    source = x if (start, end) == (0, width) else _call(graph, operator.getitem, (x, columns), first)
     padded = _call(graph, first.target, (source, [offsets], [n], padding_value), first)
     slices = [_call(graph, operator.getitem, (padded, (Ellipsis, slice(a - start, b - start))), first)
               for _, (a, b) in calls]
