@@ -30,6 +30,9 @@ from recompile.passes.utils import arg, is_call, meta_value, replace_node, tenso
 from recompile.runtime.fbgemm import fbgemm_ops
 
 
+READS_STRIDES = (torch.as_strided, "as_strided")  # a view that takes the strides it is given, not its input's
+
+
 def _pad_targets() -> tuple:
     if "jagged_to_padded_dense" not in fbgemm_ops():
         return ()
@@ -96,7 +99,7 @@ def _fake(node: fx.Node, values: dict[fx.Node, Any]) -> Any:
 def _takes(user: fx.Node, piece: fx.Node, value: torch.Tensor) -> bool:
     """Whether ``user`` computes a value of the same shape from ``value`` (a non-contiguous slice) in place of
     ``piece``."""
-    if user.op not in ("call_function", "call_method") or written(user):
+    if user.op not in ("call_function", "call_method") or written(user) or user.target in READS_STRIDES:
         return False
     try:
         got = _fake(user, {piece: value})
