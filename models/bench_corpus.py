@@ -380,22 +380,23 @@ def capture(case: Case, inputs) -> tuple[list[fx.GraphModule], list[float], coll
 
 
 def call_ms(case: Case, inputs, rounds: int, clock=time.perf_counter) -> float:
-    """torch.compile's own work per step of ``case`` on ``inputs``: the step compiled as rec_ascend's is (Dynamo,
-    AOT autograd) but each compiled graph replaying the outputs of its first call, so that no kernel runs: Dynamo's
-    guards and frame, AOT autograd's runtime wrappers, for training autograd's engine over the compiled backward
-    and the gradients' accumulation. Timed as the steps are (``_steady_ms``)."""
+    """torch.compile's own work per step of ``case`` on ``inputs``: the step compiled as rec_ascend's is (Dynamo
+    under rec_ascend's per-call context, AOT autograd) but each compiled graph returning fresh, uncomputed outputs
+    of its first call's shapes, so that no kernel runs: Dynamo's guards and frame, AOT autograd's runtime wrappers,
+    the outputs' allocation (as Inductor's wrapper allocates them), for training autograd's engine over the
+    compiled backward and the gradients' accumulation. Timed as the steps are (``_steady_ms``)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    from recompile.tracing import TracingConfig
+    from recompile.tracing import TracingCalls
 
     def replay(gm, example_inputs):
         outputs = []
 
         def run(*args):
             if not outputs:
-                outputs.append(gm(*args))
-            return outputs[0]
+                outputs.extend(gm(*args))
+            return [torch.empty_like(o) if isinstance(o, torch.Tensor) else o for o in outputs]
 
         return make_boxed_func(run)
 
@@ -404,7 +405,7 @@ def call_ms(case: Case, inputs, rounds: int, clock=time.perf_counter) -> float:
     def backend(gm, example_inputs):
         return aot(gm, example_inputs)
 
-    backend.backend_ctx_ctor = TracingConfig  # Dynamo traces (and guards) as it does for rec_ascend
+    backend.backend_ctx_ctor = TracingCalls  # Dynamo traces (and guards) as for rec_ascend, at its cost per call
     torch._dynamo.reset()
     module = case.make(0)
     return _steady_ms(step_fn(case, torch.compile(module, backend=backend), module, inputs), rounds, clock)
