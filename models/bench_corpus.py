@@ -381,26 +381,28 @@ def capture(case: Case, inputs) -> tuple[list[fx.GraphModule], list[float], coll
 
 def call_ms(case: Case, inputs, rounds: int, clock=time.perf_counter) -> float:
     """torch.compile's own work per step of ``case`` on ``inputs``: the step compiled as rec_ascend's is (Dynamo
-    under rec_ascend's per-call context, AOT autograd) but each compiled graph returning fresh, uncomputed outputs
-    of its first call's shapes, so that no kernel runs: Dynamo's guards and frame, AOT autograd's runtime wrappers,
-    the outputs' allocation (as Inductor's wrapper allocates them), for training autograd's engine over the
-    compiled backward and the gradients' accumulation. Timed as the steps are (``_steady_ms``)."""
+    under rec_ascend's per-call context, AOT autograd) but each compiled graph returning the outputs of its first
+    call, so that no kernel runs: Dynamo's guards and frame, AOT autograd's runtime wrappers, for training
+    autograd's engine over the compiled backward and the gradients' accumulation. Timed as the steps are
+    (``_steady_ms``)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     from recompile.tracing import TracingCalls
 
-    def replay(gm, example_inputs):
+    def replay(gm, example_inputs, fresh: bool = False):
         outputs = []
 
         def run(*args):
             if not outputs:
                 outputs.extend(gm(*args))
-            return [torch.empty_like(o) if isinstance(o, torch.Tensor) else o for o in outputs]
+            return [torch.empty_like(o) if fresh and isinstance(o, torch.Tensor) else o for o in outputs]
 
         return make_boxed_func(run)
 
-    aot = aot_autograd(fw_compiler=replay, bw_compiler=replay)
+    # the forward's outputs as computed (a later graph may index with them); the backward's fresh, uncomputed
+    # (as the real backward's: gradient accumulation takes them instead of copying a tensor held here)
+    aot = aot_autograd(fw_compiler=replay, bw_compiler=functools.partial(replay, fresh=True))
 
     def backend(gm, example_inputs):
         return aot(gm, example_inputs)

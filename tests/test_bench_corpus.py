@@ -223,7 +223,21 @@ def test_the_compiled_calls_own_cost_is_its_own_field_beside_the_floor():
     assert "| 1: 0.10x, 128: 0.10x | 1: 0.060, 128: n/a | 1.0 s / 2.0 s" in render_table([row])
 
 
+class _LookupAfterBreak(torch.nn.Module):
+    """Two graphs, the second indexing a table with the first one's output (TorchRec's KJT, RecBole's targets)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(4, D)
+
+    def forward(self, x):
+        ids = (x.abs() * 3).long().clamp(max=3)
+        torch._dynamo.graph_break()
+        return self.table(ids).sum()
+
+
 def test_the_call_cost_runs_the_compiled_step_without_its_kernels():
-    for training in (False, True):
-        case = Case("m/gemm", "loss", training, lambda seed: _ColumnGemm(), lambda rows, seed: (torch.randn(rows, D),))
-        assert 0 < call_ms(case, case.inputs(4, 0), 1) < float("inf")
+    for make in (lambda seed: _ColumnGemm(), lambda seed: _LookupAfterBreak()):
+        for training in (False, True):
+            case = Case("m/gemm", "loss", training, make, lambda rows, seed: (torch.randn(rows, D),))
+            assert 0 < call_ms(case, case.inputs(4, 0), 1) < float("inf")
