@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from models.bench_corpus import (TABLE_END, TABLE_START, _matmul_dims, call_ms, capture, describe_decision,
-                                 floor_gemms, floor_ms, kept_rows, own_process_compile, race, render_table, step_fn,
-                                 verdict, write_doc)
+                                 floor_gemms, floor_ms, kept_rows, make, own_process_compile, race, render_table,
+                                 step_fn, verdict, write_doc)
 from models.corpus.harness import CASES, Case
 from models.timing import autorange, race_ms
 
@@ -241,3 +241,18 @@ def test_the_call_cost_runs_the_compiled_step_without_its_kernels():
         for training in (False, True):
             case = Case("m/gemm", "loss", training, make, lambda rows, seed: (torch.randn(rows, D),))
             assert 0 < call_ms(case, case.inputs(4, 0), 1) < float("inf")
+
+
+def test_building_a_model_leaves_anomaly_detection_as_it_was():
+    """As RecBole's sequential package does on its import (its sine.py), when a case builds its first such model."""
+    def build(seed):
+        torch.autograd.set_detect_anomaly(True)
+        return torch.nn.Linear(2, 1)
+
+    was = torch.is_anomaly_enabled()
+    torch.autograd.set_detect_anomaly(False)
+    try:
+        make(Case("m/anomalous", "loss", True, build, None))
+        assert not torch.is_anomaly_enabled()
+    finally:
+        torch.autograd.set_detect_anomaly(was)
