@@ -13,13 +13,15 @@ Inductor and recompile cache folders, Inductor's FX-graph and AOT-autograd cache
   ``compile_shared_s``: the wall-clock of this process's own compiles, Inductor's first, whose kernels and
   one-time costs rec_ascend's compile then finds paid;
 - ms per step of eager, Inductor and rec_ascend at batch 128 and 2048 (inference entries: batch 1 too), timed
-  interleaved round by round (``models.timing.race_ms``); a training step is loss + backward;
+  interleaved round by round (``models.timing.race_ms``), each sample a run of back-to-back calls (``iters``, from
+  ``models.timing.autorange``, the same for every backend of a cell); a training step is loss + backward;
 - the regions ``models/corpus/expected.py`` expects and those rec_ascend found, and the autotune race's decision
   per graph (read from its cache: the candidate kept, each region's kernel, the race's timings, what it did not
   compile and why), which the verdict quotes where rec_ascend is slower than min(eager, Inductor);
 - whether rec_ascend's output (and gradients) equal eager's (1e-5 / 1e-4 relative);
-- the model's floor: its dense GEMMs (matmul, linear, bmm, einsum, conv; forward and, for training, backward)
-  timed alone on inputs of their shapes, plus its lookups' bytes over the measured memory bandwidth;
+- the model's floor, a lower bound: the math of its dense GEMMs (``floor_gemms``: each as its canonical GEMM
+  whatever its spelling; for training the backward's for the operands that need a gradient) timed alone, plus
+  its lookups' bytes over the measured memory bandwidth; beside it the compiled call's own cost (``call_ms``);
 - the rec pass pipeline's time per captured graph.
 Writes the JSON and renders the corpus table into the doc between its ``corpus-table`` markers. Figures from a
 loaded machine are marked so by the caller; ``--quick`` is a smoke run (four models, batch 128 and 1, one round).
@@ -34,7 +36,9 @@ import argparse
 import collections
 import datetime
 import functools
+import itertools
 import json
+import math
 import operator
 import os
 import platform
@@ -52,7 +56,7 @@ from recompile.autotune import SHORT_CHECK_CALLS
 
 from .corpus.expected import EXPECTED, graph_breaks
 from .corpus.harness import CASES, Case, assert_equal, run
-from .timing import race_ms
+from .timing import autorange, race_ms
 from .train import write_json
 
 BACKENDS = ("eager", "inductor", "rec_ascend")
@@ -65,6 +69,7 @@ ROUNDS = 5  # timed rounds of the full run, each backend once per round, interle
 # 2 * SHORT_CHECK_CALLS where each step has its backward), so that the rounds time the steady state a server or a
 # training loop runs in.
 WARMUP = 2 * SHORT_CHECK_CALLS + 1
+SAMPLE_MS = 10.0  # a timed sample lasts at least this long for the fastest backend (``timing.autorange``)
 TABLE_START, TABLE_END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
 GEMMS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
          torch.baddbmm, torch.einsum, torch.tensordot, operator.matmul, torch.conv1d, torch.conv2d,
@@ -101,6 +106,16 @@ def describe_decision(d: dict) -> str:
             + (f"; {rejected}" if rejected else ""))
 
 
+def make(case: Case) -> torch.nn.Module:
+    """``case``'s module, autograd's anomaly detection left as it was: building RecBole's first sequential model
+    imports its package, whose ``sine.py`` turns anomaly detection on for the whole process (every step timed after
+    it would record each op's traceback and check each gradient for NaN)."""
+    anomaly = torch.is_anomaly_enabled()
+    module = case.make(0)
+    torch.autograd.set_detect_anomaly(anomaly)
+    return module
+
+
 def step_fn(case: Case, fn, module, inputs):
     """One timed step: loss + backward for a training case; for an inference entry the call under
     ``torch.no_grad()``, as a server runs it (eager, Inductor and rec_ascend alike: the graph captured, and so the
@@ -119,9 +134,10 @@ def step_fn(case: Case, fn, module, inputs):
     return step
 
 
-def race(steps: dict, rounds: int, clock=time.perf_counter) -> tuple[dict, dict]:
-    """``race_ms`` over the steps that run; a backend that fails (Inductor fails on some RecBole graphs) is left
-    out and its error returned beside the timings."""
+def race(steps: dict, rounds: int, clock=time.perf_counter) -> tuple[dict, int, dict]:
+    """``race_ms`` over the steps that run, each sample ``autorange``'s count of back-to-back calls (the same for
+    every backend), after ``WARMUP`` calls of each; the count is returned beside the timings. A backend that fails
+    (Inductor fails on some RecBole graphs) is left out and its error returned too."""
     errors = {}
     for name, step in list(steps.items()):
         try:
@@ -129,7 +145,11 @@ def race(steps: dict, rounds: int, clock=time.perf_counter) -> tuple[dict, dict]
         except Exception as exc:  # noqa: BLE001  (any backend failure is a result to report)
             errors[name] = error_text(exc)
             del steps[name]
-    return race_ms(steps, rounds, warmup=WARMUP, clock=clock), errors
+    for step in steps.values():
+        for _ in range(WARMUP):
+            step()
+    iters = autorange(steps, SAMPLE_MS, clock) if steps else 1
+    return race_ms(steps, rounds, iters, warmup=0, clock=clock), iters, errors
 
 
 def error_text(exc: Exception) -> str:
@@ -145,11 +165,12 @@ def warm_up() -> None:
     torch._dynamo.reset()
 
 
-def bandwidth_gbs(megabytes: int = 256) -> float:
-    """Measured copy bandwidth (bytes read + written per second), best of 5."""
+def bandwidth_gbs(megabytes: int = 256, clock=time.perf_counter) -> float:
+    """Measured copy bandwidth (bytes read + written per second), best of 5 on ``clock`` (the steps' clock: on a
+    loaded machine wall-clock would count other processes' time and lower it, raising the lookups' floor)."""
     src = torch.randn(megabytes * 2**20 // 4)
     dst = torch.empty_like(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    best = min(_timed(lambda: dst.copy_(src), clock) for _ in range(5))
     return 2 * src.numel() * 4 / best / 1e9
 
 
@@ -182,31 +203,144 @@ def _gemm_call(node: fx.Node):
     return None
 
 
-def floor_ms(graphs: list[fx.GraphModule], training: bool, gbs: float, rounds: int, clock=time.perf_counter) -> dict:
-    """Dense GEMMs timed alone (with their backward for training) plus lookup bytes over ``gbs``."""
-    gemm_ms, lookup_bytes = 0.0, 0
+def floor_gemms(graphs: list[fx.GraphModule], training: bool) -> tuple[collections.Counter, list[fx.Node]]:
+    """The dense GEMMs' math in ``graphs``: each GEMM node as its canonical GEMMs ``(batch, M, K, N, dtype)``, one
+    [M, K] x [K, N] (``batch`` > 1: a bmm of truly batched operands), counted; for training also the backward's,
+    dA = dC B^T and dB = A^T dC, for the operands that need a gradient. A batch dim along which one operand is
+    broadcast joins the other's rows or columns (``matmul(W, x.unsqueeze(2))`` is one [D, D] x [D, B] GEMM, which
+    ATen runs by copying W B times); C^T = B^T A^T, so the larger of M and N is the rows. Beside them the GEMM
+    nodes whose math is not read this way (convolutions, other einsums), timed as spelled."""
+    gemms, spelled = collections.Counter(), []
     for gm in graphs:
         for node in gm.graph.nodes:
-            fn = _gemm_call(node)
-            if fn is not None:
-                args = fx.node.map_aggregate(node.args, lambda a: _materialize(a, training))
-                kwargs = fx.node.map_aggregate(node.kwargs, lambda a: _materialize(a, training))
-                gemm_ms += _time_alone(fn, args, kwargs, training, rounds, clock)
-            elif node.op == "call_function" and "embedding" in getattr(node.target, "__name__", str(node.target)):
-                lookup_bytes += _lookup_bytes(node) * (2 if training else 1)
+            if _gemm_call(node) is None:
+                continue
+            dims = _gemm_dims(node)
+            if dims is None:
+                spelled.append(node)
+                continue
+            (g, m, k, n, dtype), (grad_a, grad_b) = dims
+            gemms[_canonical(g, m, k, n, dtype)] += 1
+            if training and grad_a:
+                gemms[_canonical(g, m, n, k, dtype)] += 1
+            if training and grad_b:
+                gemms[_canonical(g, k, m, n, dtype)] += 1
+    return gemms, spelled
+
+
+def _canonical(g: int, m: int, k: int, n: int, dtype: torch.dtype) -> tuple:
+    return g, max(m, n), k, min(m, n), dtype
+
+
+def _gemm_dims(node: fx.Node):
+    """``((batch, M, K, N, dtype), (A needs grad, B needs grad))`` of a matmul-like node, None where it is spelled
+    otherwise (keywords, a convolution, an einsum of other than two operands)."""
+    fn, args = _gemm_call(node), [_value(a) for a in node.args]
+    if fn is torch.einsum:
+        return _einsum_dims(node.args[0], args[1:])
+    if fn is torch.tensordot:
+        return _tensordot_dims(args[0], args[1], node.args[2] if len(args) > 2 else node.kwargs.get("dims", 2))
+    if fn in (torch._C._nn.linear, torch.nn.functional.linear):
+        a, b = args[:2] if len(args) > 1 else (None, None)  # x @ W^T
+    elif fn in (torch.addmm, torch.baddbmm):
+        a, b = args[1:3] if len(args) > 2 else (None, None)
+    elif fn in (torch.matmul, torch.mm, torch.bmm, operator.matmul):
+        a, b = args[:2] if len(args) > 1 else (None, None)
+    else:
+        return None
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None
+    shape_a, shape_b = [_hint(d) for d in a.shape], [_hint(d) for d in b.shape]
+    if fn in (torch._C._nn.linear, torch.nn.functional.linear):
+        shape_b = shape_b[::-1]
+    return _matmul_dims(shape_a, shape_b, a.dtype), _grads(a, b)
+
+
+def _matmul_dims(a: list[int], b: list[int], dtype: torch.dtype) -> tuple:
+    """``matmul``'s GEMM of operands of shapes ``a`` [.., M, K] and ``b`` [.., K, N] (a 1-d one a vector)."""
+    a, b = ([1, *a] if len(a) == 1 else a), ([*b, 1] if len(b) == 1 else b)
+    g, (m, k), n = 1, a[-2:], b[-1]
+    for size_a, size_b in itertools.zip_longest(reversed(a[:-2]), reversed(b[:-2]), fillvalue=1):
+        if size_a == size_b:
+            g *= size_a
+        elif size_b == 1:  # b broadcast along it: more rows of a
+            m *= size_a
+        else:  # a broadcast along it: more columns of b
+            n *= size_b
+    return g, m, k, n, dtype
+
+
+def _einsum_dims(equation, operands: list):
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = [_value(o) for o in operands[0]]
+    equation = equation.replace(" ", "") if isinstance(equation, str) else ""
+    if len(operands) != 2 or "->" not in equation or "..." in equation:
+        return None
+    inputs, out = equation.split("->")
+    subs = inputs.split(",")
+    size = {c: _hint(d) for sub, op in zip(subs, operands) for c, d in zip(sub, op.shape)}
+    dims = dict.fromkeys("gmkn", 1)  # an index of one operand summed away is a reduction before the GEMM: in none
+    for c in set(inputs) - {","}:
+        if c in subs[0] and c in subs[1]:
+            dims["g" if c in out else "k"] *= size[c]
+        elif c in out:
+            dims["m" if c in subs[0] else "n"] *= size[c]
+    return (*dims.values(), operands[0].dtype), _grads(*operands)
+
+
+def _tensordot_dims(a, b, dims):
+    if isinstance(dims, int):
+        dims = (list(range(a.dim() - dims, a.dim())), list(range(dims)))
+    contracted = {i % a.dim() for i in dims[0]}, {i % b.dim() for i in dims[1]}
+    k = math.prod(_hint(a.shape[i]) for i in contracted[0])
+    m = math.prod(_hint(d) for i, d in enumerate(a.shape) if i not in contracted[0])
+    n = math.prod(_hint(d) for i, d in enumerate(b.shape) if i not in contracted[1])
+    return (1, m, k, n, a.dtype), _grads(a, b)
+
+
+def _grads(a, b) -> tuple[bool, bool]:
+    return bool(getattr(a, "requires_grad", False)), bool(getattr(b, "requires_grad", False))
+
+
+def floor_ms(graphs: list[fx.GraphModule], training: bool, gbs: float, rounds: int, clock=time.perf_counter) -> dict:
+    """A lower bound of a step: its dense GEMMs' math (``floor_gemms``) each timed alone in the canonical form on
+    contiguous inputs into a preallocated output, steady state (``autorange``'s back-to-back calls, best of
+    ``rounds``), plus its lookups' bytes over ``gbs``."""
+    gemms, spelled = floor_gemms(graphs, training)
+    gemm_ms = sum(count * _canonical_ms(shape, rounds, clock) for shape, count in gemms.items())
+    for node in spelled:
+        args = fx.node.map_aggregate(node.args, lambda a: _materialize(a, training))
+        kwargs = fx.node.map_aggregate(node.kwargs, lambda a: _materialize(a, training))
+        gemm_ms += _spelled_ms(_gemm_call(node), args, kwargs, training, rounds, clock)
+    lookup_bytes = sum(_lookup_bytes(node) * (2 if training else 1) for gm in graphs for node in gm.graph.nodes
+                       if node.op == "call_function" and "embedding" in getattr(node.target, "__name__", str(node.target)))
     lookup_ms = lookup_bytes / (gbs * 1e9) * 1e3
-    return {"gemm_ms": gemm_ms, "lookup_bytes": lookup_bytes, "lookup_ms": lookup_ms, "ms": gemm_ms + lookup_ms}
+    return {"gemm_ms": gemm_ms, "gemms": [[g, m, k, n, count] for (g, m, k, n, _), count in gemms.items()],
+            "gemms_spelled": len(spelled), "lookup_bytes": lookup_bytes, "lookup_ms": lookup_ms,
+            "ms": gemm_ms + lookup_ms}
 
 
-def _time_alone(fn, args, kwargs, training: bool, rounds: int, clock=time.perf_counter) -> float:
+def _canonical_ms(shape: tuple, rounds: int, clock) -> float:
+    g, m, k, n, dtype = shape
+    batch = (g,) if g > 1 else ()
+    a, b = torch.randn(*batch, m, k, dtype=dtype), torch.randn(*batch, k, n, dtype=dtype)
+    out, mm = torch.empty(*batch, m, n, dtype=dtype), torch.bmm if g > 1 else torch.mm
+    return _steady_ms(lambda: mm(a, b, out=out), rounds, clock)
+
+
+def _spelled_ms(fn, args, kwargs, training: bool, rounds: int, clock) -> float:
     def once():
         out = fn(*args, **kwargs)
         if training and out.requires_grad:
             out.backward(torch.ones_like(out))
 
-    for _ in range(2):
-        once()
-    return min(_timed(once, clock) for _ in range(max(3, rounds))) * 1e3
+    return _steady_ms(once, rounds, clock)
+
+
+def _steady_ms(step, rounds: int, clock) -> float:
+    """ms per call of ``step``, timed as the backends' steps are: back-to-back calls, best of ``rounds``."""
+    steps = {"step": step}
+    return race_ms(steps, max(3, rounds), autorange(steps, SAMPLE_MS, clock), warmup=2, clock=clock)["step"]
 
 
 def _lookup_bytes(node: fx.Node) -> int:
@@ -251,8 +385,43 @@ def capture(case: Case, inputs) -> tuple[list[fx.GraphModule], list[float], coll
     backend.backend_ctx_ctor = TracingConfig  # Dynamo traces as it does for rec_ascend
     torch._dynamo.reset()
     with torch.set_grad_enabled(case.training), logged_breaks() as breaks:
-        torch.compile(case.make(0), backend=backend)(*inputs)
+        torch.compile(make(case), backend=backend)(*inputs)
     return graphs, pass_ms, regions, len(breaks)
+
+
+def call_ms(case: Case, inputs, rounds: int, clock=time.perf_counter) -> float:
+    """torch.compile's own work per step of ``case`` on ``inputs``: the step compiled as rec_ascend's is (Dynamo
+    under rec_ascend's per-call context, AOT autograd) but each compiled graph returning the outputs of its first
+    call, so that no kernel runs: Dynamo's guards and frame, AOT autograd's runtime wrappers, for training
+    autograd's engine over the compiled backward and the gradients' accumulation. Timed as the steps are
+    (``_steady_ms``)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from recompile.tracing import TracingCalls
+
+    def replay(gm, example_inputs, fresh: bool = False):
+        outputs = []
+
+        def run(*args):
+            if not outputs:
+                outputs.extend(gm(*args))
+            return [torch.zeros_like(o) if fresh and isinstance(o, torch.Tensor) else o for o in outputs]
+
+        return make_boxed_func(run)
+
+    # the forward's outputs as computed (a later graph may index with them); the backward's fresh zeros, as the real
+    # backward's are fresh (gradient accumulation takes them instead of copying a tensor held here; anomaly mode,
+    # which RecBole's sequential models turn on, rejects uninitialized ones)
+    aot = aot_autograd(fw_compiler=replay, bw_compiler=functools.partial(replay, fresh=True))
+
+    def backend(gm, example_inputs):
+        return aot(gm, example_inputs)
+
+    backend.backend_ctx_ctor = TracingCalls  # Dynamo traces (and guards) as for rec_ascend, at its cost per call
+    torch._dynamo.reset()
+    module = make(case)
+    return _steady_ms(step_fn(case, torch.compile(module, backend=backend), module, inputs), rounds, clock)
 
 
 def equal(case: Case, compiled, module, reference, inputs) -> bool:
@@ -305,7 +474,7 @@ def _cold_compile(case: Case, backend: str, rows: int) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="bench_corpus_cold_") as folder, fresh_cache():
         os.environ["RECOMPILE_CACHE_DIR"] = folder
-        module = case.make(0)
+        module = make(case)
         step = step_fn(case, torch.compile(module, backend=backend), module, case.inputs(rows, 0))
         times = []
         for _ in range(4):
@@ -320,7 +489,7 @@ def _cold_compile(case: Case, backend: str, rows: int) -> dict:
 
 def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False, clock=time.perf_counter) -> dict:
     torch._dynamo.reset()
-    modules = {b: case.make(0) for b in BACKENDS}
+    modules = {b: make(case) for b in BACKENDS}
     fns = {"eager": modules["eager"], "inductor": torch.compile(modules["inductor"], backend="inductor"),
            "rec_ascend": torch.compile(modules["rec_ascend"], backend="rec_ascend")}
     if quick:
@@ -347,12 +516,12 @@ def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False, clock=t
         shared_s[name] = max(0.0, cold - min(_timed(step) for _ in range(3)))
     numbers_equal = "rec_ascend" in compile_s and equal(case, fns["rec_ascend"], modules["rec_ascend"], modules["eager"],
                                                         inputs[first])
-    ms, floors, found, decisions = {}, {}, {}, {}
+    ms, iters, floors, calls, found, decisions = {}, {}, {}, {}, {}, {}
     if batches[0] != first:  # its graph is compiled (and raced) anew: the cold compile's race is not its
         started = time.time()
     for b in batches:
         steps = {name: step_fn(case, fns[name], modules[name], inputs[b]) for name in BACKENDS}
-        ms[b], failed = race(steps, rounds, clock)
+        ms[b], iters[b], failed = race(steps, rounds, clock)
         # the races of this batch's graphs (the first batch's: at the cold compile), as they stand after the
         # timed calls: a choice the in-place check overturned is stored again, with why
         decisions[b] = [describe_decision(d) for d in decisions_since(started)]
@@ -364,6 +533,10 @@ def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False, clock=t
             errors[f"capture at batch {b}"] = error_text(exc)
             graphs, pass_ms, regions, breaks = [], [], collections.Counter(), None
         floors[b] = floor_ms(graphs, case.training, gbs, rounds, clock)
+        try:
+            calls[b] = call_ms(case, inputs[b], rounds, clock)
+        except Exception as exc:  # noqa: BLE001
+            errors[f"call cost at batch {b}"] = error_text(exc)
         found[b] = (pass_ms, regions, breaks)
     pass_ms, regions, breaks = found[first]
     expected = EXPECTED[case.model]
@@ -378,17 +551,21 @@ def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False, clock=t
         "compile_cpu_s": compile_cpu_s,
         "compile_shared_s": shared_s,
         "ms": {str(b): v for b, v in ms.items()},
+        "iters": {str(b): v for b, v in iters.items()},
         "floor": {str(b): v for b, v in floors.items()},
+        "call_ms": {str(b): v for b, v in calls.items()},
         "pass_ms": pass_ms,
         "errors": errors,
         "verdict": verdict(ms, floors, compile_cpu_s if clock is time.thread_time else compile_s, decisions,
-                           bool(regions)) + [f"{k} failed: {v}" for k, v in errors.items()],
+                           bool(regions), calls) + [f"{k} failed: {v}" for k, v in errors.items()],
     }
 
 
-def verdict(ms: dict, floors: dict, compile_s: dict, decisions: dict, raced: bool = True) -> list[str]:
+def verdict(ms: dict, floors: dict, compile_s: dict, decisions: dict, raced: bool = True,
+            calls: dict | None = None) -> list[str]:
     """Where the issue's targets are missed, and what the run shows about why: the race's decisions per batch
-    (``raced``: the graphs had rec regions to race) and the floor's parts."""
+    (``raced``: the graphs had rec regions to race), the floor's parts and the compiled call's own cost
+    (``calls``: ms per batch, ``call_ms``)."""
     notes = []
     for b, m in ms.items():
         if "rec_ascend" not in m:
@@ -404,10 +581,11 @@ def verdict(ms: dict, floors: dict, compile_s: dict, decisions: dict, raced: boo
             notes.append(f"batch {b}: rec_ascend {m['rec_ascend']:.3f} ms > min(eager, inductor) {best:.3f} ms ({why})")
         floor = floors[b]
         if floor["ms"] and m["rec_ascend"] > 1.5 * floor["ms"]:
+            call = (calls or {}).get(b)
             notes.append(f"batch {b}: {m['rec_ascend'] / floor['ms']:.1f}x its floor {floor['ms']:.3f} ms (GEMMs "
                          f"{floor['gemm_ms']:.3f} + lookups {floor['lookup_ms']:.3f}): "
                          f"{m['rec_ascend'] - floor['ms']:.3f} ms in the rest (elementwise, softmax, losses, "
-                         f"per-op dispatch)")
+                         f"per-op dispatch" + (f"; the compiled call's own cost {call:.3f} ms" if call else "") + ")")
     if len(compile_s) == 2 and compile_s["rec_ascend"] > 1.5 * compile_s["inductor"]:
         notes.append(f"cold compile {compile_s['rec_ascend'] / max(compile_s['inductor'], 1e-9):.1f}x Inductor's")
     return notes
@@ -417,13 +595,16 @@ def render_table(rows: list[dict], cpu: bool = False) -> str:
     """The corpus table; the cold compile column in CPU seconds (``cpu``) with the wall-clock ratio beside it, or in
     wall-clock seconds (rows measured before compiles ran in their own process: the one wall-clock figure)."""
     lines = ["| case | regions expected: found | numbers equal | speed: min(eager, inductor) / rec per batch "
-             f"| rec / floor per batch | cold compile rec / inductor{' (CPU s; wall-clock ratio)' if cpu else ''} |",
-             "|---|---|---|---|---|---|"]
+             "| rec / floor per batch | compiled call's own ms per batch "
+             f"| cold compile rec / inductor{' (CPU s; wall-clock ratio)' if cpu else ''} |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         regions = ", ".join(f"{e['label']}: {'yes' if e['found'] else 'no'}" for e in r["regions_expected"]) or "none"
         speed = ", ".join(f"{b}: {_ratio(min(m.get('eager', nan), m.get('inductor', nan)), m.get('rec_ascend'))}"
                           for b, m in r["ms"].items())
         floor = ", ".join(f"{b}: {_ratio(m.get('rec_ascend'), r['floor'][b]['ms'])}" for b, m in r["ms"].items())
+        calls = r.get("call_ms", {})  # rows measured before the call cost was: none
+        call = ", ".join(f"{b}: {calls[b]:.3f}" if b in calls else f"{b}: n/a" for b in r["ms"])
         wall = r["compile_s"]
         comp = r.get("compile_cpu_s", wall) if cpu else wall
         compile_text = " / ".join(f"{comp[k]:.1f} s" if k in comp else "failed" for k in ("rec_ascend", "inductor"))
@@ -431,7 +612,7 @@ def render_table(rows: list[dict], cpu: bool = False) -> str:
         if comp is not wall:
             compile_text += f"; wall {_ratio(wall.get('rec_ascend'), wall.get('inductor'))}"
         lines.append(f"| {r['case']} | {regions} | {'yes' if r['numbers_equal'] else 'NO'} | {speed} | {floor} "
-                     f"| {compile_text}) |")
+                     f"| {call} | {compile_text}) |")
     return "\n".join(lines)
 
 
@@ -521,7 +702,7 @@ def main(argv: list[str] | None = None) -> dict:
     warm_up()
     chosen = args.models or (QUICK_MODELS if args.quick else models)
     rounds = 1 if args.quick else args.rounds
-    gbs = bandwidth_gbs(64 if args.quick else 256)
+    gbs = bandwidth_gbs(64 if args.quick else 256, clock)
     print(f"copy bandwidth {gbs:.1f} GB/s, {torch.get_num_threads()} threads, load average {load[0]:.1f}", flush=True)
     cases = ([CASES[name] for name in args.cases] if args.cases else
              [c for model in chosen for c in CASES.values() if c.model == model])  # in the order given
@@ -539,7 +720,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{row['case']:40s} equal={row['numbers_equal']} compile " +
               " ".join(f"{k} {v:.1f}s ({row['compile_cpu_s'].get(k, nan):.1f} s CPU)"
                        for k, v in row["compile_s"].items()) + "  " +
-              "  ".join(f"b{b}: " + " ".join(f"{k} {v:.3f}" for k, v in m.items()) + f" floor {row['floor'][b]['ms']:.3f}"
+              "  ".join(f"b{b} (x{row['iters'][b]}): " + " ".join(f"{k} {v:.3f}" for k, v in m.items())
+                        + f" floor {row['floor'][b]['ms']:.3f} call {row['call_ms'].get(b, nan):.3f}"
                         for b, m in row["ms"].items()), flush=True)
         for note in row["verdict"]:
             print(f"    {note}", flush=True)

@@ -1,13 +1,18 @@
 """The corpus benchmark's report: the verdict names the race's decision where rec_ascend is slower than
 min(eager, Inductor) and the floor's parts where it is above 1.5x its floor; a partial run's table says so. Its
-timing: inference steps under no_grad; a stopped run resumes, a shard replaces only its own rows."""
+timing: inference steps under no_grad, each sample a run of back-to-back calls (the same count per backend); a
+stopped run resumes, a shard replaces only its own rows. Its floor: the GEMMs' math, whatever their spelling."""
 import json
+import time
 
+import pytest
 import torch
 
-from models.bench_corpus import (TABLE_END, TABLE_START, describe_decision, kept_rows, own_process_compile,
-                                 render_table, step_fn, verdict, write_doc)
+from models.bench_corpus import (TABLE_END, TABLE_START, _matmul_dims, call_ms, capture, describe_decision,
+                                 floor_gemms, floor_ms, kept_rows, make, own_process_compile, race, render_table,
+                                 step_fn, verdict, write_doc)
 from models.corpus.harness import CASES, Case
+from models.timing import autorange, race_ms
 
 DECISION = {"mode": "training", "choice": "inductor", "regions": {"padded_softmax_attention_default": "cpu"},
             "timings_ms": {"inductor": 2.5, "rec+eager": 4.0}, "rejected": {"inductor-captured": "not compiled: x"}}
@@ -97,3 +102,157 @@ def test_the_table_compares_cold_compiles_in_cpu_seconds_with_the_wall_clock_rat
     assert render_table([row]).endswith("| 12.0 s / 8.0 s (1.50x) |")
     del row["compile_cpu_s"]  # a row measured before: its one (wall-clock) figure
     assert render_table([row], cpu=True).endswith("| 12.0 s / 8.0 s (1.50x) |")
+
+
+class _TickClock:
+    """A clock that advances only when a fake step runs: each step costs its ``ms``."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def step(self, ms: float):
+        def run():
+            self.now += ms / 1e3
+        return run
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_autorange_picks_the_first_count_whose_sample_of_the_fastest_step_lasts_long_enough():
+    clock = _TickClock()
+    steps = {"fast": clock.step(0.3), "slow": clock.step(3.0)}
+    assert autorange(steps, min_ms=10.0, clock=clock) == 50  # 0.3 ms x 20 < 10 ms <= 0.3 ms x 50
+    assert autorange({"slow": clock.step(30.0)}, min_ms=10.0, clock=clock) == 1
+
+
+def test_race_times_runs_of_back_to_back_calls_the_same_count_for_every_backend():
+    clock, calls = _TickClock(), []
+
+    def counted(name, ms):
+        tick = clock.step(ms)
+        return lambda: (calls.append(name), tick())
+
+    def broken():
+        raise RuntimeError("no kernel")
+
+    steps = {"eager": counted("eager", 2.0), "rec_ascend": counted("rec_ascend", 0.5), "inductor": broken}
+    ms, iters, errors = race(steps, 2, clock)
+    assert iters == 20 and ms == pytest.approx({"eager": 2.0, "rec_ascend": 0.5})
+    assert errors == {"inductor": "RuntimeError: no kernel"}
+    timed = calls[-4 * iters:]  # two rounds, each backend's run of iters calls in turn
+    assert timed == (["eager"] * iters + ["rec_ascend"] * iters) * 2
+
+
+D = 64
+
+
+class _ColumnGemm(torch.nn.Module):
+    """RecBole's spelling (DCNV2, its cross nets): ``W @ x_l`` over columns, which ATen runs by copying W per row."""
+
+    def __init__(self):
+        super().__init__()
+        self.W = torch.nn.Parameter(torch.randn(D, D))
+
+    def forward(self, x):
+        return torch.matmul(self.W, x.unsqueeze(2)).squeeze(2).sum()
+
+
+class _RowGemm(_ColumnGemm):
+    def forward(self, x):
+        return (x @ self.W.T).sum()
+
+
+class _EinsumGemm(_ColumnGemm):
+    def forward(self, x):
+        return torch.einsum("bd,ed->be", x, self.W).sum()
+
+
+class _LinearGemm(_ColumnGemm):
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.W).sum()
+
+
+class _TensordotGemm(_ColumnGemm):
+    def forward(self, x):
+        return torch.tensordot(x, self.W, dims=([1], [1])).sum()
+
+
+def _graphs(module_type, training: bool, rows: int = 512):
+    case = Case("m/gemm", "loss", training, lambda seed: module_type(), lambda rows, seed: (torch.randn(rows, D),))
+    return capture(case, case.inputs(rows, 0))[0]
+
+
+def test_the_floor_counts_a_gemms_math_not_its_spelling():
+    for training in (False, True):
+        forward = (1, 512, D, D, torch.float32)
+        weight_grad = (1, D, 512, D, torch.float32)  # dW = dC^T x: the input needs none
+        for spelling in (_ColumnGemm, _RowGemm, _EinsumGemm, _LinearGemm, _TensordotGemm):
+            gemms = floor_gemms(_graphs(spelling, training), training)
+            assert gemms == ({forward: 1, weight_grad: 1} if training else {forward: 1}, []), spelling
+
+
+def test_the_floor_keeps_a_truly_batched_gemm_batched_and_folds_a_broadcast_one():
+    assert _matmul_dims([8, 2, 12, 16], [8, 2, 16, 12], torch.float32) == (16, 12, 16, 12, torch.float32)  # q k^T
+    assert _matmul_dims([8, 2, 12, 16], [16, 32], torch.float32) == (1, 192, 16, 32, torch.float32)
+    assert _matmul_dims([32, 16], [8, 16, 1], torch.float32) == (1, 32, 16, 8, torch.float32)
+    assert _matmul_dims([8, 1, 12, 16], [1, 2, 16, 12], torch.float32) == (1, 96, 16, 24, torch.float32)
+
+
+def test_the_floor_is_not_above_the_eager_step_of_a_gemm_only_model():
+    """The column spelling at batch 2048: eager copies W 2048 times (16 MB) for a 2048 x 64 x 64 GEMM; the floor
+    before was that copy timed alone (about eager's step), now the GEMM's math. One thread, CPU time, as
+    ``--cpu-time`` times them (on a loaded machine two threads' wall-clock follows the other processes)."""
+    torch.manual_seed(0)
+    module, x, threads = _ColumnGemm(), torch.randn(2048, D), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        floor = floor_ms(_graphs(_ColumnGemm, True, 2048), True, 10.0, 3, time.thread_time)
+        eager = race_ms({"eager": lambda: module(x).backward()}, 3, iters=5, clock=time.thread_time)["eager"]
+    finally:
+        torch.set_num_threads(threads)
+    assert floor["gemm_ms"] < eager
+
+
+def test_the_compiled_calls_own_cost_is_its_own_field_beside_the_floor():
+    ms = {1: {"eager": 0.2, "inductor": 0.15, "rec_ascend": 0.1}}
+    note = verdict(ms, {1: {"ms": 0.01, "gemm_ms": 0.01, "lookup_ms": 0.0}}, {}, {}, calls={1: 0.06})[0]
+    assert note.endswith("per-op dispatch; the compiled call's own cost 0.060 ms)")
+    row = {"case": "recbole/FM:predict", "regions_expected": [], "numbers_equal": True, "ms": {"1": ms[1], "128": ms[1]},
+           "floor": {"1": FLOOR, "128": FLOOR}, "call_ms": {"1": 0.06}, "compile_s": {"inductor": 2.0, "rec_ascend": 1.0}}
+    assert "| 1: 0.10x, 128: 0.10x | 1: 0.060, 128: n/a | 1.0 s / 2.0 s" in render_table([row])
+
+
+class _LookupAfterBreak(torch.nn.Module):
+    """Two graphs, the second indexing a table with the first one's output (TorchRec's KJT, RecBole's targets)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(4, D)
+
+    def forward(self, x):
+        ids = (x.abs() * 3).long().clamp(max=3)
+        torch._dynamo.graph_break()
+        return self.table(ids).sum()
+
+
+def test_the_call_cost_runs_the_compiled_step_without_its_kernels():
+    for make in (lambda seed: _ColumnGemm(), lambda seed: _LookupAfterBreak()):
+        for training in (False, True):
+            case = Case("m/gemm", "loss", training, make, lambda rows, seed: (torch.randn(rows, D),))
+            assert 0 < call_ms(case, case.inputs(4, 0), 1) < float("inf")
+
+
+def test_building_a_model_leaves_anomaly_detection_as_it_was():
+    """As RecBole's sequential package does on its import (its sine.py), when a case builds its first such model."""
+    def build(seed):
+        torch.autograd.set_detect_anomaly(True)
+        return torch.nn.Linear(2, 1)
+
+    was = torch.is_anomaly_enabled()
+    torch.autograd.set_detect_anomaly(False)
+    try:
+        make(Case("m/anomalous", "loss", True, build, None))
+        assert not torch.is_anomaly_enabled()
+    finally:
+        torch.autograd.set_detect_anomaly(was)
