@@ -106,16 +106,6 @@ def describe_decision(d: dict) -> str:
             + (f"; {rejected}" if rejected else ""))
 
 
-def make(case: Case) -> torch.nn.Module:
-    """``case``'s module, autograd's anomaly detection left as it was: building RecBole's first sequential model
-    imports its package, whose ``sine.py`` turns anomaly detection on for the whole process (every step timed after
-    it would record each op's traceback and check each gradient for NaN)."""
-    anomaly = torch.is_anomaly_enabled()
-    module = case.make(0)
-    torch.autograd.set_detect_anomaly(anomaly)
-    return module
-
-
 def step_fn(case: Case, fn, module, inputs):
     """One timed step: loss + backward for a training case; for an inference entry the call under
     ``torch.no_grad()``, as a server runs it (eager, Inductor and rec_ascend alike: the graph captured, and so the
@@ -385,7 +375,7 @@ def capture(case: Case, inputs) -> tuple[list[fx.GraphModule], list[float], coll
     backend.backend_ctx_ctor = TracingConfig  # Dynamo traces as it does for rec_ascend
     torch._dynamo.reset()
     with torch.set_grad_enabled(case.training), logged_breaks() as breaks:
-        torch.compile(make(case), backend=backend)(*inputs)
+        torch.compile(case.make(0), backend=backend)(*inputs)
     return graphs, pass_ms, regions, len(breaks)
 
 
@@ -420,7 +410,7 @@ def call_ms(case: Case, inputs, rounds: int, clock=time.perf_counter) -> float:
 
     backend.backend_ctx_ctor = TracingCalls  # Dynamo traces (and guards) as for rec_ascend, at its cost per call
     torch._dynamo.reset()
-    module = make(case)
+    module = case.make(0)
     return _steady_ms(step_fn(case, torch.compile(module, backend=backend), module, inputs), rounds, clock)
 
 
@@ -474,7 +464,7 @@ def _cold_compile(case: Case, backend: str, rows: int) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="bench_corpus_cold_") as folder, fresh_cache():
         os.environ["RECOMPILE_CACHE_DIR"] = folder
-        module = make(case)
+        module = case.make(0)
         step = step_fn(case, torch.compile(module, backend=backend), module, case.inputs(rows, 0))
         times = []
         for _ in range(4):
@@ -489,7 +479,7 @@ def _cold_compile(case: Case, backend: str, rows: int) -> dict:
 
 def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False, clock=time.perf_counter) -> dict:
     torch._dynamo.reset()
-    modules = {b: make(case) for b in BACKENDS}
+    modules = {b: case.make(0) for b in BACKENDS}
     fns = {"eager": modules["eager"], "inductor": torch.compile(modules["inductor"], backend="inductor"),
            "rec_ascend": torch.compile(modules["rec_ascend"], backend="rec_ascend")}
     if quick:

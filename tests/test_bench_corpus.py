@@ -3,16 +3,15 @@ min(eager, Inductor) and the floor's parts where it is above 1.5x its floor; a p
 timing: inference steps under no_grad, each sample a run of back-to-back calls (the same count per backend); a
 stopped run resumes, a shard replaces only its own rows. Its floor: the GEMMs' math, whatever their spelling."""
 import json
-import time
 
 import pytest
 import torch
 
 from models.bench_corpus import (TABLE_END, TABLE_START, _matmul_dims, call_ms, capture, describe_decision,
-                                 floor_gemms, floor_ms, kept_rows, make, own_process_compile, race, render_table,
+                                 floor_gemms, kept_rows, own_process_compile, race, render_table,
                                  step_fn, verdict, write_doc)
 from models.corpus.harness import CASES, Case
-from models.timing import autorange, race_ms
+from models.timing import autorange
 
 DECISION = {"mode": "training", "choice": "inductor", "regions": {"padded_softmax_attention_default": "cpu"},
             "timings_ms": {"inductor": 2.5, "rec+eager": 4.0}, "rejected": {"inductor-captured": "not compiled: x"}}
@@ -199,21 +198,6 @@ def test_the_floor_keeps_a_truly_batched_gemm_batched_and_folds_a_broadcast_one(
     assert _matmul_dims([8, 1, 12, 16], [1, 2, 16, 12], torch.float32) == (1, 96, 16, 24, torch.float32)
 
 
-def test_the_floor_is_not_above_the_eager_step_of_a_gemm_only_model():
-    """The column spelling at batch 2048: eager copies W 2048 times (16 MB) for a 2048 x 64 x 64 GEMM; the floor
-    before was that copy timed alone (about eager's step), now the GEMM's math. One thread, CPU time, as
-    ``--cpu-time`` times them (on a loaded machine two threads' wall-clock follows the other processes)."""
-    torch.manual_seed(0)
-    module, x, threads = _ColumnGemm(), torch.randn(2048, D), torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        floor = floor_ms(_graphs(_ColumnGemm, True, 2048), True, 10.0, 3, time.thread_time)
-        eager = race_ms({"eager": lambda: module(x).backward()}, 3, iters=5, clock=time.thread_time)["eager"]
-    finally:
-        torch.set_num_threads(threads)
-    assert floor["gemm_ms"] < eager
-
-
 def test_the_compiled_calls_own_cost_is_its_own_field_beside_the_floor():
     ms = {1: {"eager": 0.2, "inductor": 0.15, "rec_ascend": 0.1}}
     note = verdict(ms, {1: {"ms": 0.01, "gemm_ms": 0.01, "lookup_ms": 0.0}}, {}, {}, calls={1: 0.06})[0]
@@ -241,18 +225,3 @@ def test_the_call_cost_runs_the_compiled_step_without_its_kernels():
         for training in (False, True):
             case = Case("m/gemm", "loss", training, make, lambda rows, seed: (torch.randn(rows, D),))
             assert 0 < call_ms(case, case.inputs(4, 0), 1) < float("inf")
-
-
-def test_building_a_model_leaves_anomaly_detection_as_it_was():
-    """As RecBole's sequential package does on its import (its sine.py), when a case builds its first such model."""
-    def build(seed):
-        torch.autograd.set_detect_anomaly(True)
-        return torch.nn.Linear(2, 1)
-
-    was = torch.is_anomaly_enabled()
-    torch.autograd.set_detect_anomaly(False)
-    try:
-        make(Case("m/anomalous", "loss", True, build, None))
-        assert not torch.is_anomaly_enabled()
-    finally:
-        torch.autograd.set_detect_anomaly(was)

@@ -1,6 +1,10 @@
 """RecBole 1.2.1's models, unmodified, on its MovieLens-100k (models/corpus): compiled with rec_ascend, their loss
 (with gradients), predict and full-sort scores equal eager's, a stream of batch sizes compiles at most twice, the
 regions models/corpus/expected.py lists are found, and Dynamo breaks only where the table says."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("recbole")
@@ -10,6 +14,7 @@ from models.corpus import testing  # noqa: E402
 from models.corpus.harness import CASES  # noqa: E402
 
 PREFIX = "recbole/"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("case", testing.cases(PREFIX))
@@ -78,3 +83,12 @@ def test_full_sort_at_batch_1_without_regions_runs_eagerly_where_inductor_fails(
 
     with pytest.warns(UserWarning, match="Inductor failed to compile graph"):
         full_sort_at_batch_1({"autotune": False, "passes": dict.fromkeys(PASS_ORDER, False)})
+
+
+def test_building_a_sequential_model_leaves_anomaly_detection_off():
+    """RecBole's sequential package turns autograd's anomaly detection on at its import (sine.py), which the first
+    sequential model built imports: every step after it would record tracebacks and check gradients (the corpus
+    bench timed 26 of its 48 cases so). A fresh process, so that the package is imported by this build."""
+    code = ("import torch; from models.corpus.harness import CASES; CASES['recbole/SASRec:loss'].make(0); "
+            "assert not torch.is_anomaly_enabled(), 'anomaly detection left on'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -5,7 +5,6 @@ of changing size and padded length; the op equals its padded formula on prefix m
 empty histories."""
 import functools
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import recompile
+from models.corpus.recbole_zoo import anomaly_kept, numpy_aliases
 from recompile.runtime.padded_attention import padded_softmax_attention_reference
 
 N_ITEMS, MAX_LEN, HIDDEN = 40, 12, 16
@@ -22,16 +22,12 @@ N_ITEMS, MAX_LEN, HIDDEN = 40, 12, 16
 def recbole_models():
     """RecBole's SASRec and BERT4Rec classes and a small Config each (RecBole 1.2.1 reads NumPy 1 aliases at
     import; importing its sequential models turns autograd anomaly detection on, which is put back)."""
-    for name, alias in (("float_", np.float64), ("int_", np.int64), ("bool_", np.bool_), ("complex_", np.complex128),
-                        ("unicode_", np.str_)):
-        if not hasattr(np, name):
-            setattr(np, name, alias)
-    anomaly = torch.is_anomaly_enabled()
-    from recbole.config import Config
-    from recbole.model.sequential_recommender.bert4rec import BERT4Rec
-    from recbole.model.sequential_recommender.sasrec import SASRec
+    numpy_aliases()
+    with anomaly_kept():
+        from recbole.config import Config
+        from recbole.model.sequential_recommender.bert4rec import BERT4Rec
+        from recbole.model.sequential_recommender.sasrec import SASRec
 
-    torch.autograd.set_detect_anomaly(anomaly)
     small = {"n_layers": 2, "n_heads": 2, "hidden_size": HIDDEN, "inner_size": 2 * HIDDEN,
              "MAX_ITEM_LIST_LENGTH": MAX_LEN, "hidden_dropout_prob": 0.0, "attn_dropout_prob": 0.0, "loss_type": "CE",
              "train_neg_sample_args": None,

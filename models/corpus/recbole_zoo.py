@@ -6,7 +6,8 @@ packages its config, data and model modules import are in the ``test`` extra. Tw
 - it reads NumPy 1 aliases (``np.float_`` ...) at import: ``numpy_aliases`` defines the ones NumPy 2 removed,
   before the first import, and leaves NumPy otherwise alone;
 - importing its sequential models turns on autograd anomaly detection for the whole process
-  (``sine.py``: ``torch.autograd.set_detect_anomaly(True)``): ``recbole()`` turns it off again.
+  (``sine.py``: ``torch.autograd.set_detect_anomaly(True)``): ``anomaly_kept`` puts it back around the imports
+  (``recbole()``) and the model's (``build``).
 
 Models are built through RecBole's own ``Config`` / ``create_dataset`` / ``data_preparation``, so their
 hyper-parameters are RecBole's defaults for ml-100k except the sizes ``SMALL`` shrinks, and batches are its
@@ -60,18 +61,28 @@ def numpy_aliases() -> None:
             setattr(np, name, value)
 
 
+@contextlib.contextmanager
+def anomaly_kept():
+    """Autograd's anomaly detection as it was before the block: importing RecBole's sequential models (its
+    ``sine.py``, imported with the first one ``get_model`` finds) turns it on for the whole process, and every
+    step after it would record each op's traceback and check each gradient."""
+    anomaly = torch.is_anomaly_enabled()
+    try:
+        yield
+    finally:
+        torch.autograd.set_detect_anomaly(anomaly)
+
+
 @functools.cache
 def recbole():
     """The RecBole modules the corpus uses, imported once with the aliases set and anomaly detection undone."""
     numpy_aliases()
-    anomaly = torch.is_anomaly_enabled()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), anomaly_kept():
         warnings.simplefilter("ignore")
         from recbole.config import Config
         from recbole.data import create_dataset, data_preparation
         from recbole.data.transform import construct_transform
         from recbole.utils import get_model
-    torch.autograd.set_detect_anomaly(anomaly)
     logging.getLogger().setLevel(logging.ERROR)
     return types.SimpleNamespace(Config=Config, create_dataset=create_dataset, data_preparation=data_preparation,
                                  construct_transform=construct_transform, get_model=get_model)
@@ -122,10 +133,11 @@ def transform(name: str):
 def build(name: str, seed: int = 0) -> nn.Module:
     """RecBole model ``name`` with its initial weights drawn from ``seed``, in eval mode (dropout off, so the
     compiled and eager runs compare the same function)."""
-    dataset, _ = training_data(kind(name))
-    transform(name)
-    torch.manual_seed(seed)
-    return recbole().get_model(name)(config(name), dataset).eval()
+    with anomaly_kept():  # RecBole's Config imports the model's module: the first sequential one imports sine.py
+        dataset, _ = training_data(kind(name))
+        transform(name)
+        torch.manual_seed(seed)
+        return recbole().get_model(name)(config(name), dataset).eval()
 
 
 def batch(name: str, size: int, seed: int = 0):
