@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 # The 25 slowest tests are printed, so that a test growing slow is seen.
 PYTEST_ARGS ?= -n 2 --durations=25
+# The extras the venv installs beside the package (pyproject.toml).
+EXTRAS := test,torchrec,tf,docs
 
 .PHONY: venv browser run test test-slow wheel-check bench clean
 
@@ -15,7 +17,15 @@ $(STAMP):
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: the package's native kernels are built against it, without build isolation.
 	$(PY) -m pip install -q torch==2.13.0 setuptools
-	$(PY) -m pip install -q --no-build-isolation -e '.[test,torchrec,tf,docs]'
+	# The native kernels compile (build/native, setup.py) while pip installs the declared dependencies; the
+	# editable install after both then finds every object up to date and only links.
+	$(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+	    print(*p['dependencies'], *(r for e in '$(EXTRAS)'.split(',') for r in p['optional-dependencies'][e]), sep='\n')" \
+	    > $(VENV)/requirements.txt
+	$(PY) setup.py -q build_ext --inplace > $(VENV)/native-build.log 2>&1 & build=$$!; \
+	$(PY) -m pip install -q -r $(VENV)/requirements.txt || { kill $$build; exit 1; }; \
+	wait $$build || { cat $(VENV)/native-build.log; exit 1; }
+	$(PY) -m pip install -q --no-build-isolation -e '.[$(EXTRAS)]'
 	# torchrec and recbole (the MovieLens-100k data carrier and the test corpus's RecBole models) without their
 	# dependency pins: torchrec's would replace fbgemm-gpu-cpu with the CUDA build, recbole's pull ray and thop;
 	# the runtime packages RecBole's modules import are in the test extra.

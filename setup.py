@@ -35,6 +35,18 @@ except ImportError:
     sys.exit("recompile: torch must be installed before building (pip install torch==2.13.0, then "
              "pip install --no-build-isolation .)")
 
+
+class BuildNative(BuildExtension):
+    """BuildExtension with its object files in the checkout's build/native, whatever the command: ninja then
+    compiles only what changed since the last build of this checkout, so the wheel built after the editable install
+    (make wheel-check) compiles nothing again. Setuptools' default is a temporary folder per editable install."""
+
+    def finalize_options(self) -> None:
+        if self.build_temp is None:
+            self.build_temp = os.path.join(HERE, "build", "native")
+        super().finalize_options()
+
+
 _require_compiler()
 # The runtime (runtime/ in the checkout) and the model zoo and scripts (models/) install as recompile.runtime and
 # recompile.models: no top-level "runtime" or "models" package to shadow a user's own. Their modules import each
@@ -43,4 +55,4 @@ FOLDERS = {"recompile.runtime": "runtime", "recompile.models": "models"}
 NESTED = [f"{name}.{p}" for name, folder in FOLDERS.items() for p in find_packages(os.path.join(HERE, folder))]
 setup(packages=find_packages(include=["recompile", "recompile.*", "hkv", "hkv.*"]) + list(FOLDERS) + NESTED,
       package_dir=FOLDERS,
-      ext_modules=_native().extensions(), cmdclass={"build_ext": BuildExtension})
+      ext_modules=_native().extensions(), cmdclass={"build_ext": BuildNative})

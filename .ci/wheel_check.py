@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """CI's wheel check: the wheel a user builds works in a fresh virtual environment.
 
-``pip wheel --no-build-isolation --no-deps`` on a copy of the working tree (no earlier build's leftovers), then a
-new venv gets ``torch==2.13.0`` and ``pip install <wheel>`` with its declared dependencies, as a user's would. Run
+``pip wheel --no-build-isolation --no-deps`` on the working tree, every file it packs checked against the tree's
+(tracked and new, not ignored: no earlier build's leftovers), then a new venv gets ``torch==2.13.0`` and
+``pip install <wheel>`` with its declared dependencies, as a user's would. The wheel's build reuses the object files
+of the checkout's last native build (build/native, setup.py: ninja compiles what changed since; after ``make venv``,
+nothing) and packs the freshly linked libraries from a new build folder. Run
 from outside the checkout with no C++ compiler on PATH, ``import hkv`` and ``import recompile.distributed`` build
 nothing, and the zoo's DLRM compiles with rec_ascend, every pass on, its native kernels chosen, no fallback, with
 eager's numbers. ``make wheel-check`` runs it; ``.ci/run`` calls that after the tests.
 """
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,30 +61,39 @@ def _run(cmd, **kw):
     return result
 
 
-def _checkout(dest) -> str:
-    """The working tree's files (tracked and new, not ignored) in ``dest``: a build that no earlier build's
-    leftovers (build/, in-place libraries) can reach."""
+def _tree() -> set:
+    """The working tree's files (tracked and new, not ignored)."""
     files = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT).stdout
-    for name in filter(None, files.split("\0")):
-        if os.path.isfile(os.path.join(ROOT, name)):
-            os.makedirs(os.path.dirname(os.path.join(dest, name)) or dest, exist_ok=True)
-            shutil.copy2(os.path.join(ROOT, name), os.path.join(dest, name))
-    return str(dest)
+    return {name for name in files.split("\0") if name and os.path.isfile(os.path.join(ROOT, name))}
 
+
+def _source(name: str) -> str:
+    """The checkout path of the wheel's file ``name`` (setup.py's package_dir: recompile.runtime is runtime/)."""
+    for package, folder in (("recompile/runtime/", "runtime/"), ("recompile/models/", "models/")):
+        if name.startswith(package):
+            return folder + name[len(package):]
+    return name
 
 
 def main(work: str) -> None:
     start = time.monotonic()
     dist, venv = os.path.join(work, "dist"), os.path.join(work, "venv")
-    source = _checkout(os.path.join(work, "src"))
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", dist, source],
-         cwd=work, env={**os.environ, "MAX_JOBS": str(os.cpu_count() or 1)})
+    # A new build folder (build_lib, bdist_dir) through distutils' extra config file; the objects stay in build/native.
+    config = os.path.join(work, "build.cfg")
+    with open(config, "w") as f:
+        f.write(f"[build]\nbuild_base = {os.path.join(work, 'build')}\n")
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", dist, ROOT],
+         cwd=work, env={**os.environ, "MAX_JOBS": str(os.cpu_count() or 1), "DIST_EXTRA_CONFIG": config})
     [wheel] = [os.path.join(dist, n) for n in os.listdir(dist) if n.startswith("recompile-") and n.endswith(".whl")]
     names = zipfile.ZipFile(wheel).namelist()
+    tree, libraries = _tree(), ("recompile/runtime/_C", "hkv/_C")
+    stray = [n for n in names if ".dist-info/" not in n and _source(n) not in tree
+             and not (n.startswith(libraries) and n.endswith(".so"))]
+    assert not stray, f"the wheel packs files that are not the tree's: {stray[:10]}"
     for needed in ("recompile/runtime/csrc/ops.cpp", "recompile/runtime/csrc/embedding.h", "hkv/csrc/probe.h"):
         assert needed in names, f"the wheel lacks {needed}"
     assert not any(n.startswith(("runtime/", "models/")) for n in names), "the wheel installs a top-level package"
-    for lib in ("recompile/runtime/_C", "hkv/_C"):
+    for lib in libraries:
         assert any(n.startswith(lib) and n.endswith(".so") for n in names), f"the wheel lacks {lib}*.so"
     _run([sys.executable, "-m", "venv", venv])
     python = os.path.join(venv, "bin", "python")

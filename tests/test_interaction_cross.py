@@ -285,8 +285,10 @@ def test_mixture_with_an_outside_use_is_left_alone():
     assert _regions(Leaky(6, 2, 3), torch.randn(4, 6), torch.randn(4, 6)) == []
 
 
+# The full-rank stack is slow: make test keeps the low-rank one (same regions and compiles) and the zoo's full-rank
+# stacked DCN-v2 through rec_ascend, forward and gradients (test_models.py zoo[dcn_v2]).
 @pytest.mark.parametrize("cfg", [
-    DCNConfig(table_rows=[40, 50, 60], dim=4, num_cross=3, deep=[8]),
+    pytest.param(DCNConfig(table_rows=[40, 50, 60], dim=4, num_cross=3, deep=[8]), marks=pytest.mark.slow),
     DCNConfig(table_rows=[40, 50, 60], dim=4, num_cross=3, low_rank=3, deep=[8]),
     DCNConfig(table_rows=[40, 50, 60], dim=4, num_cross=2, low_rank=3, num_experts=3, deep=[8]),
 ], ids=["stacked", "stacked_low_rank", "mixture"])

@@ -120,6 +120,9 @@ def test_dot_interaction_forms_found_and_equal_eager(form):
         _assert_same_training(model, args)
 
 
+# Slow: make test keeps the same DLRM's regions (test_interaction_race.py::test_regions_are_those_of_the_graph_that_runs)
+# and the zoo DLRM's forward and gradients through rec_ascend (test_models.py zoo[dlrm]).
+@pytest.mark.slow
 def test_dlrm_of_the_zoo():
     model, args = DLRM(SMALL), synthetic_batch(SMALL, 9)
     ops = [r["op"] for r in _regions(model, *args)]

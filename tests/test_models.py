@@ -21,10 +21,10 @@ def _loss_and_grads(model, workload, inputs):
                            for n, p in model.named_parameters() if p.grad is not None}
 
 
-# Three heavy compiles run with `make test-slow`: their paths are covered in `make test` by the SASRec layer
+# Four heavy compiles run with `make test-slow`: their paths are covered in `make test` by the SASRec layer
 # (tests/test_jagged_pass.py) and the corpus's SASRec, TorchRec's DLRM (tests/test_embedding_torchrec.py, the
-# corpus) and the two-tower zoo model.
-SLOW_ZOO = {"sasrec", "dlrm_torchrec", "two_tower_mol"}
+# corpus), the two-tower zoo model, and the zoo's dcn_v2 with test_interaction_cross.py's low-rank DCN-v2.
+SLOW_ZOO = {"sasrec", "dlrm_torchrec", "two_tower_mol", "dcn_v2_lowrank_parallel"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_ZOO else n for n in sorted(MODELS)])
