@@ -17,7 +17,7 @@ from recompile import runtime  # noqa: F401  (defines torch.ops.recompile.*)
 from recompile import autotune
 from recompile.lowering import Target, detect_target
 from recompile.options import RecompileOptions
-from recompile.passes.split_padding import pad_split_once
+from recompile.split_padding import pad_split_once
 from recompile.pipeline import PassContext, run_pipeline
 from recompile.repeated_layers import layer_config_patches, outline_repeated_layers
 from recompile.tracing import TRACING_CONFIG, TracingCalls, forward_backend_context  # noqa: F401  (TRACING_CONFIG: re-exported)
@@ -83,7 +83,7 @@ def rec_ascend(
 
     def inductor(graph: fx.GraphModule, inputs: Sequence[Any] = example_inputs):
         decompositions = inductor_decompositions(bool(autotune.size_slots(graph)))
-        # One padding of a split's pieces (passes.split_padding); then each stack of identical layers calls one
+        # One padding of a split's pieces (recompile.split_padding); then each stack of identical layers calls one
         # subgraph, compiled once (recompile.repeated_layers).
         graph = outline_repeated_layers(pad_split_once(graph))
         patches = {**config_patches, **layer_config_patches(graph)}

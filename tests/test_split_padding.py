@@ -1,4 +1,4 @@
-"""The paddings of one split's pieces become one padding (recompile.passes.split_padding): the graph Inductor gets
+"""The paddings of one split's pieces become one padding (recompile.split_padding): the graph Inductor gets
 pads once per split, builds fewer C++ kernels, and its outputs and gradients equal eager's; a piece whose user needs
 it contiguous keeps its own padding."""
 import re
@@ -8,7 +8,7 @@ import torch
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
 import recompile.backend
-from recompile.passes.split_padding import pad_split_once
+from recompile.split_padding import pad_split_once
 from tests.checks import train_step
 
 fbgemm = pytest.importorskip("fbgemm_gpu")

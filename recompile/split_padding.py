@@ -1,4 +1,5 @@
-"""Padding the pieces of one split at once, in every graph rec_ascend hands to Inductor (no rec region).
+"""split_padding: the pieces of one split padded at once, in every graph rec_ascend hands to Inductor (a step
+before Inductor, like ``repeated_layers``, not a rec pass: it finds no region and runs on the captured graph too).
 
 Pattern -> replacement -> why:
 
