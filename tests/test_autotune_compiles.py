@@ -494,3 +494,25 @@ def test_a_second_inductor_compile_needs_an_estimated_win_beyond_the_estimates_e
     assert hstu.ms(0.68) * (1 + autotune.MARGIN) < 0.68 and not hstu.can_win(0.68)
     sasrec = autotune.RewriteEstimate(floor_ms=0.175, kernels_ms=0.175, eager_ms=0.738, captured_eager_ms=1.15)
     assert sasrec.can_win(0.54)
+
+
+def test_a_tie_with_a_captured_graph_inductor_cannot_compile_compiles_the_rewrite(_cache, inductor_graphs, monkeypatch):
+    """The captured graph holding ATen's GRU ran fastest eagerly by a hair (RecBole GRU4Rec's loss at batch 2048:
+    53.0 against 53.2 ms) but Inductor would unroll it: Inductor compiles the rewrite (the GRU as one op), not nothing."""
+    from tests.test_gru import SequenceModel, train_step
+
+    def fastest_eagerly(graphs, sandbox, training, decision, budget_s):
+        decision.timings_ms.update({"eagerly:eager": 53.0, "eagerly:rec+eager": 53.2})
+        return "eager"
+
+    monkeypatch.setattr(autotune, "fastest_eagerly", fastest_eagerly)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, ids = SequenceModel(), torch.randint(0, 50, (4, 5))
+    got, want = train_step(torch.compile(model, backend="rec_ascend"), ids), train_step(model, ids)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    [graph] = inductor_graphs
+    assert _has_rec_ops(graph)
+    [decision] = _decisions(_cache)
+    assert "inductor" in decision["compile_s"]
+    assert decision["rejected"]["inductor-captured"] == "not compiled: Inductor would unroll its recurrent call step by step"
