@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from recompile.passes.utils import arg, is_call, meta_value, replace_node, tensor_meta, written
+from recompile.pipeline import example_value, graph_fake_mode
 from recompile.runtime.fbgemm import fbgemm_ops
 
 
@@ -77,33 +77,26 @@ def _padding_key(node: fx.Node) -> tuple | None:
 
 
 def _call(graph: fx.Graph, target: Any, args: tuple, before: fx.Node) -> fx.Node:
-    """A new call before ``before``, in its layer (``nn_module_stack``), its example value computed from its
-    inputs' under their fake mode."""
+    """A new call before ``before``, in its layer (``nn_module_stack``), with its example value."""
     with graph.inserting_before(before):
         node = graph.call_function(target, args)
     for key in ("nn_module_stack", "stack_trace"):
         if key in before.meta:
             node.meta[key] = before.meta[key]
-    node.meta["example_value"] = _fake(node, {})
+    example_value(node)  # its target run on its inputs' fake values, kept in its meta
     return node
-
-
-def _fake(node: fx.Node, values: dict[fx.Node, Any]) -> Any:
-    """``node`` run on its inputs' example values (``values`` in place of some), under their fake mode."""
-    fn = node.target if node.op == "call_function" else (lambda x, *a, **k: getattr(x, node.target)(*a, **k))
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: values.get(n, meta_value(n)))
-    fake = next((v.fake_mode for v in pytree.tree_leaves((args, kwargs)) if hasattr(v, "fake_mode")), None)
-    with fake or contextlib.nullcontext():
-        return fn(*args, **kwargs)
 
 
 def _takes(user: fx.Node, piece: fx.Node, value: torch.Tensor) -> bool:
     """Whether ``user`` computes a value of the same shape from ``value`` (a non-contiguous slice) in place of
-    ``piece``."""
+    ``piece``, run on its inputs' fake values."""
     if user.op not in ("call_function", "call_method") or written(user) or user.target in READS_STRIDES:
         return False
+    args, kwargs = fx.node.map_arg((user.args, user.kwargs), lambda n: value if n is piece else meta_value(n))
+    target = getattr(args[0], user.target) if user.op == "call_method" else user.target
     try:
-        got = _fake(user, {piece: value})
+        with graph_fake_mode(user.graph) or contextlib.nullcontext():
+            got = target(*args[user.op == "call_method":], **kwargs)
     except Exception:  # noqa: BLE001  (a view the slice's strides do not allow)
         return False
     want = meta_value(user)
