@@ -89,6 +89,7 @@ def test_building_a_sequential_model_leaves_anomaly_detection_off():
     """RecBole's sequential package turns autograd's anomaly detection on at its import (sine.py), which the first
     sequential model built imports: every step after it would record tracebacks and check gradients (the corpus
     bench timed 26 of its 48 cases so). A fresh process, so that the package is imported by this build."""
-    code = ("import torch; from models.corpus.harness import CASES; CASES['recbole/SASRec:loss'].make(0); "
-            "assert not torch.is_anomaly_enabled(), 'anomaly detection left on'")
+    code = ("import torch; from models.corpus.harness import CASES; case = CASES['recbole/SASRec:loss']; "
+            "case.inputs(16, 0); assert not torch.is_anomaly_enabled(), 'on after the inputs'; "
+            "case.make(0); assert not torch.is_anomaly_enabled(), 'on after the model'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -6,8 +6,8 @@ packages its config, data and model modules import are in the ``test`` extra. Tw
 - it reads NumPy 1 aliases (``np.float_`` ...) at import: ``numpy_aliases`` defines the ones NumPy 2 removed,
   before the first import, and leaves NumPy otherwise alone;
 - importing its sequential models turns on autograd anomaly detection for the whole process
-  (``sine.py``: ``torch.autograd.set_detect_anomaly(True)``): ``anomaly_kept`` puts it back around the imports
-  (``recbole()``) and the model's (``build``).
+  (``sine.py``: ``torch.autograd.set_detect_anomaly(True)``): ``anomaly_kept`` puts it back around every call
+  that imports RecBole's modules (``recbole()``, ``config``'s ``Config``, ``build``'s ``get_model``).
 
 Models are built through RecBole's own ``Config`` / ``create_dataset`` / ``data_preparation``, so their
 hyper-parameters are RecBole's defaults for ml-100k except the sizes ``SMALL`` shrinks, and batches are its
@@ -64,8 +64,8 @@ def numpy_aliases() -> None:
 @contextlib.contextmanager
 def anomaly_kept():
     """Autograd's anomaly detection as it was before the block: importing RecBole's sequential models (its
-    ``sine.py``, imported with the first one ``get_model`` finds) turns it on for the whole process, and every
-    step after it would record each op's traceback and check each gradient."""
+    ``sine.py``, imported with the first one a ``Config`` or ``get_model`` names) turns it on for the whole process,
+    and every step after it would record each op's traceback and check each gradient."""
     anomaly = torch.is_anomaly_enabled()
     try:
         yield
@@ -102,7 +102,8 @@ def _params(name: str) -> dict:
 @functools.cache
 def config(name: str):
     """RecBole's configuration of model ``name`` on ml-100k (its defaults, the sizes ``SMALL`` sets)."""
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+    # Config imports the model's module (anomaly_kept: a sequential one's package turns anomaly detection on)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), anomaly_kept():
         warnings.simplefilter("ignore")
         return recbole().Config(model=name, dataset="ml-100k", config_dict=_params(name))
 
@@ -133,11 +134,12 @@ def transform(name: str):
 def build(name: str, seed: int = 0) -> nn.Module:
     """RecBole model ``name`` with its initial weights drawn from ``seed``, in eval mode (dropout off, so the
     compiled and eager runs compare the same function)."""
-    with anomaly_kept():  # RecBole's Config imports the model's module: the first sequential one imports sine.py
-        dataset, _ = training_data(kind(name))
-        transform(name)
-        torch.manual_seed(seed)
-        return recbole().get_model(name)(config(name), dataset).eval()
+    dataset, _ = training_data(kind(name))
+    transform(name)
+    with anomaly_kept():
+        model_class = recbole().get_model(name)
+    torch.manual_seed(seed)
+    return model_class(config(name), dataset).eval()
 
 
 def batch(name: str, size: int, seed: int = 0):
