@@ -1256,9 +1256,8 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
     made)."""
     fastest = fastest_eagerly(graphs, sandbox, training, decision, budget_s) if len(graphs) > 1 else next(iter(graphs))
     why = f"{fastest} ran fastest eagerly"
-    if unrolls(graphs[fastest]()):
-        fastest = compilable_fastest(graphs, decision, fastest)
-        why = f"{fastest} ran fastest eagerly of the graphs Inductor compiles without unrolling"
+    if unrolls(graphs[fastest]()) and (compilable := compilable_fastest(graphs, decision)) is not None:
+        fastest, why = compilable, f"{compilable} ran fastest eagerly of the graphs Inductor compiles without unrolling"
     keep = {inductor_of(fastest)}
     floor_ms = 0.0
     if "eager" in graphs:
@@ -1295,12 +1294,12 @@ def choose_compiles(graphs: dict[str, Callable[[], fx.GraphModule]], builders: d
 RECURRENT = (torch.gru, torch.lstm, torch.rnn_tanh, torch.rnn_relu)
 
 
-def compilable_fastest(graphs: dict[str, Callable[[], fx.GraphModule]], decision: Decision, fastest: str) -> str:
+def compilable_fastest(graphs: dict[str, Callable[[], fx.GraphModule]], decision: Decision) -> str | None:
     """The graph that ran fastest eagerly (``eagerly:`` timings) among those Inductor compiles without unrolling a
-    recurrent call, ``fastest`` where none: the captured graph holding ATen's GRU that ties the rewrite eagerly (RecBole
+    recurrent call, None where none: the captured graph holding ATen's GRU that ties the rewrite eagerly (RecBole
     GRU4Rec's loss at batch 2048) must not leave the rewrite, which plain Inductor's breaks let it beat, uncompiled."""
     timed = [name for name in graphs if f"eagerly:{name}" in decision.timings_ms and not unrolls(graphs[name]())]
-    return min(timed, key=lambda name: decision.timings_ms[f"eagerly:{name}"], default=fastest)
+    return min(timed, key=lambda name: decision.timings_ms[f"eagerly:{name}"], default=None)
 
 
 def unrolls(gm: fx.GraphModule) -> bool:
