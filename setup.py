@@ -8,6 +8,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import tomllib
 
 from setuptools import find_packages, setup
 
@@ -48,10 +49,11 @@ class BuildNative(BuildExtension):
 
 
 _require_compiler()
-# The runtime (runtime/ in the checkout) and the model zoo and scripts (models/) install as recompile.runtime and
-# recompile.models: no top-level "runtime" or "models" package to shadow a user's own. Their modules import each
-# other relatively; a checkout finds them under the same names (recompile/__init__.py).
-FOLDERS = {"recompile.runtime": "runtime", "recompile.models": "models"}
+# runtime/ and models/ install as recompile.runtime and recompile.models (pyproject.toml's package-dir, read here for
+# their subpackages). Their modules import each other relatively; a checkout finds them under the same names
+# (recompile/__init__.py).
+with open(os.path.join(HERE, "pyproject.toml"), "rb") as f:
+    FOLDERS = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
 NESTED = [f"{name}.{p}" for name, folder in FOLDERS.items() for p in find_packages(os.path.join(HERE, folder))]
 setup(packages=find_packages(include=["recompile", "recompile.*", "hkv", "hkv.*"]) + list(FOLDERS) + NESTED,
       package_dir=FOLDERS,

@@ -15,10 +15,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH = "torch==2.13.0"
+with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:  # recompile.runtime is runtime/, as setup.py installs it
+    FOLDERS = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
 
 CHILD = r"""
 import os, sys
@@ -68,10 +71,11 @@ def _tree() -> set:
 
 
 def _source(name: str) -> str:
-    """The checkout path of the wheel's file ``name`` (setup.py's package_dir: recompile.runtime is runtime/)."""
-    for package, folder in (("recompile/runtime/", "runtime/"), ("recompile/models/", "models/")):
-        if name.startswith(package):
-            return folder + name[len(package):]
+    """The checkout path of the wheel's file ``name`` (``FOLDERS``: recompile/runtime/x is runtime/x)."""
+    for package, folder in FOLDERS.items():
+        prefix = package.replace(".", "/") + "/"
+        if name.startswith(prefix):
+            return f"{folder}/{name[len(prefix):]}"
     return name
 
 

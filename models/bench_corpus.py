@@ -20,8 +20,9 @@ Inductor and recompile cache folders, Inductor's FX-graph and AOT-autograd cache
   compile and why), which the verdict quotes where rec_ascend is slower than min(eager, Inductor);
 - whether rec_ascend's output (and gradients) equal eager's (1e-5 / 1e-4 relative);
 - the model's floor, a lower bound: the math of its dense GEMMs (``floor_gemms``: each as its canonical GEMM
-  whatever its spelling; for training the backward's for the operands that need a gradient) timed alone, plus
-  its lookups' bytes over the measured memory bandwidth; beside it the compiled call's own cost (``call_ms``);
+  whatever its spelling, a convolution's its im2col's; for training the backward's for the operands that need a
+  gradient) timed alone, a memory-bound one no more than its bytes over the measured memory bandwidth, plus its
+  lookups' bytes over that bandwidth; beside it the compiled call's own cost (``call_ms``);
 - the rec pass pipeline's time per captured graph.
 Writes the JSON and renders the corpus table into the doc between its ``corpus-table`` markers. Figures from a
 loaded machine are marked so by the caller; ``--quick`` is a smoke run (four models, batch 128 and 1, one round).
@@ -71,9 +72,9 @@ ROUNDS = 5  # timed rounds of the full run, each backend once per round, interle
 WARMUP = 2 * SHORT_CHECK_CALLS + 1
 SAMPLE_MS = 10.0  # a timed sample lasts at least this long for the fastest backend (``timing.autorange``)
 TABLE_START, TABLE_END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
+CONVS = {torch.conv1d, torch.conv2d, torch.nn.functional.conv1d, torch.nn.functional.conv2d}
 GEMMS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
-         torch.baddbmm, torch.einsum, torch.tensordot, operator.matmul, torch.conv1d, torch.conv2d,
-         torch.nn.functional.conv1d, torch.nn.functional.conv2d}
+         torch.baddbmm, torch.einsum, torch.tensordot, operator.matmul} | CONVS
 GEMM_METHODS = {"matmul", "mm", "bmm"}
 
 
@@ -164,6 +165,13 @@ def bandwidth_gbs(megabytes: int = 256, clock=time.perf_counter) -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
+def peak_gflops(size: int = 512, clock=time.perf_counter) -> float:
+    """Measured GEMM throughput: a [size, size] x [size, size] ``mm`` timed as the floor's GEMMs are. With the copy
+    bandwidth it splits GEMMs into memory-bound and compute-bound ones (``_gemm_floor_ms``)."""
+    a, b, out = torch.randn(size, size), torch.randn(size, size), torch.empty(size, size)
+    return 2 * size**3 / _steady_ms(lambda: torch.mm(a, b, out=out), 3, clock) / 1e6
+
+
 def _timed(fn, clock=time.perf_counter) -> float:
     start = clock()
     fn()
@@ -198,8 +206,10 @@ def floor_gemms(graphs: list[fx.GraphModule], training: bool) -> tuple[collectio
     [M, K] x [K, N] (``batch`` > 1: a bmm of truly batched operands), counted; for training also the backward's,
     dA = dC B^T and dB = A^T dC, for the operands that need a gradient. A batch dim along which one operand is
     broadcast joins the other's rows or columns (``matmul(W, x.unsqueeze(2))`` is one [D, D] x [D, B] GEMM, which
-    ATen runs by copying W B times); C^T = B^T A^T, so the larger of M and N is the rows. Beside them the GEMM
-    nodes whose math is not read this way (convolutions, other einsums), timed as spelled."""
+    ATen runs by copying W B times); C^T = B^T A^T, so the larger of M and N is the rows. A convolution is the GEMM
+    of its im2col, W [C_out, C_in * kernel] x [C_in * kernel, B * output positions] per group (with kernel size 1,
+    stride 1, no padding or dilation: exactly its GEMM). Beside them the GEMM nodes whose math is not read this way
+    (einsums of other forms, operands given by keyword), timed as spelled."""
     gemms, spelled = collections.Counter(), []
     for gm in graphs:
         for node in gm.graph.nodes:
@@ -224,8 +234,11 @@ def _canonical(g: int, m: int, k: int, n: int, dtype: torch.dtype) -> tuple:
 
 def _gemm_dims(node: fx.Node):
     """``((batch, M, K, N, dtype), (A needs grad, B needs grad))`` of a matmul-like node, None where it is spelled
-    otherwise (keywords, a convolution, an einsum of other than two operands)."""
+    otherwise (keywords, an einsum of other than two operands)."""
     fn, args = _gemm_call(node), [_value(a) for a in node.args]
+    if fn in CONVS:
+        groups = args[6] if len(args) > 6 else node.kwargs.get("groups", 1)
+        return _conv_dims(args[0], args[1], _value(node), groups) if len(args) > 1 else None
     if fn is torch.einsum:
         return _einsum_dims(node.args[0], args[1:])
     if fn is torch.tensordot:
@@ -260,6 +273,16 @@ def _matmul_dims(a: list[int], b: list[int], dtype: torch.dtype) -> tuple:
     return g, m, k, n, dtype
 
 
+def _conv_dims(x, weight, out, groups: int):
+    """The im2col GEMM of a convolution of ``x`` by ``weight`` [C_out, C_in / groups, *kernel] into ``out``."""
+    if not all(isinstance(t, torch.Tensor) for t in (x, weight, out)) or not isinstance(groups, int):
+        return None
+    c_out, c_in, *kernel = [_hint(d) for d in weight.shape]
+    spatial = [_hint(d) for d in out.shape]  # [B, C_out, *positions], or [C_out, *positions] unbatched
+    rows = math.prod(spatial[-len(kernel):]) * (spatial[0] if out.dim() == weight.dim() else 1)
+    return (groups, c_out // groups, c_in * math.prod(kernel), rows, weight.dtype), _grads(weight, x)
+
+
 def _einsum_dims(equation, operands: list):
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = [_value(o) for o in operands[0]]
@@ -292,12 +315,12 @@ def _grads(a, b) -> tuple[bool, bool]:
     return bool(getattr(a, "requires_grad", False)), bool(getattr(b, "requires_grad", False))
 
 
-def floor_ms(graphs: list[fx.GraphModule], training: bool, gbs: float, rounds: int, clock=time.perf_counter) -> dict:
-    """A lower bound of a step: its dense GEMMs' math (``floor_gemms``) each timed alone in the canonical form on
-    contiguous inputs into a preallocated output, steady state (``autorange``'s back-to-back calls, best of
-    ``rounds``), plus its lookups' bytes over ``gbs``."""
+def floor_ms(graphs: list[fx.GraphModule], training: bool, gbs: float, gflops: float, rounds: int,
+             clock=time.perf_counter) -> dict:
+    """A lower bound of a step: its dense GEMMs' math (``floor_gemms``) each bounded by ``_gemm_floor_ms``, plus
+    its lookups' bytes over ``gbs``."""
     gemms, spelled = floor_gemms(graphs, training)
-    gemm_ms = sum(count * _canonical_ms(shape, rounds, clock) for shape, count in gemms.items())
+    gemm_ms = sum(count * _gemm_floor_ms(shape, gbs, gflops, rounds, clock) for shape, count in gemms.items())
     for node in spelled:
         args = fx.node.map_aggregate(node.args, lambda a: _materialize(a, training))
         kwargs = fx.node.map_aggregate(node.kwargs, lambda a: _materialize(a, training))
@@ -310,7 +333,20 @@ def floor_ms(graphs: list[fx.GraphModule], training: bool, gbs: float, rounds: i
             "ms": gemm_ms + lookup_ms}
 
 
+def _gemm_floor_ms(shape: tuple, gbs: float, gflops: float, rounds: int, clock) -> float:
+    """A GEMM's floor: timed alone (``_canonical_ms``); a memory-bound one (thin: a matrix-vector or low-rank
+    product, or batched tiny ones, whose flops at ``gflops`` take less time than its operands' and output's bytes
+    at ``gbs``) no more than those bytes over ``gbs``, which a kernel fused around it can reach and ``mm`` alone,
+    with its per-call and per-matrix overheads, does not."""
+    g, m, k, n, dtype = shape
+    bytes_ms = g * (m * k + k * n + m * n) * dtype.itemsize / gbs / 1e6
+    timed = _canonical_ms(shape, rounds, clock)
+    return min(timed, bytes_ms) if 2 * g * m * k * n / gflops / 1e6 < bytes_ms else timed
+
+
 def _canonical_ms(shape: tuple, rounds: int, clock) -> float:
+    """ms of the GEMM ``shape`` timed alone on contiguous inputs into a preallocated output, steady state
+    (``autorange``'s back-to-back calls, best of ``rounds``)."""
     g, m, k, n, dtype = shape
     batch = (g,) if g > 1 else ()
     a, b = torch.randn(*batch, m, k, dtype=dtype), torch.randn(*batch, k, n, dtype=dtype)
@@ -477,7 +513,8 @@ def _cold_compile(case: Case, backend: str, rows: int) -> dict:
             "cpu_s": max(0.0, first_cpu - min(c for _, c in steady))}
 
 
-def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False, clock=time.perf_counter) -> dict:
+def bench_case(case: Case, rounds: int, gbs: float, gflops: float, quick: bool = False,
+               clock=time.perf_counter) -> dict:
     torch._dynamo.reset()
     modules = {b: case.make(0) for b in BACKENDS}
     fns = {"eager": modules["eager"], "inductor": torch.compile(modules["inductor"], backend="inductor"),
@@ -522,7 +559,7 @@ def bench_case(case: Case, rounds: int, gbs: float, quick: bool = False, clock=t
         except Exception as exc:  # noqa: BLE001  (reported; the run goes on to the next case)
             errors[f"capture at batch {b}"] = error_text(exc)
             graphs, pass_ms, regions, breaks = [], [], collections.Counter(), None
-        floors[b] = floor_ms(graphs, case.training, gbs, rounds, clock)
+        floors[b] = floor_ms(graphs, case.training, gbs, gflops, rounds, clock)
         try:
             calls[b] = call_ms(case, inputs[b], rounds, clock)
         except Exception as exc:  # noqa: BLE001
@@ -693,7 +730,9 @@ def main(argv: list[str] | None = None) -> dict:
     chosen = args.models or (QUICK_MODELS if args.quick else models)
     rounds = 1 if args.quick else args.rounds
     gbs = bandwidth_gbs(64 if args.quick else 256, clock)
-    print(f"copy bandwidth {gbs:.1f} GB/s, {torch.get_num_threads()} threads, load average {load[0]:.1f}", flush=True)
+    gflops = peak_gflops(clock=clock)
+    print(f"copy bandwidth {gbs:.1f} GB/s, GEMM {gflops:.0f} GFLOP/s, {torch.get_num_threads()} threads, "
+          f"load average {load[0]:.1f}", flush=True)
     cases = ([CASES[name] for name in args.cases] if args.cases else
              [c for model in chosen for c in CASES.values() if c.model == model])  # in the order given
     rows = kept_rows(args.json, cases, args.resume, args.replace)
@@ -701,11 +740,12 @@ def main(argv: list[str] | None = None) -> dict:
     total = len(CASES) if not args.quick and (args.resume or args.replace) else len(cases)
     result = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
               "threads": torch.get_num_threads(), "clock": "cpu" if args.cpu_time else "wall", "commit": commit(),
-              "quick": args.quick, "rounds": rounds, "bandwidth_gbs": gbs, "loadavg": load, "cases": total, "rows": rows}
+              "quick": args.quick, "rounds": rounds, "bandwidth_gbs": gbs, "peak_gflops": gflops, "loadavg": load,
+              "cases": total, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     done = {r["case"] for r in rows}
     for case in (c for c in cases if c.name not in done):
-        row = bench_case(case, rounds, gbs, args.quick, clock)
+        row = bench_case(case, rounds, gbs, gflops, args.quick, clock)
         result["rows"] = sorted(result["rows"] + [row], key=lambda r: order.get(r["case"], len(order)))
         print(f"{row['case']:40s} equal={row['numbers_equal']} compile " +
               " ".join(f"{k} {v:.1f}s ({row['compile_cpu_s'].get(k, nan):.1f} s CPU)"

@@ -1,14 +1,16 @@
 """The corpus benchmark's report: the verdict names the race's decision where rec_ascend is slower than
 min(eager, Inductor) and the floor's parts where it is above 1.5x its floor; a partial run's table says so. Its
 timing: inference steps under no_grad, each sample a run of back-to-back calls (the same count per backend); a
-stopped run resumes, a shard replaces only its own rows. Its floor: the GEMMs' math, whatever their spelling."""
+stopped run resumes, a shard replaces only its own rows. Its floor: the GEMMs' math, whatever their spelling (a
+convolution's its im2col GEMM), a memory-bound GEMM's no more than its bytes over the bandwidth."""
 import json
 
 import pytest
 import torch
 
+import models.bench_corpus as bench_corpus
 from models.bench_corpus import (TABLE_END, TABLE_START, _matmul_dims, call_ms, capture, describe_decision,
-                                 floor_gemms, kept_rows, own_process_compile, race, render_table,
+                                 floor_gemms, floor_ms, kept_rows, own_process_compile, race, render_table,
                                  step_fn, verdict, write_doc)
 from models.corpus.harness import CASES, Case
 from models.timing import autorange
@@ -196,6 +198,52 @@ def test_the_floor_keeps_a_truly_batched_gemm_batched_and_folds_a_broadcast_one(
     assert _matmul_dims([8, 2, 12, 16], [16, 32], torch.float32) == (1, 192, 16, 32, torch.float32)
     assert _matmul_dims([32, 16], [8, 16, 1], torch.float32) == (1, 32, 16, 8, torch.float32)
     assert _matmul_dims([8, 1, 12, 16], [1, 2, 16, 12], torch.float32) == (1, 96, 16, 24, torch.float32)
+
+
+class _Conv1x1(_ColumnGemm):
+    """xDeepFM's CIN: a kernel-1 conv1d over [B, C_in, L], the GEMM ``W @ x`` of its ``matmul`` spelling."""
+
+    def __init__(self, conv: bool):
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x):
+        x = x.view(x.shape[0], D // 4, 4)
+        if self.conv:
+            return torch.conv1d(x, self.W[:, :D // 4, None]).sum()
+        return torch.matmul(self.W[:, :D // 4], x).sum()
+
+
+def test_a_kernel_1_convolution_is_the_gemm_of_its_matmul_spelling_another_the_gemm_of_its_im2col():
+    for training in (False, True):
+        gemms = [floor_gemms(_graphs(lambda: _Conv1x1(conv), training), training) for conv in (True, False)]
+        assert gemms[0] == gemms[1] and gemms[0][0][(1, 512 * 4, D // 4, D, torch.float32)] == 1, training
+        assert sum(gemms[0][0].values()) == (2 if training else 1)  # dW: the input needs no gradient
+
+    class Conv2d(torch.nn.Module):  # 3x3, stride 2, padded, two groups: [8, 18] x [18, B * 4 * 4] per group
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 16, 3, stride=2, padding=1, groups=2)
+
+        def forward(self, x):
+            return self.conv(x.view(x.shape[0], 4, 8, 2)).sum()
+
+    assert floor_gemms(_graphs(Conv2d, False), False) == ({(2, 512 * 4 * 1, 18, 8, torch.float32): 1}, [])
+
+
+def test_a_memory_bound_gemms_floor_is_its_bytes_over_the_bandwidth_where_mm_is_slower(monkeypatch):
+    monkeypatch.setattr(bench_corpus, "_canonical_ms", lambda shape, rounds, clock: 1.0)  # mm alone: 1 ms each
+    gbs, gflops = 10.0, 100.0
+    gemv = (1, 4096, 256, 1, torch.float32)  # 2 MFLOP: 0.02 ms of math, 4.2 MB: 0.42 ms of bytes
+    square = (1, 1024, 1024, 1024, torch.float32)  # 2.1 GFLOP: 21 ms of math, 12.6 MB: 1.26 ms of bytes
+    assert bench_corpus._gemm_floor_ms(gemv, gbs, gflops, 1, None) == pytest.approx(
+        (4096 * 256 + 256 + 4096) * 4 / gbs / 1e6)
+    assert bench_corpus._gemm_floor_ms(square, gbs, gflops, 1, None) == 1.0  # compute bound: the timed mm
+    monkeypatch.setattr(bench_corpus, "_canonical_ms", lambda shape, rounds, clock: 0.1)
+    assert bench_corpus._gemm_floor_ms(gemv, gbs, gflops, 1, None) == 0.1  # mm faster than the bound: mm
+    monkeypatch.setattr(bench_corpus, "_canonical_ms", lambda shape, rounds, clock: 1.0)
+    floor = floor_ms(_graphs(_RowGemm, False, rows=4096), False, gbs, 1e9, 1)  # every GEMM memory bound
+    assert floor["gemm_ms"] == pytest.approx((4096 * D + D * D + 4096 * D) * 4 / gbs / 1e6)
 
 
 def test_the_compiled_calls_own_cost_is_its_own_field_beside_the_floor():
