@@ -1,5 +1,8 @@
 """rec_ascend compiles Inductor's graphs without its per-call size and stride asserts (``backend.CALL_CONFIG``): what
 they checked, Dynamo's guards hold, so inputs of other strides or sizes recompile and give eager's numbers."""
+import collections
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -53,3 +56,56 @@ def test_compiled_graph_has_no_size_asserts(monkeypatch):
     with torch.no_grad():
         torch.compile(Dense(), backend="rec_ascend", options={"autotune": False})(torch.randn(5, 4))
     assert seen and all(patches.get("size_asserts") is False for patches in seen)
+
+
+def _frames(call) -> collections.Counter:
+    """The Python functions ``call()`` runs, by file and name, counted (the file of a compiled graph's code, which
+    Inductor names by its hash, as ``<generated>``)."""
+    seen = collections.Counter()
+    generated = torch._inductor.codecache.cache_dir()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            path = frame.f_code.co_filename
+            seen["<generated>" if path.startswith(generated) else path, frame.f_code.co_name] += 1
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_a_settled_inductor_choice_is_called_as_plain_inductors_graph(tmp_path, monkeypatch):
+    """Once the race keeps Inductor and its check in place is over, a call runs the Python frames of plain
+    Inductor's call plus rec_ascend's own (its backend context's count of calls in progress, the CompiledGraph's
+    dispatch) and nothing else: no second ``torch._dynamo.disable`` wrapper around the compiled graph (AOT
+    autograd's, inside Dynamo's around the CompiledGraph)."""
+    from recompile import autotune
+    from recompile import backend as rec_backend
+
+    monkeypatch.setenv("RECOMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "fastest", lambda samples, incumbents=(), margin=0.0: (
+        "inductor-captured" if "inductor-captured" in samples else next(iter(samples))))
+    returned = []
+
+    def backend(gm, example_inputs):
+        returned.append(rec_backend.rec_ascend(gm, example_inputs))
+        return returned[-1]
+
+    backend.backend_ctx_ctor = rec_backend.rec_ascend.backend_ctx_ctor
+    model, x = Dense(), torch.randn(8, 4)
+    compiled = {"inductor": torch.compile(model, backend="inductor"), "rec_ascend": torch.compile(model, backend=backend)}
+    with torch.no_grad():
+        for fn in compiled.values():
+            for _ in range(4 * autotune.SHORT_CHECK_CALLS):  # past the check in place
+                torch.testing.assert_close(fn(x), model(x), rtol=1e-5, atol=1e-6)
+        [graph] = returned
+        chooser = graph.chooser
+        assert chooser.decision.choice == "inductor-captured" and chooser.run is chooser.candidates["inductor-captured"]
+        assert not hasattr(chooser.run, "_torchdynamo_orig_callable")  # the compile itself, not a disable wrapper
+        frames = {name: _frames(lambda fn=fn: fn(x)) for name, fn in compiled.items()}
+    added = frames["rec_ascend"] - frames["inductor"]
+    own = {key for key in added if "/recompile/" in key[0] or key[1] == "call_backend_ctx"}
+    assert own and set(added) == own, added
