@@ -171,6 +171,27 @@ def test_a_race_whose_rounds_disagree_keeps_the_safe_candidate_and_caches_nothin
     assert not list((_cache / "autotune").glob("*.json"))
 
 
+def test_an_unsettled_race_keeps_the_faster_incumbent_its_rounds_settle(_cache, monkeypatch):
+    """Inductor on the captured graph steadily beats eager; the rewrite through Inductor is faster at the median
+    but slower than both in three rounds of eight: the race keeps Inductor on the captured graph, not eager (TorchRec
+    DeepFM's forward at batch 2048 kept eager, 0.82x of Inductor), and caches nothing."""
+    shaky = [0.5, 0.5, 0.5, 0.5, 0.5, 1.2, 1.2, 1.2]
+    times = {"inductor-captured": [0.8] * 8}
+    monkeypatch.setattr(autotune, "race", fake_race(lambda name: times.get(name, shaky if "inductor" in name else [1.0] * 8)))
+    # both Inductor graphs compiled
+    monkeypatch.setattr(autotune, "choose_compiles", lambda graphs, builders, *args, **kwargs: ("rec+eager", None))
+    monkeypatch.setattr(autotune, "captured_cannot_win", lambda *args: None)
+    chosen = []
+    monkeypatch.setattr(autotune, "CompiledGraph", lambda chooser: chosen.append(chooser) or chooser.first_call)
+    model, x = Cross(), torch.randn(8, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="rec_ascend")(x), model(x), rtol=1e-5, atol=1e-5)
+    [chooser] = chosen
+    assert {"eager", "inductor-captured", "inductor"} <= set(chooser.candidates)
+    assert chooser.decision.choice == "inductor-captured" and "rounds disagree" in " ".join(chooser.decision.rejected.values())
+    assert not list((_cache / "autotune").glob("*.json"))
+
+
 def test_a_decision_is_raced_again_under_other_conditions(_cache, monkeypatch):
     """A decision taken while the machine was busy (or on another CPU, or with other threads) is not applied on
     a quiet one: each set of conditions has its own."""
