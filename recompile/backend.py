@@ -102,9 +102,8 @@ def options_for_mode(options: RecompileOptions | Mapping[str, Any] | None, mode:
     """The options, with no compile budget under ``MAX_AUTOTUNE_MODES`` (the user asked for compile time spent on
     speed) unless the options set one: a dict naming ``compile_budget``, or a ``RecompileOptions``."""
     opts = RecompileOptions.coerce(options)
-    if mode in MAX_AUTOTUNE_MODES and not isinstance(options, RecompileOptions) and "compile_budget" not in (options or {}):
-        return dataclasses.replace(opts, compile_budget=None)
-    return opts
+    explicit = isinstance(options, RecompileOptions) or "compile_budget" in (options or {})
+    return dataclasses.replace(opts, compile_budget=None) if mode in MAX_AUTOTUNE_MODES and not explicit else opts
 
 
 rec_ascend.backend_ctx_ctor = TracingCalls

@@ -55,7 +55,7 @@ class RecompileOptions:
                 raise ValueError(f"recompile option passes[{name!r}] must be True or False, got {on!r}")
         _check_embedding_optimizer(self.embedding_optimizer)
         budget = self.compile_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 1.0):
+        if budget is not None and (type(budget) not in (int, float) or not budget >= 1.0):
             raise ValueError(f"recompile option 'compile_budget' must be a number >= 1.0 (times plain Inductor's "
                              f"compile) or None (no limit), got {budget!r}")
         if self.dump_dir is None:

@@ -107,7 +107,8 @@ def test_the_captured_graph_after_the_fastest_graphs_compile_stays_within_the_bu
     assert [_has_rec_ops(g) for g in slow_compiles] == [True, False][:1 + second]
     assert ("inductor-captured" in decision["compile_s"]) == second
     if not second:
-        assert decision["rejected"]["inductor-captured"].startswith("not compiled: compile budget 1x plain Inductor's 10.")
+        assert decision["rejected"]["inductor-captured"].startswith(
+            "not compiled: compile budget 1x plain Inductor's 10.")
 
 
 def test_the_budget_estimates_a_compile_from_the_first_scaled_by_graph_size(budget_on):
