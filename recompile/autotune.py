@@ -23,6 +23,8 @@ example inputs and within ``BUDGET_S`` seconds:
    step is timed (``GraphChooser.admit_deferred``). Inference graphs skip the fastest one where Inductor has little
    to fuse around our ops (``inductor_can_win``). Without rec regions: the captured graph eagerly and through
    Inductor (one compile), Inductor kept unless eager wins by ``MARGIN`` (``CAPTURED_FIRST``).
+   A second Inductor compile of a graph also needs to fit ``options.compile_budget`` (``CompileBudget``): the graph's
+   cold compile so far plus that compile's estimate within that many times plain Inductor's compile of the graph.
    Each candidate's outputs (and input gradients when training) are checked against ``eager`` first;
    a candidate that disagrees is rejected whatever its speed.
 
@@ -807,6 +809,44 @@ class RewriteEstimate:
         return ms - self.kernels_ms + self.replaced_library_ms()
 
 
+@dataclass
+class CompileBudget:
+    """What a graph's cold compile may take (``options.compile_budget``): ``ratio`` x plain Inductor's compile of the
+    graph, inductor-captured's ``compile_s`` where it was compiled, else the first Inductor compile's seconds. The
+    compile so far counts from the backend's call (passes, races, compiles) to its return (``pause``), then the first
+    call's race (``resume``): a training graph's deferred compile is part of that call. A further Inductor
+    candidate's compile is estimated from what this process measured: the first Inductor compile's seconds times
+    the candidate's graph's nodes over that graph's. ``ratio`` None: no limit (``mode="max-autotune"``). A training
+    graph's ``compile_s`` is its forward's: AOT autograd compiles the backward at the first backward, which for
+    the candidates raced falls in the first call's race, so it counts as spent but not in plain Inductor's."""
+    ratio: float | None
+    graphs: dict[str, Callable[[], fx.GraphModule]]
+    since: float | None = field(default_factory=time.perf_counter)
+    spent_s: float = 0.0
+
+    def pause(self) -> None:
+        self.spent_s, self.since = self.elapsed_s(), None
+
+    def resume(self) -> None:
+        self.since = time.perf_counter()
+
+    def elapsed_s(self) -> float:
+        return self.spent_s + (time.perf_counter() - self.since if self.since is not None else 0.0)
+
+    def why_not(self, name: str, decision: Decision) -> str | None:
+        """Why candidate ``name`` is not compiled (the compile so far and its estimate exceed the budget), or None."""
+        first = next((n for n in decision.compile_s if n.startswith("inductor")), None)
+        if self.ratio is None or first is None:
+            return None
+        plain_s = decision.compile_s.get("inductor-captured", decision.compile_s[first])
+        nodes = {n: len(self.graphs[graph_of(n)]().graph.nodes) for n in (first, name)}
+        estimate_s, spent_s = decision.compile_s[first] * nodes[name] / nodes[first], self.elapsed_s()
+        if spent_s + estimate_s <= self.ratio * plain_s:
+            return None
+        return (f"not compiled: compile budget {self.ratio:g}x plain Inductor's {plain_s:.2f} s: {spent_s:.2f} s "
+                f"spent, about {estimate_s:.2f} s more")
+
+
 class BackwardClock:
     """A training call's part in the caller's backward: from the first gradient of the call's outputs to the last
     gradient it computes for the call's inputs (autograd hooks on each; removed by ``stop``). Timed to the last
@@ -860,9 +900,11 @@ class GraphChooser:
                  chosen: Callable | None = None, graphs: dict[str, Callable[[], fx.GraphModule]] | None = None,
                  incumbents: Sequence[str] = INCUMBENTS, eager: Callable | None = None, rec: Callable | None = None,
                  draws: Sequence[tuple[tuple, dict]] = (),
-                 deferred: dict[str, tuple[Callable, RewriteEstimate]] | None = None):
+                 deferred: dict[str, tuple[Callable, RewriteEstimate]] | None = None,
+                 compile_budget: CompileBudget | None = None):
         self.candidates, self.oracle, self.decision, self.budget_s = candidates, oracle, decision, budget_s
         self.deferred = dict(deferred or {})  # name -> (builder, its estimate): built at the first call if it can win
+        self.compile_budget = compile_budget  # what the deferred compile may take
         self.graphs, self.incumbents, self.eager, self.stored = graphs, incumbents, eager, False
         # Runs a call that fails, for its error: the rec ops name the table or op at fault.
         self.rec = rec or candidates.get("rec+eager")
@@ -922,7 +964,8 @@ class GraphChooser:
         """Build a deferred candidate (Inductor on the fastest graph of a training graph, ``build_compiles``) only
         where it can still win: not where the captured graph through Inductor, timed here (its backward compiled
         by its first step), runs within ``ESTIMATE_MARGIN`` of what the deferred graph is estimated to take through
-        Inductor (``RewriteEstimate``: never below its floor, its library calls and regions alone). Then one Inductor
+        Inductor (``RewriteEstimate``: never below its floor, its library calls and regions alone), nor where it
+        would take the graph's cold compile, this call's race included, past the ``compile_budget``. Then one Inductor
         compile, as plain Inductor's."""
         for name, (builder, estimate) in self.deferred.items():
             if "inductor-captured" in steps:
@@ -931,13 +974,15 @@ class GraphChooser:
                 if not estimate.can_win(ms["inductor-captured"]):
                     self.decision.rejected[name] = estimate.why_not(name, ms["inductor-captured"])
                     continue
-            self.candidates.update(build({name: builder}, self.decision))
+            self.candidates.update(build_within(self.compile_budget, {name: builder}, self.decision))
             if name in self.candidates:
                 self.admit(name, sandbox, want, steps)
         self.deferred = {}
 
     def choose(self, sandbox: Sandbox, want: list[torch.Tensor]) -> Callable:
         decision = self.decision
+        if self.compile_budget is not None:
+            self.compile_budget.resume()  # the first call's race is part of the cold compile
         steps: dict[str, Callable] = {}
         for name in list(self.candidates):
             self.admit(name, sandbox, want, steps)
@@ -1336,8 +1381,9 @@ def unrolls(gm: fx.GraphModule) -> bool:
 
 
 def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, estimate: RewriteEstimate | None,
-                   sandbox: Sandbox, decision: Decision, training: bool, budget_s: float,
-                   static: bool = True) -> tuple[dict[str, Callable], dict[str, tuple[Callable, RewriteEstimate]]]:
+                   sandbox: Sandbox, decision: Decision, training: bool, budget_s: float, static: bool = True,
+                   compile_budget: CompileBudget | None = None
+                   ) -> tuple[dict[str, Callable], dict[str, tuple[Callable, RewriteEstimate]]]:
     """The candidates, built, each Inductor graph only where it can win. Where both Inductor graphs are kept, one
     is compiled first and the other only where the first's time leaves it a chance:
 
@@ -1353,6 +1399,8 @@ def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, es
       library calls they replaced). A graph with symbolic sizes takes this order: its buckets race what is built.
       (Inductor on the rewrite running ahead of the rewrite eagerly says nothing of plain Inductor: on RecBole's SASRec
       under no_grad it fuses the short softmax the rewrite replaced, 0.66 vs 0.94 ms.)
+
+    Either way the second compile also needs to fit the ``compile_budget`` (``CompileBudget.why_not``).
 
     Returns the candidates built and those deferred (name -> builder, estimate)."""
     first = inductor_of(fastest)
@@ -1370,7 +1418,7 @@ def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, es
         if captured_ms is not None and not estimate.can_win(captured_ms):
             decision.rejected[first] = estimate.why_not(first, captured_ms)
             return built, {}
-        return {**built, **build({first: rewrite}, decision)}, {}
+        return {**built, **build_within(compile_budget, {first: rewrite}, decision)}, {}
     captured = builders.pop("inductor-captured") if both and not training else None
     built = build(builders, decision)
     if captured is None:
@@ -1382,7 +1430,7 @@ def build_compiles(builders: dict[str, Callable[[], Callable]], fastest: str, es
     if why is not None:
         decision.rejected["inductor-captured"] = why
         return built, {}
-    return {**built, **build({"inductor-captured": captured}, decision)}, {}
+    return {**built, **build_within(compile_budget, {"inductor-captured": captured}, decision)}, {}
 
 
 def captured_cannot_win(name: str, ms: float, estimate: RewriteEstimate | None, floor_ms: float | None) -> str | None:
@@ -1437,6 +1485,18 @@ def build(builders: dict[str, Callable[[], Callable]], decision: Decision) -> di
     return built
 
 
+def build_within(compile_budget: CompileBudget | None, builders: dict[str, Callable[[], Callable]],
+                 decision: Decision) -> dict[str, Callable]:
+    """``build`` of the candidates whose compile fits the ``compile_budget``; each other's reason in the decision."""
+    fits = {}
+    for name, builder in builders.items():
+        if compile_budget is not None and (why := compile_budget.why_not(name, decision)):
+            decision.rejected[name] = why
+        else:
+            fits[name] = builder
+    return build(fits, decision)
+
+
 def compile_error(exc: Exception) -> str:
     """``exc`` in one line: its type and the first line of its message."""
     return f"{type(exc).__name__}: {next(iter(str(exc).strip().splitlines()), '')}"
@@ -1455,14 +1515,15 @@ def compiled_or_eager(compile_inductor: Callable[[fx.GraphModule], Callable], gm
 
 
 def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[Any], ctx,
-             compile_inductor: Callable[..., Callable]) -> Callable:
+             compile_inductor: Callable[..., Callable], started: float | None = None) -> Callable:
     """The compiled callable for ``rewritten`` (``compile_inductor(graph[, inputs])`` compiles a graph through
     Inductor): the dropout seeds lifted out (``lift_seeds``) so that every candidate draws the same masks,
     then, with ``options.autotune`` and a graph the race can run invisibly (``tunable``), the cached decision
     or a GraphChooser over the candidates; else Inductor on the rewrite. A graph with random ops other than
     the lifted seeds is not raced: its candidates would draw other numbers. A graph without rec regions races the
     captured graph eagerly against Inductor on it (one compile, ``CAPTURED_FIRST``); where it cannot be raced, it
-    is Inductor's compile, returned as it is."""
+    is Inductor's compile, returned as it is. ``started``: when the graph's compile began (``time.perf_counter``,
+    the backend's call; else now), from which its ``CompileBudget`` counts."""
     if not ctx.regions and not (ctx.options.autotune and tunable(original, example_inputs)):
         return compiled_or_eager(compile_inductor, original, ctx)  # what backend="inductor" runs
     draws = lift_seeds(rewritten)
@@ -1471,11 +1532,12 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     if (not ctx.options.autotune or not tunable(rewritten, inputs, allow_random=True)
             or any(is_random(node) for node in rewritten.graph.nodes)):
         return drawing_seeds(compiled_or_eager(compile_graph, rewritten, ctx), draws)
-    return choose_graph(original, rewritten, inputs, ctx, compile_graph, draws)
+    return choose_graph(original, rewritten, inputs, ctx, compile_graph, draws, started)
 
 
 def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Sequence[Any], ctx,
-                 compile_inductor: Callable[[fx.GraphModule], Callable], draws: list[tuple[tuple, dict]]) -> Callable:
+                 compile_inductor: Callable[[fx.GraphModule], Callable], draws: list[tuple[tuple, dict]],
+                 started: float | None = None) -> Callable:
     """The cached decision (taken under these ``conditions``), or a GraphChooser over the candidates; for a graph
     with symbolic sizes, one per size bucket (``Buckets``), the first for the bucket of the compile's inputs.
 
@@ -1505,6 +1567,7 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
                                rec=rewritten.forward if "rec+eager" in graphs else None, draws=draws)
         budget = BUDGET_S / 2
     else:
+        started = started or time.perf_counter()
         decision = Decision("eager", mode="training" if training else "inference", key=bucket_key(key, first),
                             conditions=conditions())
         clock = timer()  # the budgets, on the race's clock
@@ -1518,12 +1581,14 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
             fastest_graph, estimate = choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8,
                                                       static=not slots)
             budget = max(BUDGET_S - (clock() - start), BUDGET_S / 4)
+            compile_budget = CompileBudget(ctx.options.compile_budget, graphs, started)
             built, deferred = build_compiles(builders, fastest_graph, estimate, sandbox, decision, training,
-                                              BUDGET_S / 8, static=not slots)
+                                              BUDGET_S / 8, static=not slots, compile_budget=compile_budget)
+        compile_budget.pause()  # until the first call's race
         ctx.tuning = decision.to_dict()
         cached = decision
         chooser = GraphChooser(built, oracle, decision, budget, graphs=graphs, incumbents=incumbents, eager=eager,
-                               draws=draws, deferred=deferred)
+                               draws=draws, deferred=deferred, compile_budget=compile_budget)
     if not slots:
         return CompiledGraph(chooser)
 

@@ -1,8 +1,10 @@
 """The ``rec_ascend`` torch.compile backend: rec passes on the Dynamo graph, then Inductor."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
+import time
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -33,6 +35,9 @@ SIZE_GUARDING_DECOMPOSITIONS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.
 # the tangents' layout it traced, so they only cost time: 14 checks, 6-7 us of a 60 us call of RecBole FM's predict
 # at batch 1 (measured interleaved, CPU time, under load).
 CALL_CONFIG = {"size_asserts": False}
+
+# torch.compile modes under which a graph's cold compile has no budget by default (``options_for_mode``).
+MAX_AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
 
 
 @functools.cache
@@ -71,7 +76,8 @@ def rec_ascend(
     (and the rewrite without one pass), run eagerly or through Inductor where that can win; either way the
     dropout seeds are drawn outside the graph, so that every candidate draws the same masks (``recompile.autotune``).
     """
-    opts = RecompileOptions.coerce(options)
+    started = time.perf_counter()  # the graph's cold compile, which its compile budget counts (autotune.CompileBudget)
+    opts = options_for_mode(options, mode)
     # As Inductor's own backend does: its kernel-compile workers start now, while our passes and races run.
     maybe_warm_pool()
     ctx = PassContext(opts, resolve_target(opts), example_inputs, graph_id=next(_graph_ids))
@@ -89,7 +95,15 @@ def rec_ascend(
         patches = {**config_patches, **layer_config_patches(graph)}
         return compile_fx(graph, inputs, config_patches=patches, decompositions=decompositions)
 
-    return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor)
+    return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor, started)
+
+
+def options_for_mode(options: RecompileOptions | Mapping[str, Any] | None, mode: str | None) -> RecompileOptions:
+    """The options, with no compile budget under ``MAX_AUTOTUNE_MODES`` (the user asked for compile time spent on
+    speed) unless the options set one: a dict naming ``compile_budget``, or a ``RecompileOptions``."""
+    opts = RecompileOptions.coerce(options)
+    explicit = isinstance(options, RecompileOptions) or "compile_budget" in (options or {})
+    return dataclasses.replace(opts, compile_budget=None) if mode in MAX_AUTOTUNE_MODES and not explicit else opts
 
 
 rec_ascend.backend_ctx_ctor = TracingCalls

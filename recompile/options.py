@@ -11,6 +11,7 @@ from recompile.runtime.embedding_optimizer import OPTIMIZERS, format_optimizer
 
 OFFLOAD = ("partial", "full")
 BOUNDS_CHECK = ("fatal", "warning", "ignore")
+DEFAULT_COMPILE_BUDGET = 1.5
 
 
 @dataclass
@@ -32,6 +33,10 @@ class RecompileOptions:
     # Fused optimizer for the grouped embedding tables: {"type": "exact_rowwise_adagrad", "lr": 0.01, ...};
     # None: the tables get ordinary gradients. See EMBEDDING_OPTIMIZER_KEYS.
     embedding_optimizer: dict | None = None
+    # A graph's cold compile may take this many times plain Inductor's compile of it: the race compiles a second
+    # Inductor candidate only within it (recompile.autotune.CompileBudget). None: no limit, the default under
+    # torch.compile's mode="max-autotune" / "max-autotune-no-cudagraphs".
+    compile_budget: float | None = DEFAULT_COMPILE_BUDGET
 
     def __post_init__(self):
         _check_choice("target", self.target, TARGETS)
@@ -49,6 +54,10 @@ class RecompileOptions:
             if not isinstance(on, bool):
                 raise ValueError(f"recompile option passes[{name!r}] must be True or False, got {on!r}")
         _check_embedding_optimizer(self.embedding_optimizer)
+        budget = self.compile_budget
+        if budget is not None and (type(budget) not in (int, float) or not budget >= 1.0):
+            raise ValueError(f"recompile option 'compile_budget' must be a number >= 1.0 (times plain Inductor's "
+                             f"compile) or None (no limit), got {budget!r}")
         if self.dump_dir is None:
             self.dump_dir = os.environ.get("RECOMPILE_DUMP") or None
 

@@ -128,8 +128,10 @@ def steady_cache(monkeypatch, tmp_path, budget_s: float):
     """Decisions cached in ``tmp_path``, taken and keyed alike whatever the machine's load does during a test: on a
     loaded machine a race's rounds may disagree and then cache nothing (``settled``, test_interaction_race), and a
     load crossing the busy line between two compiles would key them apart (``conditions``, tested in
-    test_autotune_conditions.py)."""
+    test_autotune_conditions.py). No compile budget (``CompileBudget``, tested in test_autotune_budget.py): against
+    the tests' compiles, faked or of small graphs, the passes and races weigh more than in a model."""
     monkeypatch.setenv("RECOMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune.CompileBudget, "why_not", lambda self, name, decision: None)
     monkeypatch.setattr(autotune, "BUDGET_S", budget_s)
     monkeypatch.setattr(autotune, "settled", lambda *args: True)
     held = autotune.conditions()
