@@ -811,18 +811,19 @@ class RewriteEstimate:
 
 @dataclass
 class CompileBudget:
-    """What a graph's cold compile may take (``options.compile_budget``): ``ratio`` x plain Inductor's compile of the
-    graph, inductor-captured's ``compile_s`` where it was compiled, else the first Inductor compile's seconds. The
-    compile so far counts from the backend's call (passes, races, compiles) to its return (``pause``), then the first
-    call's race (``resume``): a training graph's deferred compile is part of that call. A further Inductor
+    """What a graph's cold compile may take (``options.compile_budget``): ``ratio`` x plain Inductor's, which is
+    Dynamo's tracing before the backend (``traced_s``) and Inductor's compile of the captured graph:
+    inductor-captured's ``compile_s`` where it was compiled (a training graph's with its backward's, compiled at its
+    first step: ``GraphChooser.admit``), else the first Inductor compile's seconds. The compile so far counts
+    Dynamo's tracing, then from the backend's call (passes, races, compiles) to its return (``pause``), then the
+    first call's race (``resume``): a training graph's deferred compile is part of that call. A further Inductor
     candidate's compile is estimated from what this process measured: the first Inductor compile's seconds times
-    the candidate's graph's nodes over that graph's. ``ratio`` None: no limit (``mode="max-autotune"``). A training
-    graph's ``compile_s`` is its forward's: AOT autograd compiles the backward at the first backward, which for
-    the candidates raced falls in the first call's race, so it counts as spent but not in plain Inductor's."""
+    the candidate's graph's nodes over that graph's. ``ratio`` None: no limit (``mode="max-autotune"``)."""
     ratio: float | None
     graphs: dict[str, Callable[[], fx.GraphModule]]
     since: float | None = field(default_factory=time.perf_counter)
     spent_s: float = 0.0
+    traced_s: float = 0.0
 
     def pause(self) -> None:
         self.spent_s, self.since = self.elapsed_s(), None
@@ -838,9 +839,9 @@ class CompileBudget:
         first = next((n for n in decision.compile_s if n.startswith("inductor")), None)
         if self.ratio is None or first is None:
             return None
-        plain_s = decision.compile_s.get("inductor-captured", decision.compile_s[first])
+        plain_s = self.traced_s + decision.compile_s.get("inductor-captured", decision.compile_s[first])
         nodes = {n: len(self.graphs[graph_of(n)]().graph.nodes) for n in (first, name)}
-        estimate_s, spent_s = decision.compile_s[first] * nodes[name] / nodes[first], self.elapsed_s()
+        estimate_s, spent_s = decision.compile_s[first] * nodes[name] / nodes[first], self.traced_s + self.elapsed_s()
         if spent_s + estimate_s <= self.ratio * plain_s:
             return None
         return (f"not compiled: compile budget {self.ratio:g}x plain Inductor's {plain_s:.2f} s: {spent_s:.2f} s "
@@ -944,9 +945,12 @@ class GraphChooser:
 
     def admit(self, name: str, sandbox: Sandbox, want: list[torch.Tensor], steps: dict[str, Callable]) -> None:
         """Candidate ``name`` checked against ``want`` (rejected with why where it fails or differs), else its step
-        added to ``steps`` after a second untimed call: it is timed as it runs from then on."""
+        added to ``steps`` after a second untimed call: it is timed as it runs from then on. An Inductor candidate of
+        a training graph compiles its backward in its first step: in the graph's first race, what that step takes
+        over the second goes into its ``compile_s``."""
         training = self.decision.mode == "training"
         installed = self.as_installed(self.candidates[name])
+        start = time.perf_counter()
         try:
             why = matches(run_step(installed, sandbox.args, training), want)
         except Exception as exc:  # a candidate that fails to run is not kept
@@ -956,9 +960,13 @@ class GraphChooser:
         if why is not None:
             self.decision.rejected[name] = why
             return
+        first_s, start = time.perf_counter() - start, time.perf_counter()
         steps[name] = functools.partial(run_step, installed, sandbox.args, training)
         steps[name]()
+        second_s = time.perf_counter() - start
         sandbox.restore()
+        if training and self.compile_budget is not None and name in self.decision.compile_s:  # the graph's compile
+            self.decision.compile_s[name] = round(self.decision.compile_s[name] + max(first_s - second_s, 0.0), 3)
 
     def admit_deferred(self, sandbox: Sandbox, want: list[torch.Tensor], steps: dict[str, Callable]) -> None:
         """Build a deferred candidate (Inductor on the fastest graph of a training graph, ``build_compiles``) only
@@ -1515,15 +1523,14 @@ def compiled_or_eager(compile_inductor: Callable[[fx.GraphModule], Callable], gm
 
 
 def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[Any], ctx,
-             compile_inductor: Callable[..., Callable], started: float | None = None) -> Callable:
+             compile_inductor: Callable[..., Callable]) -> Callable:
     """The compiled callable for ``rewritten`` (``compile_inductor(graph[, inputs])`` compiles a graph through
     Inductor): the dropout seeds lifted out (``lift_seeds``) so that every candidate draws the same masks,
     then, with ``options.autotune`` and a graph the race can run invisibly (``tunable``), the cached decision
     or a GraphChooser over the candidates; else Inductor on the rewrite. A graph with random ops other than
     the lifted seeds is not raced: its candidates would draw other numbers. A graph without rec regions races the
     captured graph eagerly against Inductor on it (one compile, ``CAPTURED_FIRST``); where it cannot be raced, it
-    is Inductor's compile, returned as it is. ``started``: when the graph's compile began (``time.perf_counter``,
-    the backend's call; else now), from which its ``CompileBudget`` counts."""
+    is Inductor's compile, returned as it is."""
     if not ctx.regions and not (ctx.options.autotune and tunable(original, example_inputs)):
         return compiled_or_eager(compile_inductor, original, ctx)  # what backend="inductor" runs
     draws = lift_seeds(rewritten)
@@ -1532,12 +1539,11 @@ def autotune(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs
     if (not ctx.options.autotune or not tunable(rewritten, inputs, allow_random=True)
             or any(is_random(node) for node in rewritten.graph.nodes)):
         return drawing_seeds(compiled_or_eager(compile_graph, rewritten, ctx), draws)
-    return choose_graph(original, rewritten, inputs, ctx, compile_graph, draws, started)
+    return choose_graph(original, rewritten, inputs, ctx, compile_graph, draws)
 
 
 def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Sequence[Any], ctx,
-                 compile_inductor: Callable[[fx.GraphModule], Callable], draws: list[tuple[tuple, dict]],
-                 started: float | None = None) -> Callable:
+                 compile_inductor: Callable[[fx.GraphModule], Callable], draws: list[tuple[tuple, dict]]) -> Callable:
     """The cached decision (taken under these ``conditions``), or a GraphChooser over the candidates; for a graph
     with symbolic sizes, one per size bucket (``Buckets``), the first for the bucket of the compile's inputs.
 
@@ -1567,7 +1573,6 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
                                rec=rewritten.forward if "rec+eager" in graphs else None, draws=draws)
         budget = BUDGET_S / 2
     else:
-        started = started or time.perf_counter()
         decision = Decision("eager", mode="training" if training else "inference", key=bucket_key(key, first),
                             conditions=conditions())
         clock = timer()  # the budgets, on the race's clock
@@ -1581,7 +1586,7 @@ def choose_graph(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Se
             fastest_graph, estimate = choose_compiles(graphs, builders, sandbox, decision, training, BUDGET_S / 8,
                                                       static=not slots)
             budget = max(BUDGET_S - (clock() - start), BUDGET_S / 4)
-            compile_budget = CompileBudget(ctx.options.compile_budget, graphs, started)
+            compile_budget = CompileBudget(ctx.options.compile_budget, graphs, ctx.started, traced_s=ctx.traced_s)
             built, deferred = build_compiles(builders, fastest_graph, estimate, sandbox, decision, training,
                                               BUDGET_S / 8, static=not slots, compile_budget=compile_budget)
         compile_budget.pause()  # until the first call's race

@@ -16,7 +16,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 import recompile.passes  # noqa: F401  (registers the passes)
 from recompile import runtime  # noqa: F401  (defines torch.ops.recompile.*)
-from recompile import autotune
+from recompile import autotune, tracing
 from recompile.lowering import Target, detect_target
 from recompile.options import RecompileOptions
 from recompile.split_padding import pad_split_once
@@ -76,11 +76,12 @@ def rec_ascend(
     (and the rewrite without one pass), run eagerly or through Inductor where that can win; either way the
     dropout seeds are drawn outside the graph, so that every candidate draws the same masks (``recompile.autotune``).
     """
-    started = time.perf_counter()  # the graph's cold compile, which its compile budget counts (autotune.CompileBudget)
+    started, traced_s = time.perf_counter(), tracing.traced_s()  # the cold compile its budget counts
     opts = options_for_mode(options, mode)
     # As Inductor's own backend does: its kernel-compile workers start now, while our passes and races run.
     maybe_warm_pool()
-    ctx = PassContext(opts, resolve_target(opts), example_inputs, graph_id=next(_graph_ids))
+    ctx = PassContext(opts, resolve_target(opts), example_inputs, graph_id=next(_graph_ids), started=started,
+                      traced_s=traced_s)
     # Dynamo's graph module generates its code on first use; the race calls it directly (the captured graph run
     # eagerly is a candidate), so generate it now rather than route each of those calls through that check.
     _LazyGraphModule.force_recompile(gm)
@@ -95,7 +96,7 @@ def rec_ascend(
         patches = {**config_patches, **layer_config_patches(graph)}
         return compile_fx(graph, inputs, config_patches=patches, decompositions=decompositions)
 
-    return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor, started)
+    return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor)
 
 
 def options_for_mode(options: RecompileOptions | Mapping[str, Any] | None, mode: str | None) -> RecompileOptions:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -147,6 +148,10 @@ class PassContext:
     stages: list[Stage] = field(default_factory=list)
     current_pass: str = ""
     tuning: dict | None = None  # the autotune decision for this graph (recompile.autotune.Decision)
+    # When the backend was called (time.perf_counter), and Dynamo's tracing seconds before it: the graph's cold
+    # compile, which its compile budget counts (recompile.autotune.CompileBudget).
+    started: float = field(default_factory=time.perf_counter)
+    traced_s: float = 0.0
 
     def lower(self, op: str, *args, **kwargs) -> Impl:
         """The implementation of ``op`` the target runs: the first in the lowering table it can run whose kernel

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from typing import Any
 
 import torch._dynamo
@@ -96,14 +97,21 @@ def _compile_start(args: Any) -> None:
     config = TracingConfig() if getattr(_state, "calls", 0) else None
     if config is not None:
         config.__enter__()
-    _state.held = [*getattr(_state, "held", ()), config]
+    _state.held = [*getattr(_state, "held", ()), (config, time.perf_counter())]
 
 
 def _compile_end(args: Any) -> None:
     held = getattr(_state, "held", None)
-    config = held.pop() if held else None
+    config, _ = held.pop() if held else (None, None)
     if config is not None:
         config.__exit__(None, None, None)
+
+
+def traced_s() -> float:
+    """Seconds since Dynamo began the compile in progress (its tracing, before it calls the backend), on
+    ``time.perf_counter``; 0.0 where no compile of a call of ours is in progress."""
+    held = getattr(_state, "held", None)
+    return time.perf_counter() - held[-1][1] if held else 0.0
 
 
 def _backend_ctx_ctor(self):
