@@ -137,3 +137,17 @@ def steady_cache(monkeypatch, tmp_path, budget_s: float):
     held = autotune.conditions()
     monkeypatch.setattr(autotune, "conditions", lambda: held)
     return tmp_path
+
+
+def fake_estimates(monkeypatch, eagerly: dict[str, float], fastest: str = "rec+eager", **measured: float) -> None:
+    """The compile choice's measurements faked: ``fastest_eagerly`` records ``eagerly`` (graph -> ms run eagerly)
+    and returns ``fastest``; each of ``measured`` (``inductor_floor_ms=0.6``, ...) returns its value; Inductor can
+    win around the regions (``inductor_can_win``)."""
+    def fastest_eagerly(graphs, sandbox, training, decision, budget_s):
+        decision.timings_ms.update({f"eagerly:{graph}": ms for graph, ms in eagerly.items()})
+        return fastest
+
+    monkeypatch.setattr(autotune, "fastest_eagerly", fastest_eagerly)
+    monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: True)
+    for name, value in measured.items():
+        monkeypatch.setattr(autotune, name, lambda *args, value=value: value)

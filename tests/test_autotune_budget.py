@@ -10,6 +10,7 @@ from recompile import autotune
 from recompile import backend as rec_backend
 from recompile.options import RecompileOptions
 from tests.test_autotune_compiles import _cache, _decisions, _has_rec_ops, inductor_graphs  # noqa: F401  (fixtures)
+from tests.race_checks import fake_estimates
 from tests.test_interaction_autotune import Cross
 
 COMPILE_S = 10.0  # what each Inductor compile takes here, on the clock the budget reads
@@ -51,16 +52,9 @@ def slow_compiles(budget_on, inductor_graphs, monkeypatch):
 def _both_can_win(monkeypatch, training):
     """Both Inductor graphs kept, each able to win: the captured graph's compiled first (static sizes), the
     rewrite's at once (inference: its estimate beats the captured graph's time) or deferred to the first call."""
-    def fastest_eagerly(graphs, sandbox, training, decision, budget_s):
-        decision.timings_ms.update({"eagerly:rec+eager": 1.0, "eagerly:eager": 2.0})
-        return "rec+eager"
-
-    monkeypatch.setattr(autotune, "fastest_eagerly", fastest_eagerly)
-    monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: True)
-    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda *args: 0.0)
-    monkeypatch.setattr(autotune, "rewrite_floor_ms", lambda *args: 0.1)  # above the captured graph's floor
-    monkeypatch.setattr(autotune, "kernels_ms", lambda *args: 0.0)
-    monkeypatch.setattr(autotune, "inductor_ms", lambda *args: 1.0)
+    # the rewrite's floor above the captured graph's
+    fake_estimates(monkeypatch, {"rec+eager": 1.0, "eager": 2.0}, inductor_floor_ms=0.0, rewrite_floor_ms=0.1,
+                   kernels_ms=0.0, inductor_ms=1.0)
     monkeypatch.setattr(autotune.RewriteEstimate, "can_win", lambda self, ms: True)
 
 
@@ -106,15 +100,7 @@ def test_the_captured_graph_after_the_fastest_graphs_compile_stays_within_the_bu
         _cache, slow_compiles, monkeypatch, budget, second):
     """An inference graph whose fastest graph's Inductor is compiled first (its floor above the captured graph's):
     that compile stands for plain Inductor's, and the captured graph's (which can still win) fits no budget of 1.0."""
-    def fastest_eagerly(graphs, sandbox, training, decision, budget_s):
-        decision.timings_ms["eagerly:rec+eager"] = 1.0
-        return "rec+eager"
-
-    monkeypatch.setattr(autotune, "fastest_eagerly", fastest_eagerly)
-    monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: True)
-    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda *args: 0.1)
-    monkeypatch.setattr(autotune, "rewrite_floor_ms", lambda *args: 0.0)
-    monkeypatch.setattr(autotune, "inductor_ms", lambda *args: 0.5)
+    fake_estimates(monkeypatch, {"rec+eager": 1.0}, inductor_floor_ms=0.1, rewrite_floor_ms=0.0, inductor_ms=0.5)
     decision = _compile(_cache, False, {"compile_budget": budget})
     assert [_has_rec_ops(g) for g in slow_compiles] == [True, False][:1 + second]
     assert ("inductor-captured" in decision["compile_s"]) == second

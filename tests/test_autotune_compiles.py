@@ -442,18 +442,9 @@ def test_an_inference_graph_whose_rewrite_floor_is_the_captured_graphs_compiles_
     replaced (0.3 ms, no more than the captured graph's 2.0 ms less the rewrite's 1.5 ms eagerly plus the kernels):
     1.1 ms, no win: one Inductor compile. Without the captured graph's eager time only its floor bounds it: both. A
     graph with symbolic sizes (its buckets race what is built) alike."""
-    def fastest_eagerly(graphs, sandbox, training, decision, budget_s):
-        decision.timings_ms["eagerly:rec+eager"] = 1.5
-        if captured_eager_ms is not None:
-            decision.timings_ms["eagerly:eager"] = captured_eager_ms
-        return "rec+eager"
-
-    monkeypatch.setattr(autotune, "fastest_eagerly", fastest_eagerly)
-    monkeypatch.setattr(autotune, "inductor_can_win", lambda *args: True)
-    monkeypatch.setattr(autotune, "inductor_floor_ms", lambda *args: 0.6)
-    monkeypatch.setattr(autotune, "rewrite_floor_ms", lambda *args: 0.5)
-    monkeypatch.setattr(autotune, "kernels_ms", lambda *args: 0.2)
-    monkeypatch.setattr(autotune, "inductor_ms", lambda *args: 1.0)
+    eagerly = {"rec+eager": 1.5, **({"eager": captured_eager_ms} if captured_eager_ms is not None else {})}
+    race_checks.fake_estimates(monkeypatch, eagerly, inductor_floor_ms=0.6, rewrite_floor_ms=0.5, kernels_ms=0.2,
+                               inductor_ms=1.0)
     _run(Cross(), torch.randn(8, 16), False, dynamic)
     [decision] = _decisions(_cache)
     assert bool(autotune.size_slots(inductor_graphs[0])) == dynamic
