@@ -37,8 +37,8 @@ Every race runs its candidates interleaved over rounds and compares them round b
 candidate's time over the others' in the same round, ``fastest``), so that neither load from other processes
 nor one lucky round decides; a graph choice leaves the captured graph (run eagerly, then through Inductor)
 only for a candidate faster by more than ``MARGIN``, in rounds that agree (``settled``: a race whose rounds
-disagree by more than the margin keeps the safe candidate, the first incumbent or another that its rounds settle as faster (``safe_choice``), and is
-not cached; without an incumbent, ``SAFE``).
+disagree by more than the margin keeps the safe candidate, the first incumbent or another that its rounds settle
+as faster (``safe_choice``), and is not cached; without an incumbent, ``SAFE``).
 Every time is read on one clock (``timer``), which load from other processes moves little: the calling thread's CPU
 time where the candidates run on it alone, else the wall clock less the thread's waits for a CPU (``clock_name``,
 recorded in the decision's ``conditions``).

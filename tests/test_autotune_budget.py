@@ -137,7 +137,8 @@ def test_dynamos_tracing_counts_on_both_sides_of_the_budget(budget_on):
     graphs, first = {"rec+eager": lambda: graph, "eager": lambda: graph}, autotune.Decision(
         "eager", compile_s={"inductor-captured": 10.0})
     assert autotune.CompileBudget(1.5, graphs, since=None, spent_s=11.0).why_not("inductor", first) is not None
-    assert autotune.CompileBudget(1.5, graphs, since=None, spent_s=11.0, traced_s=20.0).why_not("inductor", first) is None
+    traced = autotune.CompileBudget(1.5, graphs, since=None, spent_s=11.0, traced_s=20.0)
+    assert traced.why_not("inductor", first) is None
 
 
 @pytest.mark.parametrize("value", [0.5, 0.0, -1.0, "1.5", True, float("nan"), [1.5]])
