@@ -95,18 +95,16 @@ def test_a_second_inductor_compile_stays_within_the_compile_budget(_cache, slow_
                         r"about \d\.\d\d s more", decision["rejected"]["inductor"])
 
 
-@pytest.mark.parametrize("budget, second", [(1.0, False), (None, True)])
-def test_the_captured_graph_after_the_fastest_graphs_compile_stays_within_the_budget(
-        _cache, slow_compiles, monkeypatch, budget, second):
+@pytest.mark.parametrize("budget", [1.0, None])
+def test_the_captured_graph_after_the_fastest_graphs_compile_is_compiled_whatever_the_budget(
+        _cache, slow_compiles, monkeypatch, budget):
     """An inference graph whose fastest graph's Inductor is compiled first (its floor above the captured graph's):
-    that compile stands for plain Inductor's, and the captured graph's (which can still win) fits no budget of 1.0."""
+    the captured graph's, which can still win, is plain Inductor's graph, compiled even past the budget: without it
+    rec_ascend could run slower than plain Inductor (RecBole PNN's predict at batch 2048: 0.60x)."""
     fake_estimates(monkeypatch, {"rec+eager": 1.0}, inductor_floor_ms=0.1, rewrite_floor_ms=0.0, inductor_ms=0.5)
     decision = _compile(_cache, False, {"compile_budget": budget})
-    assert [_has_rec_ops(g) for g in slow_compiles] == [True, False][:1 + second]
-    assert ("inductor-captured" in decision["compile_s"]) == second
-    if not second:
-        assert decision["rejected"]["inductor-captured"].startswith(
-            "not compiled: compile budget 1x plain Inductor's 10.")
+    assert [_has_rec_ops(g) for g in slow_compiles] == [True, False]
+    assert "inductor-captured" in decision["compile_s"] and "inductor-captured" not in decision["rejected"]
 
 
 def test_the_budget_estimates_a_compile_from_the_first_scaled_by_graph_size(budget_on):
