@@ -9,7 +9,7 @@ import torch
 from recompile import autotune
 from recompile import backend as rec_backend
 from recompile.options import RecompileOptions
-from tests.test_autotune_compiles import _cache, _decisions, _has_rec_ops, inductor_graphs  # noqa: F401  (fixtures)
+from tests.test_autotune_compiles import _cache, _decisions, _has_rec_ops, _run, inductor_graphs  # noqa: F401
 from tests.race_checks import fake_estimates
 from tests.test_interaction_autotune import Cross
 
@@ -60,14 +60,7 @@ def _both_can_win(monkeypatch, training):
 
 def _compile(cache, training, options=None, mode=None):
     """Cross compiled by rec_ascend and called once (a training step, backward included); its decision."""
-    torch._dynamo.reset()
-    model, x = Cross(), torch.randn(8, 16, requires_grad=training)
-    compiled = torch.compile(model, backend="rec_ascend", options=options, mode=mode)
-    with torch.set_grad_enabled(training):
-        out = compiled(x)
-        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
-    if training:
-        out.sum().backward()
+    _run(Cross(), torch.randn(8, 16, requires_grad=training), training, options=options, mode=mode)
     [decision] = _decisions(cache)
     return decision
 

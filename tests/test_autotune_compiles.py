@@ -49,10 +49,10 @@ def _has_rec_ops(graph) -> bool:
     return any(autotune._op_name(node) for node in graph.graph.nodes)
 
 
-def _run(model, x, training, dynamic=None):
+def _run(model, x, training, dynamic=None, **compile_kwargs):
     torch._dynamo.reset()
     with torch.set_grad_enabled(training):
-        out = torch.compile(model, backend="rec_ascend", dynamic=dynamic)(x)
+        out = torch.compile(model, backend="rec_ascend", dynamic=dynamic, **compile_kwargs)(x)
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
     if training:
         out.sum().backward()
@@ -492,11 +492,7 @@ def test_a_tie_with_a_captured_graph_inductor_cannot_compile_compiles_the_rewrit
     53.0 against 53.2 ms) but Inductor would unroll it: Inductor compiles the rewrite (the GRU as one op), not nothing."""
     from tests.test_gru import SequenceModel, train_step
 
-    def fastest_eagerly(graphs, sandbox, training, decision, budget_s):
-        decision.timings_ms.update({"eagerly:eager": 53.0, "eagerly:rec+eager": 53.2})
-        return "eager"
-
-    monkeypatch.setattr(autotune, "fastest_eagerly", fastest_eagerly)
+    race_checks.fake_estimates(monkeypatch, {"eager": 53.0, "rec+eager": 53.2}, fastest="eager")
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, ids = SequenceModel(), torch.randint(0, 50, (4, 5))
