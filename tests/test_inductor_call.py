@@ -40,7 +40,8 @@ def test_inputs_of_other_strides_recompile_and_equal_eager(options):
     torch.testing.assert_close(x.grad, want.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_compiled_graph_has_no_size_asserts(monkeypatch):
+def _record_patches(monkeypatch) -> list[dict]:
+    """The config patches of each Inductor compile rec_ascend makes from now on."""
     from torch._inductor import compile_fx as inductor
 
     from recompile import backend
@@ -53,9 +54,35 @@ def test_compiled_graph_has_no_size_asserts(monkeypatch):
         return real(gm, inputs, config_patches=config_patches, **kwargs)
 
     monkeypatch.setattr(backend, "compile_fx", recording)
+    return seen
+
+
+def test_compiled_graph_has_no_size_asserts(monkeypatch):
+    seen = _record_patches(monkeypatch)
     with torch.no_grad():
         torch.compile(Dense(), backend="rec_ascend", options={"autotune": False})(torch.randn(5, 4))
     assert seen and all(patches.get("size_asserts") is False for patches in seen)
+
+
+def test_a_static_aten_graph_is_called_from_cpp_and_a_dynamic_one_from_python(monkeypatch):
+    seen = _record_patches(monkeypatch)
+    model = Dense()
+    compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
+    for batch in (5, 7, 9):  # a static graph, then one with a symbolic batch that the third batch reuses
+        x = torch.randn(batch, 4)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+    assert [patches["cpp_wrapper"] for patches in seen] == [True, False]
+
+
+def test_a_graph_calling_a_custom_op_is_not_aten_only():
+    from recompile.backend import aten_only
+
+    def fm(v):
+        return torch.ops.recompile.fm_second_order(torch.relu(v), True, "reference")
+
+    assert aten_only(torch.fx.symbolic_trace(lambda v: torch.relu(v) @ v.t()))
+    assert not aten_only(torch.fx.symbolic_trace(fm))
 
 
 def _frames(call) -> collections.Counter:
