@@ -19,6 +19,7 @@ from recompile import runtime  # noqa: F401  (defines torch.ops.recompile.*)
 from recompile import autotune, tracing
 from recompile.lowering import Target, detect_target
 from recompile.options import RecompileOptions
+from recompile.dot_linear import linears_as_dots
 from recompile.split_padding import pad_split_once
 from recompile.pipeline import PassContext, run_pipeline
 from recompile.repeated_layers import layer_config_patches, outline_repeated_layers
@@ -90,9 +91,9 @@ def rec_ascend(
 
     def inductor(graph: fx.GraphModule, inputs: Sequence[Any] = example_inputs):
         dynamic = bool(autotune.size_slots(graph))
-        # One padding of a split's pieces (recompile.split_padding); then each stack of identical layers calls one
-        # subgraph, compiled once (recompile.repeated_layers).
-        graph = outline_repeated_layers(pad_split_once(graph))
+        # One padding of a split's pieces (recompile.split_padding), one-column linears as dots (recompile.dot_linear);
+        # then each stack of identical layers calls one subgraph, compiled once (recompile.repeated_layers).
+        graph = outline_repeated_layers(linears_as_dots(pad_split_once(graph)))
         patches = {**config_patches, **layer_config_patches(graph),
                    "cpp_wrapper": not dynamic and ctx.target.name == "cpu" and aten_only(graph)}
         decompositions = inductor_decompositions(dynamic)
