@@ -1,10 +1,10 @@
-"""The wider corpus: more RecBole 1.2.1 models, unmodified, checked (not timed) under rec_ascend.
+"""The wider corpus: more RecBole 1.2.1 models and TorchRec modules, unmodified, checked (not timed) under rec_ascend.
 
     python -m models.check_corpus_wide [--cases recbole/GCSAN:full_sort ... [--replace]]
                                        [--json docs/benchmarks/corpus_wide.json] [--doc docs/corpus.md]
 
-Per case of ``recbole_zoo.WIDE_CONTEXT`` / ``WIDE_SEQUENTIAL`` (``calculate_loss`` with gradients; ``predict`` or
-``full_sort_predict``), in one process with cold caches (``bench_corpus.cold_caches``): the case compiled with
+Per case of ``harness.WIDE_CASES`` (RecBole's ``calculate_loss`` with gradients, ``predict`` or ``full_sort_predict``;
+a TorchRec module's training loss and forward), in one process with cold caches (``bench_corpus.cold_caches``): the case compiled with
 rec_ascend as a user compiles it (Inductor, the autotune race on) on batches of 16, 24 and 37 rows, each output and
 gradient against eager's (``harness.check``: 1e-5 / 1e-4 relative), the compilations per graph captured, the graph
 breaks Dynamo made, why and where (``recompile.explain`` listens to Dynamo's graph-break log: also a break that ends

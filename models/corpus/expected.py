@@ -141,3 +141,22 @@ def graph_breaks(case: str) -> tuple[int, str, str | None]:
 
 assert set(EXPECTED) == {f"recbole/{n}" for n in recbole_zoo.CONTEXT + recbole_zoo.SEQUENTIAL} | {
     f"torchrec/{n}" for n in torchrec_zoo.MODELS} | {"gr/HSTU"}, "every corpus model has its row"
+
+
+# Beyond the corpus: the regions rec_ascend must find in TorchRec's other modules (``torchrec_zoo.WIDE``).
+WIDE_EXPECTED: dict[str, tuple[Expect, ...]] = {
+    "torchrec/DeepFMModules": (LOOKUPS, fm("modules.deepfm.FactorizationMachine over each feature's pooled [B, 1, D] "
+                                           "embedding, flattened and concatenated")),
+    "torchrec/MLP": (LOOKUPS,),  # modules.mlp.MLP: linear layers and swish + layer norm, no region of ours
+    "torchrec/EmbeddingCollection": (Expect("embedding", ("recompile::grouped_embedding_bag",), 1,
+                                            "EmbeddingCollection: one nn.Embedding lookup per table of the KJT's values "
+                                            "(no pooling), grouped into one call"),),
+    "torchrec/PositionWeighted": (Expect("embedding", ("recompile::grouped_embedding_bag",), 1,
+                                         "FeatureProcessedEmbeddingBagCollection: each id weighted by its position "
+                                         "(PositionWeightedModule), pooled per table with per-sample weights, grouped"),),
+    "torchrec/TransformerDLRM": (LOOKUPS, Expect("attention", ("recompile::padded_softmax_attention",), 1,
+                                                 "InteractionTransformerArch: nn.TransformerEncoder's multi-head "
+                                                 "attention over the [B, F + 1, D] embeddings, no mask")),
+}
+
+assert set(WIDE_EXPECTED) == {f"torchrec/{n}" for n in torchrec_zoo.WIDE}, "every TorchRec wide model has its row"

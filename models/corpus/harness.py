@@ -66,13 +66,15 @@ class Case:
         return self.name
 
 
-# entry -> (the model's method, differentiated). Sequential models score candidates by ranking all items
-# (full_sort_predict: what RecBole evaluates them with); context-aware ones score the given pairs (predict).
+# entry -> (the model's method, differentiated). Sequential and general models score candidates by ranking all
+# items (full_sort_predict: what RecBole evaluates them with); context-aware, pointwise and DIN score the given
+# pairs (predict).
 RECBOLE_ENTRIES = {"loss": ("calculate_loss", True), "predict": ("predict", False), "full_sort": ("full_sort_predict", False)}
 
 
 def _recbole_cases(name: str) -> list[Case]:
-    entries = ("loss", "full_sort") if recbole_zoo.kind(name) == "sequential" else ("loss", "predict")
+    pairs = recbole_zoo.kind(name) in ("context", "pointwise", "din") or name in recbole_zoo.SCORES_PAIRS
+    entries = ("loss", "predict") if pairs else ("loss", "full_sort")
     cases = []
     for entry in entries:
         method, training = RECBOLE_ENTRIES[entry]
@@ -109,9 +111,13 @@ CASES: dict[str, Case] = {
 }
 
 
-# The wider RecBole corpus (``python -m models.check_corpus_wide``): numbers, compile count, regions and graph breaks only.
+# The wider corpus, RecBole's and TorchRec's (``python -m models.check_corpus_wide``): numbers, compile count, regions
+# and graph breaks only.
 WIDE_CASES: dict[str, Case] = {
-    c.name: c for n in recbole_zoo.WIDE_CONTEXT + recbole_zoo.WIDE_SEQUENTIAL for c in _recbole_cases(n)}
+    c.name: c
+    for n in recbole_zoo.WIDE_CONTEXT + recbole_zoo.WIDE_SEQUENTIAL + recbole_zoo.WIDE_GENERAL
+    + recbole_zoo.WIDE_POINTWISE + recbole_zoo.WIDE_PAIRWISE + recbole_zoo.WIDE_FEATURED + recbole_zoo.WIDE_DIN
+    for c in _recbole_cases(n)} | {c.name: c for n in torchrec_zoo.WIDE for c in _torchrec_cases(n)}
 
 
 # Absolute tolerance of a gradient entry: a gradient that is zero analytically comes out as float noise around

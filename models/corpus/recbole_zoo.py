@@ -36,13 +36,27 @@ CONTEXT = ("DCNV2", "DCN", "DeepFM", "WideDeep", "xDeepFM", "AutoInt", "AFM", "F
 SEQUENTIAL = ("SASRec", "BERT4Rec", "GRU4Rec", "Caser", "NARM")
 # Further RecBole models, checked for numbers, compile count, regions and graph breaks (``python -m
 # models.check_corpus_wide``, tests/test_corpus_wide.py), not benchmarked. Left out: FEARec (its HybridAttention's slide
-# step divides by zero at SMALL's sizes), FPMC and TransRec (BPR losses over sampled negatives; the corpus trains
-# sequential models with CE).
+# step divides by zero at SMALL's sizes).
 WIDE_CONTEXT = ("DSSM", "EulerNet", "FFM", "FiGNN", "FNN", "KD_DAGFM", "LR")
 WIDE_SEQUENTIAL = ("CORE", "FOSSIL", "GCSAN", "HGN", "HRM", "LightSANs", "NextItNet", "NPE", "RepeatNet", "SHAN",
                    "SINE", "SRGNN", "STAMP", "GRU4RecCPR", "SASRecCPR")
+# Beyond the corpus (``python -m models.check_corpus_wide``), by the data they train on: general recommenders on
+# (user, item, sampled negative) triples ("general"; ConvNCF has no full sort and scores pairs), or on 0/1 labels
+# ("pointwise": they score pairs, no full sort); sequential models trained with BPR over a sampled negative
+# ("pairwise"), reading item features (ml-100k's movie classes, "featured"), or scoring (history, item) pairs
+# against 0/1 labels (DIN, "din"). Left out, and why: docs/corpus.md, "Beyond the corpus".
+WIDE_GENERAL = ("BPR", "ENMF", "CDAE", "MultiDAE", "SimpleX", "ConvNCF")
+WIDE_POINTWISE = ("NeuMF", "DMF", "NNCF", "FISM", "NAIS")
+WIDE_PAIRWISE = ("FPMC", "TransRec")
+WIDE_FEATURED = ("FDSA", "GRU4RecF", "SASRecF")
+WIDE_DIN = ("DIN",)
+SCORES_PAIRS = ("ConvNCF",)  # general models without full_sort_predict
 # The model whose configuration prepares the data of its kind; every model of the kind reads the same columns.
-REPRESENTATIVE = {"context": "DCN", "sequential": "SASRec"}
+REPRESENTATIVE = {"context": "DCN", "sequential": "SASRec", "general": "BPR", "pointwise": "NeuMF",
+                  "pairwise": "FPMC", "featured": "FDSA", "din": "DIN"}
+KINDS = {**dict.fromkeys(SEQUENTIAL + WIDE_SEQUENTIAL, "sequential"), **dict.fromkeys(WIDE_GENERAL, "general"),
+         **dict.fromkeys(WIDE_POINTWISE, "pointwise"), **dict.fromkeys(WIDE_PAIRWISE, "pairwise"),
+         **dict.fromkeys(WIDE_FEATURED, "featured"), **dict.fromkeys(WIDE_DIN, "din")}
 ROWS = 4096  # training rows prepared per kind: the largest batch the benchmark times
 
 # Sizes small enough for the test suite; the rest is RecBole's per-model default configuration.
@@ -51,8 +65,12 @@ SMALL = {
     "mlp_hidden_size": [16, 16], "cross_layer_num": 2, "low_rank": 4, "cin_layer_size": [8, 8],
     "attention_size": 8, "num_layers": 1, "MAX_ITEM_LIST_LENGTH": 12, "nv": 2, "nh": 2,
 }
-# The sequential models train with a full softmax over the items (CE): no sampled negatives.
+# The sequential models train with a full softmax over the items (CE): no sampled negatives; the pairwise ones
+# keep RecBole's default, one uniformly sampled negative per row.
 SEQUENTIAL_CONFIG = {"train_neg_sample_args": None, "loss_type": "CE"}
+KIND_CONFIG = {"sequential": SEQUENTIAL_CONFIG, "featured": SEQUENTIAL_CONFIG}
+# ConvNCF's default convolutions (kernels 4, 4, 2, 2 with equal strides) need its 64-wide embeddings.
+MODEL_CONFIG = {"ConvNCF": {"embedding_size": 64}}
 
 
 def numpy_aliases() -> None:
@@ -95,8 +113,8 @@ def dataset_root() -> str:
 
 
 def _params(name: str) -> dict:
-    return {**SMALL, **(SEQUENTIAL_CONFIG if kind(name) == "sequential" else {}), "data_path": dataset_root(), "use_gpu": False,
-            "show_progress": False, "train_batch_size": ROWS, "state": "ERROR"}
+    return {**SMALL, **KIND_CONFIG.get(kind(name), {}), **MODEL_CONFIG.get(name, {}), "data_path": dataset_root(),
+            "use_gpu": False, "show_progress": False, "train_batch_size": ROWS, "state": "ERROR"}
 
 
 @functools.cache
@@ -121,7 +139,7 @@ def training_data(kind: str):
 
 
 def kind(name: str) -> str:
-    return "sequential" if name in SEQUENTIAL + WIDE_SEQUENTIAL else "context"
+    return KINDS.get(name, "context")
 
 
 @functools.cache
