@@ -18,6 +18,7 @@ import recompile.passes  # noqa: F401  (registers the passes)
 from recompile import runtime  # noqa: F401  (defines torch.ops.recompile.*)
 from recompile import autotune, tracing
 from recompile.lowering import Target, detect_target
+from recompile.narrow_gemm import NarrowGemm
 from recompile.options import RecompileOptions
 from recompile.dot_linear import linears_as_dots
 from recompile.split_padding import pad_split_once
@@ -36,6 +37,9 @@ SIZE_GUARDING_DECOMPOSITIONS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.
 # the tangents' layout it traced, so they only cost time: 14 checks, 6-7 us of a 60 us call of RecBole FM's predict
 # at batch 1 (measured interleaved, CPU time, under load).
 CALL_CONFIG = {"size_asserts": False}
+# After AOT autograd, before Inductor's own post-grad passes: CPU matrix products with a few output columns computed
+# transposed (recompile.narrow_gemm), forward and backward.
+GRAPH_CONFIG = {"post_grad_custom_pre_pass": NarrowGemm()}
 
 # torch.compile modes under which a graph's cold compile has no budget by default (``options_for_mode``).
 MAX_AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
@@ -87,7 +91,7 @@ def rec_ascend(
     # eagerly is a candidate), so generate it now rather than route each of those calls through that check.
     _LazyGraphModule.force_recompile(gm)
     rewritten = run_pipeline(gm, ctx)
-    config_patches = {**CALL_CONFIG, **(torch._inductor.list_mode_options(mode) if mode else {})}
+    config_patches = {**CALL_CONFIG, **GRAPH_CONFIG, **(torch._inductor.list_mode_options(mode) if mode else {})}
 
     def inductor(graph: fx.GraphModule, inputs: Sequence[Any] = example_inputs):
         dynamic = bool(autotune.size_slots(graph))

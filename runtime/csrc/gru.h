@@ -159,6 +159,14 @@ inline Weights layer_weights(at::TensorList weights, bool has_biases, int64_t l)
     return {weights[i], weights[i + 1], has_biases ? weights[i + 2] : Tensor(), has_biases ? weights[i + 3] : Tensor()};
 }
 
+/* a b, contiguous. A float32 product of 2-15 columns is computed as (b^T a^T)^T: MKL's SGEMM is several times slower
+ * on such an output than on its transpose (recompile/narrow_gemm.py: the same rule in Inductor's graphs). */
+inline Tensor narrow_mm(const Tensor &a, const Tensor &b) {
+    const int64_t n = b.size(1);
+    if (a.scalar_type() != at::kFloat || n < 2 || n >= 16 || a.size(0) <= n) return at::mm(a, b);
+    return at::mm(b.t(), a.t()).t().contiguous();
+}
+
 inline Tensor affine(const Tensor &bias, const Tensor &x, const Tensor &w_t) {
     return bias.defined() ? at::addmm(bias, x, w_t) : at::mm(x, w_t);
 }
@@ -257,10 +265,10 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> backward(const std::optional<Ten
                                          lay.time_dim())
                                : y;
         const int64_t k = has_biases ? 4 : 2;
-        grad_weights[l * k] = at::mm(dgi2.t(), lay.flat(x));
-        grad_weights[l * k + 1] = at::mm(dgh2.t(), lay.flat(prev));
+        grad_weights[l * k] = narrow_mm(dgi2.t(), lay.flat(x));
+        grad_weights[l * k + 1] = narrow_mm(dgh2.t(), lay.flat(prev));
         if (has_biases) grad_weights[l * k + 2] = dgi2.sum(0), grad_weights[l * k + 3] = dgh2.sum(0);
-        dy = at::mm(dgi2, w.w_ih).view({x.size(0), x.size(1), x.size(2)});  // the layer input's gradient
+        dy = narrow_mm(dgi2, w.w_ih).view({x.size(0), x.size(1), x.size(2)});  // the layer input's gradient
     }
     return {dy, at::stack(grad_h0), grad_weights};
 }

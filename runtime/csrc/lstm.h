@@ -16,6 +16,7 @@ using gru::affine;
 using gru::affine_out;
 using gru::initial_state;
 using gru::layer_weights;
+using gru::narrow_mm;
 using gru::Layout;
 using gru::Rows;
 using gru::rows;
@@ -221,10 +222,10 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> backward(
         const Tensor prev = at::cat({h0[l].unsqueeze(lay.time_dim()), y.narrow(lay.time_dim(), 0, T_ - 1)},
                                     lay.time_dim());
         const int64_t k = has_biases ? 4 : 2;
-        grad_weights[l * k] = at::mm(dg2.t(), lay.flat(x));
-        grad_weights[l * k + 1] = at::mm(dg2.t(), lay.flat(prev));
+        grad_weights[l * k] = narrow_mm(dg2.t(), lay.flat(x));
+        grad_weights[l * k + 1] = narrow_mm(dg2.t(), lay.flat(prev));
         if (has_biases) grad_weights[l * k + 2] = dg2.sum(0), grad_weights[l * k + 3] = grad_weights[l * k + 2].clone();
-        dy = at::mm(dg2, w.w_ih).view({x.size(0), x.size(1), x.size(2)});  // the layer input's gradient
+        dy = narrow_mm(dg2, w.w_ih).view({x.size(0), x.size(1), x.size(2)});  // the layer input's gradient
     }
     return {dy, at::stack(grad_h0), at::stack(grad_c0), grad_weights};
 }
