@@ -346,8 +346,14 @@ def _gemm_floor_ms(shape: tuple, gbs: float, gflops: float, rounds: int, clock) 
 
 def _canonical_ms(shape: tuple, rounds: int, clock) -> float:
     """ms of the GEMM ``shape`` timed alone on contiguous inputs into a preallocated output, steady state
-    (``autorange``'s back-to-back calls, best of ``rounds``)."""
+    (``autorange``'s back-to-back calls, best of ``rounds``), in the faster of its two orders: [M, N] = A B or its
+    transpose [N, M] = B^T A^T, the same math (MKL's SGEMM runs an output of a few columns several times slower than
+    its transpose, ``recompile.narrow_gemm``)."""
     g, m, k, n, dtype = shape
+    return min(_mm_ms(g, *order, dtype, rounds, clock) for order in {(m, k, n), (n, k, m)})
+
+
+def _mm_ms(g: int, m: int, k: int, n: int, dtype: torch.dtype, rounds: int, clock) -> float:
     batch = (g,) if g > 1 else ()
     a, b = torch.randn(*batch, m, k, dtype=dtype), torch.randn(*batch, k, n, dtype=dtype)
     out, mm = torch.empty(*batch, m, n, dtype=dtype), torch.bmm if g > 1 else torch.mm

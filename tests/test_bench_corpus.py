@@ -273,3 +273,15 @@ def test_the_call_cost_runs_the_compiled_step_without_its_kernels():
         for training in (False, True):
             case = Case("m/gemm", "loss", training, make, lambda rows, seed: (torch.randn(rows, D),))
             assert 0 < call_ms(case, case.inputs(4, 0), 1) < float("inf")
+
+
+def test_a_gemms_floor_is_the_faster_of_its_two_orders(monkeypatch):
+    timed = {}
+
+    def fake(g, m, k, n, dtype, rounds, clock):
+        timed[(m, k, n)] = 5.0 if n < m else 1.0  # the narrow output slow, as MKL's SGEMM runs it
+        return timed[(m, k, n)]
+
+    monkeypatch.setattr(bench_corpus, "_mm_ms", fake)
+    assert bench_corpus._canonical_ms((1, 1683, 2048, 8, torch.float32), 3, None) == 1.0
+    assert set(timed) == {(1683, 2048, 8), (8, 2048, 1683)}
