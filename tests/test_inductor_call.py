@@ -108,7 +108,8 @@ def test_a_settled_inductor_choice_is_called_as_plain_inductors_graph(tmp_path, 
     """Once the race keeps Inductor and its check in place is over, a call runs the Python frames of plain
     Inductor's call plus rec_ascend's own (its backend context's count of calls in progress, the CompiledGraph's
     dispatch) and nothing else: no second ``torch._dynamo.disable`` wrapper around the compiled graph (AOT
-    autograd's, inside Dynamo's around the CompiledGraph)."""
+    autograd's, inside Dynamo's around the CompiledGraph). This static graph of ATen ops is called from C++, as
+    plain Inductor's is with ``cpp_wrapper``."""
     from recompile import autotune
     from recompile import backend as rec_backend
 
@@ -123,7 +124,8 @@ def test_a_settled_inductor_choice_is_called_as_plain_inductors_graph(tmp_path, 
 
     backend.backend_ctx_ctor = rec_backend.rec_ascend.backend_ctx_ctor
     model, x = Dense(), torch.randn(8, 4)
-    compiled = {"inductor": torch.compile(model, backend="inductor"), "rec_ascend": torch.compile(model, backend=backend)}
+    compiled = {"inductor": torch.compile(model, backend="inductor", options={"cpp_wrapper": True}),
+                "rec_ascend": torch.compile(model, backend=backend)}
     with torch.no_grad():
         for fn in compiled.values():
             for _ in range(4 * autotune.SHORT_CHECK_CALLS):  # past the check in place
