@@ -14,6 +14,34 @@ def train_step(model, args):
     return out.detach(), grads(model)
 
 
+def inductor_on_captured(model, args, before_inductor, training: bool = False):
+    """``model`` compiled by Inductor on its captured graph (rec_ascend's tracing settings), each graph passed through
+    ``before_inductor`` first: (outputs or (outputs, grads), the graphs handed to Inductor, the names of the C++
+    kernels Inductor generated)."""
+    import re
+
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+
+    import recompile.backend
+
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(before_inductor(gm))
+        return recompile.backend.compile_fx(graphs[-1], inputs)
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile.backend.TRACING_CONFIG), fresh_cache():
+        compiled = torch.compile(model, backend=backend)
+        if training:
+            result, codes = run_and_get_code(train_step, compiled, args)
+        else:
+            with torch.no_grad():
+                result, codes = run_and_get_code(compiled, *args)
+    kernels = {k for code in codes for k in re.findall(r"^(cpp_fused\w*) = ", code, re.M)}
+    return result, graphs, kernels
+
+
 def assert_compiled_equals_eager(model, args, options=None):
     compiled = torch.compile(model, backend="rec_ascend", options=options)
     out_c, grads_c = train_step(compiled, args)

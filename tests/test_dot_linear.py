@@ -1,15 +1,12 @@
 """A linear with one output column becomes a dot per row before Inductor (recompile.dot_linear): NARM's attention
 compiles into one C++ kernel instead of two, and outputs and gradients equal eager's; other linears are left as
 they are."""
-import re
 
 import pytest
 import torch
-from torch._inductor.utils import fresh_cache, run_and_get_code
 
-import recompile.backend
 from recompile.dot_linear import LINEAR, linears_as_dots
-from tests.checks import train_step
+from tests.checks import inductor_on_captured, train_step
 
 
 def linears(gm):
@@ -17,25 +14,7 @@ def linears(gm):
 
 
 def captured(model, args, rewrite: bool, training: bool = False):
-    """``model`` compiled by Inductor on its captured graph (rec_ascend's tracing settings), its one-column linears
-    rewritten or not: (outputs or (outputs, grads), the graphs handed to Inductor, the C++ kernels generated)."""
-    graphs = []
-
-    def backend(gm, inputs):
-        graph = linears_as_dots(gm) if rewrite else gm
-        graphs.append(graph)
-        return recompile.backend.compile_fx(graph, inputs)
-
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(recompile.backend.TRACING_CONFIG), fresh_cache():
-        compiled = torch.compile(model, backend=backend)
-        if training:
-            result, codes = run_and_get_code(train_step, compiled, args)
-        else:
-            with torch.no_grad():
-                result, codes = run_and_get_code(compiled, *args)
-    kernels = [k for code in codes for k in re.findall(r"^(cpp_fused\w*) = ", code, re.M)]
-    return result, graphs, kernels
+    return inductor_on_captured(model, args, linears_as_dots if rewrite else (lambda gm: gm), training)
 
 
 class Attention(torch.nn.Module):

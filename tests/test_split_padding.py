@@ -1,15 +1,12 @@
 """The paddings of one split's pieces become one padding (recompile.split_padding): the graph Inductor gets
 pads once per split, builds fewer C++ kernels, and its outputs and gradients equal eager's; a piece whose user needs
 it contiguous keeps its own padding."""
-import re
 
 import pytest
 import torch
-from torch._inductor.utils import fresh_cache, run_and_get_code
 
-import recompile.backend
 from recompile.split_padding import pad_split_once
-from tests.checks import train_step
+from tests.checks import inductor_on_captured, train_step
 
 fbgemm = pytest.importorskip("fbgemm_gpu")
 
@@ -19,25 +16,7 @@ def paddings(gm):
 
 
 def captured(model, args, merge: bool, training: bool = False):
-    """``model`` compiled by Inductor on its captured graph (rec_ascend's tracing settings), the paddings merged or
-    not: (outputs or (outputs, grads), the graphs handed to Inductor, the C++ kernels Inductor generated)."""
-    graphs = []
-
-    def backend(gm, inputs):
-        graph = pad_split_once(gm) if merge else gm
-        graphs.append(graph)
-        return recompile.backend.compile_fx(graph, inputs)
-
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(recompile.backend.TRACING_CONFIG), fresh_cache():
-        compiled = torch.compile(model, backend=backend)
-        if training:
-            result, codes = run_and_get_code(train_step, compiled, args)
-        else:
-            with torch.no_grad():
-                result, codes = run_and_get_code(compiled, *args)
-    kernels = {k for code in codes for k in re.findall(r"^(cpp_fused\w*) = ", code, re.M)}
-    return result, graphs, kernels
+    return inductor_on_captured(model, args, pad_split_once if merge else (lambda gm: gm), training)
 
 
 def test_hstu_pads_each_split_once():
