@@ -2,7 +2,8 @@
 every graph rec_ascend compiles, forward and backward).
 
 Pattern: ``aten.mm(a, b)`` or ``aten.addmm(bias, a, b)`` on float32 CPU tensors whose result [M, N] has a static
-``MIN_COLUMNS <= N < MAX_COLUMNS``, more rows than columns and ``M * K >= MIN_WORK`` (``a``: [M, K]).
+``MIN_COLUMNS <= N < MAX_COLUMNS``, more rows than columns, ``K >= MIN_INNER`` and ``M * K >= MIN_WORK`` (``a``:
+[M, K]).
 Replacement: ``clone(permute(mm(permute(b), permute(a))), contiguous)`` (``addmm`` with its bias transposed alike:
 a [N] bias as [N, 1], an [M, N] one permuted): the same product as ``[N, M] = b^T a^T``, copied back to the
 original's layout (M x N floats, a few per row, which Inductor fuses into the copy's consumers where it can). The
@@ -29,18 +30,25 @@ MIN_COLUMNS, MAX_COLUMNS = 2, 16
 # rows x inner size below which the copy back costs about what the transposed product saves (TorchRec DLRM's
 # forward at batch 128, static: 0.169 against 0.160 ms with its [128, 16] x [16, 8] product transposed)
 MIN_WORK = 1 << 16
+# inner size below which the product is bound by its output's bytes, and the copy back costs more than the swap
+# saves (RecBole AFM's pair projection at batch 2048, [43008, 8] x [8, 8]: 0.49 ms, transposed and copied 0.57 ms;
+# [8192, 16] x [16, 8] 0.32 -> 0.21 ms)
+MIN_INNER = 16
 
 
 def _narrow(node: fx.Node) -> bool:
-    """``node`` is a float32 CPU matrix product whose static column count is narrow, whose rows outnumber it, and
-    whose rows x inner size are at least ``MIN_WORK`` (a symbolic size counts as large)."""
+    """``node`` is a float32 CPU matrix product whose static column count is narrow, whose rows outnumber it, whose
+    inner size is at least ``MIN_INNER`` and whose rows x inner size are at least ``MIN_WORK`` (a symbolic size
+    counts as large)."""
     out = node.meta.get("val")
     if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.dtype != torch.float32 or out.device.type != "cpu":
         return False
     (rows, columns), inner = out.shape, node.args[-2].meta["val"].shape[1]
-    static = isinstance(rows, int) and isinstance(inner, int)
-    return (isinstance(columns, int) and MIN_COLUMNS <= columns < MAX_COLUMNS
-            and (not static or (rows > columns and rows * inner >= MIN_WORK)))
+    if not (isinstance(columns, int) and MIN_COLUMNS <= columns < MAX_COLUMNS):
+        return False
+    if (isinstance(rows, int) and rows <= columns) or (isinstance(inner, int) and inner < MIN_INNER):
+        return False
+    return not (isinstance(rows, int) and isinstance(inner, int)) or rows * inner >= MIN_WORK
 
 
 def _call(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:

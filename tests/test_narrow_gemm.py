@@ -4,7 +4,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.fx as fx
 from torch._inductor.utils import fresh_cache
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from recompile import narrow_gemm
@@ -48,6 +51,34 @@ def test_small_static_products_stay():
     gm = make_fx(torch.mm, tracing_mode="fake")(*args)
     narrow_gemm.transpose_narrow_products(gm.graph)
     assert _products(gm.graph) == [("aten.mm.default", (40, 8))]
+
+
+def _product_graph(a: tuple, b: tuple, batch_dim: tuple) -> fx.Graph:
+    """A graph of one ``mm`` of an [a] and a [b] operand whose ``batch_dim`` (operand, dim) is symbolic."""
+    mode, graph = FakeTensorMode(shape_env=ShapeEnv()), fx.Graph()
+    values = []
+    for i, shape in enumerate((a, b)):
+        dims = [DimDynamic.DYNAMIC if (i, d) == batch_dim else DimDynamic.STATIC for d in range(2)]
+        values.append(mode.from_tensor(torch.randn(shape),
+                                       symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
+        graph.placeholder(f"x{i}").meta["val"] = values[-1]
+    node = graph.call_function(aten.mm.default, tuple(graph.nodes))
+    node.meta["val"] = aten.mm.default(*values)
+    graph.output(node)
+    return graph
+
+
+def test_short_inner_and_square_products_stay_with_symbolic_sizes():
+    """With a symbolic batch: an inner size below ``MIN_INNER`` (bound by the output's bytes: RecBole AFM's pair
+    projection) and an output no taller than wide (its backward's ``[8, B] x [B, 8]``) stay as they are; a longer
+    inner size is transposed."""
+    cases = {((300, 8), (8, 8), (0, 0)): False, ((8, 300), (300, 8), (0, 1)): False,
+             ((300, 16), (16, 8), (0, 0)): True}
+    for (a, b, batch_dim), transposed in cases.items():
+        graph = _product_graph(a, b, batch_dim)
+        before = _products(graph)
+        narrow_gemm.transpose_narrow_products(graph)
+        assert (_products(graph) != before) == transposed, (a, b)
 
 
 class FullSoftmax(nn.Module):
