@@ -94,29 +94,14 @@ def rec_ascend(
     config_patches = {**CALL_CONFIG, **GRAPH_CONFIG, **(torch._inductor.list_mode_options(mode) if mode else {})}
 
     def inductor(graph: fx.GraphModule, inputs: Sequence[Any] = example_inputs):
-        dynamic = bool(autotune.size_slots(graph))
+        decompositions = inductor_decompositions(bool(autotune.size_slots(graph)))
         # One padding of a split's pieces (recompile.split_padding), one-column linears as dots (recompile.dot_linear);
         # then each stack of identical layers calls one subgraph, compiled once (recompile.repeated_layers).
         graph = outline_repeated_layers(linears_as_dots(pad_split_once(graph)))
-        patches = {**config_patches, **layer_config_patches(graph),
-                   "cpp_wrapper": not dynamic and ctx.target.name == "cpu" and aten_only(graph)}
-        decompositions = inductor_decompositions(dynamic)
+        patches = {**config_patches, **layer_config_patches(graph)}
         return compile_fx(graph, inputs, config_patches=patches, decompositions=decompositions)
 
     return autotune.autotune(gm, rewritten, example_inputs, ctx, inductor)
-
-
-def aten_only(graph: fx.GraphModule) -> bool:
-    """Whether every op ``graph`` calls is one of ATen's (or a Python operator, a tensor method): no custom op
-    (``recompile::``, ``fbgemm::``) and no higher-order op such as a stack's shared subgraph."""
-    for node in graph.graph.nodes:
-        op = node.target
-        if isinstance(op, torch._ops.HigherOrderOperator) or node.op == "call_module":
-            return False
-        if isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and str(op).split(".")[0] not in (
-                "aten", "prims"):  # "namespace.op[.overload]"
-            return False
-    return True
 
 
 def options_for_mode(options: RecompileOptions | Mapping[str, Any] | None, mode: str | None) -> RecompileOptions:

@@ -40,8 +40,7 @@ def test_inputs_of_other_strides_recompile_and_equal_eager(options):
     torch.testing.assert_close(x.grad, want.grad, rtol=1e-5, atol=1e-6)
 
 
-def _record_patches(monkeypatch) -> list[dict]:
-    """The config patches of each Inductor compile rec_ascend makes from now on."""
+def test_compiled_graph_has_no_size_asserts(monkeypatch):
     from torch._inductor import compile_fx as inductor
 
     from recompile import backend
@@ -54,35 +53,9 @@ def _record_patches(monkeypatch) -> list[dict]:
         return real(gm, inputs, config_patches=config_patches, **kwargs)
 
     monkeypatch.setattr(backend, "compile_fx", recording)
-    return seen
-
-
-def test_compiled_graph_has_no_size_asserts(monkeypatch):
-    seen = _record_patches(monkeypatch)
     with torch.no_grad():
         torch.compile(Dense(), backend="rec_ascend", options={"autotune": False})(torch.randn(5, 4))
     assert seen and all(patches.get("size_asserts") is False for patches in seen)
-
-
-def test_a_static_aten_graph_is_called_from_cpp_and_a_dynamic_one_from_python(monkeypatch):
-    seen = _record_patches(monkeypatch)
-    model = Dense()
-    compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
-    for batch in (5, 7, 9):  # a static graph, then one with a symbolic batch that the third batch reuses
-        x = torch.randn(batch, 4)
-        with torch.no_grad():
-            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
-    assert [patches["cpp_wrapper"] for patches in seen] == [True, False]
-
-
-def test_a_graph_calling_a_custom_op_is_not_aten_only():
-    from recompile.backend import aten_only
-
-    def fm(v):
-        return torch.ops.recompile.fm_second_order(torch.relu(v), True, "reference")
-
-    assert aten_only(torch.fx.symbolic_trace(lambda v: torch.relu(v) @ v.t()))
-    assert not aten_only(torch.fx.symbolic_trace(fm))
 
 
 def _frames(call) -> collections.Counter:
@@ -108,8 +81,7 @@ def test_a_settled_inductor_choice_is_called_as_plain_inductors_graph(tmp_path, 
     """Once the race keeps Inductor and its check in place is over, a call runs the Python frames of plain
     Inductor's call plus rec_ascend's own (its backend context's count of calls in progress, the CompiledGraph's
     dispatch) and nothing else: no second ``torch._dynamo.disable`` wrapper around the compiled graph (AOT
-    autograd's, inside Dynamo's around the CompiledGraph). This static graph of ATen ops is called from C++, as
-    plain Inductor's is with ``cpp_wrapper``."""
+    autograd's, inside Dynamo's around the CompiledGraph)."""
     from recompile import autotune
     from recompile import backend as rec_backend
 
@@ -124,8 +96,7 @@ def test_a_settled_inductor_choice_is_called_as_plain_inductors_graph(tmp_path, 
 
     backend.backend_ctx_ctor = rec_backend.rec_ascend.backend_ctx_ctor
     model, x = Dense(), torch.randn(8, 4)
-    compiled = {"inductor": torch.compile(model, backend="inductor", options={"cpp_wrapper": True}),
-                "rec_ascend": torch.compile(model, backend=backend)}
+    compiled = {"inductor": torch.compile(model, backend="inductor"), "rec_ascend": torch.compile(model, backend=backend)}
     with torch.no_grad():
         for fn in compiled.values():
             for _ in range(4 * autotune.SHORT_CHECK_CALLS):  # past the check in place

@@ -125,8 +125,6 @@ def test_the_layer_code_is_generated_once(monkeypatch):
     as one block has, and fewer C++ kernels than the same graph with its blocks inline."""
     model = Stack([Block() for _ in range(3)]).eval()
     x = torch.randn(8, DIM)
-    # the inline graph would be ATen's alone, which Inductor calls from C++: both counted in its Python wrapper
-    monkeypatch.setattr(recompile.backend, "aten_only", lambda gm: False)
     with torch.no_grad():
         kernels, matmuls = count_layer_code(model, x)
         torch._dynamo.reset()
