@@ -37,9 +37,6 @@ SIZE_GUARDING_DECOMPOSITIONS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.
 # the tangents' layout it traced, so they only cost time: 14 checks, 6-7 us of a 60 us call of RecBole FM's predict
 # at batch 1 (measured interleaved, CPU time, under load).
 CALL_CONFIG = {"size_asserts": False}
-# After AOT autograd, before Inductor's own post-grad passes: CPU matrix products with a few output columns computed
-# transposed (recompile.narrow_gemm), forward and backward.
-GRAPH_CONFIG = {"post_grad_custom_pre_pass": NarrowGemm()}
 
 # torch.compile modes under which a graph's cold compile has no budget by default (``options_for_mode``).
 MAX_AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
@@ -91,7 +88,10 @@ def rec_ascend(
     # eagerly is a candidate), so generate it now rather than route each of those calls through that check.
     _LazyGraphModule.force_recompile(gm)
     rewritten = run_pipeline(gm, ctx)
-    config_patches = {**CALL_CONFIG, **GRAPH_CONFIG, **(torch._inductor.list_mode_options(mode) if mode else {})}
+    # After AOT autograd, before Inductor's own post-grad passes: CPU matrix products with a few output columns
+    # computed transposed (recompile.narrow_gemm), forward and backward; then the user's own pass, if any.
+    graph_config = {"post_grad_custom_pre_pass": NarrowGemm(torch._inductor.config.post_grad_custom_pre_pass)}
+    config_patches = {**CALL_CONFIG, **graph_config, **(torch._inductor.list_mode_options(mode) if mode else {})}
 
     def inductor(graph: fx.GraphModule, inputs: Sequence[Any] = example_inputs):
         decompositions = inductor_decompositions(bool(autotune.size_slots(graph)))

@@ -18,7 +18,7 @@ column is a matrix-vector product (no gain), and from 16 columns on the two orde
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -85,11 +85,20 @@ def transpose_narrow_products(graph: fx.Graph) -> None:
 
 
 class NarrowGemm(CustomGraphPass):
-    """``transpose_narrow_products`` as Inductor's ``post_grad_custom_pre_pass`` (its uuid: this file's hash, which
-    keys Inductor's FX graph cache)."""
+    """``transpose_narrow_products`` as Inductor's ``post_grad_custom_pre_pass``, then ``after``: the pass the user's
+    Inductor config held, which it would otherwise replace. Its uuid keys Inductor's FX graph cache: this file's hash
+    and ``after``'s (None, so no caching, where ``after`` is a plain callable Inductor cannot key)."""
+
+    def __init__(self, after: Optional[Callable[[fx.Graph], None]] = None):
+        self.after = after
 
     def __call__(self, graph: fx.Graph) -> None:
         transpose_narrow_products(graph)
+        if self.after is not None:
+            self.after(graph)
 
     def uuid(self) -> Any:
-        return get_hash_for_files((__file__,))
+        if self.after is None:
+            return get_hash_for_files((__file__,))
+        theirs = self.after.uuid() if isinstance(self.after, CustomGraphPass) else None
+        return None if theirs is None else (get_hash_for_files((__file__,)), theirs)

@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import fresh_cache
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
@@ -122,3 +123,30 @@ def test_training_graph_is_rewritten_forward_and_backward_and_equals_eager(monke
     # [3000, 8]) in the backward, not the dense layer's forward ([128, 16] x [16, 8]: below MIN_WORK); dynamic
     # graph (symbolic batch): that too
     assert rewritten == [0, 2, 1, 2]
+
+
+class Counting(CustomGraphPass):
+    """A user's own post-grad pass."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, graph):
+        self.graphs += 1
+
+    def uuid(self):
+        return "counting"
+
+
+def test_the_users_own_post_grad_pass_still_runs():
+    """rec_ascend sets Inductor's ``post_grad_custom_pre_pass`` for its compiles: a pass the user set there runs
+    after ours instead of being dropped, and keys the cache with ours."""
+    theirs = Counting()
+    model = nn.Linear(16, 8)
+    x = torch.randn(600, 16)
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=theirs), fresh_cache(), torch.no_grad():
+        compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+    assert theirs.graphs == 1
+    assert narrow_gemm.NarrowGemm(theirs).uuid()[1] == "counting"
+    assert narrow_gemm.NarrowGemm(lambda graph: None).uuid() is None  # a plain callable: Inductor cannot cache
