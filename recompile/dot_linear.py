@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from recompile.passes.utils import arg, is_call, replace_node, tensor_meta
-from recompile.pipeline import example_value
+from recompile.pipeline import call_before
 
 LINEAR = torch._C._nn.linear  # F.linear and nn.Linear calls, as Dynamo records them
 
@@ -37,17 +37,6 @@ def _dot_weight(node: fx.Node) -> fx.Node | None:
     return arg(node, 1, "weight") if w.dtype.is_floating_point else None
 
 
-def _call(graph: fx.Graph, target, args: tuple, before: fx.Node, **kwargs) -> fx.Node:
-    """A new call before ``before``, in its layer (``nn_module_stack``), with its example value."""
-    with graph.inserting_before(before):
-        node = graph.call_function(target, args, kwargs)
-    for key in ("nn_module_stack", "stack_trace"):
-        if key in before.meta:
-            node.meta[key] = before.meta[key]
-    example_value(node)
-    return node
-
-
 def linears_as_dots(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with each one-column linear a dot per row (a new GraphModule; ``gm`` is left as it is: the race runs
     it eagerly), or ``gm`` itself where there are none."""
@@ -58,8 +47,8 @@ def linears_as_dots(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(graph.nodes):
         if (w := _dot_weight(node)) is None:
             continue
-        product = _call(graph, operator.mul, (arg(node, 0, "input"), w), node)
-        dot = _call(graph, torch.sum, (product, -1), node, keepdim=True)
+        product = call_before(graph, operator.mul, (arg(node, 0, "input"), w), node)
+        dot = call_before(graph, torch.sum, (product, -1), node, keepdim=True)
         bias = arg(node, 2, "bias")
-        replace_node(node, dot if bias is None else _call(graph, operator.add, (dot, bias), node))
+        replace_node(node, dot if bias is None else call_before(graph, operator.add, (dot, bias), node))
     return fx.GraphModule(gm, graph)

@@ -14,7 +14,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -195,6 +195,17 @@ def example_value(node: fx.Node):
         target = getattr(args[0], node.target) if node.op == "call_method" else node.target
         value = node.meta["example_value"] = target(*args[node.op == "call_method":], **kwargs)
     return value
+
+
+def call_before(graph: fx.Graph, target: Any, args: tuple, before: fx.Node, **kwargs: Any) -> fx.Node:
+    """A new call of ``target`` before ``before``, in its layer (``nn_module_stack``), with its example value."""
+    with graph.inserting_before(before):
+        node = graph.call_function(target, args, kwargs)
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in before.meta:
+            node.meta[key] = before.meta[key]
+    example_value(node)  # its target run on its inputs' fake values, kept in its meta
+    return node
 
 
 def check_kernels(gm: fx.GraphModule) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from recompile.passes.utils import arg, is_call, meta_value, replace_node, tensor_meta, written
-from recompile.pipeline import example_value, graph_fake_mode
+from recompile.pipeline import call_before, graph_fake_mode
 from recompile.runtime.fbgemm import fbgemm_ops
 
 
@@ -76,17 +76,6 @@ def _padding_key(node: fx.Node) -> tuple | None:
     return (x, offsets[0], lengths[0], arg(node, 3, "padding_value", 0.0)), (start, end)
 
 
-def _call(graph: fx.Graph, target: Any, args: tuple, before: fx.Node) -> fx.Node:
-    """A new call before ``before``, in its layer (``nn_module_stack``), with its example value."""
-    with graph.inserting_before(before):
-        node = graph.call_function(target, args)
-    for key in ("nn_module_stack", "stack_trace"):
-        if key in before.meta:
-            node.meta[key] = before.meta[key]
-    example_value(node)  # its target run on its inputs' fake values, kept in its meta
-    return node
-
-
 def _takes(user: fx.Node, piece: fx.Node, value: torch.Tensor) -> bool:
     """Whether ``user`` computes a value of the same shape from ``value`` (a non-contiguous slice) in place of
     ``piece``, run on its inputs' fake values."""
@@ -128,9 +117,9 @@ def _merge(graph: fx.Graph, calls: list[tuple[fx.Node, tuple[int, int]]], x: fx.
     start, end = min(c[0] for _, c in calls), max(c[1] for _, c in calls)
     width = tensor_meta(x).shape[1]
     columns = (slice(None), slice(start, end))
-    source = x if (start, end) == (0, width) else _call(graph, operator.getitem, (x, columns), first)
-    padded = _call(graph, first.target, (source, [offsets], [n], padding_value), first)
-    slices = [_call(graph, operator.getitem, (padded, (Ellipsis, slice(a - start, b - start))), first)
+    source = x if (start, end) == (0, width) else call_before(graph, operator.getitem, (x, columns), first)
+    padded = call_before(graph, first.target, (source, [offsets], [n], padding_value), first)
+    slices = [call_before(graph, operator.getitem, (padded, (Ellipsis, slice(a - start, b - start))), first)
               for _, (a, b) in calls]
     if all(_takes(user, call, meta_value(piece)) for (call, _), piece in zip(calls, slices) for user in call.users):
         for (call, _), piece in zip(calls, slices):
