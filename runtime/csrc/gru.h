@@ -326,8 +326,9 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> backward(const std::optional<Ten
         const int64_t n = std::min(rows, B - b0);
         Tensor dy = dout.defined() ? lay.rows(dout, b0, n) : Tensor();
         for (int64_t l = L - 1; l >= 0; l--) {
-            Tensor dh = grad_hn && grad_hn->defined() ? (*grad_hn)[l].narrow(0, b0, n).clone(at::MemoryFormat::Contiguous)
-                                                      : at::zeros({n, H}, input.options());
+            Tensor dh = grad_hn && grad_hn->defined()
+                            ? (*grad_hn)[l].narrow(0, b0, n).clone(at::MemoryFormat::Contiguous)
+                            : at::zeros({n, H}, input.options());
             dy = layer_backward<T, A>(lay, dy, dh, lay.rows(xs[l], b0, n), lay.rows(ys[l], b0, n),
                                       lay.rows(gs[l], b0, n), h0[l].narrow(0, b0, n),
                                       layer_weights(weights, has_biases, l), lay.rows(dgi, 0, n), lay.rows(dgh, 0, n),
