@@ -134,7 +134,7 @@ def race(steps: dict, rounds: int, clock=time.perf_counter) -> tuple[dict, int, 
     """``race_rounds`` over the steps that run, each sample ``autorange``'s count of back-to-back calls (the same for
     every backend), after ``WARMUP`` calls of each, at least ``rounds`` rounds and more within ``ROUNDS_BUDGET_S``:
     each backend's best round, the count, the errors of the backends that fail (Inductor fails on some RecBole
-    graphs; left out), and every round's ms per backend (``paired``)."""
+    graphs; left out), and every round's ms per backend (what ``paired`` compares)."""
     errors = {}
     for name, step in list(steps.items()):
         try:
