@@ -13,8 +13,9 @@ Inductor and recompile cache folders, Inductor's FX-graph and AOT-autograd cache
   ``compile_shared_s``: the wall-clock of this process's own compiles, Inductor's first, whose kernels and
   one-time costs rec_ascend's compile then finds paid;
 - ms per step of eager, Inductor and rec_ascend at batch 128 and 2048 (inference entries: batch 1 too), timed
-  interleaved round by round (``models.timing.race_ms``), each sample a run of back-to-back calls (``iters``, from
-  ``models.timing.autorange``, the same for every backend of a cell); a training step is loss + backward;
+  interleaved round by round, each round starting one backend further (``models.timing.race_rounds``), each sample
+  a run of back-to-back calls (``iters``, from ``models.timing.autorange``, the same for every backend of a cell),
+  each backend's best round, every round kept (``rounds_ms``); a training step is loss + backward;
 - the regions ``models/corpus/expected.py`` expects and those rec_ascend found, and the autotune race's decision
   per graph (read from its cache: the candidate kept, each region's kernel, the race's timings, what it did not
   compile and why), which the verdict quotes where rec_ascend is slower than min(eager, Inductor);
@@ -43,6 +44,7 @@ import math
 import operator
 import os
 import platform
+import statistics
 import subprocess
 import tempfile
 import time
@@ -57,7 +59,7 @@ from recompile.autotune import SHORT_CHECK_CALLS
 
 from .corpus.expected import EXPECTED, graph_breaks
 from .corpus.harness import CASES, Case, assert_equal, run
-from .timing import autorange, race_ms
+from .timing import autorange, race_ms, race_rounds
 from .train import write_json
 
 BACKENDS = ("eager", "inductor", "rec_ascend")
@@ -71,6 +73,9 @@ ROUNDS = 5  # timed rounds of the full run, each backend once per round, interle
 # training loop runs in.
 WARMUP = 2 * SHORT_CHECK_CALLS + 1
 SAMPLE_MS = 10.0  # a timed sample lasts at least this long for the fastest backend (``timing.autorange``)
+# Wall-clock seconds a cell's timed rounds may stretch to past ``--rounds`` (``timing.race_rounds``): cells of short
+# steps (batch 1: 10 ms a round per backend) get tens of rounds, whose best moves less from run to run under load.
+ROUNDS_BUDGET_S = 1.0
 TABLE_START, TABLE_END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
 CONVS = {torch.conv1d, torch.conv2d, torch.nn.functional.conv1d, torch.nn.functional.conv2d}
 GEMMS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
@@ -125,10 +130,11 @@ def step_fn(case: Case, fn, module, inputs):
     return step
 
 
-def race(steps: dict, rounds: int, clock=time.perf_counter) -> tuple[dict, int, dict]:
-    """``race_ms`` over the steps that run, each sample ``autorange``'s count of back-to-back calls (the same for
-    every backend), after ``WARMUP`` calls of each; the count is returned beside the timings. A backend that fails
-    (Inductor fails on some RecBole graphs) is left out and its error returned too."""
+def race(steps: dict, rounds: int, clock=time.perf_counter) -> tuple[dict, int, dict, dict]:
+    """``race_rounds`` over the steps that run, each sample ``autorange``'s count of back-to-back calls (the same for
+    every backend), after ``WARMUP`` calls of each, at least ``rounds`` rounds and more within ``ROUNDS_BUDGET_S``:
+    each backend's best round, the count, the errors of the backends that fail (Inductor fails on some RecBole
+    graphs; left out), and every round's ms per backend (what ``paired`` compares)."""
     errors = {}
     for name, step in list(steps.items()):
         try:
@@ -140,7 +146,19 @@ def race(steps: dict, rounds: int, clock=time.perf_counter) -> tuple[dict, int, 
         for _ in range(WARMUP):
             step()
     iters = autorange(steps, SAMPLE_MS, clock) if steps else 1
-    return race_ms(steps, rounds, iters, warmup=0, clock=clock), iters, errors
+    samples = race_rounds(steps, rounds, iters, warmup=0, clock=clock, budget_s=ROUNDS_BUDGET_S)
+    return {name: min(ms) for name, ms in samples.items()}, iters, errors, samples
+
+
+def paired(samples: dict[str, list[float]]) -> str | None:
+    """How rec_ascend's rounds compare with the faster of eager and Inductor in the same round: "slower in k of n
+    rounds, median x" (a cell whose best rounds put rec_ascend behind but whose rounds disagree is load, not a
+    cost); None without rec_ascend's rounds or a baseline's."""
+    base = [min(r) for r in zip(*(samples[n] for n in ("eager", "inductor") if n in samples))]
+    if "rec_ascend" not in samples or not base:
+        return None
+    ratios = [rec / b for rec, b in zip(samples["rec_ascend"], base)]
+    return f"slower in {sum(r > 1 for r in ratios)} of {len(ratios)} rounds, median {statistics.median(ratios):.2f}x"
 
 
 def error_text(exc: Exception) -> str:
@@ -549,12 +567,12 @@ def bench_case(case: Case, rounds: int, gbs: float, gflops: float, quick: bool =
         shared_s[name] = max(0.0, cold - min(_timed(step) for _ in range(3)))
     numbers_equal = "rec_ascend" in compile_s and equal(case, fns["rec_ascend"], modules["rec_ascend"], modules["eager"],
                                                         inputs[first])
-    ms, iters, floors, calls, found, decisions = {}, {}, {}, {}, {}, {}
+    ms, iters, rounds_ms, floors, calls, found, decisions = {}, {}, {}, {}, {}, {}, {}
     if batches[0] != first:  # its graph is compiled (and raced) anew: the cold compile's race is not its
         started = time.time()
     for b in batches:
         steps = {name: step_fn(case, fns[name], modules[name], inputs[b]) for name in BACKENDS}
-        ms[b], iters[b], failed = race(steps, rounds, clock)
+        ms[b], iters[b], failed, rounds_ms[b] = race(steps, rounds, clock)
         # the races of this batch's graphs (the first batch's: at the cold compile), as they stand after the
         # timed calls: a choice the in-place check overturned is stored again, with why
         decisions[b] = [describe_decision(d) for d in decisions_since(started)]
@@ -585,25 +603,28 @@ def bench_case(case: Case, rounds: int, gbs: float, gflops: float, quick: bool =
         "compile_shared_s": shared_s,
         "ms": {str(b): v for b, v in ms.items()},
         "iters": {str(b): v for b, v in iters.items()},
+        "rounds_ms": {str(b): {name: [round(t, 5) for t in ts] for name, ts in v.items()} for b, v in rounds_ms.items()},
         "floor": {str(b): v for b, v in floors.items()},
         "call_ms": {str(b): v for b, v in calls.items()},
         "pass_ms": pass_ms,
         "errors": errors,
         "verdict": verdict(ms, floors, compile_cpu_s if clock is time.thread_time else compile_s, decisions,
-                           bool(regions), calls) + [f"{k} failed: {v}" for k, v in errors.items()],
+                           bool(regions), calls, rounds_ms) + [f"{k} failed: {v}" for k, v in errors.items()],
     }
 
 
 def verdict(ms: dict, floors: dict, compile_s: dict, decisions: dict, raced: bool = True,
-            calls: dict | None = None) -> list[str]:
+            calls: dict | None = None, rounds_ms: dict | None = None) -> list[str]:
     """Where the issue's targets are missed, and what the run shows about why: the race's decisions per batch
-    (``raced``: the graphs had rec regions to race), the floor's parts and the compiled call's own cost
-    (``calls``: ms per batch, ``call_ms``)."""
+    (``raced``: the graphs had rec regions to race), the rounds compared pair by pair (``rounds_ms``: per batch,
+    every round's ms per backend, ``paired``), the floor's parts and the compiled call's own cost (``calls``: ms
+    per batch, ``call_ms``)."""
     notes = []
     for b, m in ms.items():
         if "rec_ascend" not in m:
             continue
         best = min(m.get("eager", float("inf")), m.get("inductor", float("inf")))
+        call = (calls or {}).get(b)
         if m["rec_ascend"] > best:
             if decisions.get(b):
                 why = "; ".join(decisions[b])
@@ -611,10 +632,12 @@ def verdict(ms: dict, floors: dict, compile_s: dict, decisions: dict, raced: boo
                 why = "no decision stored: a race whose rounds disagreed keeps the safe candidate"
             else:
                 why = "no rec region and no decision stored: Inductor kept (a race whose rounds disagree keeps it)"
-            notes.append(f"batch {b}: rec_ascend {m['rec_ascend']:.3f} ms > min(eager, inductor) {best:.3f} ms ({why})")
+            rounds = paired((rounds_ms or {}).get(b, {}))
+            notes.append(f"batch {b}: rec_ascend {m['rec_ascend']:.3f} ms > min(eager, inductor) {best:.3f} ms ({why})"
+                         + (f"; {rounds}" if rounds else "")
+                         + (f"; the compiled call's own cost {call:.3f} ms" if call else ""))
         floor = floors[b]
         if floor["ms"] and m["rec_ascend"] > 1.5 * floor["ms"]:
-            call = (calls or {}).get(b)
             notes.append(f"batch {b}: {m['rec_ascend'] / floor['ms']:.1f}x its floor {floor['ms']:.3f} ms (GEMMs "
                          f"{floor['gemm_ms']:.3f} + lookups {floor['lookup_ms']:.3f}): "
                          f"{m['rec_ascend'] - floor['ms']:.3f} ms in the rest (elementwise, softmax, losses, "

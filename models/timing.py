@@ -9,22 +9,40 @@ import torch
 
 from recompile.lowering.targets import synchronize
 
+MAX_ROUNDS = 50  # what a timing budget (``race_rounds``' ``budget_s``) may stretch the rounds to
 
-def race_ms(steps: dict[str, Callable[[], object]], rounds: int, iters: int = 1,
-            device: torch.device = torch.device("cpu"), warmup: int = 3,
-            clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
-    """Wall-clock milliseconds per step of each candidate: the best of ``rounds`` rounds, each timing every
-    candidate in turn (``iters`` steps each, then waiting for ``device``), so that load from other processes
-    falls on all of them alike. ``warmup`` untimed runs of each first. ``clock=time.thread_time`` counts CPU time
-    instead (single-threaded CPU steps on a loaded machine: the time other processes hold the core left out)."""
+
+def race_rounds(steps: dict[str, Callable[[], object]], rounds: int, iters: int = 1,
+                device: torch.device = torch.device("cpu"), warmup: int = 3,
+                clock: Callable[[], float] = time.perf_counter, budget_s: float = 0.0) -> dict[str, list[float]]:
+    """Milliseconds per step of each candidate in every round, on ``clock``: each round times every candidate in
+    turn (``iters`` steps each, then waiting for ``device``), round ``r`` starting at the ``r``-th candidate, so that
+    load from other processes falls on all of them alike and none always runs right after the same other (whose
+    caches and allocations it would meet). ``rounds`` rounds, more while the rounds so far took less than
+    ``budget_s`` wall-clock seconds (up to ``MAX_ROUNDS``): a cell of short steps gets many rounds, whose best moves
+    less from run to run on a loaded machine. ``warmup`` untimed runs of each first."""
     for step in steps.values():
         for _ in range(warmup):
             step()
-    best = dict.fromkeys(steps, float("inf"))
-    for _ in range(rounds):
-        for name, step in steps.items():
-            best[name] = min(best[name], _sample(step, iters, clock, device) / iters * 1e3)
-    return best
+    names = list(steps)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    start = time.perf_counter()
+    for r in itertools.count():
+        if r >= rounds and (r >= MAX_ROUNDS or time.perf_counter() - start >= budget_s):
+            break
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            samples[name].append(_sample(steps[name], iters, clock, device) / iters * 1e3)
+    return samples
+
+
+def race_ms(steps: dict[str, Callable[[], object]], rounds: int, iters: int = 1,
+            device: torch.device = torch.device("cpu"), warmup: int = 3,
+            clock: Callable[[], float] = time.perf_counter, budget_s: float = 0.0) -> dict[str, float]:
+    """Milliseconds per step of each candidate: the best of its rounds (``race_rounds``). ``clock=time.thread_time``
+    counts CPU time instead of wall-clock (single-threaded CPU steps on a loaded machine: the time other processes
+    hold the core left out)."""
+    samples = race_rounds(steps, rounds, iters, device, warmup, clock, budget_s)
+    return {name: min(ms) for name, ms in samples.items()}
 
 
 def autorange(steps: dict[str, Callable[[], object]], min_ms: float = 10.0,

@@ -10,10 +10,11 @@ import torch
 
 import models.bench_corpus as bench_corpus
 from models.bench_corpus import (TABLE_END, TABLE_START, _matmul_dims, call_ms, capture, describe_decision,
-                                 floor_gemms, floor_ms, kept_rows, own_process_compile, race, render_table,
-                                 step_fn, verdict, write_doc)
+                                 floor_gemms, floor_ms, kept_rows, own_process_compile, paired, race,
+                                 render_table, step_fn, verdict, write_doc)
 from models.corpus.harness import CASES, Case
-from models.timing import autorange
+from models import timing
+from models.timing import autorange, race_ms, race_rounds
 
 DECISION = {"mode": "training", "choice": "inductor", "regions": {"padded_softmax_attention_default": "cpu"},
             "timings_ms": {"inductor": 2.5, "rec+eager": 4.0}, "rejected": {"inductor-captured": "not compiled: x"}}
@@ -127,7 +128,8 @@ def test_autorange_picks_the_first_count_whose_sample_of_the_fastest_step_lasts_
     assert autorange({"slow": clock.step(30.0)}, min_ms=10.0, clock=clock) == 1
 
 
-def test_race_times_runs_of_back_to_back_calls_the_same_count_for_every_backend():
+def test_race_times_runs_of_back_to_back_calls_the_same_count_for_every_backend(monkeypatch):
+    monkeypatch.setattr(bench_corpus, "ROUNDS_BUDGET_S", 0.0)  # the rounds asked for, no more
     clock, calls = _TickClock(), []
 
     def counted(name, ms):
@@ -138,11 +140,44 @@ def test_race_times_runs_of_back_to_back_calls_the_same_count_for_every_backend(
         raise RuntimeError("no kernel")
 
     steps = {"eager": counted("eager", 2.0), "rec_ascend": counted("rec_ascend", 0.5), "inductor": broken}
-    ms, iters, errors = race(steps, 2, clock)
+    ms, iters, errors, rounds = race(steps, 2, clock)
     assert iters == 20 and ms == pytest.approx({"eager": 2.0, "rec_ascend": 0.5})
+    assert rounds == {"eager": pytest.approx([2.0, 2.0]), "rec_ascend": pytest.approx([0.5, 0.5])}
     assert errors == {"inductor": "RuntimeError: no kernel"}
-    timed = calls[-4 * iters:]  # two rounds, each backend's run of iters calls in turn
-    assert timed == (["eager"] * iters + ["rec_ascend"] * iters) * 2
+    timed = calls[-4 * iters:]  # two rounds, each backend's run of iters calls in turn, the second starting further
+    assert timed == ["eager"] * iters + ["rec_ascend"] * iters + ["rec_ascend"] * iters + ["eager"] * iters
+
+
+def test_rounds_rotate_and_short_steps_get_more_rounds_within_the_budget(monkeypatch):
+    """Each round starts one backend further; past the rounds asked for, rounds go on while the wall-clock budget
+    lasts (up to ``MAX_ROUNDS``), so a cell of short steps is timed in many rounds and one of long steps in few."""
+    wall = _TickClock()
+    monkeypatch.setattr(timing.time, "perf_counter", wall)
+    order = []
+
+    def steps(ms):
+        ticks = {name: wall.step(ms) for name in "abc"}
+        return {name: (lambda name=name: (order.append(name), ticks[name]())) for name in "abc"}
+
+    samples = race_rounds(steps(100.0), 3, warmup=0, clock=wall, budget_s=1.0)
+    assert order[:9] == list("abc" "bca" "cab") and all(len(ms) == 4 for ms in samples.values())  # 1.2 s: 4 rounds
+    assert samples["a"] == pytest.approx([100.0] * 4)
+    assert all(len(ms) == 5 for ms in race_rounds(steps(100.0), 5, warmup=0, clock=wall, budget_s=0.0).values())
+    assert all(len(ms) == timing.MAX_ROUNDS for ms in race_rounds(steps(0.1), 3, warmup=0, clock=wall,
+                                                                   budget_s=1.0).values())
+    assert race_ms(steps(0.1), 3, warmup=0, clock=wall) == pytest.approx(dict.fromkeys("abc", 0.1))
+
+
+def test_the_verdict_compares_a_slower_cells_rounds_pair_by_pair():
+    """Where rec_ascend's best round is behind, the verdict says in how many rounds it was slower than the faster
+    baseline of the same round, and the median ratio: a load spike on one round is told from a steady cost."""
+    ms = {1: {"eager": 1.0, "inductor": 1.2, "rec_ascend": 1.1}}
+    rounds = {1: {"eager": [1.0, 1.3, 1.4], "inductor": [1.2, 1.25, 1.5], "rec_ascend": [1.1, 1.2, 1.3]}}
+    [note] = verdict(ms, {1: {"ms": 0.0}}, {}, {1: ["kept eager"]}, calls={1: 0.04}, rounds_ms=rounds)
+    assert note == ("batch 1: rec_ascend 1.100 ms > min(eager, inductor) 1.000 ms (kept eager); slower in 1 of 3 "
+                    "rounds, median 0.96x; the compiled call's own cost 0.040 ms")
+    assert paired({"eager": [1.0], "rec_ascend": [2.0]}) == "slower in 1 of 1 rounds, median 2.00x"
+    assert paired({"rec_ascend": [2.0]}) is None
 
 
 D = 64

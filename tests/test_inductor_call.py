@@ -77,11 +77,13 @@ def _frames(call) -> collections.Counter:
     return seen
 
 
-def test_a_settled_inductor_choice_is_called_as_plain_inductors_graph(tmp_path, monkeypatch):
-    """Once the race keeps Inductor and its check in place is over, a call runs the Python frames of plain
-    Inductor's call plus rec_ascend's own (its backend context's count of calls in progress, the CompiledGraph's
-    dispatch) and nothing else: no second ``torch._dynamo.disable`` wrapper around the compiled graph (AOT
-    autograd's, inside Dynamo's around the CompiledGraph)."""
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_a_settled_inductor_choice_is_called_as_plain_inductors_graph(tmp_path, monkeypatch, training):
+    """Once the race keeps Inductor and its check in place is over, a call (for training: the loss and its
+    backward) runs the Python frames of plain Inductor's call plus rec_ascend's own (its backend context's count of
+    calls in progress, the CompiledGraph's dispatch) and nothing else: no second ``torch._dynamo.disable`` wrapper
+    around the compiled graph (AOT autograd's, inside Dynamo's around the CompiledGraph), no check or wrapper of
+    the training call path (autograd runs AOT's compiled backward as plain Inductor's)."""
     from recompile import autotune
     from recompile import backend as rec_backend
 
@@ -97,15 +99,27 @@ def test_a_settled_inductor_choice_is_called_as_plain_inductors_graph(tmp_path, 
     backend.backend_ctx_ctor = rec_backend.rec_ascend.backend_ctx_ctor
     model, x = Dense(), torch.randn(8, 4)
     compiled = {"inductor": torch.compile(model, backend="inductor"), "rec_ascend": torch.compile(model, backend=backend)}
-    with torch.no_grad():
-        for fn in compiled.values():
-            for _ in range(4 * autotune.SHORT_CHECK_CALLS):  # past the check in place
-                torch.testing.assert_close(fn(x), model(x), rtol=1e-5, atol=1e-6)
-        [graph] = returned
-        chooser = graph.chooser
-        assert chooser.decision.choice == "inductor-captured" and chooser.run is chooser.candidates["inductor-captured"]
-        assert not hasattr(chooser.run, "_torchdynamo_orig_callable")  # the compile itself, not a disable wrapper
-        frames = {name: _frames(lambda fn=fn: fn(x)) for name, fn in compiled.items()}
+
+    def step(fn):
+        if not training:
+            with torch.no_grad():
+                return fn(x)
+        model.zero_grad(set_to_none=True)
+        out = fn(x)
+        out.sum().backward()
+        return out.detach(), model.linear.weight.grad
+
+    for fn in compiled.values():
+        for _ in range(4 * autotune.SHORT_CHECK_CALLS):  # past the check in place
+            torch.testing.assert_close(step(fn), step(model), rtol=1e-5, atol=1e-6)
+    [graph] = returned
+    chooser = graph.chooser
+    assert chooser.decision.mode == ("training" if training else "inference")
+    assert chooser.decision.choice == "inductor-captured" and chooser.run is chooser.candidates["inductor-captured"]
+    assert not hasattr(chooser.run, "_torchdynamo_orig_callable")  # the compile itself, not a disable wrapper
+    frames = {name: _frames(lambda fn=fn: step(fn)) for name, fn in compiled.items()}
+    assert not training or any(name == "backward" for _, name in frames["rec_ascend"])  # AOT's compiled backward
     added = frames["rec_ascend"] - frames["inductor"]
     own = {key for key in added if "/recompile/" in key[0] or key[1] == "call_backend_ctx"}
     assert own and set(added) == own, added
+    assert sum(added.values()) <= 4, added  # call_backend_ctx, TracingCalls' enter and exit, CompiledGraph.__call__
