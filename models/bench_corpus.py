@@ -81,6 +81,7 @@ CONVS = {torch.conv1d, torch.conv2d, torch.nn.functional.conv1d, torch.nn.functi
 GEMMS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
          torch.baddbmm, torch.einsum, torch.tensordot, operator.matmul} | CONVS
 GEMM_METHODS = {"matmul", "mm", "bmm"}
+RNNS = {torch.gru, torch.lstm, torch.rnn_tanh, torch.rnn_relu}  # their padded form: (input, hx, params, ...)
 
 
 def cold_caches() -> str:
@@ -231,6 +232,8 @@ def floor_gemms(graphs: list[fx.GraphModule], training: bool) -> tuple[collectio
     gemms, spelled = collections.Counter(), []
     for gm in graphs:
         for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in RNNS:
+                gemms.update(_rnn_gemms(node, training))
             if _gemm_call(node) is None:
                 continue
             dims = _gemm_dims(node)
@@ -244,6 +247,34 @@ def floor_gemms(graphs: list[fx.GraphModule], training: bool) -> tuple[collectio
             if training and grad_b:
                 gemms[_canonical(g, k, m, n, dtype)] += 1
     return gemms, spelled
+
+
+def _rnn_gemms(node: fx.Node, training: bool) -> collections.Counter:
+    """The GEMMs of a recurrent layer stack (``torch.gru`` / ``lstm`` / ``rnn_*`` on a padded batch), per layer and
+    direction: the input projection of every step at once, [B T, I] x [I, G H], and the hidden state's product at
+    each of the T steps, [B, H] x [H, G H]; for training also their backward: the inputs' gradient (all steps at
+    once; for the first layer where its input needs one), the hidden state's at each step, and each weight's
+    gradient summed over the steps as one GEMM. The gate math between them is not counted."""
+    x, hx, params = (_value(a) for a in node.args[:3])
+    if not isinstance(hx, (torch.Tensor, tuple, list)) or not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return collections.Counter()  # the packed-sequence form
+    num_layers, bidirectional, batch_first = node.args[4], node.args[7], node.args[8]
+    batch, steps = [_hint(d) for d in (x.shape[:2] if batch_first else x.shape[1::-1])]
+    per_direction = len(params) // (num_layers * (2 if bidirectional else 1))
+    gemms = collections.Counter()
+    for i, (w_ih, w_hh) in enumerate(zip(params[::per_direction], params[1::per_direction])):
+        w_ih, w_hh = _value(w_ih), _value(w_hh)
+        gates, inputs, hidden = _hint(w_ih.shape[0]), _hint(w_ih.shape[1]), _hint(w_hh.shape[1])
+        gemms[_canonical(1, batch * steps, inputs, gates, x.dtype)] += 1
+        gemms[_canonical(1, batch, hidden, gates, x.dtype)] += steps
+        if training:
+            if i >= (2 if bidirectional else 1) or x.requires_grad:
+                gemms[_canonical(1, batch * steps, gates, inputs, x.dtype)] += 1
+            gemms[_canonical(1, batch, gates, hidden, x.dtype)] += steps
+            for w, k in ((w_ih, inputs), (w_hh, hidden)):
+                if w.requires_grad:
+                    gemms[_canonical(1, gates, batch * steps, k, x.dtype)] += 1
+    return gemms
 
 
 def _canonical(g: int, m: int, k: int, n: int, dtype: torch.dtype) -> tuple:

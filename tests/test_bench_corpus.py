@@ -3,6 +3,7 @@ min(eager, Inductor) and the floor's parts where it is above 1.5x its floor; a p
 timing: inference steps under no_grad, each sample a run of back-to-back calls (the same count per backend); a
 stopped run resumes, a shard replaces only its own rows. Its floor: the GEMMs' math, whatever their spelling (a
 convolution's its im2col GEMM), a memory-bound GEMM's no more than its bytes over the bandwidth."""
+import collections
 import json
 
 import pytest
@@ -320,3 +321,26 @@ def test_a_gemms_floor_is_the_faster_of_its_two_orders(monkeypatch):
     monkeypatch.setattr(bench_corpus, "_mm_ms", fake)
     assert bench_corpus._canonical_ms((1, 1683, 2048, 8, torch.float32), 3, None) == 1.0
     assert set(timed) == {(1683, 2048, 8), (8, 2048, 1683)}
+
+
+class _GRU(torch.nn.Module):
+    """Two GRU layers over [B, 4, D // 4] histories whose input needs no gradient (as embeddings' would)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = torch.nn.GRU(D // 4, 6, num_layers=2, batch_first=True)
+
+    def forward(self, x):
+        return self.gru(x.view(x.shape[0], 4, D // 4))[0].sum()
+
+
+def test_a_recurrent_layers_floor_is_its_input_projection_and_one_hidden_product_per_step():
+    for training in (False, True):
+        gemms, spelled = floor_gemms(_graphs(_GRU, training), training)
+        rows, k = 512 * 4, (D // 4, 6)  # every step's rows; each layer's input size
+        forward = {(1, rows, k[0], 18, torch.float32): 1, (1, rows, 6, 18, torch.float32): 1,
+                   (1, 512, 6, 18, torch.float32): 2 * 4}
+        backward = {(1, rows, 18, 6, torch.float32): 1,  # the second layer's input gradient; the first's needs none
+                    (1, 512, 18, 6, torch.float32): 2 * 4,  # the hidden state's at each step
+                    (1, 18, rows, k[0], torch.float32): 1, (1, 18, rows, 6, torch.float32): 3}  # the weights'
+        assert spelled == [] and gemms == collections.Counter(forward) + collections.Counter(backward if training else {})
