@@ -6,8 +6,8 @@ Pattern -> replacement -> why:
 
 - ``conv2d(x, w, b)`` with ``x`` [B, 1, H, W], ``w`` [C, 1, kh, kw] where ``kw == W`` or ``kh == H`` (static),
   stride 1, no padding, no dilation, one group, floating point -> ``linear(windows, w.reshape(C, kh * kw), b)``,
-  ``windows = x.unfold(2, kh, 1).unfold(3, kw, 1).reshape(-1, Ph * Pw, kh * kw)`` (its im2col: each output
-  position's window as a row), permuted back to [B, C, Ph, Pw] and made contiguous, as the convolution's output is.
+  ``windows`` [B, Ph * Pw, kh * kw] its im2col (each output position's window as a row: ``x.unfold(2, kh,
+  1)`` for a full-width kernel, a view of ``x`` for one of height 1 or H), permuted back to [B, C, Ph, Pw] and made contiguous, as the convolution's output is.
   A convolution over a sequence's embedding matrix, as RecBole's Caser writes them (``Conv2d(1, n_h, (i, d))``
   for each height i, and ``Conv2d(1, n_v, (L, 1))``), is a small GEMM that ATen runs as a convolution with one
   input channel, forward through oneDNN and backward through its slow path: Caser's loss at batch 2048 (L = 12,
@@ -69,16 +69,30 @@ def convs_as_gemms(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+def _windows(graph: fx.Graph, conv: fx.Node, x: fx.Node, kh: int, kw: int) -> fx.Node:
+    """``x``'s windows [B, positions, kh * kw] (each in ``w``'s order), before ``conv``: an ``unfold`` only along a
+    dim the kernel spans neither one nor all of, which needs none (Inductor corrupts the heap compiling ``unfold``
+    of one element and its backward, torch 2.13 CPU: ``x.unfold(3, 1, 1)`` of a [16, 1, 6, 4] input)."""
+    height, width = tensor_meta(x).shape[2:]
+    positions = (height - kh + 1) * (width - kw + 1)
+    if kw == width and kh not in (1, height):
+        x = call_before(graph, torch.transpose, (call_before(graph, torch.Tensor.unfold, (x, 2, kh, 1), conv), 3, 4),
+                        conv)
+    elif kw != width and kw != 1:
+        x = call_before(graph, torch.permute, (call_before(graph, torch.Tensor.unfold, (x, 3, kw, 1), conv),
+                                               (0, 1, 3, 2, 4)), conv)
+    elif kw != width:  # kw == 1, kh == height: each column is a window
+        x = call_before(graph, torch.transpose, (x, 2, 3), conv)
+    return call_before(graph, torch.reshape, (x, (-1, positions, kh * kw)), conv)
+
+
 def _windows_gemm(graph: fx.Graph, conv: fx.Node, kh: int, kw: int) -> fx.Node:
     """The nodes, before ``conv``, of its output computed as ``linear`` of its windows."""
     x, w, bias = arg(conv, 0, "input"), arg(conv, 1, "weight"), arg(conv, 2, "bias")
     channels = tensor_meta(w).shape[0]
     rows, columns = tensor_meta(conv).shape[2:]
-    windows = call_before(graph, torch.Tensor.unfold, (x, 2, kh, 1), conv)
-    windows = call_before(graph, torch.Tensor.unfold, (windows, 3, kw, 1), conv)
-    windows = call_before(graph, torch.reshape, (windows, (-1, rows * columns, kh * kw)), conv)
     flat = call_before(graph, torch.reshape, (w, (channels, kh * kw)), conv)
-    out = call_before(graph, torch._C._nn.linear, (windows, flat, bias), conv)
+    out = call_before(graph, torch._C._nn.linear, (_windows(graph, conv, x, kh, kw), flat, bias), conv)
     out = call_before(graph, torch.permute, (out, (0, 2, 1)), conv)
     out = call_before(graph, torch.reshape, (out, (-1, channels, rows, columns)), conv)
     return call_before(graph, torch.Tensor.contiguous, (out,), conv)
