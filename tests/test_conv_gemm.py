@@ -135,8 +135,17 @@ def test_sweep_equals_conv2d_forward_and_backward(batch, length, dim, channels, 
     ((2, 1, 7, 1), {"padding": "same"}),
 ])
 def test_left_as_it_is(weight, kwargs):
-    x = torch.randn(4, weight[1], 7, 5)
-    w = torch.randn(weight)
+    x = torch.randn(4, weight[1], 7, 5, requires_grad=True)
+    w = torch.randn(weight, requires_grad=True)
     compiled, graphs = rewritten(lambda x: F.conv2d(x, w, **kwargs), x)
     torch.testing.assert_close(compiled(x), F.conv2d(x, w, **kwargs))
+    assert len(convs(graphs[0])) == 1
+
+
+def test_inference_graphs_keep_their_convolutions():
+    """Their cold compile is too short to carry two C++ kernels per convolution."""
+    x, w = torch.randn(4, 1, 7, 5), torch.randn(2, 1, 3, 5, requires_grad=True)
+    compiled, graphs = rewritten(lambda x: F.conv2d(x, w), x)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), F.conv2d(x, w))
     assert len(convs(graphs[0])) == 1
