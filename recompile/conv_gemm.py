@@ -1,25 +1,26 @@
 """conv_gemm: a one-channel convolution whose kernel spans its input's width or height as the GEMM of its windows,
-in every graph rec_ascend hands to Inductor (a step before Inductor, like ``dot_linear``, not a rec pass: it finds
-no region and runs on the captured graph too).
+in every training graph rec_ascend hands to Inductor (a step before Inductor, like ``dot_linear``, not a rec pass:
+it finds no region and runs on the captured graph too).
 
 Pattern -> replacement -> why:
 
 - ``conv2d(x, w, b)`` with ``x`` [B, 1, H, W], ``w`` [C, 1, kh, kw] where ``kw == W`` or ``kh == H`` (static),
   stride 1, no padding, no dilation, one group, floating point -> ``linear(windows, w.reshape(C, kh * kw), b)``,
-  ``windows`` [B, Ph * Pw, kh * kw] its im2col (each output position's window as a row: ``x.unfold(2, kh,
-  1)`` for a full-width kernel, a view of ``x`` for one of height 1 or H), permuted back to [B, C, Ph, Pw] and made contiguous, as the convolution's output is.
-  A convolution over a sequence's embedding matrix, as RecBole's Caser writes them (``Conv2d(1, n_h, (i, d))``
-  for each height i, and ``Conv2d(1, n_v, (L, 1))``), is a small GEMM that ATen runs as a convolution with one
-  input channel, forward through oneDNN and backward through its slow path: Caser's loss at batch 2048 (L = 12,
-  d = 8, two channels: the corpus's sizes) spent 64% of its step in ``convolution_backward`` (CPU time, one
-  thread). As GEMMs, which Inductor fuses around (the windows' copy, ``unfold``'s backward, the bias, the
-  activation after), its twelve horizontal convolutions with their ReLU and max-pool went from 97 to 23 ms
-  forward and backward, the vertical one from 2.9 to 1.1 ms. Other convolutions are left as they are: a kernel
-  narrower than its input both ways repeats each input element kh * kw times in the windows. Only training graphs
-are rewritten: each convolution becomes two C++ kernels (the windows' copy, the epilogue after the GEMM), one C++
-build each, and an inference graph's cold compile is too short to carry them (Caser's full sort, 13 convolutions:
-17.4 s CPU against plain Inductor's 7.1 s, 2.5x, for steps of 0.81 -> 0.17 ms at batch 1; its loss: 62.8 against
-51.4 s, 1.22x).
+  ``windows`` [B, Ph * Pw, kh * kw] its im2col (each output position's window as a row: ``x.unfold(2, kh, 1)``
+  for a full-width kernel, a view of ``x`` for one of height 1 or H), permuted back to [B, C, Ph, Pw] and made
+  contiguous, as the convolution's output is. A convolution over a sequence's embedding matrix, as RecBole's
+  Caser writes them (``Conv2d(1, n_h, (i, d))`` for each height i, and ``Conv2d(1, n_v, (L, 1))``), is a small
+  GEMM that ATen runs as a convolution with one input channel, forward through oneDNN and backward through its
+  slow path: Caser's loss at batch 2048 (L = 12, d = 8, two channels: the corpus's sizes) spent 64% of its step in
+  ``convolution_backward`` (CPU time, one thread). As GEMMs, which Inductor fuses around (the windows' copy,
+  ``unfold``'s backward, the bias, the activation after), its twelve horizontal convolutions with their ReLU and
+  max-pool went from 97 to 23 ms forward and backward, the vertical one from 2.9 to 1.1 ms.
+
+Other convolutions are left as they are: a kernel narrower than its input both ways repeats each input element
+kh * kw times in the windows. So are inference graphs: each convolution becomes two C++ kernels (the windows' copy,
+the epilogue after the GEMM), one C++ build each, which an inference graph's short cold compile cannot carry
+(Caser's full sort, 13 convolutions: 17.4 s CPU against plain Inductor's 7.1 s, 2.5x, for steps of 0.81 -> 0.17 ms
+at batch 1; its loss: 62.8 against 51.4 s, 1.22x).
 
 The numbers do not change but for the summation order of each output.
 """
