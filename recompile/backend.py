@@ -21,6 +21,7 @@ from recompile.lowering import Target, detect_target
 from recompile.narrow_gemm import NarrowGemm
 from recompile.options import RecompileOptions
 from recompile.dot_linear import linears_as_dots
+from recompile.gather_linear import gathers_after_linears
 from recompile.split_padding import pad_split_once
 from recompile.pipeline import PassContext, run_pipeline
 from recompile.repeated_layers import layer_config_patches, outline_repeated_layers
@@ -95,9 +96,10 @@ def rec_ascend(
 
     def inductor(graph: fx.GraphModule, inputs: Sequence[Any] = example_inputs):
         decompositions = inductor_decompositions(bool(autotune.size_slots(graph)))
-        # One padding of a split's pieces (recompile.split_padding), one-column linears as dots (recompile.dot_linear);
-        # then each stack of identical layers calls one subgraph, compiled once (recompile.repeated_layers).
-        graph = outline_repeated_layers(linears_as_dots(pad_split_once(graph)))
+        # One padding of a split's pieces (recompile.split_padding), linears of gathered rows as gathers of linears
+        # (recompile.gather_linear), one-column linears as dots (recompile.dot_linear); then each stack of identical
+        # layers calls one subgraph, compiled once (recompile.repeated_layers).
+        graph = outline_repeated_layers(linears_as_dots(gathers_after_linears(pad_split_once(graph))))
         patches = {**config_patches, **layer_config_patches(graph)}
         return compile_fx(graph, inputs, config_patches=patches, decompositions=decompositions)
 
