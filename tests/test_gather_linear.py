@@ -8,7 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from recompile import narrow_gemm
 from recompile.dot_linear import LINEAR, linears_as_dots
-from recompile.gather_linear import _linear_of_row, gathers_after_linears
+from recompile.gather_linear import _gathered_row, gathers_after_linears
 from tests.checks import inductor_on_captured, train_step
 
 
@@ -22,7 +22,7 @@ def captured(model, args, before_inductor, training=False):
 
 def gathered_linears(gm):
     """The linears whose input is one gathered row per sequence."""
-    return [n for n in gm.graph.nodes if _linear_of_row(n) is not None]
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is LINEAR and _gathered_row(n.args[0])]
 
 
 class NARMHead(torch.nn.Module):
@@ -119,6 +119,25 @@ class PerColumn(torch.nn.Module):
 
     def forward(self, x, index):
         return self.a(x.gather(1, index).squeeze(1))
+
+
+class WideScores(torch.nn.Module):
+    """GRU4Rec's scores of its last position over every item: at every position, T times the GEMM."""
+
+    def __init__(self):
+        super().__init__()
+        self.items = torch.nn.Linear(8, 300, bias=False)
+
+    def forward(self, x, lengths):
+        return self.items(x.gather(1, (lengths - 1).view(-1, 1, 1).expand(-1, -1, 8)).squeeze(1))
+
+
+def test_a_wider_linear_is_left_as_it_is():
+    model, x, lengths = WideScores(), torch.randn(5, 12, 8), torch.randint(1, 13, (5,))
+    _, (graph,), _ = captured(model, (x, lengths), gathers_after_linears)
+    narrow = NARMHead()
+    _, (narm,), _ = captured(narrow, inputs(), gathers_after_linears)
+    assert len(gathered_linears(graph)) == 1 and not gathered_linears(narm)
 
 
 def test_left_as_it_is():
