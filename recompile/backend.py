@@ -22,6 +22,7 @@ from recompile.narrow_gemm import NarrowGemm
 from recompile.options import RecompileOptions
 from recompile.conv_gemm import convs_as_gemms
 from recompile.dot_linear import linears_as_dots
+from recompile.gather_linear import gathers_after_linears
 from recompile.split_padding import pad_split_once
 from recompile.pipeline import PassContext, run_pipeline
 from recompile.repeated_layers import layer_config_patches, outline_repeated_layers
@@ -38,6 +39,12 @@ SIZE_GUARDING_DECOMPOSITIONS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.
 # the tangents' layout it traced, so they only cost time: 14 checks, 6-7 us of a 60 us call of RecBole FM's predict
 # at batch 1 (measured interleaved, CPU time, under load).
 CALL_CONFIG = {"size_asserts": False}
+
+# The steps on every graph rec_ascend hands to Inductor, in order: one padding of a split's pieces
+# (recompile.split_padding), one-channel convolutions as GEMMs (recompile.conv_gemm), linears of gathered rows as
+# gathers of linears (recompile.gather_linear), one-column linears as dots (recompile.dot_linear); then each stack
+# of identical layers calls one subgraph, compiled once (recompile.repeated_layers).
+BEFORE_INDUCTOR = (pad_split_once, convs_as_gemms, gathers_after_linears, linears_as_dots, outline_repeated_layers)
 
 # torch.compile modes under which a graph's cold compile has no budget by default (``options_for_mode``).
 MAX_AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
@@ -96,10 +103,8 @@ def rec_ascend(
 
     def inductor(graph: fx.GraphModule, inputs: Sequence[Any] = example_inputs):
         decompositions = inductor_decompositions(bool(autotune.size_slots(graph)))
-        # One padding of a split's pieces (recompile.split_padding), one-channel convolutions as GEMMs
-        # (recompile.conv_gemm), one-column linears as dots (recompile.dot_linear); then each stack of identical
-        # layers calls one subgraph, compiled once (recompile.repeated_layers).
-        graph = outline_repeated_layers(linears_as_dots(convs_as_gemms(pad_split_once(graph))))
+        for step in BEFORE_INDUCTOR:
+            graph = step(graph)
         patches = {**config_patches, **layer_config_patches(graph)}
         return compile_fx(graph, inputs, config_patches=patches, decompositions=decompositions)
 

@@ -6,8 +6,10 @@ Pattern: ``aten.mm(a, b)`` or ``aten.addmm(bias, a, b)`` on float32 CPU tensors 
 [M, K]).
 Replacement: ``clone(permute(mm(permute(b), permute(a))), contiguous)`` (``addmm`` with its bias transposed alike:
 a [N] bias as [N, 1], an [M, N] one permuted): the same product as ``[N, M] = b^T a^T``, copied back to the
-original's layout (M x N floats, a few per row, which Inductor fuses into the copy's consumers where it can). The
-layout must not change: a forward's output saved for the backward keeps the strides AOT autograd traced the backward
+original's layout (M x N floats, a few per row, which Inductor fuses into the copy's consumers where it can), except
+where only matrix products read it, itself or transposed (their extern calls take the transposed view as it is; the copy was a C++ kernel
+of its own, as NARM's and GRU4Rec's sequence-output gradient was: one C++ build, about 0.7 s CPU). The layout must
+not change elsewhere: a forward's output saved for the backward keeps the strides AOT autograd traced the backward
 with (a transposed one is read with the batch it was compiled at fixed in its stride).
 Why: ATen hands both to MKL's SGEMM, which is several times slower on an output of a few columns than on its
 transpose, most of all when ``a`` is itself a transposed view, as the weight gradient of a linear layer or of a
@@ -34,6 +36,15 @@ MIN_WORK = 1 << 16
 # saves (RecBole AFM's pair projection at batch 2048, [43008, 8] x [8, 8]: 0.49 ms, transposed and copied 0.57 ms;
 # [8192, 16] x [16, 8] 0.32 -> 0.21 ms)
 MIN_INNER = 16
+
+
+PRODUCTS = (aten.mm.default, aten.addmm.default)  # read an operand in either layout: no copy back for these users
+TRANSPOSES = (aten.permute.default, aten.t.default)
+
+
+def _products_read(node: fx.Node) -> bool:
+    """Only matrix products read ``node``, itself or transposed."""
+    return all(user.target in PRODUCTS or (user.target in TRANSPOSES and _products_read(user)) for user in node.users)
 
 
 def _narrow(node: fx.Node) -> bool:
@@ -79,7 +90,8 @@ def transpose_narrow_products(graph: fx.Graph) -> None:
             bias = [_transposed_bias(graph, x) for x in bias]
             operands = [_call(graph, aten.permute.default, x, [1, 0]) for x in (b, a)]
             out = _call(graph, aten.permute.default, _call(graph, node.target, *bias, *operands), [1, 0])
-            out = _call(graph, aten.clone.default, out, memory_format=torch.contiguous_format)
+            if not _products_read(node):
+                out = _call(graph, aten.clone.default, out, memory_format=torch.contiguous_format)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
 

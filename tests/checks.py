@@ -61,3 +61,12 @@ def assert_kernel_matches_reference(op, args, impl, gen, tol):
     grad = torch.randn(want.shape, generator=gen)
     for g, w in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
         torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+
+
+def replace_step_before_inductor(monkeypatch, step, replacement):
+    """``recompile.backend.BEFORE_INDUCTOR`` with ``replacement`` in ``step``'s place, for this test."""
+    import recompile.backend
+
+    steps = recompile.backend.BEFORE_INDUCTOR
+    assert step in steps, step
+    monkeypatch.setattr(recompile.backend, "BEFORE_INDUCTOR", tuple(replacement if s is step else s for s in steps))

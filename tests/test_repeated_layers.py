@@ -10,7 +10,8 @@ from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
 import recompile.backend
-from tests.checks import train_step
+from recompile.repeated_layers import outline_repeated_layers
+from tests.checks import replace_step_before_inductor, train_step
 
 DIM = 16
 
@@ -128,7 +129,7 @@ def test_the_layer_code_is_generated_once(monkeypatch):
     with torch.no_grad():
         kernels, matmuls = count_layer_code(model, x)
         torch._dynamo.reset()
-        monkeypatch.setattr(recompile.backend, "outline_repeated_layers", lambda gm: gm)
+        replace_step_before_inductor(monkeypatch, outline_repeated_layers, lambda gm: gm)
         kernels_inline, matmuls_inline = count_layer_code(model, x)
     # the blocks' two linears and embed's (the head's one column is a dot, recompile.dot_linear)
     assert (matmuls, matmuls_inline) == (2 + 1, 3 * 2 + 1)
@@ -191,7 +192,7 @@ def test_layers_creating_a_size_stay_inline_in_training():
     data-dependent size. Outlined at inference; left inline in training, where Inductor's backward of such a
     subgraph fails (torch 2.13: ``u19 not in dict_keys([u0])``); gradients equal eager's."""
     from models.corpus import gr_hstu
-    from recompile.repeated_layers import layer_config_patches, outline_repeated_layers
+    from recompile.repeated_layers import layer_config_patches
 
     outlined = []
 
