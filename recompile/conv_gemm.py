@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from recompile.passes.utils import arg, is_call, is_training, replace_node, tensor_meta
-from recompile.pipeline import call_before
+from recompile.passes.utils import arg, is_call, is_training, tensor_meta
+from recompile.pipeline import call_before, rewrite_each
 
 CONV2D = torch.conv2d  # F.conv2d and nn.Conv2d calls, as Dynamo records them
 
@@ -62,16 +62,9 @@ def _kernel(node: fx.Node) -> tuple[int, int] | None:
 
 
 def convs_as_gemms(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with each one-channel, full-span convolution as the GEMM of its windows (a new GraphModule; ``gm`` is
-    left as it is: the race runs it eagerly), or ``gm`` itself where there are none or it is not a training graph."""
-    if not is_training(gm) or not any(_kernel(node) is not None for node in gm.graph.nodes):
-        return gm
-    graph, mapping = fx.Graph(), {}
-    graph.output(graph.graph_copy(gm.graph, mapping))
-    for node in list(graph.nodes):
-        if (kernel := _kernel(node)) is not None:
-            replace_node(node, _windows_gemm(graph, node, *kernel))
-    return fx.GraphModule(gm, graph)
+    """``gm`` with each one-channel, full-span convolution as the GEMM of its windows (``rewrite_each``); a graph
+    that is not a training graph as it is."""
+    return rewrite_each(gm, _kernel, _windows_gemm) if is_training(gm) else gm
 
 
 def _windows(graph: fx.Graph, conv: fx.Node, x: fx.Node, kh: int, kw: int) -> fx.Node:
@@ -91,9 +84,9 @@ def _windows(graph: fx.Graph, conv: fx.Node, x: fx.Node, kh: int, kw: int) -> fx
     return call_before(graph, torch.reshape, (x, (-1, positions, kh * kw)), conv)
 
 
-def _windows_gemm(graph: fx.Graph, conv: fx.Node, kh: int, kw: int) -> fx.Node:
+def _windows_gemm(graph: fx.Graph, conv: fx.Node, kernel: tuple[int, int]) -> fx.Node:
     """The nodes, before ``conv``, of its output computed as ``linear`` of its windows."""
-    x, w, bias = arg(conv, 0, "input"), arg(conv, 1, "weight"), arg(conv, 2, "bias")
+    (kh, kw), (x, w, bias) = kernel, (arg(conv, 0, "input"), arg(conv, 1, "weight"), arg(conv, 2, "bias"))
     channels = tensor_meta(w).shape[0]
     rows, columns = tensor_meta(conv).shape[2:]
     flat = call_before(graph, torch.reshape, (w, (channels, kh * kw)), conv)

@@ -21,8 +21,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from recompile.passes.utils import arg, is_call, replace_node, tensor_meta
-from recompile.pipeline import call_before
+from recompile.passes.utils import arg, is_call, tensor_meta
+from recompile.pipeline import call_before, rewrite_each
 
 LINEAR = torch._C._nn.linear  # F.linear and nn.Linear calls, as Dynamo records them
 
@@ -38,17 +38,13 @@ def _dot_weight(node: fx.Node) -> fx.Node | None:
 
 
 def linears_as_dots(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with each one-column linear a dot per row (a new GraphModule; ``gm`` is left as it is: the race runs
-    it eagerly), or ``gm`` itself where there are none."""
-    if not any(_dot_weight(node) is not None for node in gm.graph.nodes):
-        return gm
-    graph, mapping = fx.Graph(), {}
-    graph.output(graph.graph_copy(gm.graph, mapping))
-    for node in list(graph.nodes):
-        if (w := _dot_weight(node)) is None:
-            continue
-        product = call_before(graph, operator.mul, (arg(node, 0, "input"), w), node)
-        dot = call_before(graph, torch.sum, (product, -1), node, keepdim=True)
-        bias = arg(node, 2, "bias")
-        replace_node(node, dot if bias is None else call_before(graph, operator.add, (dot, bias), node))
-    return fx.GraphModule(gm, graph)
+    """``gm`` with each one-column linear a dot per row (``rewrite_each``)."""
+    return rewrite_each(gm, _dot_weight, _dot)
+
+
+def _dot(graph: fx.Graph, node: fx.Node, w: fx.Node) -> fx.Node:
+    """The nodes, before ``node`` (a linear), of ``sum(x * w, -1, keepdim=True) + b``."""
+    product = call_before(graph, operator.mul, (arg(node, 0, "input"), w), node)
+    dot = call_before(graph, torch.sum, (product, -1), node, keepdim=True)
+    bias = arg(node, 2, "bias")
+    return dot if bias is None else call_before(graph, operator.add, (dot, bias), node)

@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from recompile.dot_linear import LINEAR
 from recompile.passes.utils import arg, is_call, replace_node, tensor_meta
-from recompile.pipeline import call_before
+from recompile.pipeline import call_before, rewrite_each
 
 
 def _method(node: fx.Node, name: str, function) -> bool:
@@ -96,18 +96,15 @@ def _all_rows(graph: fx.Graph, node: fx.Node, x: fx.Node) -> fx.Node:
 
 
 def gathers_after_linears(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with each linear of one gathered row per sequence a gather of the linear at every position (a new
-    GraphModule; ``gm`` is left as it is: the race runs it eagerly), or ``gm`` itself where there are none."""
-    if not any(_linear_of_row(node) is not None for node in gm.graph.nodes):
-        return gm
-    graph, mapping = fx.Graph(), {}
-    graph.output(graph.graph_copy(gm.graph, mapping))
-    for node in list(graph.nodes):
-        if (row := _linear_of_row(node)) is None:
-            continue
-        x, i = row
-        product = _all_rows(graph, node, x)
-        index = call_before(graph, torch.Tensor.expand, (i, -1, -1, tensor_meta(node).shape[-1]), node)
-        gathered = call_before(graph, torch.gather, (product, 1, index), node)
-        replace_node(node, call_before(graph, torch.squeeze, (gathered, 1), node))
-    return fx.GraphModule(gm, graph)
+    """``gm`` with each linear of one gathered row per sequence a gather of the linear at every position
+    (``rewrite_each``)."""
+    return rewrite_each(gm, _linear_of_row, _gather_after)
+
+
+def _gather_after(graph: fx.Graph, node: fx.Node, row: tuple[fx.Node, fx.Node]) -> fx.Node:
+    """The nodes, before ``node`` (a linear of row ``i[b]`` of each ``x[b]``), of the linear of ``x`` read at row
+    ``i[b]``."""
+    x, i = row
+    index = call_before(graph, torch.Tensor.expand, (i, -1, -1, tensor_meta(node).shape[-1]), node)
+    gathered = call_before(graph, torch.gather, (_all_rows(graph, node, x), 1, index), node)
+    return call_before(graph, torch.squeeze, (gathered, 1), node)

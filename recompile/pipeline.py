@@ -208,6 +208,22 @@ def call_before(graph: fx.Graph, target: Any, args: tuple, before: fx.Node, **kw
     return node
 
 
+def rewrite_each(gm: fx.GraphModule, match: Callable[[fx.Node], Any],
+                 rewrite: Callable[[fx.Graph, fx.Node, Any], fx.Node]) -> fx.GraphModule:
+    """``gm`` with each node that ``match`` finds (not None) replaced by ``rewrite(graph, node, found)``'s node: a
+    copy, ``gm`` left as it is (the race runs it eagerly), or ``gm`` itself where ``match`` finds none."""
+    from recompile.passes.utils import replace_node  # the passes import this module
+
+    if not any(match(node) is not None for node in gm.graph.nodes):
+        return gm
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in list(graph.nodes):
+        if (found := match(node)) is not None:
+            replace_node(node, rewrite(graph, node, found))
+    return fx.GraphModule(gm, graph)
+
+
 def check_kernels(gm: fx.GraphModule) -> None:
     """Every call of a registered op in ``gm`` names a kernel (its ``impl`` argument) that supports the call's
     arguments, so the kernel the report names is the one that runs; raise naming the node otherwise."""
