@@ -7,10 +7,10 @@ Pattern: ``aten.mm(a, b)`` or ``aten.addmm(bias, a, b)`` on float32 CPU tensors 
 Replacement: ``clone(permute(mm(permute(b), permute(a))), contiguous)`` (``addmm`` with its bias transposed alike:
 a [N] bias as [N, 1], an [M, N] one permuted): the same product as ``[N, M] = b^T a^T``, copied back to the
 original's layout (M x N floats, a few per row, which Inductor fuses into the copy's consumers where it can), except
-where only matrix products read it, itself or transposed (their extern calls take the transposed view as it is; the copy was a C++ kernel
-of its own, as NARM's and GRU4Rec's sequence-output gradient was: one C++ build, about 0.7 s CPU). The layout must
-not change elsewhere: a forward's output saved for the backward keeps the strides AOT autograd traced the backward
-with (a transposed one is read with the batch it was compiled at fixed in its stride).
+where only matrix products read it, itself or transposed (their extern calls take the transposed view as it is; the
+copy was a C++ kernel of its own, as NARM's and GRU4Rec's sequence-output gradient was: one C++ build, about 0.7 s
+CPU). The layout must not change elsewhere: a forward's output saved for the backward keeps the strides AOT autograd
+traced the backward with (a transposed one is read with the batch it was compiled at fixed in its stride).
 Why: ATen hands both to MKL's SGEMM, which is several times slower on an output of a few columns than on its
 transpose, most of all when ``a`` is itself a transposed view, as the weight gradient of a linear layer or of a
 full-softmax logits product is (``mm(grad.t(), x)``). A full-softmax loss over 1683 items with 8-wide embeddings,

@@ -76,7 +76,8 @@ def test_through_inductor_at_edge_shapes(shape, kernel):
 def test_under_rec_ascend_one_compile_serves_every_batch(monkeypatch):
     torch.manual_seed(0)
     model, graphs = Caser(), []
-    replace_step_before_inductor(monkeypatch, convs_as_gemms, lambda gm: graphs.append(convs_as_gemms(gm)) or graphs[-1])
+    replace_step_before_inductor(monkeypatch, convs_as_gemms,
+                                 lambda gm: graphs.append(convs_as_gemms(gm)) or graphs[-1])
     counter = CompileCounterWithBackend("rec_ascend")
     compiled = torch.compile(model, backend=counter)
     for batch in (16, 24, 37):

@@ -1,6 +1,7 @@
-"""A linear of one gathered position per sequence becomes the gather of the linear at every position before Inductor
-(recompile.gather_linear): NARM's attention after its GRU compiles into fewer C++ kernels, forward and backward, and
-outputs and gradients equal eager's; a narrow product read only by products is not copied back (recompile.narrow_gemm)."""
+"""A linear of one gathered position per sequence becomes the gather of the linear at every position before
+Inductor (recompile.gather_linear): NARM's attention after its GRU compiles into fewer C++ kernels, forward and
+backward, and outputs and gradients equal eager's; a narrow product read only by products is not copied back
+(recompile.narrow_gemm)."""
 
 import pytest
 import torch
@@ -162,6 +163,7 @@ def test_narrow_product_read_by_products_is_not_copied_back():
     narrow_gemm.transpose_narrow_products(gm.graph)
     gm.recompile()
     clones = [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]
-    assert len(clones) == 1 and clones[0].users.keys() == {next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor)}
+    mul = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    assert len(clones) == 1 and clones[0].users.keys() == {mul}
     for got, ref in zip(gm(*args), want):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)  # sums of 512 products, in another order
