@@ -255,9 +255,9 @@ def _rnn_gemms(node: fx.Node, training: bool) -> collections.Counter:
     each of the T steps, [B, H] x [H, G H]; for training also their backward: the inputs' gradient (all steps at
     once; for the first layer where its input needs one), the hidden state's at each step, and each weight's
     gradient summed over the steps as one GEMM. The gate math between them is not counted."""
-    x, hx, params = (_value(a) for a in node.args[:3])
-    if not isinstance(hx, (torch.Tensor, tuple, list)) or not isinstance(x, torch.Tensor) or x.dim() != 3:
-        return collections.Counter()  # the packed-sequence form
+    x, params = _value(node.args[0]), node.args[2]
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return collections.Counter()  # the packed-sequence form: (data [tokens, I], batch_sizes, hx, params, ...)
     num_layers, bidirectional, batch_first = node.args[4], node.args[7], node.args[8]
     batch, steps = [_hint(d) for d in (x.shape[:2] if batch_first else x.shape[1::-1])]
     per_direction = len(params) // (num_layers * (2 if bidirectional else 1))

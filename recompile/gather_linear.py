@@ -34,23 +34,19 @@ import torch
 import torch.fx as fx
 
 from recompile.dot_linear import LINEAR
-from recompile.passes.utils import arg, is_call, replace_node, tensor_meta
+from recompile.passes.utils import arg, calls, is_call, replace_node, tensor_meta
 from recompile.pipeline import call_before, rewrite_each
-
-
-def _method(node: fx.Node, name: str, function) -> bool:
-    return is_call(node, function) or (node.op == "call_method" and node.target == name)
 
 
 def _gathered_row(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """``(x, i)`` where ``node`` is ``squeeze(gather(x, 1, i.expand(B, 1, H)), 1)``: row ``i[b]`` of each ``x[b]``."""
-    if not isinstance(node, fx.Node) or not _method(node, "squeeze", torch.squeeze) or arg(node, 1, "dim") != 1:
+    if not calls(node, torch.squeeze, "squeeze") or arg(node, 1, "dim") != 1:
         return None
     gather = node.args[0]
-    if not isinstance(gather, fx.Node) or not _method(gather, "gather", torch.gather) or arg(gather, 1, "dim") != 1:
+    if not calls(gather, torch.gather, "gather") or arg(gather, 1, "dim") != 1:
         return None
     x, index = gather.args[0], arg(gather, 2, "index")
-    if not isinstance(index, fx.Node) or not _method(index, "expand", torch.Tensor.expand):
+    if not calls(index, torch.Tensor.expand, "expand"):
         return None
     x_meta, i_meta = tensor_meta(x), tensor_meta(index.args[0])
     if x_meta is None or i_meta is None or x_meta.dim() != 3 or tuple(i_meta.shape) != (x_meta.shape[0], 1, 1):

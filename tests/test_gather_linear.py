@@ -17,10 +17,6 @@ def rewrite(gm):
     return linears_as_dots(gathers_after_linears(gm))
 
 
-def captured(model, args, before_inductor, training=False):
-    return inductor_on_captured(model, args, before_inductor, training)
-
-
 def gathered_linears(gm):
     """The linears whose input is one gathered row per sequence."""
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is LINEAR and _gathered_row(n.args[0])]
@@ -64,8 +60,8 @@ def test_full_sort_attention_compiles_into_one_kernel():
     model, args = NARMHead(), inputs()
     with torch.no_grad():
         want = model(*args)
-    out, (graph,), kernels = captured(model, args, rewrite)
-    plain, (before,), kernels_before = captured(model, args, linears_as_dots)
+    out, (graph,), kernels = inductor_on_captured(model, args, rewrite)
+    plain, (before,), kernels_before = inductor_on_captured(model, args, linears_as_dots)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(plain, want, rtol=1e-5, atol=1e-6)
     assert len(gathered_linears(before)) == 1 and not gathered_linears(graph)
@@ -80,7 +76,7 @@ def test_gradients_equal_eager(batch, dtype):
     model = NARMHead()
     out, seq, lengths = inputs(batch=batch, dtype=dtype, seed=batch)
     args = (out.requires_grad_(), seq, lengths)
-    (got, grads), (graph, *_), _ = captured(model, args, rewrite, training=True)
+    (got, grads), (graph, *_), _ = inductor_on_captured(model, args, rewrite, training=True)
     want, want_grads = train_step(model, args)
     # a_1 and a_2 share one GEMM of the GRU's outputs in the training graph
     linears = [n for n in graph.graph.nodes if n.op == "call_function" and n.target is LINEAR]
@@ -106,8 +102,8 @@ def test_training_step_builds_fewer_kernels(one_thread):
     torch.manual_seed(0)
     model, (out, seq, lengths) = NARMHead(), inputs()
     args = (out.requires_grad_(), seq, lengths)
-    *_, kernels = captured(model, args, rewrite, training=True)
-    *_, kernels_before = captured(model, args, linears_as_dots, training=True)
+    *_, kernels = inductor_on_captured(model, args, rewrite, training=True)
+    *_, kernels_before = inductor_on_captured(model, args, linears_as_dots, training=True)
     assert len(kernels_before) == 5 and len(kernels) == 4
 
 
@@ -135,9 +131,9 @@ class WideScores(torch.nn.Module):
 
 def test_a_wider_linear_is_left_as_it_is():
     model, x, lengths = WideScores(), torch.randn(5, 12, 8), torch.randint(1, 13, (5,))
-    _, (graph,), _ = captured(model, (x, lengths), gathers_after_linears)
+    _, (graph,), _ = inductor_on_captured(model, (x, lengths), gathers_after_linears)
     narrow = NARMHead()
-    _, (narm,), _ = captured(narrow, inputs(), gathers_after_linears)
+    _, (narm,), _ = inductor_on_captured(narrow, inputs(), gathers_after_linears)
     assert len(gathered_linears(graph)) == 1 and not gathered_linears(narm)
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from recompile.passes.utils import arg, is_call, meta_value, tensor_meta
+from recompile.passes.utils import arg, calls, is_call, meta_value, tensor_meta
 from recompile.runtime.jagged_attention import TIME_BUCKET_BASE, relative_time_index
 
 
@@ -645,17 +645,13 @@ def _identity_dropout(node: Any) -> bool:
     return is_call(node, F.dropout) and (arg(node, 1, "p", 0.5) == 0.0 or arg(node, 2, "training", True) is False)
 
 
-def _calls(node: Any, function: Any, method: str) -> bool:
-    return is_call(node, function) or (isinstance(node, fx.Node) and node.op == "call_method" and node.target == method)
-
-
 def _key_operand(kt: Any) -> tuple[fx.Node, bool]:
     """``(k, heads_last)`` of the key operand of the scores: ``k.transpose(-2, -1)`` or ``k.permute(0, 2, 3, 1)``."""
-    if _calls(kt, torch.permute, "permute"):
+    if calls(kt, torch.permute, "permute"):
         dims = kt.args[1] if len(kt.args) == 2 else kt.args[1:]
         if tuple(dims) == (0, 2, 3, 1):
             return kt.args[0], True
-    if _calls(kt, torch.transpose, "transpose"):
+    if calls(kt, torch.transpose, "transpose"):
         if {d % 4 for d in kt.args[1:3]} == {2, 3}:
             return kt.args[0], False
     raise Unproven(f"{getattr(kt, 'name', kt)}: the key operand is not k^T")

@@ -39,6 +39,11 @@ def is_call(node: Any, *targets: Any) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
 
+def calls(node: Any, function: Any, method: str) -> bool:
+    """``node`` calls ``function``, or ``method`` on a tensor (the two spellings Dynamo records of one call)."""
+    return is_call(node, function) or (isinstance(node, fx.Node) and node.op == "call_method" and node.target == method)
+
+
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     """Argument ``name`` of a call, passed by position ``index`` or by keyword."""
     if len(node.args) > index:
