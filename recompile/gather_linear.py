@@ -11,20 +11,22 @@ Pattern -> replacement -> why:
   reads ``x`` as it is (NARM: the GRU op's output) and the gather is an indexed load in the kernel that reads the
   product. NARM's full sort compiles into two C++ kernels (three before, plain Inductor's two), one C++ build each
   (about 0.7 s CPU).
-- In a training graph, where a linear with no bias reads the same ``x`` (NARM's ``a_1(gru_out)``), the two are one
-  GEMM: ``linear(x, cat([w_1, w]))``, each read as its column block. Otherwise the forward keeps the gathered product
-  for the backward (a kernel of its own) and the backward computes the two products' gradients in two kernels; with
-  one product the forward's attention is one kernel and so is its backward. NARM's training step: nine C++ kernels
-  (ten before, the weights' concatenation one of them; eight with ``narrow_gemm``'s copy back gone; plain
-  Inductor's six). Not in inference, where the
-  concatenation is a kernel more than it saves.
-
+- In a training graph, where a linear with no bias reads the same ``x`` (NARM's ``a_1(gru_out)``), the two products
+  are side by side, ``pad(linear(x, w_1), (0, n)) + pad(linear(x, w), (m, 0))``, each read as its column block: the
+  attention's gradient is then one [B, T, m + n] tensor, made in one kernel, each GEMM reading its crop as a view
+  (``crop_pad``). Otherwise the forward keeps the gathered product for the backward (a kernel of its own) and the
+  backward computes the two products' gradients in two kernels. Not ``linear(x, cat([w_1, w]))``: the weights'
+  concatenation was a C++ kernel of its own (one C++ build, about 0.8-1 s CPU at the cold compile), and not
+  ``cat`` of the two products, which Inductor copies into a buffer on CPU (a kernel too). NARM's training step:
+  seven C++ kernels (ten before this rewrite; plain Inductor's six, without the attention). Not in inference: no
+  gradient to make one.
 Only where the linear has no more output columns than input ones, so that the product at every position is no
 larger than ``x`` itself: GRU4Rec's full-softmax logits of its last position ([B, 8] x [8, 1683]) at every position
 made its training step at batch 2048 66.9 ms, against plain Inductor's 57.5 ms in the same run (rec_ascend's 24.9 ms
 in the last full corpus run). Cost: the product at T positions instead of one
 (NARM: [B * T, 16] x [16, 16] more; its steps within noise, CPU time under load).
-The numbers do not change but for the summation order of the concatenated GEMM.
+The numbers do not change (the pads add zeros) but for rounding where the GEMM of every position blocks a row's
+product otherwise than the GEMM of one row per sequence.
 """
 from __future__ import annotations
 
@@ -80,15 +82,26 @@ def _input_weight(node: fx.Node) -> bool:
 
 
 def _all_rows(graph: fx.Graph, node: fx.Node, x: fx.Node) -> fx.Node:
-    """``node``'s linear at every position of ``x``: its own GEMM, or a column block of one shared with a sibling."""
+    """``node``'s linear at every position of ``x``: its own GEMM, or the right block of the sibling's GEMM and its
+    own side by side (each padded to both's columns, then summed: ``_side_by_side``)."""
     if (sibling := _sibling(x, node)) is None:
         return call_before(graph, LINEAR, (x, arg(node, 1, "weight"), arg(node, 2, "bias")), node)
     first = next(n for n in graph.nodes if n in (sibling, node))
     columns = tensor_meta(arg(sibling, 1, "weight")).shape[0]
-    weight = call_before(graph, torch.cat, ([arg(sibling, 1, "weight"), arg(node, 1, "weight")], 0), first)
-    both = call_before(graph, LINEAR, (x, weight), first)
+    both = _side_by_side(graph, [call_before(graph, LINEAR, (x, arg(n, 1, "weight")), first) for n in (sibling, node)],
+                         first)
     replace_node(sibling, call_before(graph, operator.getitem, (both, (Ellipsis, slice(None, columns))), sibling))
     return call_before(graph, operator.getitem, (both, (Ellipsis, slice(columns, None))), node)
+
+
+def _side_by_side(graph: fx.Graph, products: list[fx.Node], before: fx.Node) -> fx.Node:
+    """``cat(products, -1)`` as ``pad(left, (0, n)) + pad(right, (m, 0))``: Inductor fuses the pads into the sum's
+    readers (on CPU it copies a concatenation's pieces into a buffer, a C++ kernel where the products are extern
+    GEMMs), and each product's gradient is a crop of the sum's, which ``crop_pad`` hands its GEMMs as a view."""
+    left, right = (tensor_meta(p).shape[-1] for p in products)
+    pads = [call_before(graph, torch.nn.functional.pad, (p, pad), before)
+            for p, pad in zip(products, [(0, right), (left, 0)])]
+    return call_before(graph, operator.add, tuple(pads), before)
 
 
 def gathers_after_linears(gm: fx.GraphModule) -> fx.GraphModule:

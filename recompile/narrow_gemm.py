@@ -26,7 +26,11 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from recompile import crop_pad
+from recompile.crop_pad import crops_as_slices
+
 aten = torch.ops.aten
+FILES = (__file__, crop_pad.__file__)  # what the pass runs: its FX graph cache key
 
 MIN_COLUMNS, MAX_COLUMNS = 2, 16
 # rows x inner size below which the copy back costs about what the transposed product saves (TorchRec DLRM's
@@ -97,20 +101,22 @@ def transpose_narrow_products(graph: fx.Graph) -> None:
 
 
 class NarrowGemm(CustomGraphPass):
-    """``transpose_narrow_products`` as Inductor's ``post_grad_custom_pre_pass``, then ``after``: the pass the user's
-    Inductor config held, which it would otherwise replace. Its uuid keys Inductor's FX graph cache: this file's hash
-    and ``after``'s (None, so no caching, where ``after`` is a plain callable Inductor cannot key)."""
+    """``crop_pad.crops_as_slices`` and ``transpose_narrow_products`` as Inductor's ``post_grad_custom_pre_pass``,
+    then ``after``: the pass the user's Inductor config held, which it would otherwise replace. Its uuid keys
+    Inductor's FX graph cache: the hash of the two files (``FILES``) and ``after``'s (None, so no caching, where
+    ``after`` is a plain callable Inductor cannot key)."""
 
     def __init__(self, after: Optional[Callable[[fx.Graph], None]] = None):
         self.after = after
 
     def __call__(self, graph: fx.Graph) -> None:
+        crops_as_slices(graph)
         transpose_narrow_products(graph)
         if self.after is not None:
             self.after(graph)
 
     def uuid(self) -> Any:
         if self.after is None:
-            return get_hash_for_files((__file__,))
+            return get_hash_for_files(FILES)
         theirs = self.after.uuid() if isinstance(self.after, CustomGraphPass) else None
-        return None if theirs is None else (get_hash_for_files((__file__,)), theirs)
+        return None if theirs is None else (get_hash_for_files(FILES), theirs)

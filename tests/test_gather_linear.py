@@ -76,11 +76,13 @@ def test_gradients_equal_eager(batch, dtype):
     model = NARMHead()
     out, seq, lengths = inputs(batch=batch, dtype=dtype, seed=batch)
     args = (out.requires_grad_(), seq, lengths)
-    (got, grads), (graph, *_), _ = inductor_on_captured(model, args, rewrite, training=True)
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=narrow_gemm.NarrowGemm()):  # as rec_ascend compiles
+        (got, grads), (graph, *_), _ = inductor_on_captured(model, args, rewrite, training=True)
     want, want_grads = train_step(model, args)
-    # a_1 and a_2 share one GEMM of the GRU's outputs in the training graph
+    # a_1's and a_2's products of the GRU's outputs side by side in the training graph, each padded to both's width
     linears = [n for n in graph.graph.nodes if n.op == "call_function" and n.target is LINEAR]
-    assert not gathered_linears(graph) and len(linears) == 2  # a_1 with a_2, and b
+    pads = [n for n in graph.graph.nodes if n.op == "call_function" and n.target is torch.nn.functional.pad]
+    assert not gathered_linears(graph) and len(linears) == 3 and {p.args[0] for p in pads} < set(linears)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert grads.keys() == want_grads.keys() == {"a_1.weight", "a_2.weight", "v_t.weight", "b.weight"}
     for name in want_grads:
@@ -97,14 +99,16 @@ def one_thread():
 
 
 def test_training_step_builds_fewer_kernels(one_thread):
-    """Forward: the weights' concatenation and the attention (three before: the gathered rows, the attention and the
-    gathered rows' gradient scattered); backward: the attention's gradient and the GRU outputs' (three before)."""
+    """Forward: the attention (three before: the gathered rows, the attention and the gathered rows' gradient
+    scattered); backward: the attention's gradient and the GRU outputs' (three before); under rec_ascend's post-grad
+    pass (``narrow_gemm.NarrowGemm``), as rec_ascend compiles."""
     torch.manual_seed(0)
     model, (out, seq, lengths) = NARMHead(), inputs()
     args = (out.requires_grad_(), seq, lengths)
-    *_, kernels = inductor_on_captured(model, args, rewrite, training=True)
-    *_, kernels_before = inductor_on_captured(model, args, linears_as_dots, training=True)
-    assert len(kernels_before) == 5 and len(kernels) == 4
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=narrow_gemm.NarrowGemm()):
+        *_, kernels = inductor_on_captured(model, args, rewrite, training=True)
+        *_, kernels_before = inductor_on_captured(model, args, linears_as_dots, training=True)
+    assert len(kernels_before) == 5 and len(kernels) == 3
 
 
 class PerColumn(torch.nn.Module):
@@ -163,3 +167,23 @@ def test_narrow_product_read_by_products_is_not_copied_back():
     assert len(clones) == 1 and clones[0].users.keys() == {mul}
     for got, ref in zip(gm(*args), want):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)  # sums of 512 products, in another order
+
+
+def test_crops_are_slices():
+    """A padding that only crops (AOT autograd's backward of a padding) is a view of its input: a GEMM reads it as
+    it is (recompile.crop_pad); one that pads is left as it is."""
+    from recompile.crop_pad import crops_as_slices
+
+    def fn(x, w):
+        return torch.constant_pad_nd(x, (-3, 0, 0, -1)) @ w, torch.constant_pad_nd(x, (0, -2)).sum(), \
+            torch.constant_pad_nd(x, (1, -1))
+
+    args = (torch.randn(6, 8), torch.randn(5, 4))
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    want = gm(*args)
+    crops_as_slices(gm.graph)
+    gm.recompile()
+    pads = [n for n in gm.graph.nodes if n.target == torch.ops.aten.constant_pad_nd.default]
+    assert len(pads) == 1 and pads[0].args[1] == [1, -1]
+    for got, ref in zip(gm(*args), want):
+        torch.testing.assert_close(got, ref)
