@@ -20,8 +20,8 @@ def train_step(model, args):
 def inductor_compiles():
     """Inductor compiles every graph it is handed, its passes run and its output code is generated: its FX graph
     and AOT autograd caches are off (a cache hit skips all three). Its C++ kernels are still found by their source
-    in its kernel cache (a kernel built earlier in the process is the same binary), and its precompiled header is
-    built once, where ``fresh_cache()`` built both again for each compile."""
+    in its kernel cache (a kernel built earlier in the process is the same binary), where ``fresh_cache()`` emptied
+    that cache too and built each again."""
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         yield
 
