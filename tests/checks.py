@@ -1,5 +1,7 @@
 """Checks the test files share: a compiled model's outputs and parameter gradients against eager's; a kernel of
 an op against its reference, forward and backward."""
+import contextlib
+
 import torch
 
 
@@ -14,13 +16,23 @@ def train_step(model, args):
     return out.detach(), grads(model)
 
 
+@contextlib.contextmanager
+def inductor_compiles():
+    """Inductor compiles every graph it is handed, its passes run and its output code is generated: its FX graph
+    and AOT autograd caches are off (a cache hit skips all three). Its C++ kernels are still found by their source
+    in its kernel cache (a kernel built earlier in the process is the same binary), where ``fresh_cache()`` emptied
+    that cache too and built each again."""
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
 def inductor_on_captured(model, args, before_inductor, training: bool = False):
     """``model`` compiled by Inductor on its captured graph (rec_ascend's tracing settings), each graph passed through
     ``before_inductor`` first: (outputs or (outputs, grads), the graphs handed to Inductor, the names of the C++
     kernels Inductor generated)."""
     import re
 
-    from torch._inductor.utils import fresh_cache, run_and_get_code
+    from torch._inductor.utils import run_and_get_code
 
     import recompile.backend
 
@@ -31,7 +43,7 @@ def inductor_on_captured(model, args, before_inductor, training: bool = False):
         return recompile.backend.compile_fx(graphs[-1], inputs)
 
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(recompile.backend.TRACING_CONFIG), fresh_cache():
+    with torch._dynamo.config.patch(recompile.backend.TRACING_CONFIG), inductor_compiles():
         compiled = torch.compile(model, backend=backend)
         if training:
             result, codes = run_and_get_code(train_step, compiled, args)

@@ -6,12 +6,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._inductor.utils import fresh_cache
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from recompile import narrow_gemm
+from tests.checks import inductor_compiles
 
 aten = torch.ops.aten
 pytestmark = pytest.mark.usefixtures("quick_race")
@@ -110,7 +110,7 @@ def test_training_graph_is_rewritten_forward_and_backward_and_equals_eager(monke
     model, twin = FullSoftmax(), FullSoftmax()
     twin.load_state_dict(model.state_dict())
     compiled = torch.compile(twin, backend="rec_ascend", options={"autotune": False})
-    with fresh_cache():
+    with inductor_compiles():
         for batch in (128, 96, 37):
             x, target = torch.randn(batch, 16), torch.randint(0, 3000, (batch,))
             model.zero_grad(), twin.zero_grad()
@@ -144,7 +144,7 @@ def test_the_users_own_post_grad_pass_still_runs():
     theirs = Counting()
     model = nn.Linear(16, 8)
     x = torch.randn(600, 16)
-    with torch._inductor.config.patch(post_grad_custom_pre_pass=theirs), fresh_cache(), torch.no_grad():
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=theirs), inductor_compiles(), torch.no_grad():
         compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
     assert theirs.graphs == 1

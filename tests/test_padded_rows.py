@@ -19,6 +19,7 @@ import recompile
 from recompile.backend import rec_ascend
 from recompile.runtime.padded_attention import padded_softmax_attention_reference, query_cuts
 from tests.test_padded_sequence import additive_mask, build, histories, inputs_of, outputs_and_grads
+from tests.test_repeated_layers import inductor_graphs, layer_calls  # noqa: F401  (a fixture)
 
 # Numbers and compile counts, not which candidate is fastest: the race times one or two rounds (conftest).
 pytestmark = pytest.mark.usefixtures("quick_race")
@@ -89,9 +90,11 @@ def test_recbole_sasrec_gets_its_read_rows():
 
 
 @pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_query_normed_layer_equals_eager_and_compiles_at_most_twice(causal):
+def test_query_normed_layer_equals_eager_and_compiles_at_most_twice(causal, inductor_graphs):
     """Training mode, forward and backward; changing batch size and lengths; a 0 inside a history (not a
-    prefix mask) in the last batch."""
+    prefix mask) in the last batch. The two blocks are one outlined layer called twice in every graph Inductor
+    compiles (recompile.repeated_layers), whose saved values, read by the backward, must not be overwritten: the
+    first block's query weight got a wrong gradient (test_repeated_layers.py)."""
     model = QueryNormed(causal).train()
     counter = CompileCounterWithBackend(functools.partial(rec_ascend, options={"autotune": False}))
     compiled = torch.compile(model, backend=counter)
@@ -102,6 +105,7 @@ def test_query_normed_layer_equals_eager_and_compiles_at_most_twice(causal):
         for a, b in zip(got[1:], want[1:]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert counter.frame_count <= 2
+    assert inductor_graphs and all(len(layer_calls(gm)) == 2 for gm in inductor_graphs)
 
 
 @settings(max_examples=25, deadline=None)

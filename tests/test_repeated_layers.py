@@ -7,11 +7,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
-from torch._inductor.utils import fresh_cache, run_and_get_code
+from torch._inductor.utils import run_and_get_code
 
 import recompile.backend
 from recompile.repeated_layers import outline_repeated_layers
-from tests.checks import replace_step_before_inductor, train_step
+from tests.checks import inductor_compiles, replace_step_before_inductor, train_step
 
 DIM = 16
 
@@ -95,6 +95,8 @@ def test_training_layers_call_one_subgraph_and_train_as_eager(inductor_graphs):
     assert inductor_graphs and all(len(layer_calls(gm)) == 3 for gm in inductor_graphs)
 
 
+# The same model, batches and checks, and a third batch: test_padded_rows.py's query-normed layer in make test.
+@pytest.mark.slow
 def test_saved_values_of_a_layer_are_not_overwritten(inductor_graphs):
     """Two pre-norm attention blocks whose layer returns its LayerNorm output (the residual add is outside the
     block's modules), which its backward also saves (as ``qx.t()`` for the query weight's gradient): Inductor wrote
@@ -115,7 +117,7 @@ def test_saved_values_of_a_layer_are_not_overwritten(inductor_graphs):
 
 def count_layer_code(model, x):
     """Inductor's output code for the compiled model's first forward: (C++ kernels defined, matmuls called)."""
-    with fresh_cache():
+    with inductor_compiles():
         _, codes = run_and_get_code(torch.compile(model, backend="rec_ascend", options={"autotune": False}), x)
     code = "\n".join(codes)
     return code.count("async_compile.cpp_pybinding("), code.count("extern_kernels.addmm(")
