@@ -192,7 +192,7 @@ def test_inference_sweep_full_width_convs_of_one_input(batch, length, dim, heigh
     with torch.no_grad():
         got = compiled(x)
     assert len(graphs) == 1 and not convs(graphs[0]) and all(g.is_contiguous() for g in got)
-    assert sum(n.target is torch.Tensor.unfold for n in graphs[0].nodes) <= 1
+    assert sum(n.target is torch.Tensor.unfold for n in graphs[0].graph.nodes) <= 1
     for g, want in zip(got, fn(x)):
         torch.testing.assert_close(g, want)
 
