@@ -1,8 +1,8 @@
 """conv_gemm: a one-channel convolution whose kernel spans its input's width or height as the GEMM of its windows,
-in every training graph rec_ascend hands to Inductor (a step before Inductor, like ``dot_linear``, not a rec pass:
+in every graph rec_ascend hands to Inductor (a step before Inductor, like ``dot_linear``, not a rec pass:
 it finds no region and runs on the captured graph too).
 
-Pattern -> replacement -> why:
+Pattern -> replacement -> why, in training graphs:
 
 - ``conv2d(x, w, b)`` with ``x`` [B, 1, H, W], ``w`` [C, 1, kh, kw] where ``kw == W`` or ``kh == H`` (static),
   stride 1, no padding, no dilation, one group, floating point -> ``linear(windows, w.reshape(C, kh * kw), b)``,
@@ -17,14 +17,34 @@ Pattern -> replacement -> why:
   max-pool went from 97 to 23 ms forward and backward, the vertical one from 2.9 to 1.1 ms.
 
 Other convolutions are left as they are: a kernel narrower than its input both ways repeats each input element
-kh * kw times in the windows. So are inference graphs: each convolution becomes two C++ kernels (the windows' copy,
-the epilogue after the GEMM), one C++ build each, which an inference graph's short cold compile cannot carry
-(Caser's full sort, 13 convolutions: 17.4 s CPU against plain Inductor's 7.1 s, 2.5x, for steps of 0.81 -> 0.17 ms
-at batch 1; its loss: 62.8 against 51.4 s, 1.22x).
+kh * kw times in the windows.
+
+Inference graphs take another form, as the one above cost two C++ kernels per convolution (the windows' copy: a
+GEMM's operand; the epilogue after the GEMM, a buffer of its own), one C++ build each, which an inference graph's
+short cold compile cannot carry (Caser's full sort, 13 convolutions: 17.4 s CPU against plain Inductor's 7.1 s,
+2.5x). There the convolutions as wide as one input share its windows:
+
+- ``conv2d(x, w_i, b_i)`` for each i, ``x`` [B, 1, H, W], ``w_i`` [C_i, 1, k_i, W] -> with K the largest k_i and
+  ``windows`` [B * P, K * W] the windows of K rows of ``x`` extended by its first K - min(k_i) rows (P = H -
+  min(k_i) + 1 positions; only dropped positions read those rows; ``F.pad`` would specialize a dynamic batch), each
+  convolution ``linear(windows[:, :k_i * W], w_i.reshape(C_i, k_i * W), b_i)``: its kernel's rows
+  are the first k_i of each window, so the GEMM reads a column slice of the shared windows (a strided operand, no
+  copy), and its first H - k_i + 1 positions, permuted to [B, C_i, H - k_i + 1, 1], are the convolution's output.
+  Inductor fuses the windows' one copy into the kernel that makes ``x`` (Caser: its embedding lookup), runs the
+  GEMMs as extern calls and the permute where the convolution's output was read (Caser: its ReLU and max-pool):
+  as many C++ kernels as plain Inductor generates (4 in Caser's full sort), for steps of 0.81 -> 0.25 ms at batch 1
+  (CPU time, one thread, plain Inductor on both spellings; 1.9 -> 0.9 ms at 128, even at 2048). Measured and not
+  kept (cold compile, CPU s, against 7.8 for the convolutions): one GEMM of the rows ``x`` [B * H, W] against all
+  kernels' rows, each output a sum of shifted slices of it (15.6; the sums fused into the max-pool's unrolled
+  window make a large kernel), the same with the outputs stacked (16.1), with zero-padded kernels and a sum over
+  diagonals (15.8), one GEMM of the shared windows against the zero-padded kernels (14.7: the kernels' cat is a large
+  kernel), a GEMM of the rows per convolution (26.8: each sum a kernel).
 
 The numbers do not change but for the summation order of each output.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.fx as fx
@@ -61,10 +81,18 @@ def _kernel(node: fx.Node) -> tuple[int, int] | None:
     return (kh, kw) if kw == width or kh == height else None
 
 
+def _full_width(node: fx.Node) -> tuple[int, int] | None:
+    """``_kernel(node)`` where that kernel is as wide as its input."""
+    kernel = _kernel(node)
+    return kernel if kernel is not None and kernel[1] == tensor_meta(arg(node, 0, "input")).shape[3] else None
+
+
 def convs_as_gemms(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with each one-channel, full-span convolution as the GEMM of its windows (``rewrite_each``); a graph
-    that is not a training graph as it is."""
-    return rewrite_each(gm, _kernel, _windows_gemm) if is_training(gm) else gm
+    """``gm`` with each one-channel, full-span convolution as the GEMM of its windows (``rewrite_each``); in a graph
+    that is not a training graph, each full-width one as a GEMM of its input's shared windows."""
+    if is_training(gm):
+        return rewrite_each(gm, _kernel, _windows_gemm)
+    return rewrite_each(gm, _full_width, functools.partial(_shared_windows_gemm, {}))
 
 
 def _windows(graph: fx.Graph, conv: fx.Node, x: fx.Node, kh: int, kw: int) -> fx.Node:
@@ -93,4 +121,34 @@ def _windows_gemm(graph: fx.Graph, conv: fx.Node, kernel: tuple[int, int]) -> fx
     out = call_before(graph, torch._C._nn.linear, (_windows(graph, conv, x, kh, kw), flat, bias), conv)
     out = call_before(graph, torch.permute, (out, (0, 2, 1)), conv)
     out = call_before(graph, torch.reshape, (out, (-1, channels, rows, columns)), conv)
+    return call_before(graph, torch.Tensor.contiguous, (out,), conv)
+
+
+def _shared_windows(graph: fx.Graph, conv: fx.Node, x: fx.Node) -> tuple[fx.Node, int]:
+    """(windows, P): the windows [B * P, K * W] of K rows shared by the full-width convolutions that read ``x``
+    (K the tallest kernel, ``x`` extended by its first K - k rows for k the shortest one: only positions no
+    convolution keeps read them), before ``conv``."""
+    heights = [found[0] for user in x.users if (found := _full_width(user)) is not None]
+    (height, width), tallest, pad = tensor_meta(x).shape[2:], max(heights), max(heights) - min(heights)
+    if pad:
+        x = call_before(graph, torch.cat, ((x, call_before(graph, torch.narrow, (x, 2, 0, pad), conv)), 2), conv)
+    if tallest not in (1, height + pad):  # no unfold of one element (see ``_windows``)
+        x = call_before(graph, torch.transpose, (call_before(graph, torch.Tensor.unfold, (x, 2, tallest, 1), conv),
+                                                 3, 4), conv)
+    return call_before(graph, torch.reshape, (x, (-1, tallest * width)), conv), height + pad - tallest + 1
+
+
+def _shared_windows_gemm(shared: dict, graph: fx.Graph, conv: fx.Node, kernel: tuple[int, int]) -> fx.Node:
+    """The nodes, before ``conv``, of its output as ``linear`` of the first ``kh`` rows of its input's windows (made
+    before the first convolution that reads that input, kept in ``shared``)."""
+    (kh, width), (x, w, bias) = kernel, (arg(conv, 0, "input"), arg(conv, 1, "weight"), arg(conv, 2, "bias"))
+    if x not in shared:
+        shared[x] = _shared_windows(graph, conv, x)
+    (windows, positions), channels = shared[x], tensor_meta(w).shape[0]
+    rows = call_before(graph, torch.narrow, (windows, 1, 0, kh * width), conv)
+    flat = call_before(graph, torch.reshape, (w, (channels, kh * width)), conv)
+    out = call_before(graph, torch._C._nn.linear, (rows, flat, bias), conv)
+    out = call_before(graph, torch.reshape, (out, (-1, positions, channels)), conv)
+    out = call_before(graph, torch.narrow, (out, 1, 0, tensor_meta(conv).shape[2]), conv)
+    out = call_before(graph, torch.unsqueeze, (call_before(graph, torch.permute, (out, (0, 2, 1)), conv), 3), conv)
     return call_before(graph, torch.Tensor.contiguous, (out,), conv)

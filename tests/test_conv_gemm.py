@@ -1,6 +1,7 @@
 """A one-channel convolution whose kernel spans its input's width or height becomes the GEMM of its windows before
-Inductor (recompile.conv_gemm): outputs and gradients equal eager's, over a sweep of shapes, one compile serves
-every batch size, and other convolutions are left as they are."""
+Inductor (recompile.conv_gemm), in inference graphs those as wide as one input a GEMM each of its shared windows:
+outputs (and gradients) equal eager's, over a sweep of shapes, one compile serves every batch size, and other
+convolutions are left as they are."""
 
 import pytest
 import torch
@@ -143,10 +144,68 @@ def test_left_as_it_is(weight, kwargs):
     assert len(convs(graphs[0])) == 1
 
 
-def test_inference_graphs_keep_their_convolutions():
-    """Their cold compile is too short to carry two C++ kernels per convolution."""
-    x, w = torch.randn(4, 1, 7, 5), torch.randn(2, 1, 3, 5, requires_grad=True)
-    compiled, graphs = rewritten(lambda x: F.conv2d(x, w), x)
+def test_caser_inference_shares_windows_in_as_many_kernels_as_plain_inductor():
+    """The horizontal convolutions become GEMMs of one copy of the input's windows, fused where Inductor makes the
+    input: no C++ kernel more than plain Inductor's; the vertical convolution stays a convolution."""
+    torch.manual_seed(0)
+    model, seq = Caser(length=12, dim=8).eval(), torch.randn(5, 12, 8)
+    got, (gm, *_), kernels = inductor_on_captured(model, (seq,), convs_as_gemms)
+    _, _, plain = inductor_on_captured(model, (seq,), lambda gm: gm)
     with torch.no_grad():
-        torch.testing.assert_close(compiled(x), F.conv2d(x, w))
+        torch.testing.assert_close(got, model(seq), rtol=1e-5, atol=1e-5)
+    assert [tuple(n.args[1].meta["example_value"].shape) for n in convs(gm)] == [(3, 1, 12, 1)]
+    assert sum(n.target is torch.Tensor.unfold for n in gm.graph.nodes) == 1 and len(kernels) <= len(plain)
+
+
+def test_inference_under_rec_ascend_one_compile_serves_every_batch(monkeypatch):
+    torch.manual_seed(0)
+    model, graphs = Caser().eval(), []
+    replace_step_before_inductor(monkeypatch, convs_as_gemms,
+                                 lambda gm: graphs.append(convs_as_gemms(gm)) or graphs[-1])
+    counter = CompileCounterWithBackend("rec_ascend")
+    compiled = torch.compile(model, backend=counter)
+    with torch.no_grad():
+        for batch in (16, 24, 37):
+            seq = torch.randn(batch, 6, 4)
+            torch._dynamo.maybe_mark_dynamic(seq, 0)
+            torch.testing.assert_close(compiled(seq), model(seq), rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1 and graphs and all(len(convs(gm)) == 1 for gm in graphs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 4), length=st.integers(1, 7), dim=st.integers(1, 5),
+       heights=st.lists(st.integers(1, 7), min_size=1, max_size=4), channels=st.integers(1, 3),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_inference_sweep_full_width_convs_of_one_input(batch, length, dim, heights, channels, bias, seed):
+    """Several kernels as wide as one input, of heights 1..L (repeats, k = 1, k = L, L = 1, batch 1, d = 1 among
+    them), in float64 without gradients: each equals ``conv2d``; one ``unfold`` at most."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 1, length, dim, dtype=torch.float64, generator=gen)
+    weights = [torch.randn(channels + i % 2, 1, min(h, length), dim, dtype=torch.float64, generator=gen)
+               for i, h in enumerate(heights)]
+    biases = [torch.randn(w.shape[0], dtype=torch.float64, generator=gen) if bias else None for w in weights]
+
+    def fn(x):
+        return [F.conv2d(x, w, b) for w, b in zip(weights, biases)]
+
+    compiled, graphs = rewritten(fn, x)
+    with torch.no_grad():
+        got = compiled(x)
+    assert len(graphs) == 1 and not convs(graphs[0]) and all(g.is_contiguous() for g in got)
+    assert sum(n.target is torch.Tensor.unfold for n in graphs[0].graph.nodes) <= 1
+    for g, want in zip(got, fn(x)):
+        torch.testing.assert_close(g, want)
+
+
+@pytest.mark.parametrize("weight, kwargs", [
+    ((2, 1, 7, 1), {}),  # as high as the input: a convolution still
+    ((2, 1, 3, 3), {}),
+    ((2, 3, 4, 5), {}),
+    ((2, 1, 3, 5), {"padding": 1}),
+])
+def test_inference_left_as_it_is(weight, kwargs):
+    x, w = torch.randn(4, weight[1], 7, 5), torch.randn(weight)
+    compiled, graphs = rewritten(lambda x: F.conv2d(x, w, **kwargs), x)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), F.conv2d(x, w, **kwargs))
     assert len(convs(graphs[0])) == 1
