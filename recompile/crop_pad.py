@@ -16,6 +16,8 @@ import sys
 import torch
 import torch.fx as fx
 
+from recompile.passes.utils import call_with_val
+
 aten = torch.ops.aten
 
 
@@ -33,7 +35,6 @@ def crops_as_slices(graph: fx.Graph) -> None:
                     continue
                 dim = x.meta["val"].dim() - 1 - i // 2
                 end = after if after < 0 else sys.maxsize  # from the end: no size, which may be symbolic, named
-                out = graph.call_function(aten.slice.Tensor, (out, dim, -before, end))
-                out.meta["val"] = aten.slice.Tensor(out.args[0].meta["val"], dim, -before, end)
+                out = call_with_val(graph, aten.slice.Tensor, out, dim, -before, end)
         node.replace_all_uses_with(out)
         graph.erase_node(node)

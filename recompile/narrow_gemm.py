@@ -27,10 +27,11 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from recompile import crop_pad
-from recompile.crop_pad import crops_as_slices
+from recompile.passes import utils
+from recompile.passes.utils import call_with_val
 
 aten = torch.ops.aten
-FILES = (__file__, crop_pad.__file__)  # what the pass runs: its FX graph cache key
+FILES = (__file__, crop_pad.__file__, utils.__file__)  # what the pass runs: its FX graph cache key
 
 MIN_COLUMNS, MAX_COLUMNS = 2, 16
 # rows x inner size below which the copy back costs about what the transposed product saves (TorchRec DLRM's
@@ -66,19 +67,11 @@ def _narrow(node: fx.Node) -> bool:
     return not (isinstance(rows, int) and isinstance(inner, int)) or rows * inner >= MIN_WORK
 
 
-def _call(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
-    """``target(*args, **kwargs)`` before the node being rewritten, its ``val`` computed from its inputs' fake
-    values."""
-    node = graph.call_function(target, args, kwargs)
-    node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]), **kwargs)
-    return node
-
-
 def _transposed_bias(graph: fx.Graph, bias: fx.Node) -> fx.Node:
     """The bias of ``[N, M] = b^T a^T``: a [N] row broadcast as an [N, 1] column, a 2-D one transposed."""
     if bias.meta["val"].dim() == 1:
-        return _call(graph, aten.unsqueeze.default, bias, 1)
-    return _call(graph, aten.permute.default, bias, [1, 0])
+        return call_with_val(graph, aten.unsqueeze.default, bias, 1)
+    return call_with_val(graph, aten.permute.default, bias, [1, 0])
 
 
 def transpose_narrow_products(graph: fx.Graph) -> None:
@@ -92,10 +85,11 @@ def transpose_narrow_products(graph: fx.Graph) -> None:
             continue
         with graph.inserting_before(node):
             bias = [_transposed_bias(graph, x) for x in bias]
-            operands = [_call(graph, aten.permute.default, x, [1, 0]) for x in (b, a)]
-            out = _call(graph, aten.permute.default, _call(graph, node.target, *bias, *operands), [1, 0])
+            operands = [call_with_val(graph, aten.permute.default, x, [1, 0]) for x in (b, a)]
+            product = call_with_val(graph, node.target, *bias, *operands)
+            out = call_with_val(graph, aten.permute.default, product, [1, 0])
             if not _products_read(node):
-                out = _call(graph, aten.clone.default, out, memory_format=torch.contiguous_format)
+                out = call_with_val(graph, aten.clone.default, out, memory_format=torch.contiguous_format)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
 
@@ -103,14 +97,14 @@ def transpose_narrow_products(graph: fx.Graph) -> None:
 class NarrowGemm(CustomGraphPass):
     """``crop_pad.crops_as_slices`` and ``transpose_narrow_products`` as Inductor's ``post_grad_custom_pre_pass``,
     then ``after``: the pass the user's Inductor config held, which it would otherwise replace. Its uuid keys
-    Inductor's FX graph cache: the hash of the two files (``FILES``) and ``after``'s (None, so no caching, where
+    Inductor's FX graph cache: the hash of the files it runs (``FILES``) and ``after``'s (None, so no caching, where
     ``after`` is a plain callable Inductor cannot key)."""
 
     def __init__(self, after: Optional[Callable[[fx.Graph], None]] = None):
         self.after = after
 
     def __call__(self, graph: fx.Graph) -> None:
-        crops_as_slices(graph)
+        crop_pad.crops_as_slices(graph)
         transpose_narrow_products(graph)
         if self.after is not None:
             self.after(graph)

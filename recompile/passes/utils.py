@@ -44,6 +44,14 @@ def calls(node: Any, function: Any, method: str) -> bool:
     return is_call(node, function) or (isinstance(node, fx.Node) and node.op == "call_method" and node.target == method)
 
 
+def call_with_val(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+    """A new call of ``target`` at the graph's insertion point, its ``val`` (AOT autograd's fake value, which a
+    post-grad pass keeps for Inductor's lowering) computed from its inputs' ``val``."""
+    node = graph.call_function(target, args, kwargs)
+    node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]), **kwargs)
+    return node
+
+
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     """Argument ``name`` of a call, passed by position ``index`` or by keyword."""
     if len(node.args) > index:
