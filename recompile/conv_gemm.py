@@ -25,20 +25,21 @@ short cold compile cannot carry (Caser's full sort, 13 convolutions: 17.4 s CPU 
 2.5x). There the convolutions as wide as one input share its windows:
 
 - ``conv2d(x, w_i, b_i)`` for each i, ``x`` [B, 1, H, W], ``w_i`` [C_i, 1, k_i, W] -> with K the largest k_i and
-  ``windows`` [B * P, K * W] the windows of K rows of ``x`` extended by its first K - min(k_i) rows (P = H -
-  min(k_i) + 1 positions; only dropped positions read those rows; ``F.pad`` would specialize a dynamic batch), each
-  convolution ``linear(windows[:, :k_i * W], w_i.reshape(C_i, k_i * W), b_i)``: its kernel's rows
-  are the first k_i of each window, so the GEMM reads a column slice of the shared windows (a strided operand, no
-  copy), and its first H - k_i + 1 positions, permuted to [B, C_i, H - k_i + 1, 1], are the convolution's output.
-  Inductor fuses the windows' one copy into the kernel that makes ``x`` (Caser: its embedding lookup), runs the
-  GEMMs as extern calls and the permute where the convolution's output was read (Caser: its ReLU and max-pool):
-  as many C++ kernels as plain Inductor generates (4 in Caser's full sort), for steps of 0.81 -> 0.25 ms at batch 1
-  (CPU time, one thread, plain Inductor on both spellings; 1.9 -> 0.9 ms at 128, even at 2048). Measured and not
-  kept (cold compile, CPU s, against 7.8 for the convolutions): one GEMM of the rows ``x`` [B * H, W] against all
-  kernels' rows, each output a sum of shifted slices of it (15.6; the sums fused into the max-pool's unrolled
-  window make a large kernel), the same with the outputs stacked (16.1), with zero-padded kernels and a sum over
-  diagonals (15.8), one GEMM of the shared windows against the zero-padded kernels (14.7: the kernels' cat is a large
-  kernel), a GEMM of the rows per convolution (26.8: each sum a kernel).
+  ``windows`` [B * P, K * W] the windows of K rows of ``x`` extended by its first K - min(k_i) rows (P = H - min(k_i) +
+  1 positions; only dropped positions read those rows; ``F.pad`` would specialize a dynamic batch), each convolution
+  ``linear(windows[:, :k_i * W], w_i.reshape(C_i, k_i * W), b_i)``: its kernel's rows are the first k_i of each window,
+  so the GEMM reads a column slice of the shared windows (a strided operand, no copy), and its first H - k_i + 1
+  positions, permuted to [B, C_i, H - k_i + 1, 1], are the convolution's output. Inductor fuses the windows' one copy
+  into the kernel that makes ``x`` (Caser: its embedding lookup), runs the GEMMs as extern calls and the permute where
+  the convolution's output was read (Caser: its ReLU and max-pool): as many C++ kernels as plain Inductor generates (4
+  in Caser's full sort), for steps of 0.81 -> 0.25 ms at batch 1 (CPU time, one thread, plain Inductor on both
+  spellings; 1.9 -> 0.9 ms at 128, even at 2048 on a small module; RecBole Caser's full sort at 2048 runs 0.91x plain
+  Inductor's, the windows' copy memory-bound there: docs/corpus.md). Measured and not kept (cold compile, CPU s, against
+  7.8 for the convolutions): one GEMM of the rows ``x`` [B * H, W] against all kernels' rows, each output a sum of
+  shifted slices of it (15.6; the sums fused into the max-pool's unrolled window make a large kernel), the same with the
+  outputs stacked (16.1), with zero-padded kernels and a sum over diagonals (15.8), one GEMM of the shared windows
+  against the zero-padded kernels (14.7: the kernels' cat is a large kernel), a GEMM of the rows per convolution (26.8:
+  each sum a kernel).
 
 The numbers do not change but for the summation order of each output.
 """
