@@ -125,8 +125,8 @@ def _windows_gemm(graph: fx.Graph, conv: fx.Node, kernel: tuple[int, int]) -> fx
     return call_before(graph, torch.Tensor.contiguous, (out,), conv)
 
 
-def _shared_windows(graph: fx.Graph, conv: fx.Node, x: fx.Node) -> tuple[fx.Node, int]:
-    """(windows, P): the windows [B * P, K * W] of K rows shared by the full-width convolutions that read ``x``
+def _shared_windows(graph: fx.Graph, conv: fx.Node, x: fx.Node) -> fx.Node:
+    """The windows [P, B, K * W] of K rows shared by the full-width convolutions that read ``x``, position-major
     (K the tallest kernel, ``x`` extended by its first K - k rows for k the shortest one: only positions no
     convolution keeps read them), before ``conv``."""
     heights = [found[0] for user in x.users if (found := _full_width(user)) is not None]
@@ -134,22 +134,26 @@ def _shared_windows(graph: fx.Graph, conv: fx.Node, x: fx.Node) -> tuple[fx.Node
     if pad:
         x = call_before(graph, torch.cat, ((x, call_before(graph, torch.narrow, (x, 2, 0, pad), conv)), 2), conv)
     if tallest not in (1, height + pad):  # no unfold of one element (see ``_windows``)
-        x = call_before(graph, torch.transpose, (call_before(graph, torch.Tensor.unfold, (x, 2, tallest, 1), conv),
-                                                 3, 4), conv)
-    return call_before(graph, torch.reshape, (x, (-1, tallest * width)), conv), height + pad - tallest + 1
+        x = call_before(graph, torch.Tensor.unfold, (x, 2, tallest, 1), conv)  # [B, 1, P, W, K]
+        x = call_before(graph, torch.permute, (x, (2, 0, 1, 4, 3)), conv)
+    elif tallest == 1:  # each row is a window
+        x = call_before(graph, torch.permute, (x, (2, 0, 1, 3)), conv)
+    x = call_before(graph, torch.reshape, (x, (height + pad - tallest + 1, -1, tallest * width)), conv)
+    return call_before(graph, torch.Tensor.contiguous, (x,), conv)  # a view of ``x`` still: one copy, shared
 
 
 def _shared_windows_gemm(shared: dict, graph: fx.Graph, conv: fx.Node, kernel: tuple[int, int]) -> fx.Node:
-    """The nodes, before ``conv``, of its output as ``linear`` of the first ``kh`` rows of its input's windows (made
-    before the first convolution that reads that input, kept in ``shared``)."""
+    """The nodes, before ``conv``, of its output as ``linear`` of the first ``kh`` rows of its positions' windows in
+    its input's shared windows (made before the first convolution that reads that input, kept in ``shared``)."""
     (kh, width), (x, w, bias) = kernel, (arg(conv, 0, "input"), arg(conv, 1, "weight"), arg(conv, 2, "bias"))
     if x not in shared:
         shared[x] = _shared_windows(graph, conv, x)
-    (windows, positions), channels = shared[x], tensor_meta(w).shape[0]
-    rows = call_before(graph, torch.narrow, (windows, 1, 0, kh * width), conv)
+    positions, channels = tensor_meta(conv).shape[2], tensor_meta(w).shape[0]
+    rows = call_before(graph, torch.narrow, (shared[x], 0, 0, positions), conv)
+    rows = call_before(graph, torch.narrow, (rows, 2, 0, kh * width), conv)
+    rows = call_before(graph, torch.reshape, (rows, (-1, kh * width)), conv)  # a view: positions, then batch
     flat = call_before(graph, torch.reshape, (w, (channels, kh * width)), conv)
     out = call_before(graph, torch._C._nn.linear, (rows, flat, bias), conv)
-    out = call_before(graph, torch.reshape, (out, (-1, positions, channels)), conv)
-    out = call_before(graph, torch.narrow, (out, 1, 0, tensor_meta(conv).shape[2]), conv)
-    out = call_before(graph, torch.unsqueeze, (call_before(graph, torch.permute, (out, (0, 2, 1)), conv), 3), conv)
+    out = call_before(graph, torch.reshape, (out, (positions, -1, channels)), conv)
+    out = call_before(graph, torch.unsqueeze, (call_before(graph, torch.permute, (out, (1, 2, 0)), conv), 3), conv)
     return call_before(graph, torch.Tensor.contiguous, (out,), conv)
