@@ -154,7 +154,8 @@ def _shared_windows(graph: fx.Graph, conv: fx.Node, x: fx.Node) -> fx.Node:
     elif tallest == 1:  # each row is a window
         x = call_before(graph, torch.permute, (x, (2, 0, 1, 3)), conv)
     x = call_before(graph, torch.reshape, (x, (height + pad - tallest + 1, -1, tallest * width)), conv)
-    return call_before(graph, torch.Tensor.contiguous, (x,), conv)  # a view of ``x`` still: one copy, shared
+    # The reshape is an overlapping view of ``x``: copied once here, else Inductor copies it for each GEMM.
+    return call_before(graph, torch.Tensor.contiguous, (x,), conv)
 
 
 def _shared_windows_gemm(shared: dict, graph: fx.Graph, conv: fx.Node, kernel: tuple[int, int]) -> fx.Node:
