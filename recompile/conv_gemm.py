@@ -22,24 +22,31 @@ kh * kw times in the windows.
 Inference graphs take another form, as the one above cost two C++ kernels per convolution (the windows' copy: a
 GEMM's operand; the epilogue after the GEMM, a buffer of its own), one C++ build each, which an inference graph's
 short cold compile cannot carry (Caser's full sort, 13 convolutions: 17.4 s CPU against plain Inductor's 7.1 s,
-2.5x). There the convolutions as wide as one input share its windows:
+2.5x). There the convolutions as wide as one input share its windows, and a one-column one is a sum:
 
 - ``conv2d(x, w_i, b_i)`` for each i, ``x`` [B, 1, H, W], ``w_i`` [C_i, 1, k_i, W] -> with K the largest k_i and
-  ``windows`` [B * P, K * W] the windows of K rows of ``x`` extended by its first K - min(k_i) rows (P = H - min(k_i) +
-  1 positions; only dropped positions read those rows; ``F.pad`` would specialize a dynamic batch), each convolution
-  ``linear(windows[:, :k_i * W], w_i.reshape(C_i, k_i * W), b_i)``: its kernel's rows are the first k_i of each window,
-  so the GEMM reads a column slice of the shared windows (a strided operand, no copy), and its first H - k_i + 1
-  positions, permuted to [B, C_i, H - k_i + 1, 1], are the convolution's output. Inductor fuses the windows' one copy
-  into the kernel that makes ``x`` (Caser: its embedding lookup), runs the GEMMs as extern calls and the permute where
-  the convolution's output was read (Caser: its ReLU and max-pool): as many C++ kernels as plain Inductor generates (4
-  in Caser's full sort), for steps of 0.81 -> 0.25 ms at batch 1 (CPU time, one thread, plain Inductor on both
-  spellings; 1.9 -> 0.9 ms at 128, even at 2048 on a small module; RecBole Caser's full sort at 2048 runs 0.91x plain
-  Inductor's, the windows' copy memory-bound there: docs/corpus.md). Measured and not kept (cold compile, CPU s, against
-  7.8 for the convolutions): one GEMM of the rows ``x`` [B * H, W] against all kernels' rows, each output a sum of
-  shifted slices of it (15.6; the sums fused into the max-pool's unrolled window make a large kernel), the same with the
-  outputs stacked (16.1), with zero-padded kernels and a sum over diagonals (15.8), one GEMM of the shared windows
-  against the zero-padded kernels (14.7: the kernels' cat is a large kernel), a GEMM of the rows per convolution (26.8:
-  each sum a kernel).
+  ``windows`` [P, B, K * W] the windows of K rows of ``x`` extended by its first K - min(k_i) rows, position-major (P =
+  H - min(k_i) + 1 positions; only dropped positions read those rows; ``F.pad`` would specialize a dynamic batch),
+  copied once (``contiguous``), each convolution ``linear(windows[:H - k_i + 1, :, :k_i * W].reshape(-1, k_i * W),
+  w_i.reshape(C_i, k_i * W), b_i)``: its kernel's rows are the first k_i of each window and its positions the first
+  H - k_i + 1, so the GEMM reads a block of the shared windows' rows, a column slice of each (a strided operand, no
+  copy), and its output, permuted to [B, C_i, H - k_i + 1, 1], is the convolution's. Inductor fuses the windows' one
+  copy into the kernel that makes ``x`` (Caser: its embedding lookup), runs the GEMMs as extern calls and the permute
+  where the convolution's output was read (Caser: its ReLU and max-pool): as many C++ kernels as plain Inductor
+  generates (4 in Caser's full sort). The windows were batch-major, [B * P, K * W], until the fourteenth stop: every
+  GEMM then ran over all P positions of every row, 2.6x the products Caser's twelve kernels need (936 against 364
+  windows' rows of 8 per sequence), and RecBole Caser's full sort at batch 2048 ran 0.91-0.96x plain Inductor's
+  (docs/corpus.md).
+- ``conv2d(x, w, b)``, ``w`` [C, 1, H, 1] one column as high as ``x`` [B, 1, H, W] (Caser's vertical convolution)
+  -> ``sum(x * w.permute(1, 0, 2, 3), 2, keepdim=True) + b``: a reduction over H that Inductor generates inline in
+  the kernel reading the output (Caser: the max-pools' and the ``cat``), where ATen ran a oneDNN convolution with one
+  input channel (0.9-1.4 ms of the step at batch 2048, under load).
+
+Measured and not kept (cold compile, CPU s, against 7.8 for the convolutions): one GEMM of the rows ``x`` [B * H, W]
+against all kernels' rows, each output a sum of shifted slices of it (15.6; the sums fused into the max-pool's unrolled
+window make a large kernel), the same with the outputs stacked (16.1), with zero-padded kernels and a sum over diagonals
+(15.8), one GEMM of the shared windows against the zero-padded kernels (14.7: the kernels' cat is a large kernel), a
+GEMM of the rows per convolution (26.8: each sum a kernel).
 
 The numbers do not change but for the summation order of each output.
 """
@@ -88,12 +95,20 @@ def _full_width(node: fx.Node) -> tuple[int, int] | None:
     return kernel if kernel is not None and kernel[1] == tensor_meta(arg(node, 0, "input")).shape[3] else None
 
 
+def _column(node: fx.Node) -> tuple[int, int] | None:
+    """``_kernel(node)`` where that kernel is one column as high as its input, which is wider than one column."""
+    kernel = _kernel(node)
+    return kernel if kernel is not None and kernel[1] == 1 and _full_width(node) is None else None
+
+
 def convs_as_gemms(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with each one-channel, full-span convolution as the GEMM of its windows (``rewrite_each``); in a graph
-    that is not a training graph, each full-width one as a GEMM of its input's shared windows."""
+    that is not a training graph, each full-width one as a GEMM of its input's shared windows, each one-column one
+    as a weighted sum of its input's rows."""
     if is_training(gm):
         return rewrite_each(gm, _kernel, _windows_gemm)
-    return rewrite_each(gm, _full_width, functools.partial(_shared_windows_gemm, {}))
+    gm = rewrite_each(gm, _full_width, functools.partial(_shared_windows_gemm, {}))
+    return rewrite_each(gm, _column, _column_sum)
 
 
 def _windows(graph: fx.Graph, conv: fx.Node, x: fx.Node, kh: int, kw: int) -> fx.Node:
@@ -125,8 +140,8 @@ def _windows_gemm(graph: fx.Graph, conv: fx.Node, kernel: tuple[int, int]) -> fx
     return call_before(graph, torch.Tensor.contiguous, (out,), conv)
 
 
-def _shared_windows(graph: fx.Graph, conv: fx.Node, x: fx.Node) -> tuple[fx.Node, int]:
-    """(windows, P): the windows [B * P, K * W] of K rows shared by the full-width convolutions that read ``x``
+def _shared_windows(graph: fx.Graph, conv: fx.Node, x: fx.Node) -> fx.Node:
+    """The windows [P, B, K * W] of K rows shared by the full-width convolutions that read ``x``, position-major
     (K the tallest kernel, ``x`` extended by its first K - k rows for k the shortest one: only positions no
     convolution keeps read them), before ``conv``."""
     heights = [found[0] for user in x.users if (found := _full_width(user)) is not None]
@@ -134,22 +149,38 @@ def _shared_windows(graph: fx.Graph, conv: fx.Node, x: fx.Node) -> tuple[fx.Node
     if pad:
         x = call_before(graph, torch.cat, ((x, call_before(graph, torch.narrow, (x, 2, 0, pad), conv)), 2), conv)
     if tallest not in (1, height + pad):  # no unfold of one element (see ``_windows``)
-        x = call_before(graph, torch.transpose, (call_before(graph, torch.Tensor.unfold, (x, 2, tallest, 1), conv),
-                                                 3, 4), conv)
-    return call_before(graph, torch.reshape, (x, (-1, tallest * width)), conv), height + pad - tallest + 1
+        x = call_before(graph, torch.Tensor.unfold, (x, 2, tallest, 1), conv)  # [B, 1, P, W, K]
+        x = call_before(graph, torch.permute, (x, (2, 0, 1, 4, 3)), conv)
+    elif tallest == 1:  # each row is a window
+        x = call_before(graph, torch.permute, (x, (2, 0, 1, 3)), conv)
+    x = call_before(graph, torch.reshape, (x, (height + pad - tallest + 1, -1, tallest * width)), conv)
+    # The reshape is an overlapping view of ``x``: copied once here, else Inductor copies it for each GEMM.
+    return call_before(graph, torch.Tensor.contiguous, (x,), conv)
 
 
 def _shared_windows_gemm(shared: dict, graph: fx.Graph, conv: fx.Node, kernel: tuple[int, int]) -> fx.Node:
-    """The nodes, before ``conv``, of its output as ``linear`` of the first ``kh`` rows of its input's windows (made
-    before the first convolution that reads that input, kept in ``shared``)."""
+    """The nodes, before ``conv``, of its output as ``linear`` of the first ``kh`` rows of its positions' windows in
+    its input's shared windows (made before the first convolution that reads that input, kept in ``shared``)."""
     (kh, width), (x, w, bias) = kernel, (arg(conv, 0, "input"), arg(conv, 1, "weight"), arg(conv, 2, "bias"))
     if x not in shared:
         shared[x] = _shared_windows(graph, conv, x)
-    (windows, positions), channels = shared[x], tensor_meta(w).shape[0]
-    rows = call_before(graph, torch.narrow, (windows, 1, 0, kh * width), conv)
+    positions, channels = tensor_meta(conv).shape[2], tensor_meta(w).shape[0]
+    rows = call_before(graph, torch.narrow, (shared[x], 0, 0, positions), conv)
+    rows = call_before(graph, torch.narrow, (rows, 2, 0, kh * width), conv)
+    rows = call_before(graph, torch.reshape, (rows, (-1, kh * width)), conv)  # a view: positions, then batch
     flat = call_before(graph, torch.reshape, (w, (channels, kh * width)), conv)
     out = call_before(graph, torch._C._nn.linear, (rows, flat, bias), conv)
-    out = call_before(graph, torch.reshape, (out, (-1, positions, channels)), conv)
-    out = call_before(graph, torch.narrow, (out, 1, 0, tensor_meta(conv).shape[2]), conv)
-    out = call_before(graph, torch.unsqueeze, (call_before(graph, torch.permute, (out, (0, 2, 1)), conv), 3), conv)
+    out = call_before(graph, torch.reshape, (out, (positions, -1, channels)), conv)
+    out = call_before(graph, torch.unsqueeze, (call_before(graph, torch.permute, (out, (1, 2, 0)), conv), 3), conv)
     return call_before(graph, torch.Tensor.contiguous, (out,), conv)
+
+
+def _column_sum(graph: fx.Graph, conv: fx.Node, kernel: tuple[int, int]) -> fx.Node:
+    """The nodes, before ``conv``, of its output as the sum over its input's H rows of each row times its weight in
+    each channel: [B, 1, H, W] x [1, C, H, 1] summed over H, a reduction Inductor generates inline."""
+    x, w, bias = arg(conv, 0, "input"), arg(conv, 1, "weight"), arg(conv, 2, "bias")
+    out = call_before(graph, torch.mul, (x, call_before(graph, torch.permute, (w, (1, 0, 2, 3)), conv)), conv)
+    out = call_before(graph, torch.sum, (out, 2, True), conv)
+    if bias is None:
+        return out
+    return call_before(graph, torch.add, (out, call_before(graph, torch.reshape, (bias, (1, -1, 1, 1)), conv)), conv)

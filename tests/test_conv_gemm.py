@@ -1,7 +1,8 @@
 """A one-channel convolution whose kernel spans its input's width or height becomes the GEMM of its windows before
 Inductor (recompile.conv_gemm), in inference graphs those as wide as one input a GEMM each of its shared windows:
 outputs (and gradients) equal eager's, over a sweep of shapes, one compile serves every batch size, and other
-convolutions are left as they are."""
+convolutions are left as they are; in inference graphs a one-column kernel as high as its input becomes a weighted sum
+of its rows."""
 
 import pytest
 import torch
@@ -145,16 +146,19 @@ def test_left_as_it_is(weight, kwargs):
 
 
 def test_caser_inference_shares_windows_in_as_many_kernels_as_plain_inductor():
-    """The horizontal convolutions become GEMMs of one copy of the input's windows, fused where Inductor makes the
-    input: no C++ kernel more than plain Inductor's; the vertical convolution stays a convolution."""
+    """The horizontal convolutions become GEMMs of one copy of the input's windows, position-major, each reading
+    only the positions its convolution keeps, and the vertical one a sum of the rows, all fused where Inductor makes
+    the input: no C++ kernel more than plain Inductor's."""
     torch.manual_seed(0)
-    model, seq = Caser(length=5, dim=4).eval(), torch.randn(5, 5, 4)
+    model, seq = Caser(length=5, dim=4).eval(), torch.randn(6, 5, 4)
     got, (gm, *_), kernels = inductor_on_captured(model, (seq,), convs_as_gemms)
     _, _, plain = inductor_on_captured(model, (seq,), lambda gm: gm)
     with torch.no_grad():
         torch.testing.assert_close(got, model(seq), rtol=1e-5, atol=1e-5)
-    assert [tuple(n.args[1].meta["example_value"].shape) for n in convs(gm)] == [(3, 1, 5, 1)]
-    assert sum(n.target is torch.Tensor.unfold for n in gm.graph.nodes) == 1 and len(kernels) <= len(plain)
+    assert not convs(gm) and sum(n.target is torch.Tensor.unfold for n in gm.graph.nodes) == 1
+    rows = [n.args[0].meta["example_value"].shape for n in gm.graph.nodes if n.target is torch._C._nn.linear]
+    assert rows == [(6 * (5 - k + 1), k * 4) for k in range(1, 6)]
+    assert len(kernels) <= len(plain)
 
 
 def test_inference_under_rec_ascend_one_compile_serves_every_batch(monkeypatch):
@@ -197,8 +201,25 @@ def test_inference_sweep_full_width_convs_of_one_input(batch, length, dim, heigh
         torch.testing.assert_close(g, want)
 
 
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 4), length=st.integers(1, 7), dim=st.integers(2, 5), channels=st.integers(1, 3),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_inference_sweep_one_column_conv_as_high_as_its_input(batch, length, dim, channels, bias, seed):
+    """A kernel [C, 1, L, 1] over [B, 1, L, d] (RecBole Caser's vertical convolution; L = 1 and batch 1 among the
+    shapes), in float64 without gradients: a sum over the rows, equal to ``conv2d``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 1, length, dim, dtype=torch.float64, generator=gen)
+    w = torch.randn(channels, 1, length, 1, dtype=torch.float64, generator=gen)
+    b = torch.randn(channels, dtype=torch.float64, generator=gen) if bias else None
+    compiled, graphs = rewritten(lambda x: F.conv2d(x, w, b), x)
+    with torch.no_grad():
+        got = compiled(x)
+    assert len(graphs) == 1 and not convs(graphs[0]) and got.is_contiguous()
+    torch.testing.assert_close(got, F.conv2d(x, w, b))
+
+
 @pytest.mark.parametrize("weight, kwargs", [
-    ((2, 1, 7, 1), {}),  # as high as the input: a convolution still
+    ((2, 1, 3, 1), {}),  # one column, not as high as the input
     ((2, 1, 3, 3), {}),
     ((2, 3, 4, 5), {}),
     ((2, 1, 3, 5), {"padding": 1}),
