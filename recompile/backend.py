@@ -138,7 +138,8 @@ def rec_ascend(
     _LazyGraphModule.force_recompile(gm)
     rewritten = run_pipeline(gm, ctx)
     # After AOT autograd, before Inductor's own post-grad passes: CPU matrix products with a few output columns
-    # computed transposed (recompile.narrow_gemm), forward and backward; then the user's own pass, if any.
+    # computed transposed (recompile.narrow_gemm), forward and backward; then the user's own pass, if any. Then
+    # OpDefinitions, which changes nothing: its uuid keys Inductor's caches by the custom ops' definitions.
     graph_config = {"post_grad_custom_pre_pass": (NarrowGemm(torch._inductor.config.post_grad_custom_pre_pass),
                                                   OpDefinitions())}
     config_patches = {**CALL_CONFIG, **graph_config, **(torch._inductor.list_mode_options(mode) if mode else {})}
