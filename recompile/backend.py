@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
+import importlib
 import itertools
+import os
 import time
 from typing import Any, Mapping, Sequence
 
@@ -11,6 +14,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.async_compile import maybe_warm_pool
 from torch._inductor.compile_fx import compile_fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
@@ -49,17 +53,54 @@ BEFORE_INDUCTOR = (pad_split_once, convs_as_gemms, gathers_after_linears, linear
 # torch.compile modes under which a graph's cold compile has no budget by default (``options_for_mode``).
 MAX_AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
 
+# The packages that define the custom ops a graph rec_ascend compiles may call (``OpDefinitions``).
+OP_PACKAGES = ("recompile.runtime", "hkv", "recompile.lowering")
+
+
+class OpDefinitions(CustomGraphPass):
+    """Inductor's caches key a graph by its ops' names, where AOT autograd traces a custom op's fake and autograd
+    formula (Python in runtime/, hkv/ and recompile.lowering; C++ autograd kernels in their native libraries): set
+    beside ``NarrowGemm`` as a post-grad pass that changes nothing, its uuid, the hash of those files, keys both
+    caches, so that a warm cache replays no trace of an op edited since (``OP_PACKAGES``)."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        pass
+
+    def uuid(self) -> bytes:
+        return op_definitions_hash()
+
 
 @functools.cache
-def inductor_decompositions(dynamic: bool = True) -> dict:
+def op_definitions_hash() -> bytes:
+    """The hash of the files defining the custom ops: every module and native library of ``OP_PACKAGES``."""
+    folders = [os.path.dirname(importlib.import_module(name).__file__) for name in OP_PACKAGES]
+    files = [f for d in folders for pattern in ("**/*.py", "_C*.so") for f in glob.glob(os.path.join(d, pattern),
+                                                                                     recursive=True)]
+    return get_hash_for_files(tuple(sorted(files)))
+
+
+class DecompositionTable(dict):
+    """Inductor's decompositions without the ops named ``without`` ("aten.mm.default"), pickled as how it is made:
+    Inductor's FX graph cache keys a compile by its pickled arguments, where the table's functions and ops (pybind11
+    objects) do not pickle, so a plain dict made every rec_ascend compile bypass it, and the AOT autograd cache with
+    it (an entry names the FX graph cache's). The AOT autograd key holds no table: ``without`` follows from the
+    graph's symbolic sizes (``inductor_decompositions``), which it holds."""
+
+    def __init__(self, without: tuple[str, ...] = ()):
+        super().__init__({op: fn for op, fn in select_decomp_table().items() if str(op) not in without})
+        self.without = without
+
+    def __reduce__(self):
+        return type(self), (self.without,)
+
+
+@functools.cache
+def inductor_decompositions(dynamic: bool = True) -> DecompositionTable:
     """Inductor's decompositions, for a graph with symbolic sizes without ``SIZE_GUARDING_DECOMPOSITIONS``. A graph
     with static sizes has no size to guard on and keeps them, as plain Inductor does: at batch 1 (always a static
     graph: Dynamo specializes sizes 0 and 1) they turn a matrix-vector product into a fused reduction (DeepFM predict
     at batch 1: 64.5 us a call without them, 57.2 us with them, measured under load)."""
-    table = select_decomp_table()
-    if not dynamic:
-        return table
-    return {op: fn for op, fn in table.items() if op not in SIZE_GUARDING_DECOMPOSITIONS}
+    return DecompositionTable(tuple(map(str, SIZE_GUARDING_DECOMPOSITIONS)) if dynamic else ())
 
 
 def resolve_target(options: RecompileOptions) -> Target:
@@ -97,8 +138,10 @@ def rec_ascend(
     _LazyGraphModule.force_recompile(gm)
     rewritten = run_pipeline(gm, ctx)
     # After AOT autograd, before Inductor's own post-grad passes: CPU matrix products with a few output columns
-    # computed transposed (recompile.narrow_gemm), forward and backward; then the user's own pass, if any.
-    graph_config = {"post_grad_custom_pre_pass": NarrowGemm(torch._inductor.config.post_grad_custom_pre_pass)}
+    # computed transposed (recompile.narrow_gemm), forward and backward; then the user's own pass, if any. Then
+    # OpDefinitions, which changes nothing: its uuid keys Inductor's caches by the custom ops' definitions.
+    graph_config = {"post_grad_custom_pre_pass": (NarrowGemm(torch._inductor.config.post_grad_custom_pre_pass),
+                                                  OpDefinitions())}
     config_patches = {**CALL_CONFIG, **graph_config, **(torch._inductor.list_mode_options(mode) if mode else {})}
 
     def inductor(graph: fx.GraphModule, inputs: Sequence[Any] = example_inputs):

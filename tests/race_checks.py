@@ -31,7 +31,8 @@ def inductor_draws_its_own_numbers(monkeypatch) -> None:
 
     monkeypatch.setattr(rec_backend, "compile_fx", compile_fx)
     # run eagerly, a graph calling invoke_subgraph has no backward (it needs a fake mode): layers stay inline
-    monkeypatch.setattr(rec_backend, "outline_repeated_layers", lambda gm: gm)
+    steps = tuple(step for step in rec_backend.BEFORE_INDUCTOR if step is not rec_backend.outline_repeated_layers)
+    monkeypatch.setattr(rec_backend, "BEFORE_INDUCTOR", steps)
 
 
 def train(model: nn.Module, inputs: tuple, loss, steps: int, compiled: bool = True, options: dict | None = None):

@@ -367,6 +367,59 @@ def test_inductor_keeps_its_size_guarding_decompositions_on_static_graphs_only(_
     assert rest and not any(op in table for table in rest for op in rec_backend.SIZE_GUARDING_DECOMPOSITIONS)
 
 
+def _compile_twice(monkeypatch, tmp_path, dynamic: bool = True, between=lambda: None):
+    """Plain's training step compiled twice on one Inductor cache folder: per compile, its loss and gradients and
+    Inductor's cache counters."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model, x = Plain(), torch.randn(8, 16)
+    steps = []
+    for run in range(2):
+        if run:
+            between()
+        torch._dynamo.reset()
+        counters.clear()
+        model.zero_grad()
+        loss = torch.compile(model, backend="rec_ascend", dynamic=dynamic, options={"autotune": False})(x).sum()
+        loss.backward()
+        steps.append(([loss.detach(), *(p.grad for p in model.parameters())],
+                      {**counters["inductor"], **counters["aot_autograd"]}))
+    return steps
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_graph_compiled_again_comes_from_inductors_caches(dynamic, tmp_path, monkeypatch):
+    """rec_ascend's compiles are keyed by Inductor's FX graph and AOT autograd caches as plain Inductor's are (its
+    decomposition table pickles as how it is made): the same model compiled again, in training, hits both, and
+    gives the same loss and gradients."""
+    (cold, _), (warm, counts) = _compile_twice(monkeypatch, tmp_path, dynamic)
+    assert not counts.get("fxgraph_cache_bypass") and not counts.get("autograd_cache_bypass")
+    assert counts.get("fxgraph_cache_hit") == 2 and counts.get("autograd_cache_hit") == 1
+    for got, want in zip(warm, cold):
+        assert torch.equal(got, want)
+
+
+def test_a_compile_after_the_custom_ops_changed_misses_inductors_caches(tmp_path, monkeypatch):
+    """AOT autograd traces a custom op's fake and autograd formula, which Inductor's caches know by its name only:
+    once the files that define the ops change (their hash, ``op_definitions_hash``), the same graph hits neither."""
+    edited = lambda: monkeypatch.setattr(rec_backend, "op_definitions_hash", lambda: b"edited")  # noqa: E731
+    _, (_, counts) = _compile_twice(monkeypatch, tmp_path, between=edited)
+    assert not counts.get("fxgraph_cache_bypass") and not counts.get("autograd_cache_bypass")
+    assert not counts.get("fxgraph_cache_hit") and not counts.get("autograd_cache_hit")
+    assert counts.get("fxgraph_cache_miss") == 2 and counts.get("autograd_cache_miss") == 1
+
+
+def test_the_decomposition_tables_pickle_as_how_they_are_made():
+    """The FX graph cache keys a compile by its pickled decomposition table: the two tables pickle apart, and
+    each as itself."""
+    import pickle
+
+    tables = [rec_backend.inductor_decompositions(dynamic) for dynamic in (False, True)]
+    assert pickle.dumps(tables[0]) != pickle.dumps(tables[1])
+    assert all(pickle.loads(pickle.dumps(table)) == table for table in tables)
+
+
 def test_the_rewrite_estimate_swaps_what_inductor_makes_of_the_replaced_code_for_the_kernels():
     """Figures from the corpus' decisions (ms): Inductor on the rewrite lost to Inductor on the captured graph in
     RecBole FM predict at batch 128 (0.052 against 0.042) and won in SASRec full sort (0.489 against 0.540)."""
