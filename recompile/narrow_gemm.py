@@ -26,12 +26,12 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from recompile import crop_pad
+from recompile import addmm_sum, crop_pad
 from recompile.passes import utils
 from recompile.passes.utils import call_with_val
 
 aten = torch.ops.aten
-FILES = (__file__, crop_pad.__file__, utils.__file__)  # what the pass runs: its FX graph cache key
+FILES = (__file__, addmm_sum.__file__, crop_pad.__file__, utils.__file__)  # what the pass runs: its FX graph cache key
 
 MIN_COLUMNS, MAX_COLUMNS = 2, 16
 # rows x inner size below which the copy back costs about what the transposed product saves (TorchRec DLRM's
@@ -95,7 +95,8 @@ def transpose_narrow_products(graph: fx.Graph) -> None:
 
 
 class NarrowGemm(CustomGraphPass):
-    """``crop_pad.crops_as_slices`` and ``transpose_narrow_products`` as Inductor's ``post_grad_custom_pre_pass``,
+    """``crop_pad.crops_as_slices``, ``addmm_sum.sums_into_products`` (not into the narrow products, which are
+    transposed) and ``transpose_narrow_products`` as Inductor's ``post_grad_custom_pre_pass``,
     then ``after``: the pass the user's Inductor config held, which it would otherwise replace. Its uuid keys
     Inductor's FX graph cache: the hash of the files it runs (``FILES``) and ``after``'s (None, so no caching, where
     ``after`` is a plain callable Inductor cannot key)."""
@@ -105,6 +106,7 @@ class NarrowGemm(CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         crop_pad.crops_as_slices(graph)
+        addmm_sum.sums_into_products(graph, skip=_narrow)
         transpose_narrow_products(graph)
         if self.after is not None:
             self.after(graph)
