@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from recompile.passes.utils import call_with_val
 
@@ -43,8 +44,16 @@ def _product(term: fx.Node, shape: torch.Size) -> fx.Node | None:
     if not (isinstance(mm, fx.Node) and mm.target == aten.mm.default and len(mm.users) == 1 and not mm.kwargs):
         return None
     rows, columns = mm.meta["val"].shape
-    static = all(isinstance(s, int) for s in (*shape, rows, columns))
-    return mm if static and shape and shape[-1] == columns and math.prod(shape[:-1]) == rows else None
+    sized = _sizes(shape) is not None and _sizes(mm.meta["val"].shape) is not None
+    same = shape and all(map(statically_known_true, (shape[-1] == columns, math.prod(shape[:-1]) == rows)))
+    return mm if sized and same else None
+
+
+def _sizes(shape: torch.Size) -> list[int] | None:
+    """``shape`` as a reshape's sizes, a symbolic size (a dynamic batch) as -1; None where two are symbolic or one is
+    0 (-1 would then be ambiguous)."""
+    sizes = [s if isinstance(s, int) else -1 for s in shape]
+    return sizes if sizes.count(-1) <= 1 and 0 not in sizes else None
 
 
 def _zeros_scatter(term: fx.Node) -> bool:
@@ -57,7 +66,8 @@ def _zeros_scatter(term: fx.Node) -> bool:
 
 
 def _like(x, val: torch.Tensor) -> bool:
-    return isinstance(x, torch.Tensor) and x.shape == val.shape and x.dtype == val.dtype and x.device == val.device
+    return (isinstance(x, torch.Tensor) and x.dtype == val.dtype and x.device == val.device and x.dim() == val.dim()
+            and all(statically_known_true(a == b) for a, b in zip(x.shape, val.shape)))
 
 
 def _summable(node: fx.Node) -> bool:
@@ -96,10 +106,10 @@ def sums_into_products(graph: fx.Graph, skip: Callable[[fx.Node], bool] = lambda
                 out = call_with_val(graph, aten.add.Tensor, out, t)
             for t in scatters:
                 out = call_with_val(graph, aten.scatter_add.default, out, *t.args[1:])
-            out = call_with_val(graph, aten.reshape.default, out, list(products[0].meta["val"].shape))
+            out = call_with_val(graph, aten.reshape.default, out, _sizes(products[0].meta["val"].shape))
             for mm in products:
                 out = call_with_val(graph, aten.addmm.default, out, *mm.args)
-            out = call_with_val(graph, aten.reshape.default, out, list(shape))
+            out = call_with_val(graph, aten.reshape.default, out, _sizes(shape))
         node.replace_all_uses_with(out)
         _erase_unread(graph, node, erased)
 

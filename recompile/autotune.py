@@ -88,6 +88,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 from torch._dynamo.eval_frame import innermost_fn
+from torch._dynamo.exc import RestartAnalysis
 from torch._library.custom_ops import OPDEFS
 
 from recompile.lowering import candidates, ops_where
@@ -1491,6 +1492,8 @@ def build(builders: dict[str, Callable[[], Callable]], decision: Decision) -> di
         start = time.perf_counter()
         try:
             built[name] = builder()
+        except RestartAnalysis:  # Dynamo's signal to trace the frame again (a float specialized), not a failure
+            raise
         except Exception as exc:  # noqa: BLE001  (whatever the compiler raises, eager still runs the graph)
             decision.rejected[name] = f"failed to compile: {compile_error(exc)}"
         decision.compile_s[name] = round(time.perf_counter() - start, 3)
@@ -1519,6 +1522,8 @@ def compiled_or_eager(compile_inductor: Callable[[fx.GraphModule], Callable], gm
     fallback (``recompile.explain`` lists it) and warned about: rec_ascend never fails where eager runs."""
     try:
         return compile_inductor(gm)
+    except RestartAnalysis:  # Dynamo's signal to trace the frame again (a float specialized), not a failure
+        raise
     except Exception as exc:  # noqa: BLE001
         reason = f"Inductor failed to compile graph {ctx.graph_id}, which runs eagerly: {compile_error(exc)}"
         ctx.fallbacks.append(Fallback("inductor", reason))

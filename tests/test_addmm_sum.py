@@ -28,7 +28,7 @@ class NARMLike(torch.nn.Module):
         return self.head(out, seq, lengths)
 
 
-def compiled_step(model, args):
+def compiled_step(model, args, dynamic=None):
     """rec_ascend's step without races (its pipeline, then Inductor), one thread as the corpus bench compiles:
     (outputs, grads), the C++ kernels' names, the output code."""
     torch._dynamo.reset()
@@ -36,7 +36,7 @@ def compiled_step(model, args):
     torch.set_num_threads(1)
     try:
         with inductor_compiles():
-            compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
+            compiled = torch.compile(model, backend="rec_ascend", dynamic=dynamic, options={"autotune": False})
             result, codes = run_and_get_code(train_step, compiled, args)
     finally:
         torch.set_num_threads(threads)
@@ -44,16 +44,17 @@ def compiled_step(model, args):
     return result, kernels, "\n".join(codes)
 
 
-@pytest.mark.parametrize("batch, fewer", [(1, 0), (9, 1)])
-def test_gru_output_gradient_is_no_kernel_of_its_own(monkeypatch, batch, fewer):
-    """At batch 9 (and the corpus's 128) the rest fuses into the attention's backward kernel; at batch 1 Inductor
-    leaves it a kernel of its own, as the sum was."""
+@pytest.mark.parametrize("batch, fewer, dynamic", [(1, 0, None), (9, 1, None), (9, 1, True)])
+def test_gru_output_gradient_is_no_kernel_of_its_own(monkeypatch, batch, fewer, dynamic):
+    """At batch 9 (and the corpus's 128) the rest fuses into the attention's backward kernel, and so it does with a
+    symbolic batch (the graph compiled again at the next batch size); at batch 1 Inductor leaves it a kernel of its
+    own, as the sum was."""
     torch.manual_seed(0)
     model = NARMLike()
     _, seq, lengths = inputs(batch=batch, seed=batch)
-    (got, grads), kernels, code = compiled_step(model, (seq, lengths))
+    (got, grads), kernels, code = compiled_step(model, (seq, lengths), dynamic)
     monkeypatch.setattr(addmm_sum, "sums_into_products", lambda graph, skip=None: None)
-    _, kernels_before, _ = compiled_step(model, (seq, lengths))
+    _, kernels_before, _ = compiled_step(model, (seq, lengths), dynamic)
     want, want_grads = train_step(model, (seq, lengths))
     # the attention's two products of the GRU's output gradient add the rest of it
     assert code.count("extern_kernels.addmm(") == 2

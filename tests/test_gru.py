@@ -1,5 +1,7 @@
 """recompile::gru (runtime/recurrent.py, csrc/gru.h) against nn.GRU, forward and every gradient, and the recurrent
 pass: a model with an nn.GRU compiled with rec_ascend traces as one graph, the GRU one op, equal to eager."""
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -139,6 +141,23 @@ def test_compiled_model_equals_eager_one_graph_two_compiles():
     torch.manual_seed(0)
     regions = compiled_trains_as_eager(SequenceModel(), train_step, [(4, 5), (7, 8), (9, 3), (3, 6)])
     assert [region[:2] for region in regions] == [("recurrent", "recompile::gru")]
+
+
+def test_dynamic_true_compiles_through_inductor():
+    """Under ``dynamic=True`` the GRU op's float arguments are symbolic, and AOT autograd asks Dynamo to trace the
+    frame again with them specialized (``TensorifyScalarRestartAnalysis``): rec_ascend lets that signal through, where
+    it took it for Inductor failing and ran the graph eagerly."""
+    torch.manual_seed(0)
+    model, ids = SequenceModel(), torch.randint(0, 50, (4, 5))
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = train_step(torch.compile(model, backend="rec_ascend", dynamic=True, options={"autotune": False}), ids)
+    assert not [str(w.message) for w in caught if str(w.message).startswith("recompile:")]
+    want = train_step(model, ids)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("gru", [{"bidirectional": True}, {"dropout": 0.5}], ids=["bidirectional", "dropout"])
