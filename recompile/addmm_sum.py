@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from recompile.passes.utils import call_with_val
+from recompile.passes.utils import call_with_val, erase_unused
 
 aten = torch.ops.aten
 
@@ -93,8 +93,9 @@ def sums_into_products(graph: fx.Graph, skip: Callable[[fx.Node], bool] = lambda
             continue
         val = node.meta["val"]
         shape, terms = val.shape, _terms(node, node)
-        products = [mm for t in terms if (mm := _product(t, shape)) is not None and not skip(mm)]
-        rest = [t for t in terms if _product(t, shape) not in products]
+        found = {t: _product(t, shape) for t in terms}
+        products = [mm for mm in found.values() if mm is not None and not skip(mm)]
+        rest = [t for t, mm in found.items() if mm not in products]
         if not products or not rest or not all(_like(t.meta.get("val"), val) for t in rest):
             continue
         scatters = [t for t in rest if _zeros_scatter(t)]
@@ -111,17 +112,5 @@ def sums_into_products(graph: fx.Graph, skip: Callable[[fx.Node], bool] = lambda
                 out = call_with_val(graph, aten.addmm.default, out, *mm.args)
             out = call_with_val(graph, aten.reshape.default, out, _sizes(shape))
         node.replace_all_uses_with(out)
-        _erase_unread(graph, node, erased)
+        erase_unused([node], erased)  # the tree, its products and their reshapes
 
-
-def _erase_unread(graph: fx.Graph, node: fx.Node, erased: set[fx.Node]) -> None:
-    """``node`` and, in turn, the inputs it alone read: the rewritten tree, its products and their reshapes."""
-    if node.users or node.op != "call_function":
-        return
-    inputs = list(node.all_input_nodes)
-    graph.erase_node(node)
-    erased.add(node)
-    for x in inputs:
-        if x.target in (aten.add.Tensor, aten.mm.default, aten.reshape.default, aten.view.default,
-                        aten.scatter_add.default, aten.full.default):
-            _erase_unread(graph, x, erased)

@@ -63,7 +63,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from recompile.options import embedding_optimizer_spec
-from recompile.passes.utils import arg, has_effects, is_call, meta_value, tensor_meta
+from recompile.passes.utils import arg, erase_unused, has_effects, is_call, meta_value, tensor_meta
 from recompile.pipeline import Fallback, PassContext, graph_fake_mode, register_pass
 from recompile.runtime.embedding import MEAN, NONE, POOLING_NAMES, SUM
 
@@ -465,18 +465,7 @@ def _erase(lookup: Lookup) -> None:
         inputs = [n for n in node.all_input_nodes if n not in lookup.erased]
         node.graph.erase_node(node)
         if lookup.keepdim is not None:
-            _erase_unused(inputs, set(lookup.erased))
-
-
-def _erase_unused(nodes: list[fx.Node], erased: set[fx.Node]) -> None:
-    """Erase ``nodes`` and, transitively, their inputs, where nothing uses them any more (pure calls only), but
-    not those in ``erased``."""
-    while nodes:
-        node = nodes.pop()
-        if node not in erased and not node.users and node.op in ("call_function", "call_method") and not has_effects(node):
-            nodes += node.all_input_nodes
-            node.graph.erase_node(node)
-            erased.add(node)
+            erase_unused(inputs, set(lookup.erased))
 
 
 def _as_part(graph: fx.Graph, item: fx.Node, layout: str) -> fx.Node:

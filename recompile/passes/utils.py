@@ -176,6 +176,17 @@ def has_effects(node: fx.Node) -> bool:
     return bool(written(node)) or node.is_impure()
 
 
+def erase_unused(nodes: list[fx.Node], erased: set[fx.Node]) -> None:
+    """Erase ``nodes`` and, transitively, their inputs, where nothing uses them any more (calls without effects
+    only), but not those in ``erased``; each erased node is added to ``erased``."""
+    while nodes:
+        node = nodes.pop()
+        if node not in erased and not node.users and node.op in ("call_function", "call_method") and not has_effects(node):
+            nodes += node.all_input_nodes
+            node.graph.erase_node(node)
+            erased.add(node)
+
+
 def eliminate_dead_code(gm: fx.GraphModule) -> set[fx.Node]:
     """Erase the nodes whose results nothing uses, keeping those with effects (``x.add_(1)``, ``x[i] = y``:
     FX's own pass drops a method call whose result is unused); returns the erased nodes."""
