@@ -112,6 +112,13 @@ def train_step(model, ids):
     return out.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+def assert_steps_equal(got, want, rtol=1e-5):
+    """Two ``train_step`` results (outputs, gradients) equal."""
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=1e-5)
+
+
 def compiled_trains_as_eager(model, train_step, batches, rtol=1e-5):
     """``model`` compiled with rec_ascend over ``batches`` ((batch, steps): ids of 50 items) equals eager, outputs
     and gradients; Dynamo breaks nowhere and compiles at most twice (static, then dynamic in the batch size and the
@@ -123,10 +130,7 @@ def compiled_trains_as_eager(model, train_step, batches, rtol=1e-5):
     compiled = torch.compile(model, backend="rec_ascend", options={"autotune": False})
     for batch, steps in batches:
         ids = torch.randint(0, 50, (batch, steps))
-        got, want = train_step(compiled, ids), train_step(model, ids)
-        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-        for g, w in zip(got[1], want[1]):
-            torch.testing.assert_close(g, w, rtol=rtol, atol=1e-5)
+        assert_steps_equal(train_step(compiled, ids), train_step(model, ids), rtol)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     report = recompile.explain(model, torch.randint(0, 50, (4, 5)))
@@ -154,10 +158,7 @@ def test_dynamic_true_compiles_through_inductor():
         warnings.simplefilter("always")
         got = train_step(torch.compile(model, backend="rec_ascend", dynamic=True, options={"autotune": False}), ids)
     assert not [str(w.message) for w in caught if str(w.message).startswith("recompile:")]
-    want = train_step(model, ids)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-    for g, w in zip(got[1], want[1]):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert_steps_equal(got, train_step(model, ids))
 
 
 @pytest.mark.parametrize("gru", [{"bidirectional": True}, {"dropout": 0.5}], ids=["bidirectional", "dropout"])
