@@ -89,7 +89,7 @@ def test_every_input_form_matches_eager(impl, layout):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     tables=st.lists(
-        st.tuples(st.integers(1, 20), st.sampled_from([1, 3, 8]), st.sampled_from(["offsets", "last_offset", "2d"]),
+        st.tuples(st.integers(1, 20), st.sampled_from([1, 3, 8, 40]), st.sampled_from(["offsets", "last_offset", "2d"]),
                   st.sampled_from([SUM, MEAN]), st.booleans(), st.one_of(st.none(), st.integers(-3, 20))),
         min_size=1, max_size=4,
     ),

@@ -149,6 +149,28 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #define TILE 512 /* bags per work item of the pooled forward */
 #define PREFETCH 16 /* ids ahead whose rows are prefetched */
 
+/* The n (<= LANES) elements from element i as fp32, the rest zero; and their store: one masked load or store of fp32
+ * where the instruction set has masks (a pooled bag's columns past the last full block: RecBole's token sequence
+ * fields, D = 8, pool in one vector instead of a scalar loop over the runtime width). */
+static inline __attribute__((always_inline)) v16 load_n(const void *p, int64_t i, int n, int dt) {
+#if RECOMPILE_AVX512
+    if (dt == F32) return (v16)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), (const float *)p + i);
+#endif
+    v16 v = {0};
+    for (int k = 0; k < n; k++) v[k] = load1(p, i + k, dt);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void store_n(void *p, int64_t i, v16 v, int n, int dt) {
+#if RECOMPILE_AVX512
+    if (dt == F32) {
+        _mm512_mask_storeu_ps((float *)p + i, (__mmask16)((1u << n) - 1), (__m512)v);
+        return;
+    }
+#endif
+    for (int k = 0; k < n; k++) store1(p, i + k, v[k], dt);
+}
+
 /* 16 consecutive elements of type dt from element i, as fp32 (fp32: one unaligned load). */
 static inline __attribute__((always_inline)) v16 load16(const void *p, int64_t i, int dt) {
     if (dt == F32) return *(const v16 *)((const float *)p + i);
@@ -228,18 +250,19 @@ static inline __attribute__((always_inline)) void pool_block(const table_t *t, i
     store16(out, o + 3 * LANES, a3, dt);
 }
 
-/* Columns past the last full block (fewer than BLOCK), accumulated in fp32. */
+/* Columns past the last full block (fewer than BLOCK), accumulated in fp32, LANES at a time. */
 static void pool_tail(const table_t *t, int64_t start, int64_t end, int64_t c, float divisor, void *out, int64_t o,
                       int64_t *err) {
-    float acc[BLOCK] = {0};
-    int64_t d = t->dim - c;
-    for (int64_t j = start; j < end; j++) {
-        int64_t row = row_of(t, j, err);
-        if (row == t->pad) continue;
-        float s = sample_weight(t, j, t->dt);
-        for (int64_t k = 0; k < d; k++) acc[k] += s * load1(t->w, row * t->stride + c + k, t->dt);
+    for (; c < t->dim; c += LANES, o += LANES) {
+        const int n = t->dim - c < LANES ? (int)(t->dim - c) : LANES;
+        v16 acc = {0};
+        for (int64_t j = start; j < end; j++) {
+            int64_t row = row_of(t, j, err);
+            if (row == t->pad) continue;
+            acc += sample_weight(t, j, t->dt) * load_n(t->w, row * t->stride + c, n, t->dt);
+        }
+        store_n(out, o, acc / divisor, n, t->dt);
     }
-    for (int64_t k = 0; k < d; k++) store1(out, o + k, acc[k] / divisor, t->dt);
 }
 
 /* Bags [first, last) of table t, bag b into out[b * out_stride + OUT_AT:][:D]; ``dt`` a constant where this is

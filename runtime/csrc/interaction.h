@@ -255,59 +255,48 @@ void cross_epilogue_bwd_##S(const T *grad, const T *x0, const T *h, const T *bia
             free(part);                                                                                        \
         }                                                                                                      \
     }                                                                                                          \
-}                                                                                                              \
-                                                                                                               \
-/* out[b] = 0.5 * ((sum_f v_f)^2 - sum_f v_f^2) per d ([B, D]), or summed over d ([B, 1]) when reduce. */      \
-void fm_second_order_fwd_##S(const T *v, int64_t B, int64_t F, int64_t D, int reduce, T *out, int threads) {    \
-    _Pragma("omp parallel num_threads(threads)")                                                               \
-    {                                                                                                          \
-        float *sum = (float *)malloc(sizeof(float) * 2 * D);                                                            \
-        float *sq = sum + D;                                                                                   \
-        _Pragma("omp for schedule(static)")                                                                    \
-        for (int64_t b = 0; b < B; b++) {                                                                      \
-            const T *row = v + b * F * D;                                                                      \
-            for (int64_t d = 0; d < D; d++) sum[d] = sq[d] = 0.f;                                              \
-            for (int64_t f = 0; f < F; f++) {                                                                  \
-                _Pragma("omp simd")                                                                            \
-                for (int64_t d = 0; d < D; d++) {                                                              \
-                    float e = load_##S(row + f * D + d);                                                       \
-                    sum[d] += e;                                                                               \
-                    sq[d] += e * e;                                                                            \
-                }                                                                                              \
-            }                                                                                                  \
-            float total = 0.f;                                                                                 \
-            for (int64_t d = 0; d < D; d++) {                                                                  \
-                float o = 0.5f * (sum[d] * sum[d] - sq[d]);                                                    \
-                if (reduce) total += o; else store_##S(out + b * D + d, o);                                    \
-            }                                                                                                  \
-            if (reduce) store_##S(out + b, total);                                                             \
-        }                                                                                                      \
-        free(sum);                                                                                             \
-    }                                                                                                          \
-}                                                                                                              \
-                                                                                                               \
-/* grad_v[b, f, d] = g[b, d] * (sum_f v[b, f, d] - v[b, f, d]); g is [B, D], or [B, 1] when reduce. */         \
-void fm_second_order_bwd_##S(const T *grad, const T *v, int64_t B, int64_t F, int64_t D, int reduce, T *out,   \
-                             int threads) {                                                                    \
-    _Pragma("omp parallel num_threads(threads)")                                                               \
-    {                                                                                                          \
-        float *sum = (float *)malloc(sizeof(float) * D);                                                                \
-        _Pragma("omp for schedule(static)")                                                                    \
-        for (int64_t b = 0; b < B; b++) {                                                                      \
-            const T *row = v + b * F * D;                                                                      \
-            for (int64_t d = 0; d < D; d++) sum[d] = 0.f;                                                      \
-            for (int64_t f = 0; f < F; f++)                                                                    \
-                for (int64_t d = 0; d < D; d++) sum[d] += load_##S(row + f * D + d);                           \
-            for (int64_t f = 0; f < F; f++) {                                                                  \
-                _Pragma("omp simd")                                                                            \
-                for (int64_t d = 0; d < D; d++) {                                                              \
-                    float g = load_##S(grad + (reduce ? b : b * D + d));                                       \
-                    store_##S(out + b * F * D + f * D + d, g * (sum[d] - load_##S(row + f * D + d)));          \
-                }                                                                                              \
-            }                                                                                                  \
-        }                                                                                                      \
-        free(sum);                                                                                             \
-    }                                                                                                          \
+}
+
+#define DEFINE_FM_KERNELS(S, T)                                                                               \
+/* out[b] = 0.5 * ((sum_f v_f)^2 - sum_f v_f^2) per d ([B, D]), or summed over d ([B, 1]) when reduce: VL columns\
+   of a sample at a time in registers (masked loads of the last ones: no scalar loop over a narrow D), each sum in\
+   feature order, the reduction over d in column order. */                                                    \
+void fm_second_order_fwd_##S(const T *v, int64_t B, int64_t F, int64_t D, int reduce, T *out, int threads) {  \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                        \
+    for (int64_t b = 0; b < B; b++) {                                                                         \
+        const T *row = v + b * F * D;                                                                         \
+        float total = 0.f;                                                                                    \
+        for (int64_t d = 0; d < D; d += VL) {                                                                 \
+            const int n = D - d < VL ? (int)(D - d) : VL;                                                     \
+            vf sum = {0}, sq = {0};                                                                           \
+            for (int64_t f = 0; f < F; f++) {                                                                 \
+                const vf e = vc_vload_##S(row + f * D + d, n);                                                \
+                sum += e;                                                                                     \
+                sq += e * e;                                                                                  \
+            }                                                                                                 \
+            const vf o = 0.5f * (sum * sum - sq);                                                             \
+            if (!reduce) vc_vstore_##S(out + b * D + d, o, n);                                                \
+            else for (int k = 0; k < n; k++) total += o[k];                                                   \
+        }                                                                                                     \
+        if (reduce) store_##S(out + b, total);                                                                \
+    }                                                                                                         \
+}                                                                                                             \
+/* grad_v[b, f, d] = g[b, d] * (sum_f v[b, f, d] - v[b, f, d]); g is [B, D], or [B, 1] when reduce. */        \
+void fm_second_order_bwd_##S(const T *grad, const T *v, int64_t B, int64_t F, int64_t D, int reduce, T *out,  \
+                             int threads) {                                                                   \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                        \
+    for (int64_t b = 0; b < B; b++) {                                                                         \
+        const T *row = v + b * F * D;                                                                         \
+        T *grad_row = out + b * F * D;                                                                        \
+        for (int64_t d = 0; d < D; d += VL) {                                                                 \
+            const int n = D - d < VL ? (int)(D - d) : VL;                                                     \
+            vf sum = {0};                                                                                     \
+            for (int64_t f = 0; f < F; f++) sum += vc_vload_##S(row + f * D + d, n);                          \
+            const vf g = reduce ? splat(load_##S(grad + b)) : vc_vload_##S(grad + b * D + d, n);              \
+            for (int64_t f = 0; f < F; f++)                                                                   \
+                vc_vstore_##S(grad_row + f * D + d, g * (sum - vc_vload_##S(row + f * D + d, n)), n);         \
+        }                                                                                                     \
+    }                                                                                                         \
 }
 
 
@@ -681,16 +670,19 @@ void cross_mixture_fwd_##S(const T *x0, const T *x, const float *V, const float 
 
 DEFINE_DOT_KERNELS(f32, float)
 DEFINE_KERNELS(f32, float)
+DEFINE_FM_KERNELS(f32, float)
 DEFINE_VECTOR_CROSS_KERNELS(f32, float)
 DEFINE_CROSS_STACK_KERNELS(f32, float)
 DEFINE_CROSS_MIXTURE_KERNELS(f32, float)
 DEFINE_DOT_KERNELS(f16, _Float16)
 DEFINE_KERNELS(f16, _Float16)
+DEFINE_FM_KERNELS(f16, _Float16)
 DEFINE_VECTOR_CROSS_KERNELS(f16, _Float16)
 DEFINE_CROSS_STACK_KERNELS(f16, _Float16)
 DEFINE_CROSS_MIXTURE_KERNELS(f16, _Float16)
 DEFINE_DOT_KERNELS(bf16, bf16_t)
 DEFINE_KERNELS(bf16, bf16_t)
+DEFINE_FM_KERNELS(bf16, bf16_t)
 DEFINE_VECTOR_CROSS_KERNELS(bf16, bf16_t)
 DEFINE_CROSS_STACK_KERNELS(bf16, bf16_t)
 DEFINE_CROSS_MIXTURE_KERNELS(bf16, bf16_t)
