@@ -139,6 +139,22 @@ def test_bags_of_one_id_match_eager(tables, batch, dtype, index_dtype, seed):
         torch.testing.assert_close(g.float(), w, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("max_len", [1, 3], ids=["one_id", "bags"])
+def test_half_dense_gradient_rounds_once(dtype, max_len):
+    """A half-precision table's dense gradient is summed in fp32 and rounded once: one row that 40 bags touch (70
+    columns, the tail included) is the fp32 sum of their gradients, to within one rounding (it rounded every add:
+    a few percent off)."""
+    gen = torch.Generator().manual_seed(0)
+    f = _feature(1, 70, 40, max_len, dtype, torch.int64, "2d", SUM, False, None, gen)
+    got = _grouped([f], "concat", "native")
+    grad = torch.randn(got.shape, generator=gen).to(dtype)
+    (g,) = torch.autograd.grad(got, [f["weight"]], grad)
+    want = grad.float().sum(0, keepdim=True) * max_len
+    ulp = {torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]  # the two sums' fp32 orders may round apart
+    torch.testing.assert_close(g.float(), want, rtol=ulp, atol=ulp)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_no_pooling_sequence_layout(impl):
     gen = torch.Generator().manual_seed(2)

@@ -378,10 +378,11 @@ static inline void prefetch_grad(const void *grad, int64_t g, int64_t dim, int d
         }                                                                                        \
     } while (0)
 
-/* out[o:o + d] (+)= scale * grad[g:g + d] in fp32 (``accumulate``: added to what is there), stored as dt. */
+/* out[o:o + d] (+)= scale * grad[g:g + d] in fp32 (``accumulate``: added to what is there), out of type odt, grad of
+ * type dt. */
 static void scaled_row(void *out, int64_t o, const void *grad, int64_t g, float scale, int64_t d, int accumulate,
-                       int dt) {
-    if (dt == F32) {
+                       int odt, int dt) {
+    if (odt == F32 && dt == F32) {
         float *restrict y = (float *)out + o;
         const float *restrict x = (const float *)grad + g;
         if (!accumulate) memset(y, 0, d * sizeof(float));
@@ -390,19 +391,20 @@ static void scaled_row(void *out, int64_t o, const void *grad, int64_t g, float 
         return;
     }
     for (int64_t k = 0; k < d; k++)
-        store1(out, o + k, (accumulate ? load1(out, o + k, dt) : 0.f) + scale * load1(grad, g + k, dt), dt);
+        store1(out, o + k, (accumulate ? load1(out, o + k, odt) : 0.f) + scale * load1(grad, g + k, dt), odt);
 }
 
 /* The dense gradient of a table whose bags are one id each (a field's lookup): every id's gradient row times its
- * factor added to its row, in id order, as FOR_EACH_ID adds them without its per-bag work; ``dt`` a constant where
- * this is inlined. */
-static inline __attribute__((always_inline)) void add_id_rows(const table_t *t, void *out, const void *grad,
+ * factor added to its row of out (type odt), in id order, as FOR_EACH_ID adds them without its per-bag work; ``dt``
+ * (the gradient's and the sample weights' type) a constant where this is inlined. */
+static inline __attribute__((always_inline)) void add_id_rows(const table_t *t, void *out, int odt, const void *grad,
                                                              int64_t grad_stride, int64_t *err, int dt) {
     for (int64_t j = 0; j < t->n; j++) {
         int64_t row = row_of(t, j, err), o = row * t->dim, g = j * grad_stride + t->at;
         float scale = row == t->pad ? 0.f : sample_weight(t, j, dt);
         if (scale == 0.f) continue;
-        for (int64_t k = 0; k < t->dim; k++) store1(out, o + k, load1(out, o + k, dt) + scale * load1(grad, g + k, dt), dt);
+        for (int64_t k = 0; k < t->dim; k++)
+            store1(out, o + k, load1(out, o + k, odt) + scale * load1(grad, g + k, dt), odt);
     }
 }
 
@@ -425,21 +427,31 @@ void geb_backward(int64_t T, const int64_t *meta, int64_t B, const void *grad, i
             err[ti] |= ERR_OFFSETS;
             continue;
         }
+        /* A half-precision table's dense gradient is summed in fp32 and rounded once (where rounding every add
+         * loses a few percent on a row many ids touch); in place, rounding every add, if that memory is short. */
+        float *acc = dense[ti] && t.dt != F32 ? (float *)calloc((size_t)(t.rows * t.dim), sizeof(float)) : NULL;
+        void *sum = acc ? (void *)acc : out;
+        int sdt = acc ? F32 : t.dt;
         if (t.offs == NULL && t.n_offs == 1 && t.pooling != NONE && dense[ti] && !dpsw) {
-            if (t.dt == F16) add_id_rows(&t, out, grad, grad_stride, err + ti, F16);
-            else if (t.dt == BF16) add_id_rows(&t, out, grad, grad_stride, err + ti, BF16);
-            else add_id_rows(&t, out, grad, grad_stride, err + ti, F32);
-            continue;
+            if (t.dt == F16) add_id_rows(&t, sum, sdt, grad, grad_stride, err + ti, F16);
+            else if (t.dt == BF16) add_id_rows(&t, sum, sdt, grad, grad_stride, err + ti, BF16);
+            else add_id_rows(&t, sum, sdt, grad, grad_stride, err + ti, F32);
+        } else {
+            FOR_EACH_ID(t, grad, grad_stride, B, err + ti, {
+                if (!dense[ti]) scaled_row(out, j * t.dim, grad, g, scale, t.dim, 0, t.dt, t.dt);
+                else if (scale != 0.f) scaled_row(sum, row * t.dim, grad, g, scale, t.dim, 1, sdt, t.dt);
+                if (dpsw) {
+                    float dot = 0.f;
+                    for (int64_t k = 0; k < t.dim; k++)
+                        dot += load1(grad, g + k, t.dt) * load1(t.w, row * t.stride + k, t.dt);
+                    store1(dpsw, j, row == t.pad ? 0.f : dot, t.dt);
+                }
+            });
         }
-        FOR_EACH_ID(t, grad, grad_stride, B, err + ti, {
-            if (!dense[ti]) scaled_row(out, j * t.dim, grad, g, scale, t.dim, 0, t.dt);
-            else if (scale != 0.f) scaled_row(out, row * t.dim, grad, g, scale, t.dim, 1, t.dt);
-            if (dpsw) {
-                float dot = 0.f;
-                for (int64_t k = 0; k < t.dim; k++) dot += load1(grad, g + k, t.dt) * load1(t.w, row * t.stride + k, t.dt);
-                store1(dpsw, j, row == t.pad ? 0.f : dot, t.dt);
-            }
-        });
+        if (acc) {
+            for (int64_t i = 0; i < t.rows * t.dim; i++) store1(out, i, acc[i], t.dt);
+            free(acc);
+        }
     }
 }
 
