@@ -11,7 +11,8 @@ its children that ended (not Inductor's kernel-compile workers, which run on), w
 less than wall time. Backends alternate within each repeat, so that load from other processes falls on both alike;
 the median of the repeats is printed, with rec_ascend's autotune decisions: the candidate kept, the seconds each
 candidate took to build (Inductor's compile) and the Inductor graphs it left uncompiled. Models:
-``interaction-dlrm`` and ``interaction-dcn`` are ``models.bench_interaction``'s (batch 256), ``hstu-ml100k`` the
+``interaction-dlrm`` and ``interaction-dcn`` are ``models.bench_interaction``'s (batch 256; ``cross-layer``, one cross
+layer, is stepped as they are), ``hstu-ml100k`` the
 main job's HSTU on MovieLens-100k (training only, 3 steps of ``models.train``; CPU seconds: the whole run's),
 ``<package>/<model>`` a corpus model (``models/corpus``: its training case for mode ``train``, its inference entry
 for ``forward``, at batch 128 as ``models.bench_corpus`` compiles it; a step returns its output and gradients), any
@@ -57,11 +58,12 @@ from .zoo import MODELS as ZOO
 
 COMPILED = ("inductor", "rec_ascend")
 MAIN_JOB = "hstu-ml100k"
+CROSS = "cross-layer"  # one cross layer at batch 256 (``_Cross``): the smallest graph the tuner races
 # models.bench_interaction's DLRM and DCN-v2 (batch 256), by their name there.
 INTERACTION = {"interaction-dlrm": "dlrm", "interaction-dcn": "dcn"}
 CORPUS = tuple(sorted({case.model for case in CASES.values()}))  # "recbole/FM", "torchrec/DLRM", ...
 CORPUS_ROWS = 128  # the batch models.bench_corpus compiles a case at
-MODELS = (*INTERACTION, MAIN_JOB, *sorted(ZOO), *CORPUS)
+MODELS = (*INTERACTION, MAIN_JOB, CROSS, *sorted(ZOO), *CORPUS)
 MODES = ("train", "forward")
 # Inductor's cache counters a compiling process reports (``torch._dynamo.utils.counters``).
 CACHE_COUNTERS = {"inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
@@ -71,8 +73,11 @@ CACHE_COUNTERS = {"inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgra
 def _interaction_step(name: str, mode: str, backend: str):
     from .bench_interaction import make, step_fn, synthetic_batch
 
-    model, cfg = make(name, True)
-    args = synthetic_batch(cfg, 256, torch.Generator().manual_seed(1))
+    if name == CROSS:
+        model, args = _Cross(), (torch.randn(256, 16),)
+    else:
+        model, cfg = make(name, True)
+        args = synthetic_batch(cfg, 256, torch.Generator().manual_seed(1))
     fn = step_fn(torch.compile(model, backend=backend), mode)
     return functools.partial(fn, *args)
 
@@ -96,8 +101,8 @@ def _corpus_step(model: str, mode: str, backend: str):
 def _step(model: str, mode: str, backend: str):
     """One step of ``model`` under ``backend``, returning what it computed (output or loss; a corpus case's
     gradients too)."""
-    if model in INTERACTION:
-        return _interaction_step(INTERACTION[model], mode, backend)
+    if model in INTERACTION or model == CROSS:
+        return _interaction_step(INTERACTION.get(model, model), mode, backend)
     if model in CORPUS:
         return _corpus_step(model, mode, backend)
     return backend_step(model, "small", backend, mode == "train")
