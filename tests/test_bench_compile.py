@@ -31,8 +31,12 @@ def test_a_warm_row_is_unequal_where_any_repeats_first_steps_differ(monkeypatch)
 
 @pytest.mark.slow  # two compiling processes: 1-3 min on 2 loaded cores (the tests above check the rest)
 def test_a_warm_compile_loads_the_cold_ones_graphs_and_decision_and_computes_its_first_step():
+    """The warm process races only where the cold one stored no decision (a race whose rounds disagree, under
+    load), and compiles no graph Inductor's cache misses: the kept candidate's graphs, where it has any, are the
+    cold process's."""
     cold, warm = bench_compile.cold_and_warm(bench_compile.CROSS, "train", "rec_ascend", 1)
-    assert cold["races"] == 1 and warm["races"] == 0
-    assert warm["caches"]["fxgraph_cache_hit"] == cold["caches"]["fxgraph_cache_miss"] > 0
+    assert cold["caches"]["fxgraph_cache_miss"] > 0  # the race compiled Inductor's candidates
+    assert warm["races"] == 0 or cold["races"] == 0
     assert not warm["caches"]["fxgraph_cache_miss"] and not warm["caches"]["fxgraph_cache_bypass"]
+    assert warm["caches"]["fxgraph_cache_hit"] <= cold["caches"]["fxgraph_cache_miss"]
     assert warm["first"] == cold["first"]
