@@ -138,7 +138,7 @@ def child(model: str, mode: str, backend: str) -> dict:
     if model == MAIN_JOB:
         start_cpu = _process_clocks()[1]
         result = _main_job(backend)
-        cold, cpu, first = result["compile_s"], _process_clocks()[1] - start_cpu, result["losses"][0]
+        seconds, cpu, first = result["compile_s"], _process_clocks()[1] - start_cpu, result["losses"][0]
     else:
         step, times = _step(model, mode, backend), []
         for _ in range(4):
@@ -148,11 +148,11 @@ def child(model: str, mode: str, backend: str) -> dict:
             first = out if not times else first
             times.append((end_wall - wall, end_cpu - cpu))
         (first_wall, first_cpu), steady = times[0], times[1:]
-        cold = max(0.0, first_wall - min(w for w, _ in steady))
+        seconds = max(0.0, first_wall - min(w for w, _ in steady))
         cpu = max(0.0, first_cpu - min(c for _, c in steady))
     folder = Path(os.environ["RECOMPILE_CACHE_DIR"]) / "autotune"
     decisions = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
-    return {"cold_s": cold, "cpu_s": cpu, "first": digest(first), "races": len(decisions_since(started)),
+    return {"compile_s": seconds, "cpu_s": cpu, "first": digest(first), "races": len(decisions_since(started)),
             "caches": {name: counters[group][name] for group, names in CACHE_COUNTERS.items() for name in names},
             "decisions": [
                 {"choice": d["choice"], "compile_s": d.get("compile_s", {}),
@@ -204,7 +204,7 @@ def run_cold(models: list[str], modes: list[str], repeats: int, threads: int) ->
         for _ in range(repeats):
             for backend in COMPILED:
                 runs[backend].append(cold_compile(model, mode, backend, threads))
-        seconds = {backend: statistics.median(r["cold_s"] for r in results) for backend, results in runs.items()}
+        seconds = {backend: statistics.median(r["compile_s"] for r in results) for backend, results in runs.items()}
         cpu = {backend: statistics.median(r["cpu_s"] for r in results) for backend, results in runs.items()}
         row = {"model": model, "mode": mode, **seconds, "ratio": seconds["rec_ascend"] / seconds["inductor"],
                "cpu_s": cpu, "cpu_ratio": cpu["rec_ascend"] / max(cpu["inductor"], 1e-9),
@@ -233,8 +233,8 @@ def run_warm(models: list[str], modes: list[str], repeats: int, threads: int) ->
         row = {"model": model, "mode": mode}
         for backend, pairs in runs.items():
             colds, warms = zip(*pairs)
-            row[backend] = {"cold_s": statistics.median(r["cold_s"] for r in colds),
-                            "warm_s": statistics.median(r["cold_s"] for r in warms),
+            row[backend] = {"cold_s": statistics.median(r["compile_s"] for r in colds),
+                            "warm_s": statistics.median(r["compile_s"] for r in warms),
                             "cold_cpu_s": statistics.median(r["cpu_s"] for r in colds),
                             "warm_cpu_s": statistics.median(r["cpu_s"] for r in warms),
                             "equal": all(cold["first"] == warm["first"] for cold, warm in pairs),

@@ -21,7 +21,7 @@ def test_a_warm_row_is_unequal_where_any_repeats_first_steps_differ(monkeypatch)
 
     def cold_and_warm(model, mode, backend, threads):
         first = next(runs)
-        return tuple({"cold_s": 2.0, "cpu_s": 1.0, "first": f, "races": 0, "caches": {}, "decisions": []}
+        return tuple({"compile_s": 2.0, "cpu_s": 1.0, "first": f, "races": 0, "caches": {}, "decisions": []}
                      for f in first)
 
     monkeypatch.setattr(bench_compile, "cold_and_warm", cold_and_warm)
