@@ -35,8 +35,8 @@ COLUMNS = (*BACKENDS, DYNAMO)
 
 def backend_step(name: str, size: str, backend: str, train: bool, batch: int | None = None,
                  device: torch.device = torch.device("cpu")):
-    """One step of a fresh zoo model (same seed for every backend) under ``backend`` on ``device``; a forward
-    step returns the output."""
+    """One step of a fresh zoo model (same seed for every backend) under ``backend`` on ``device``; it returns the
+    output (a forward step) or the loss (a training step)."""
     workload = MODELS[name](size, batch=batch).to(device)
     model = workload.model.train(train)
     fn = torch.compile(model, backend="eager") if backend == DYNAMO else compile_for(model, backend)
@@ -45,7 +45,9 @@ def backend_step(name: str, size: str, backend: str, train: bool, batch: int | N
     def step():
         if train:
             model.zero_grad(set_to_none=True)
-            workload.loss(fn(*inputs)).backward()
+            loss = workload.loss(fn(*inputs))
+            loss.backward()
+            return loss.detach()
         else:
             with torch.no_grad():
                 return fn(*inputs)

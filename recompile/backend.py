@@ -27,6 +27,7 @@ from recompile.options import RecompileOptions
 from recompile.conv_gemm import convs_as_gemms
 from recompile.dot_linear import linears_as_dots
 from recompile.gather_linear import gathers_after_linears
+from recompile.legacy_constructors import legacy_constructors_as_tensor
 from recompile.split_padding import pad_split_once
 from recompile.pipeline import PassContext, run_pipeline
 from recompile.repeated_layers import layer_config_patches, outline_repeated_layers
@@ -44,11 +45,12 @@ SIZE_GUARDING_DECOMPOSITIONS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.
 # at batch 1 (measured interleaved, CPU time, under load).
 CALL_CONFIG = {"size_asserts": False}
 
-# The steps on every graph rec_ascend hands to Inductor, in order: one padding of a split's pieces
+# The steps on every graph rec_ascend hands to Inductor, in order: legacy tensor types called on data as
+# torch.tensor, which AOT autograd's cache admits (recompile.legacy_constructors); one padding of a split's pieces
 # (recompile.split_padding), one-channel convolutions as GEMMs (recompile.conv_gemm), linears of gathered rows as
 # gathers of linears (recompile.gather_linear), one-column linears as dots (recompile.dot_linear); then each stack
 # of identical layers calls one subgraph, compiled once (recompile.repeated_layers).
-BEFORE_INDUCTOR = (pad_split_once, convs_as_gemms, gathers_after_linears, linears_as_dots, outline_repeated_layers)
+BEFORE_INDUCTOR = (legacy_constructors_as_tensor, pad_split_once, convs_as_gemms, gathers_after_linears, linears_as_dots, outline_repeated_layers)
 
 # torch.compile modes under which a graph's cold compile has no budget by default (``options_for_mode``).
 MAX_AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
