@@ -50,7 +50,8 @@ CALL_CONFIG = {"size_asserts": False}
 # (recompile.split_padding), one-channel convolutions as GEMMs (recompile.conv_gemm), linears of gathered rows as
 # gathers of linears (recompile.gather_linear), one-column linears as dots (recompile.dot_linear); then each stack
 # of identical layers calls one subgraph, compiled once (recompile.repeated_layers).
-BEFORE_INDUCTOR = (legacy_constructors_as_tensor, pad_split_once, convs_as_gemms, gathers_after_linears, linears_as_dots, outline_repeated_layers)
+BEFORE_INDUCTOR = (legacy_constructors_as_tensor, pad_split_once, convs_as_gemms, gathers_after_linears, linears_as_dots,
+                   outline_repeated_layers)
 
 # torch.compile modes under which a graph's cold compile has no budget by default (``options_for_mode``).
 MAX_AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
