@@ -9,6 +9,9 @@
    [B, H, N, N], unpad), as the longest history grows to 4096; forward, and forward + backward.
 3. With ``--main-job``: the main job's HSTU training step (near-full ML-100k histories), eager vs
    Inductor vs the rewrite.
+4. With ``--padded`` (alone): ``recompile.padded_softmax_attention`` at RecBole's SASRec sizes in the corpus
+   ([B, 2, 12, 8], causal mask over long-tailed histories, read rows), its kernels side by side, forward and
+   backward, one thread's CPU time.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import time
 import torch
 
 from .layers_jagged import HSTULayer, jagged_batch, long_tailed_lengths
+from .timing import autorange, race_ms
 from recompile.runtime.jagged_attention import HSTUBucket, HSTUArgs
 from recompile.runtime.jagged import jagged_to_padded_dense_reference, dense_to_jagged_reference
 
@@ -199,13 +203,36 @@ def main_job_step(repeats: int, steps: int = 10) -> None:
           f"{times['inductor'] / times['rec_ascend']:.2f}x inductor")
 
 
+def padded_attention_kernels(rounds: int, batches=(128, 2048), heads: int = 2, n: int = 12, dim: int = 8) -> None:
+    """Section 4: each kernel's forward and backward in us per call, interleaved rounds, best of ``rounds``."""
+    print("\npadded_softmax_attention, [B, %d, %d, %d], causal, read rows: us per call (forward / backward)" % (heads, n, dim))
+    op, backward = torch.ops.recompile.padded_softmax_attention, torch.ops.recompile.padded_softmax_attention_backward
+    for b in batches:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(b, n, heads * dim).view(b, n, heads, dim).transpose(1, 2) for _ in range(3))
+        lengths = torch.randint(1, n + 1, (b,))
+        keep = (torch.arange(n) < lengths.view(-1, 1)).view(b, 1, 1, n) & torch.ones(n, n, dtype=torch.bool).tril()
+        mask, rows, grad = torch.where(keep, 0.0, -10000.0), lengths - 1, torch.randn(b, heads, n, dim)
+        steps = {}
+        for impl in ("native", "cpu", "reference"):
+            steps[f"{impl} fwd"] = functools.partial(op, q, k, v, mask, dim ** -0.5, impl, rows)
+            steps[f"{impl} bwd"] = functools.partial(backward, grad, q, k, v, mask, dim ** -0.5, impl, rows)
+        iters = autorange(steps, clock=time.thread_time)
+        ms = race_ms(steps, rounds, iters, clock=time.thread_time)
+        print(f"B={b}: " + ", ".join(f"{impl} {ms[impl + ' fwd'] * 1e3:.0f} / {ms[impl + ' bwd'] * 1e3:.0f}"
+                                     for impl in ("native", "cpu", "reference")))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, attention up to 1024 only")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1: CPU time per op)")
     parser.add_argument("--main-job", action="store_true", help="also the main job's HSTU training step (ML-100k)")
+    parser.add_argument("--padded", action="store_true", help="only the padded softmax attention's kernels")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
+    if opts.padded:
+        return padded_attention_kernels(3 if opts.quick else 7)
     track_resident_memory()
     repeats = 2 if opts.quick else 5
     print(f"CPU, {opts.threads} thread(s); times: best process CPU time of {repeats} runs; "

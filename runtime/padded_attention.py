@@ -10,7 +10,9 @@ Kernels: ``reference`` is that formula. ``native`` (CPU; the lowering's first ch
 op per (sequence, head): the mask is read once for the keys each query row weighs (the same cut as below, per row)
 and the read rows' query cuts, then the scores, the masked softmax and the product with v run on float buffers of
 those keys only (two register-tiled GEMMs, the softmax in cache), over OpenMP threads; backward recomputes the
-weights and forms dq, dk, dv the same way. float32, float16 and bfloat16 storage, float arithmetic. ``cpu`` (ATen
+weights and forms dq, dk, dv the same way. With at most one AVX-512 vector (16) of query rows, keys and dims, as
+RecBole's SASRec and BERT4Rec in the corpus, the query rows are the vector lanes instead (scores, softmax and
+products without a reduction across lanes; docs/jagged.md). float32, float16 and bfloat16 storage, float arithmetic. ``cpu`` (ATen
 ops; float64, or a build without the native library) first checks the mask at run time: the keys after the last
 one any query attends to (mask above ``DROPPED``) are dropped for every query, so they add
 ``exp(-10000 + ...) = 0`` and are cut off (views, no copy): a batch whose longest history is shorter than the

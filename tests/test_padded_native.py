@@ -51,6 +51,27 @@ def test_native_equals_the_padded_formula(lengths, n, dims, heads, causal, holes
         torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("nq, n, d, dv", [(16, 16, 16, 16), (12, 12, 8, 8), (17, 17, 8, 8), (12, 12, 8, 17),
+                                           (5, 12, 8, 3), (12, 3, 4, 8), (1, 1, 1, 1)])
+@pytest.mark.parametrize("read", [False, True])
+def test_few_rows_and_keys_and_the_tiled_path(nq, n, d, dv, read):
+    """Up to 16 query rows, keys and dims each (AVX-512's vector: the rows as lanes) and just past it (the tiled path):
+    self and cross attention (nq != n), read rows, a causal mask with a hole read through a transposed view (a key
+    stride other than 1), a history attending to no key."""
+    b, h = 6, 2
+    q, k, v, grad = torch.randn(b, h, nq, d), torch.randn(b, h, n, d), torch.randn(b, h, n, dv), torch.randn(b, h, nq, dv)
+    lengths = torch.tensor([n, n - 1, 1, 0, n // 2, n]).clamp(min=0)
+    keep = (torch.arange(n) < lengths.view(-1, 1)).view(b, 1, 1, n) & torch.ones(nq, n, dtype=torch.bool).tril(n - nq)
+    keep[0, 0, :, n // 3] = False
+    mask = torch.where(keep, 0.0, -10000.0).transpose(-1, -2).contiguous().transpose(-1, -2)
+    rows = (lengths - 1).clamp(min=0) if read and nq == n else None
+    got = forward_and_grads("native", q, k, v, mask, rows, grad)
+    want = (padded_softmax_attention_reference(q, k, v, mask, 0.5, rows),
+            *padded_softmax_attention_backward_reference(grad, q, k, v, mask, 0.5, rows))
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5)
+
+
 def test_strided_broadcast_inputs_and_a_row_attending_to_nothing():
     """k a permuted view (as RecBole makes it), the mask expanded over batch and query rows (stride 0), a grad with
     strides; every key masked for one sequence: the padded formula spreads it over every key."""

@@ -9,7 +9,9 @@
  * threads: its q, k (transposed) and v are converted into float buffers of the keys its rows weigh, the scores are
  * one gemm, the masked softmax runs on them in the cache, the output a second gemm; rows at or past Lq[b] are 0.
  * Backward recomputes the weights the same way, then dP = G V^T, dS = P (dP - rowsum(P dP)) scale, dq = dS K,
- * dk = dS^T Q, dv = P^T G, all in the item's buffers: no padding key or padded query row costs a flop. */
+ * dk = dS^T Q, dv = P^T G, all in the item's buffers: no padding key or padded query row costs a flop. With at most
+ * VL query rows, keys and dims (RecBole's SASRec: 12 rows and keys, 8 dims) an item takes the few-rows path below
+ * instead: the rows are the vector lanes, no buffers, no gemm. */
 
 /* ------------------------------------------------------------------------------------------------ */
 /* the mask */
@@ -18,8 +20,34 @@ static const float *mask_row(const padded_attention_problem *p, int64_t b, int64
     return p->mask + b * p->mask_stride[0] + h * p->mask_stride[1] + i * p->mask_stride[2];
 }
 
+static inline vi lane_ids(void) {
+    vi lanes;
+    for (int i = 0; i < VL; i++) lanes[i] = i;
+    return lanes;
+}
+
+/* the first m floats at x, the other lanes 0 */
+static inline vf vload_first(const float *x, int64_t m) {
+#if RECOMPILE_AVX512
+    return (vf)_mm512_maskz_loadu_ps((__mmask16)((1u << m) - 1), x);
+#elif RECOMPILE_AVX2
+    return (vf)_mm256_maskload_ps(x, (__m256i)(lane_ids() < (int)m));
+#else
+    vf v = splat(0.0f);
+    for (int64_t i = 0; i < m; i++) v[i] = x[i];
+    return v;
+#endif
+}
+
 /* One past the last key row m attends to, or n where it attends to none. */
 static int32_t weighed_keys(const float *m, int64_t step, int64_t n, float dropped) {
+#if RECOMPILE_AVX512
+    if (step == 1 && n <= VL) { /* one compare */
+        const unsigned kept =
+            _mm512_cmp_ps_mask((__m512)vload_first(m, n), _mm512_set1_ps(dropped), _CMP_GT_OQ) & ((1u << n) - 1);
+        return kept ? 32 - __builtin_clz(kept) : (int32_t)n;
+    }
+#endif
     for (int64_t j = n - 1; j >= 0; j--)
         if (m[j * step] > dropped) return (int32_t)(j + 1);
     return (int32_t)n;
@@ -131,11 +159,124 @@ static void backward_item(const padded_attention_problem *p, const attention_ite
 }
 
 /* ------------------------------------------------------------------------------------------------ */
+/* few rows and keys: nq, n, dim and dim_v at most VL (RecBole's SASRec: 12 of each, 8 dims). The query rows are the
+ * vector lanes, so that the scores, the softmax and the products are vertical (no reduction across lanes, every
+ * row's chain in flight at once): with q^T, g^T the transposed rows (columns over the rows i) and the mask^T's
+ * column j, S^T[j] = sum_d k[j, d] q^T[d] * scale + mask^T[j], P^T[j] = exp(S^T[j] - max_j) / sum_j over the keys
+ * each row weighs (0 past them, and at rows past the cut), out^T[c] = sum_j v[j, c] P^T[j], transposed back to rows.
+ * Backward: dP^T[j] = sum_c v[j, c] g^T[c], dS^T[j] = P^T[j] (dP^T[j] - sum_j P^T dP^T) scale, dq^T[d] =
+ * sum_j k[j, d] dS^T[j]; dk[j] = sum_i dS[i, j] q_i and dv[j] = sum_i P[i, j] g_i on the rows. The general path's
+ * per-row softmax (a chain of reductions per row) and its gemms on VL-padded tiles take about 3x this here. */
+
+static int few_keys(const padded_attention_problem *p) {
+    return p->nq <= VL && p->n <= VL && p->dim <= VL && p->dim_v <= VL;
+}
+
+/* m elements of storage at x as floats, the other lanes 0; and back (the first m lanes) */
+static inline vf load_vec(int dtype, const void *x, int64_t m) {
+    if (dtype == DTYPE_F32) return vload_first((const float *)x, m);
+    vf t = splat(0.0f);
+    load_row(dtype, x, (float *)&t, 1, m);
+    return t;
+}
+
+static inline void store_vec(int dtype, vf x, void *dst, int64_t m) {
+#if RECOMPILE_AVX512
+    if (dtype == DTYPE_F32) return _mm512_mask_storeu_ps(dst, (__mmask16)((1u << m) - 1), (__m512)x);
+#endif
+    store_row(dtype, (const float *)&x, 1, 1.0f, dst, m);
+}
+
+/* rows[i] = row i of (b, h) of x (width lanes) for i < m, 0 past m; t (if any) = their transpose */
+static void few_rows(const padded_attention_problem *p, const void *x, const int64_t *stride, int64_t b, int64_t h,
+                     int64_t m, int64_t width, vf *rows, vf *t) {
+    for (int64_t i = 0; i < VL; i++)
+        rows[i] = i < m ? load_vec(p->dtype, element_at(p, x, stride, b, h, i), width) : splat(0.0f);
+    if (!t) return;
+    memcpy(t, rows, sizeof(vf) * VL);
+    vtranspose(t);
+}
+
+/* P^T[j] (j < n) of (b, h): the weights of the rows before `rows`, each over its first keys[i] keys */
+static void few_weights(const padded_attention_problem *p, int64_t b, int64_t h, int64_t rows, const int32_t *keys,
+                        const vf *qt, const vf *k, vf *P) {
+    const int64_t n = p->n, nq = p->nq, mh = p->mask_heads > 1 ? h : 0;
+    vf mt[VL];
+    for (int64_t i = 0; i < VL; i++) {
+        const float *m = i < nq ? mask_row(p, b, mh, i) : NULL;
+        if (!m)
+            mt[i] = splat(0.0f);
+        else if (p->mask_stride[3] == 1)
+            mt[i] = vload_first(m, n);
+        else
+            for (int64_t j = 0; j < VL; j++) mt[i][j] = j < n ? m[j * p->mask_stride[3]] : 0.0f;
+    }
+    vtranspose(mt);
+    vi reach;
+    for (int64_t i = 0; i < VL; i++) reach[i] = i < rows ? keys[i] : 0;
+    vf top = splat(-INFINITY), sum = splat(0.0f);
+    for (int64_t j = 0; j < n; j++) {
+        const float *kj = (const float *)(k + j);
+        vf s = splat(0.0f);
+        for (int64_t d = 0; d < p->dim; d++) s += kj[d] * qt[d];
+        P[j] = vselect(reach > (int)j, s * p->scale + mt[j], splat(-INFINITY));
+        top = vselect(P[j] > top, P[j], top);
+    }
+    for (int64_t j = 0; j < n; j++) sum += P[j] = vselect(reach > (int)j, vexp(P[j] - top), splat(0.0f));
+    const vf inv = vselect(sum > 0.0f, 1.0f / sum, splat(0.0f));
+    for (int64_t j = 0; j < n; j++) P[j] *= inv;
+}
+
+/* rows i < nq of out's contiguous (b, h) [nq, width] from x^T[c] = sum_j a[j, c] y^T[j] (y^T's lanes: the rows) */
+static void few_store_product(const padded_attention_problem *p, const vf *a, const vf *yt, int64_t width, void *out,
+                              int64_t b, int64_t h) {
+    vf xt[VL];
+    for (int64_t c = 0; c < VL; c++) {
+        vf x = splat(0.0f);
+        if (c < width)
+            for (int64_t j = 0; j < p->n; j++) x += ((const float *)(a + j))[c] * yt[j];
+        xt[c] = x;
+    }
+    vtranspose(xt);
+    char *base = (char *)out + (b * p->heads + h) * p->nq * width * element_size(p->dtype);
+    for (int64_t i = 0; i < p->nq; i++) store_vec(p->dtype, xt[i], base + i * width * element_size(p->dtype), width);
+}
+
+static void few_item(const padded_attention_problem *p, const attention_item *it, int backward) {
+    const int64_t b = it->b, h = it->h, n = p->n, nq = p->nq, D = p->dim, Dv = p->dim_v;
+    vf q[VL], qt[VL], k[VL], v[VL], P[VL];
+    few_rows(p, p->q, p->q_stride, b, h, nq, D, q, qt);
+    few_rows(p, p->k, p->k_stride, b, h, n, D, k, NULL);
+    few_rows(p, p->v, p->v_stride, b, h, n, Dv, v, NULL);
+    few_weights(p, b, h, it->rows, it->row_keys, qt, k, P);
+    if (!backward) return few_store_product(p, v, P, Dv, p->out, b, h);
+    vf g[VL], gt[VL], dS[VL], dot = splat(0.0f);
+    few_rows(p, p->grad, p->grad_stride, b, h, nq, Dv, g, gt);
+    for (int64_t j = 0; j < n; j++) {
+        const float *vj = (const float *)(v + j);
+        vf dp = splat(0.0f);
+        for (int64_t c = 0; c < Dv; c++) dp += vj[c] * gt[c];
+        dot += P[j] * (dS[j] = dp);
+    }
+    for (int64_t j = 0; j < n; j++) dS[j] = P[j] * (dS[j] - dot) * p->scale;
+    few_store_product(p, k, dS, D, p->dq, b, h);
+    for (int64_t j = 0; j < n; j++) { /* dk[j] = sum_i dS[i, j] q_i, dv[j] = sum_i P[i, j] g_i */
+        const float *sj = (const float *)(dS + j), *pj = (const float *)(P + j);
+        vf dk = splat(0.0f), dv = splat(0.0f);
+        for (int64_t i = 0; i < it->rows; i++) dk += sj[i] * q[i], dv += pj[i] * g[i];
+        const int64_t row = (b * p->heads + h) * n + j, es = element_size(p->dtype);
+        store_vec(p->dtype, dk, (char *)p->dk + row * D * es, D);
+        store_vec(p->dtype, dv, (char *)p->dv + row * Dv * es, Dv);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------ */
 /* entry points: 0, or -1 out of memory */
 
 static int run(const padded_attention_problem *p, int backward) {
     if (dense_problem(p)) return dense_run(p, backward); /* field_attention.h */
     const int64_t B = p->batch, H = p->heads, nq = p->nq, n = p->n, mh = p->mask_heads;
+    const int few = few_keys(p);
     const int64_t ldk = round_up(max64(n, 1), VL), ldd = round_up(p->dim, VL), ldv = round_up(p->dim_v, VL),
                   ldo = max64(ldd, ldv), rows_max = max64(nq, 1), keys_max = max64(n, 1);
     int32_t *keys = alloc(B * mh * nq);
@@ -164,7 +305,9 @@ static int run(const padded_attention_problem *p, int backward) {
             it.keys = 0;
             for (int64_t i = 0; i < it.rows; i++) it.keys = max64(it.keys, it.row_keys[i]);
             it.ldk = round_up(max64(it.keys, 1), VL), it.ldd = ldd, it.ldv = ldv;
-            if (backward)
+            if (few)
+                few_item(p, &it, backward);
+            else if (backward)
                 backward_item(p, &it, &w);
             else
                 forward_item(p, &it, &w);
