@@ -16,12 +16,13 @@ recompile cache folders, Inductor's FX-graph and AOT-autograd caches off; each p
   interleaved round by round, each round starting one backend further (``models.timing.race_rounds``), each sample
   a run of back-to-back calls (``iters``, from ``models.timing.autorange``, the same for every backend of a cell),
   in two timing processes forked one after the other, one compiling Inductor first and the other rec_ascend first
-  (``timed_in_orders``: what a process compiles first moves the same code's speed by a few percent), each timing
+  (``timed_in_orders``: what a process compiles first can move the same code's speed by several percent), each timing
   half the rounds; each backend's best round of both, every round kept (``rounds_ms``) with the backend its
   process compiled first (``compiled_first``); a training step is loss + backward;
 - the regions ``models/corpus/expected.py`` expects and those rec_ascend found, and the autotune race's decision
-  per graph in each timing process (read from its cache: the candidate kept, each region's kernel, the race's timings, what it did not
-  compile and why), which the verdict quotes where rec_ascend is slower than min(eager, Inductor);
+  per graph in each timing process (read from its cache: the candidate kept, each region's kernel, the race's
+  timings, what it did not compile and why), which the verdict quotes where rec_ascend is slower than
+  min(eager, Inductor);
 - whether rec_ascend's output (and gradients) equal eager's (1e-5 / 1e-4 relative), in both timing processes;
 - the model's floor, a lower bound: the math of its dense GEMMs (``floor_gemms``: each as its canonical GEMM
   whatever its spelling, a convolution's its im2col's; for training the backward's for the operands that need a
@@ -29,11 +30,13 @@ recompile cache folders, Inductor's FX-graph and AOT-autograd caches off; each p
   lookups' bytes over that bandwidth; beside it the compiled call's own cost (``call_ms``);
 - the rec pass pipeline's time per captured graph.
 Writes the JSON and renders the corpus table into the doc between its ``corpus-table`` markers. Figures from a
-loaded machine are marked so by the caller; ``--quick`` is a smoke run (four models, batch 128 and 1, one round).
+loaded machine are marked so by the caller; ``--quick`` is a smoke run (four models, batch 128 and 1, one round in
+each timing process).
 The full run (48 cases, 24 models) takes about 28-30 min on 2 quiet cores, an estimate (22 min before the cold
 compiles ran in processes of their own; hours on a loaded machine: ``--resume`` goes on from the JSON a stopped run
 left; the second timing process adds a compile of both backends per case): ``ROUNDS`` timed rounds (half, rounded
-up, in each timing process) after ``WARMUP`` untimed calls per backend, the regions and graph breaks read from the floor's capture rather than a second trace.
+up, in each timing process) after ``WARMUP`` untimed calls per backend, the regions and graph breaks read from the
+floor's capture rather than a second trace.
 """
 from __future__ import annotations
 
@@ -842,8 +845,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--models", nargs="+", choices=models, metavar="MODEL", help=f"in this order; default: all ({', '.join(models)})")
     p.add_argument("--cases", nargs="+", choices=list(CASES), metavar="CASE",
                    help="these cases (model:entry, e.g. recbole/SASRec:full_sort) instead of whole --models")
-    p.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)}; batch 128 (inference: 1 and 128); one timed round")
-    p.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds, each running every backend once in turn")
+    p.add_argument("--quick", action="store_true",
+                   help=f"{', '.join(QUICK_MODELS)}; batch 128 (inference: 1 and 128); one round per timing process")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help="timed rounds, each running every backend once in turn (half, rounded up, in each of the two "
+                        "timing processes)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's; --cpu-time: 1)")
     p.add_argument("--cpu-time", action="store_true",
                    help="time steps in CPU time of the one torch thread (time.thread_time): on a loaded machine the "
