@@ -850,7 +850,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=ROUNDS,
                    help="timed rounds, each running every backend once in turn (half, rounded up, in each of the two "
                         "timing processes)")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's; --cpu-time: 1)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads: 1 (the compiles and the timing run in processes forked from this one, where "
+                        "OpenMP hangs once this one has run a parallel region on more threads)")
     p.add_argument("--cpu-time", action="store_true",
                    help="time steps in CPU time of the one torch thread (time.thread_time): on a loaded machine the "
                         "time other processes hold the core is left out; cold compiles compared in CPU seconds of each "
@@ -868,10 +870,10 @@ def main(argv: list[str] | None = None) -> dict:
         result = json.loads(Path(args.json).read_text())
         write_doc(args.doc, result)
         return result
-    if args.cpu_time and args.threads not in (None, 1):
-        p.error("--cpu-time counts the calling thread's CPU time: it needs --threads 1")
-    if args.threads or args.cpu_time:
-        torch.set_num_threads(args.threads or 1)
+    if args.threads != 1:
+        p.error("--threads 1 only: the processes forked for the compiles and the timing hang in OpenMP once this "
+                "process has run a parallel region on more than one thread")
+    torch.set_num_threads(1)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     load = os.getloadavg()
     cold_caches()

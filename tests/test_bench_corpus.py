@@ -1,8 +1,9 @@
 """The corpus benchmark's report: the verdict names the race's decision where rec_ascend is slower than
 min(eager, Inductor) and the floor's parts where it is above 1.5x its floor; a partial run's table says so. Its
 timing: inference steps under no_grad, each sample a run of back-to-back calls (the same count per backend), the
-rounds pooled from two processes of opposite compile orders; a stopped run resumes, a shard replaces only its own rows. Its floor: the GEMMs' math, whatever their spelling (a
-convolution's its im2col GEMM), a memory-bound GEMM's no more than its bytes over the bandwidth."""
+rounds pooled from two processes of opposite compile orders, one torch thread; a stopped run resumes, a shard
+replaces only its own rows. Its floor: the GEMMs' math, whatever their spelling (a convolution's its im2col GEMM), a
+memory-bound GEMM's no more than its bytes over the bandwidth."""
 import collections
 import json
 
@@ -377,3 +378,14 @@ def test_a_recurrent_layers_floor_is_its_input_projection_and_one_hidden_product
                     (1, 512, 18, 6, torch.float32): 2 * 4,  # the hidden state's at each step
                     (1, 18, rows, k[0], torch.float32): 1, (1, 18, rows, 6, torch.float32): 3}  # the weights'
         assert spelled == [] and gemms == collections.Counter(forward) + collections.Counter(backward if training else {})
+
+
+def test_the_bench_runs_on_one_torch_thread(monkeypatch, tmp_path):
+    """Its compiles and timing run in forked processes, which hang in OpenMP once the parent has run a parallel
+    region on more threads (the copy bandwidth's copy, the floor's GEMMs): more threads are refused up front."""
+    def started():
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(bench_corpus, "cold_caches", started)
+    with pytest.raises(SystemExit):
+        bench_corpus.main(["--threads", "2", "--json", str(tmp_path / "corpus.json"), "--doc", ""])
