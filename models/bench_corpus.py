@@ -3,39 +3,46 @@
     python -m models.bench_corpus [--quick] [--models recbole/FM torchrec/DLRM ...] [--rounds N] [--threads N]
                                   [--json docs/benchmarks/corpus.json] [--doc docs/corpus.md]
 
-Per corpus case (a model's training loss or inference entry), in one process with cold compile caches (fresh
-Inductor and recompile cache folders, Inductor's FX-graph and AOT-autograd caches off):
+Per corpus case (a model's training loss or inference entry), with cold compile caches (fresh Inductor and
+recompile cache folders, Inductor's FX-graph and AOT-autograd caches off; each process forked below has its own):
 - cold compile time: the first call of Inductor and of rec_ascend (default options: the autotune race included)
   at batch 128, less one steady step, each backend in a process of its own forked from this one after the
   imports (``own_process_compile``: empty caches on disk and in memory, Inductor's C++ compiles in that process),
   wall-clock and CPU seconds (the process's and its C++ compiler's); the ratio the table and the verdict use is
   CPU seconds with ``--cpu-time`` (load from other processes moves it less), wall-clock otherwise. Beside them,
-  ``compile_shared_s``: the wall-clock of this process's own compiles, Inductor's first, whose kernels and
-  one-time costs rec_ascend's compile then finds paid;
+  ``compile_shared_s``: the wall-clock of the first calls in the timing process that compiles Inductor first,
+  whose kernels and one-time costs rec_ascend's compile then finds paid;
 - ms per step of eager, Inductor and rec_ascend at batch 128 and 2048 (inference entries: batch 1 too), timed
   interleaved round by round, each round starting one backend further (``models.timing.race_rounds``), each sample
   a run of back-to-back calls (``iters``, from ``models.timing.autorange``, the same for every backend of a cell),
-  each backend's best round, every round kept (``rounds_ms``); a training step is loss + backward;
+  in two timing processes forked one after the other, one compiling Inductor first and the other rec_ascend first
+  (``timed_in_orders``: what a process compiles first can move the same code's speed by several percent), each timing
+  half the rounds; each backend's best round of both, every round kept (``rounds_ms``) with the backend its
+  process compiled first (``compiled_first``); a training step is loss + backward;
 - the regions ``models/corpus/expected.py`` expects and those rec_ascend found, and the autotune race's decision
-  per graph (read from its cache: the candidate kept, each region's kernel, the race's timings, what it did not
-  compile and why), which the verdict quotes where rec_ascend is slower than min(eager, Inductor);
-- whether rec_ascend's output (and gradients) equal eager's (1e-5 / 1e-4 relative);
+  per graph in each timing process (read from its cache: the candidate kept, each region's kernel, the race's
+  timings, what it did not compile and why), which the verdict quotes where rec_ascend is slower than
+  min(eager, Inductor);
+- whether rec_ascend's output (and gradients) equal eager's (1e-5 / 1e-4 relative), in both timing processes;
 - the model's floor, a lower bound: the math of its dense GEMMs (``floor_gemms``: each as its canonical GEMM
   whatever its spelling, a convolution's its im2col's; for training the backward's for the operands that need a
   gradient) timed alone, a memory-bound one no more than its bytes over the measured memory bandwidth, plus its
   lookups' bytes over that bandwidth; beside it the compiled call's own cost (``call_ms``);
 - the rec pass pipeline's time per captured graph.
 Writes the JSON and renders the corpus table into the doc between its ``corpus-table`` markers. Figures from a
-loaded machine are marked so by the caller; ``--quick`` is a smoke run (four models, batch 128 and 1, one round).
+loaded machine are marked so by the caller; ``--quick`` is a smoke run (four models, batch 128 and 1, one round in
+each timing process).
 The full run (48 cases, 24 models) takes about 28-30 min on 2 quiet cores, an estimate (22 min before the cold
 compiles ran in processes of their own; hours on a loaded machine: ``--resume`` goes on from the JSON a stopped run
-left): ``ROUNDS`` timed rounds after ``WARMUP`` untimed
-calls per backend, the regions and graph breaks read from the floor's capture rather than a second trace.
+left; the second timing process adds a compile of both backends per case): ``ROUNDS`` timed rounds (half, rounded
+up, in each timing process) after ``WARMUP`` untimed calls per backend, the regions and graph breaks read from the
+floor's capture rather than a second trace.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
 import functools
 import itertools
@@ -76,6 +83,10 @@ SAMPLE_MS = 10.0  # a timed sample lasts at least this long for the fastest back
 # Wall-clock seconds a cell's timed rounds may stretch to past ``--rounds`` (``timing.race_rounds``): cells of short
 # steps (batch 1: 10 ms a round per backend) get tens of rounds, whose best moves less from run to run under load.
 ROUNDS_BUDGET_S = 1.0
+FIRST_BATCH = 128  # the batch of the cold compiles and of the timing processes' first calls
+# The compile orders of a cell's two timing processes (``timed_in_orders``): each compiles (first calls at
+# FIRST_BATCH, then each batch's new graphs) in its order and times half the rounds.
+ORDERS = (("inductor", "rec_ascend"), ("rec_ascend", "inductor"))
 TABLE_START, TABLE_END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
 CONVS = {torch.conv1d, torch.conv2d, torch.nn.functional.conv1d, torch.nn.functional.conv2d}
 GEMMS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
@@ -131,11 +142,13 @@ def step_fn(case: Case, fn, module, inputs):
     return step
 
 
-def race(steps: dict, rounds: int, clock=time.perf_counter) -> tuple[dict, int, dict, dict]:
-    """``race_rounds`` over the steps that run, each sample ``autorange``'s count of back-to-back calls (the same for
-    every backend), after ``WARMUP`` calls of each, at least ``rounds`` rounds and more within ``ROUNDS_BUDGET_S``:
-    each backend's best round, the count, the errors of the backends that fail (Inductor fails on some RecBole
-    graphs; left out), and every round's ms per backend (what ``paired`` compares)."""
+def race(steps: dict, rounds: int, clock=time.perf_counter, iters: int | None = None,
+         budget_s: float | None = None) -> tuple[dict, int, dict, dict]:
+    """``race_rounds`` over the steps that run, each sample ``iters`` (default: ``autorange``'s count) back-to-back
+    calls (the same for every backend), after ``WARMUP`` calls of each, at least ``rounds`` rounds and more within
+    ``budget_s`` (default ``ROUNDS_BUDGET_S``): each backend's best round, the count, the errors of the backends that
+    fail (Inductor fails on some RecBole graphs; left out), and every round's ms per backend (what ``paired``
+    compares)."""
     errors = {}
     for name, step in list(steps.items()):
         try:
@@ -146,8 +159,9 @@ def race(steps: dict, rounds: int, clock=time.perf_counter) -> tuple[dict, int, 
     for step in steps.values():
         for _ in range(WARMUP):
             step()
-    iters = autorange(steps, SAMPLE_MS, clock) if steps else 1
-    samples = race_rounds(steps, rounds, iters, warmup=0, clock=clock, budget_s=ROUNDS_BUDGET_S)
+    iters = iters or (autorange(steps, SAMPLE_MS, clock) if steps else 1)
+    budget_s = ROUNDS_BUDGET_S if budget_s is None else budget_s
+    samples = race_rounds(steps, rounds, iters, warmup=0, clock=clock, budget_s=budget_s)
     return {name: min(ms) for name, ms in samples.items()}, iters, errors, samples
 
 
@@ -518,18 +532,24 @@ def equal(case: Case, compiled, module, reference, inputs) -> bool:
 
 
 def own_process_compile(case: Case, backend: str, rows: int) -> dict:
-    """The cold compile of ``case`` by ``backend`` as a user's first run meets it: in a process of its own, forked
-    from this one (imports and warm-up paid, as in any process that has compiled before), with empty Inductor and
-    recompile caches on disk and in memory (``torch._inductor.utils.fresh_cache``) and Inductor's C++ compiles run
-    by that process (``compile_threads=1``, so that its CPU seconds count them): the first step at batch ``rows``
-    less the fastest of three steady steps, in wall-clock seconds (``wall_s``) and in CPU seconds of the process and
-    its C++ compiler (``cpu_s``). ``{"error": ...}`` where the compile fails."""
+    """The cold compile of ``case`` by ``backend`` as a user's first run meets it: in a process of its own
+    (``in_own_process``: imports and warm-up paid, as in any process that has compiled before), with empty Inductor
+    and recompile caches on disk and in memory (``own_caches``) and Inductor's C++ compiles run by that process
+    (``compile_threads=1``, so that its CPU seconds count them): the first step at batch ``rows`` less the fastest of
+    three steady steps, in wall-clock seconds (``wall_s``) and in CPU seconds of the process and its C++ compiler
+    (``cpu_s``). ``{"error": ...}`` where the compile fails."""
+    return in_own_process(functools.partial(_cold_compile, case, backend, rows))
+
+
+def in_own_process(fn) -> dict:
+    """``fn()``'s JSON-able dict, computed in a process forked from this one, which exits without running this
+    process's exit handlers; ``{"error": ...}`` where ``fn`` raises or the process dies."""
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: measures, writes the result, exits without running this process's exit handlers
+    if pid == 0:  # the child: computes, writes the result, exits
         os.close(read)
         try:
-            result = _cold_compile(case, backend, rows)
+            result = fn()
         except BaseException as exc:  # noqa: BLE001  (reported by the parent)
             result = {"error": error_text(exc)}
         with os.fdopen(write, "w") as out:
@@ -539,7 +559,20 @@ def own_process_compile(case: Case, backend: str, rows: int) -> dict:
     with os.fdopen(read) as pipe:
         text = pipe.read()
     _, status = os.waitpid(pid, 0)
-    return json.loads(text) if text else {"error": f"the compile's process ended with status {status}"}
+    return json.loads(text) if text else {"error": f"the forked process ended with status {status}"}
+
+
+@contextlib.contextmanager
+def own_caches():
+    """Empty Inductor and recompile caches, on disk and in memory (``torch._inductor.utils.fresh_cache``), for the
+    rest of a forked process, and Inductor's C++ compiles run by that process (``compile_threads=1``)."""
+    from torch._inductor.utils import fresh_cache
+
+    torch._inductor.config.compile_threads = 1
+    torch._dynamo.reset()
+    with tempfile.TemporaryDirectory(prefix="bench_corpus_own_") as folder, fresh_cache():
+        os.environ["RECOMPILE_CACHE_DIR"] = folder
+        yield
 
 
 def _process_clocks() -> tuple[float, float]:
@@ -549,14 +582,9 @@ def _process_clocks() -> tuple[float, float]:
 
 
 def _cold_compile(case: Case, backend: str, rows: int) -> dict:
-    torch._inductor.config.compile_threads = 1
-    torch._dynamo.reset()
-    from torch._inductor.utils import fresh_cache
-
-    with tempfile.TemporaryDirectory(prefix="bench_corpus_cold_") as folder, fresh_cache():
-        os.environ["RECOMPILE_CACHE_DIR"] = folder
+    with own_caches():
         module = case.make(0)
-        step = step_fn(case, torch.compile(module, backend=backend), module, case.inputs(rows, 0))
+        step = step_fn(case, compiled(backend, module), module, case.inputs(rows, 0))
         times = []
         for _ in range(4):
             wall, cpu = _process_clocks()
@@ -568,59 +596,116 @@ def _cold_compile(case: Case, backend: str, rows: int) -> dict:
             "cpu_s": max(0.0, first_cpu - min(c for _, c in steady))}
 
 
+def compiled(backend: str, module):
+    """``module`` as ``backend`` runs it: itself for eager, else ``torch.compile``'s."""
+    return module if backend == "eager" else torch.compile(module, backend=backend)
+
+
+def timed_in_order(case: Case, order: tuple[str, str], batches: tuple, rounds: int, clock=time.perf_counter,
+                   iters: list[int] | None = None) -> dict:
+    """The timing of one compile order, in a process forked for it with caches of its own (``own_caches``): the
+    three backends' modules, the first calls at batch ``FIRST_BATCH`` in ``order`` (``shared_s``: their compile,
+    less a steady step), whether rec_ascend's numbers equal eager's, then per batch ``race`` over the steps, their
+    first calls at that batch (a new graph or size bucket compiled) in ``order`` too, ``iters`` calls a sample where
+    given (the other order's count); with the race's decisions stored since the previous batch's."""
+    with own_caches():
+        modules = {name: case.make(0) for name in BACKENDS}
+        fns = {name: compiled(name, modules[name]) for name in BACKENDS}
+        inputs = {b: case.inputs(b, 0) for b in batches}
+        shared_s, errors = {}, {}
+        started = time.time()
+        for name in order:
+            step = step_fn(case, fns[name], modules[name], inputs[FIRST_BATCH])
+            try:
+                cold = _timed(step)
+            except Exception as exc:  # noqa: BLE001
+                errors[f"{name} at batch {FIRST_BATCH}"] = error_text(exc)
+                continue
+            shared_s[name] = max(0.0, cold - min(_timed(step) for _ in range(3)))
+        numbers_equal = "rec_ascend" in shared_s and equal(case, fns["rec_ascend"], modules["rec_ascend"],
+                                                            modules["eager"], inputs[FIRST_BATCH])
+        if batches[0] != FIRST_BATCH:  # its graph is compiled (and raced) anew: the first calls' race is not its
+            started = time.time()
+        timed = []
+        for i, b in enumerate(batches):
+            steps = {name: step_fn(case, fns[name], modules[name], inputs[b]) for name in ("eager", *order)}
+            _, count, failed, samples = race(steps, rounds, clock, iters[i] if iters else None,
+                                             ROUNDS_BUDGET_S / len(ORDERS))
+            # the races of this batch's graphs (the first batch's: at the first calls), as they stand after the
+            # timed calls: a choice the in-place check overturned is stored again, with why
+            timed.append({"iters": count, "rounds": samples,
+                          "decisions": [describe_decision(d) for d in decisions_since(started)]})
+            started = time.time()
+            errors.update({f"{name} at batch {b}": why for name, why in failed.items()})
+    return {"first": order[0], "shared_s": shared_s, "numbers_equal": numbers_equal, "errors": errors,
+            "batches": timed}
+
+
+def timed_in_orders(case: Case, batches: tuple, rounds: int, clock=time.perf_counter) -> dict:
+    """``timed_in_order`` in each of ``ORDERS``, one forked process after the other, each with half the rounds (at
+    least ``rounds / 2``, within half of ``ROUNDS_BUDGET_S``) at the first's sample count, their rounds pooled per
+    batch: what a process compiles first moves the steps of both compiled backends (docs/corpus.md, "compile
+    order"), so neither backend is always the one compiled first. Per batch: each backend's best round (``ms``),
+    every round (``rounds_ms``, a backend that failed in either process left out) and which backend its process
+    compiled first (``compiled_first``), the sample count (``iters``), each process's race decisions, prefixed
+    with its order; ``shared_s`` and ``numbers_equal`` from the processes (both must equal), their errors."""
+    runs, errors = [], {}
+    for order in ORDERS:
+        iters = [t["iters"] for t in runs[0]["batches"]] if runs else None
+        run = in_own_process(functools.partial(timed_in_order, case, order, batches, -(-rounds // len(ORDERS)),
+                                               clock, iters))
+        if "error" in run:
+            errors[f"the timing process ({order[0]} compiled first)"] = run["error"]
+        else:
+            runs.append(run)
+            errors.update(run["errors"])
+    pooled = {"ms": {}, "iters": {}, "rounds_ms": {}, "compiled_first": {}, "decisions": {}, "errors": errors,
+              "shared_s": runs[0]["shared_s"] if runs else {},
+              "numbers_equal": bool(runs) and all(run["numbers_equal"] for run in runs)}
+    for i, b in enumerate(batches):
+        timed = [(run["first"], run["batches"][i]) for run in runs]
+        names = [name for name in BACKENDS if timed and all(name in t["rounds"] for _, t in timed)]
+        pooled["rounds_ms"][b] = {name: [ms for _, t in timed for ms in t["rounds"][name]] for name in names}
+        pooled["compiled_first"][b] = [first for first, t in timed for _ in t["rounds"][names[0]]] if names else []
+        pooled["ms"][b] = {name: min(ms) for name, ms in pooled["rounds_ms"][b].items()}
+        pooled["iters"][b] = timed[0][1]["iters"] if timed else 0
+        pooled["decisions"][b] = [f"{first} compiled first: {d}" for first, t in timed for d in t["decisions"]]
+    return pooled
+
+
 def bench_case(case: Case, rounds: int, gbs: float, gflops: float, quick: bool = False,
                clock=time.perf_counter) -> dict:
-    torch._dynamo.reset()
-    modules = {b: case.make(0) for b in BACKENDS}
-    fns = {"eager": modules["eager"], "inductor": torch.compile(modules["inductor"], backend="inductor"),
-           "rec_ascend": torch.compile(modules["rec_ascend"], backend="rec_ascend")}
     if quick:
         batches = QUICK_TRAIN_BATCHES if case.training else QUICK_INFER_BATCHES
     else:
         batches = TRAIN_BATCHES if case.training else INFER_BATCHES
-    first = 128
-    inputs = {b: case.inputs(b, 0) for b in batches}
-    compile_s, compile_cpu_s, shared_s, errors = {}, {}, {}, {}
+    compile_s, compile_cpu_s = {}, {}
+    errors = {}
     for name in ("inductor", "rec_ascend"):
-        cold = own_process_compile(case, name, first)
+        cold = own_process_compile(case, name, FIRST_BATCH)
         if "error" in cold:
             errors[f"{name}'s cold compile in its own process"] = cold["error"]
         else:
             compile_s[name], compile_cpu_s[name] = cold["wall_s"], cold["cpu_s"]
-    started = time.time()
-    for name in ("inductor", "rec_ascend"):
-        step = step_fn(case, fns[name], modules[name], inputs[first])
-        try:
-            cold = _timed(step)
-        except Exception as exc:  # noqa: BLE001
-            errors[f"{name} at batch {first}"] = error_text(exc)
-            continue
-        shared_s[name] = max(0.0, cold - min(_timed(step) for _ in range(3)))
-    numbers_equal = "rec_ascend" in compile_s and equal(case, fns["rec_ascend"], modules["rec_ascend"], modules["eager"],
-                                                        inputs[first])
-    ms, iters, rounds_ms, floors, calls, found, decisions = {}, {}, {}, {}, {}, {}, {}
-    if batches[0] != first:  # its graph is compiled (and raced) anew: the cold compile's race is not its
-        started = time.time()
+    timed = timed_in_orders(case, batches, rounds, clock)
+    errors.update(timed["errors"])
+    ms, rounds_ms, decisions = timed["ms"], timed["rounds_ms"], timed["decisions"]
+    numbers_equal = "rec_ascend" in compile_s and timed["numbers_equal"]
+    floors, calls, found = {}, {}, {}
     for b in batches:
-        steps = {name: step_fn(case, fns[name], modules[name], inputs[b]) for name in BACKENDS}
-        ms[b], iters[b], failed, rounds_ms[b] = race(steps, rounds, clock)
-        # the races of this batch's graphs (the first batch's: at the cold compile), as they stand after the
-        # timed calls: a choice the in-place check overturned is stored again, with why
-        decisions[b] = [describe_decision(d) for d in decisions_since(started)]
-        started = time.time()
-        errors.update({f"{name} at batch {b}": why for name, why in failed.items()})
+        inputs = case.inputs(b, 0)
         try:
-            graphs, pass_ms, regions, breaks = capture(case, inputs[b])
+            graphs, pass_ms, regions, breaks = capture(case, inputs)
         except Exception as exc:  # noqa: BLE001  (reported; the run goes on to the next case)
             errors[f"capture at batch {b}"] = error_text(exc)
             graphs, pass_ms, regions, breaks = [], [], collections.Counter(), None
         floors[b] = floor_ms(graphs, case.training, gbs, gflops, rounds, clock)
         try:
-            calls[b] = call_ms(case, inputs[b], rounds, clock)
+            calls[b] = call_ms(case, inputs, rounds, clock)
         except Exception as exc:  # noqa: BLE001
             errors[f"call cost at batch {b}"] = error_text(exc)
         found[b] = (pass_ms, regions, breaks)
-    pass_ms, regions, breaks = found[first]
+    pass_ms, regions, breaks = found[FIRST_BATCH]
     expected = EXPECTED[case.model]
     return {
         "case": case.name, "training": case.training, "commit": commit(),
@@ -631,10 +716,11 @@ def bench_case(case: Case, rounds: int, gbs: float, gflops: float, quick: bool =
         "numbers_equal": numbers_equal,
         "compile_s": compile_s,
         "compile_cpu_s": compile_cpu_s,
-        "compile_shared_s": shared_s,
+        "compile_shared_s": timed["shared_s"],
         "ms": {str(b): v for b, v in ms.items()},
-        "iters": {str(b): v for b, v in iters.items()},
+        "iters": {str(b): v for b, v in timed["iters"].items()},
         "rounds_ms": {str(b): {name: [round(t, 5) for t in ts] for name, ts in v.items()} for b, v in rounds_ms.items()},
+        "compiled_first": {str(b): v for b, v in timed["compiled_first"].items()},
         "floor": {str(b): v for b, v in floors.items()},
         "call_ms": {str(b): v for b, v in calls.items()},
         "pass_ms": pass_ms,
@@ -759,9 +845,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--models", nargs="+", choices=models, metavar="MODEL", help=f"in this order; default: all ({', '.join(models)})")
     p.add_argument("--cases", nargs="+", choices=list(CASES), metavar="CASE",
                    help="these cases (model:entry, e.g. recbole/SASRec:full_sort) instead of whole --models")
-    p.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)}; batch 128 (inference: 1 and 128); one timed round")
-    p.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds, each running every backend once in turn")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's; --cpu-time: 1)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"{', '.join(QUICK_MODELS)}; batch 128 (inference: 1 and 128); one round per timing process")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help="timed rounds, each running every backend once in turn (half, rounded up, in each of the two "
+                        "timing processes)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads: 1 (the compiles and the timing run in processes forked from this one, where "
+                        "OpenMP hangs once this one has run a parallel region on more threads)")
     p.add_argument("--cpu-time", action="store_true",
                    help="time steps in CPU time of the one torch thread (time.thread_time): on a loaded machine the "
                         "time other processes hold the core is left out; cold compiles compared in CPU seconds of each "
@@ -779,10 +870,10 @@ def main(argv: list[str] | None = None) -> dict:
         result = json.loads(Path(args.json).read_text())
         write_doc(args.doc, result)
         return result
-    if args.cpu_time and args.threads not in (None, 1):
-        p.error("--cpu-time counts the calling thread's CPU time: it needs --threads 1")
-    if args.threads or args.cpu_time:
-        torch.set_num_threads(args.threads or 1)
+    if args.threads != 1:
+        p.error("--threads 1 only: the processes forked for the compiles and the timing hang in OpenMP once this "
+                "process has run a parallel region on more than one thread")
+    torch.set_num_threads(1)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     load = os.getloadavg()
     cold_caches()

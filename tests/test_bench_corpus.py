@@ -1,8 +1,9 @@
 """The corpus benchmark's report: the verdict names the race's decision where rec_ascend is slower than
 min(eager, Inductor) and the floor's parts where it is above 1.5x its floor; a partial run's table says so. Its
-timing: inference steps under no_grad, each sample a run of back-to-back calls (the same count per backend); a
-stopped run resumes, a shard replaces only its own rows. Its floor: the GEMMs' math, whatever their spelling (a
-convolution's its im2col GEMM), a memory-bound GEMM's no more than its bytes over the bandwidth."""
+timing: inference steps under no_grad, each sample a run of back-to-back calls (the same count per backend), the
+rounds pooled from two processes of opposite compile orders, one torch thread; a stopped run resumes, a shard
+replaces only its own rows. Its floor: the GEMMs' math, whatever their spelling (a convolution's its im2col GEMM), a
+memory-bound GEMM's no more than its bytes over the bandwidth."""
 import collections
 import json
 
@@ -12,7 +13,7 @@ import torch
 import models.bench_corpus as bench_corpus
 from models.bench_corpus import (TABLE_END, TABLE_START, _matmul_dims, call_ms, capture, describe_decision,
                                  floor_gemms, floor_ms, kept_rows, own_process_compile, paired, race,
-                                 render_table, step_fn, verdict, write_doc)
+                                 render_table, step_fn, timed_in_orders, verdict, write_doc)
 from models.corpus.harness import CASES, Case
 from models import timing
 from models.timing import autorange, race_ms, race_rounds
@@ -167,6 +168,39 @@ def test_rounds_rotate_and_short_steps_get_more_rounds_within_the_budget(monkeyp
     assert all(len(ms) == timing.MAX_ROUNDS for ms in race_rounds(steps(0.1), 3, warmup=0, clock=wall,
                                                                    budget_s=1.0).values())
     assert race_ms(steps(0.1), 3, warmup=0, clock=wall) == pytest.approx(dict.fromkeys("abc", 0.1))
+
+
+def test_the_rounds_are_pooled_from_two_processes_of_opposite_compile_orders(monkeypatch):
+    """A backend compiled first in its process runs slower (as the same code of a cell read 1.08x or 0.97x by the
+    compile order): timed in one order only, one of Inductor and rec_ascend would always pay it. Each order's
+    process times half the rounds at the first one's sample count; the pooled rounds say which order each came
+    from, and the two backends' best rounds are equal."""
+    monkeypatch.setattr(bench_corpus, "ROUNDS_BUDGET_S", 0.0)  # the rounds asked for, no more
+    clock = _TickClock()
+    cost = {"eager": 3.0, "first": 1.2, "second": 1.0}  # ms per call
+    compiled_first = []  # per process (forked: each starts from this empty list)
+
+    def stub(backend, module):
+        def run(*args):
+            if backend != "eager" and not compiled_first:
+                compiled_first.append(backend)
+            clock.step(cost["eager" if backend == "eager" else
+                            "first" if compiled_first[0] == backend else "second"])()
+            return module(*args)
+
+        return run
+
+    monkeypatch.setattr(bench_corpus, "compiled", stub)
+    seeded = _tiny_case(lambda seed: (torch.manual_seed(seed), torch.nn.Linear(4, 2))[1])  # eager's numbers
+    timed = timed_in_orders(seeded, (1, 128), 5, clock)
+    assert timed["errors"] == {} and timed["numbers_equal"] and timed["shared_s"].keys() == {"inductor", "rec_ascend"}
+    for b in (1, 128):
+        assert timed["compiled_first"][b] == ["inductor"] * 3 + ["rec_ascend"] * 3
+        assert timed["rounds_ms"][b]["inductor"] == pytest.approx([1.2] * 3 + [1.0] * 3)
+        assert timed["rounds_ms"][b]["rec_ascend"] == pytest.approx([1.0] * 3 + [1.2] * 3)
+        assert timed["ms"][b] == pytest.approx({"eager": 3.0, "inductor": 1.0, "rec_ascend": 1.0})
+        assert timed["iters"][b] == 10  # 1.0 ms x 10 calls: the first process's count, the second's too
+        assert paired(timed["rounds_ms"][b]) == "slower in 3 of 6 rounds, median 1.02x"  # (5/6 + 6/5) / 2
 
 
 def test_the_verdict_compares_a_slower_cells_rounds_pair_by_pair():
@@ -344,3 +378,14 @@ def test_a_recurrent_layers_floor_is_its_input_projection_and_one_hidden_product
                     (1, 512, 18, 6, torch.float32): 2 * 4,  # the hidden state's at each step
                     (1, 18, rows, k[0], torch.float32): 1, (1, 18, rows, 6, torch.float32): 3}  # the weights'
         assert spelled == [] and gemms == collections.Counter(forward) + collections.Counter(backward if training else {})
+
+
+def test_the_bench_runs_on_one_torch_thread(monkeypatch, tmp_path):
+    """Its compiles and timing run in forked processes, which hang in OpenMP once the parent has run a parallel
+    region on more threads (the copy bandwidth's copy, the floor's GEMMs): more threads are refused up front."""
+    def started():
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(bench_corpus, "cold_caches", started)
+    with pytest.raises(SystemExit):
+        bench_corpus.main(["--threads", "2", "--json", str(tmp_path / "corpus.json"), "--doc", ""])
