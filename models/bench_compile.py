@@ -197,13 +197,20 @@ def _cases(models: list[str], modes: list[str]) -> list[tuple[str, str]]:
     return [(model, mode) for model in models for mode in (["train"] if model == MAIN_JOB else modes)]
 
 
+def _repeated(measure, model: str, mode: str, repeats: int, threads: int) -> dict[str, list]:
+    """``measure(model, mode, backend, threads)`` ``repeats`` times per backend, the backends alternating within each
+    repeat, so that load from other processes falls on both alike."""
+    runs = {backend: [] for backend in COMPILED}
+    for _ in range(repeats):
+        for backend in COMPILED:
+            runs[backend].append(measure(model, mode, backend, threads))
+    return runs
+
+
 def run_cold(models: list[str], modes: list[str], repeats: int, threads: int) -> list[dict]:
     rows = []
     for model, mode in _cases(models, modes):
-        runs = {backend: [] for backend in COMPILED}
-        for _ in range(repeats):
-            for backend in COMPILED:
-                runs[backend].append(cold_compile(model, mode, backend, threads))
+        runs = _repeated(cold_compile, model, mode, repeats, threads)
         seconds = {backend: statistics.median(r["compile_s"] for r in results) for backend, results in runs.items()}
         cpu = {backend: statistics.median(r["cpu_s"] for r in results) for backend, results in runs.items()}
         row = {"model": model, "mode": mode, **seconds, "ratio": seconds["rec_ascend"] / seconds["inductor"],
@@ -226,10 +233,7 @@ def run_warm(models: list[str], modes: list[str], repeats: int, threads: int) ->
     races a warm process ran, and the last pair's cache counters."""
     rows = []
     for model, mode in _cases(models, modes):
-        runs = {backend: [] for backend in COMPILED}
-        for _ in range(repeats):
-            for backend in COMPILED:
-                runs[backend].append(cold_and_warm(model, mode, backend, threads))
+        runs = _repeated(cold_and_warm, model, mode, repeats, threads)
         row = {"model": model, "mode": mode}
         for backend, pairs in runs.items():
             colds, warms = zip(*pairs)
